@@ -1,0 +1,57 @@
+"""Exception roots.
+
+``LoomrayUserError`` is a caller's mistake (bad arguments, unknown model,
+missing credentials); ``LoomrayRunError`` is a run that failed. Both pickle
+cleanly so they can cross a Ray actor boundary.
+"""
+
+from __future__ import annotations
+
+
+class LoomrayError(Exception):
+    """Base of every loomray exception."""
+
+
+class LoomrayUserError(LoomrayError, ValueError):
+    """The caller asked for something that cannot be done (bad id, bad config, unknown model)."""
+
+
+class LoomrayRunError(LoomrayError, RuntimeError):
+    """A run failed while executing."""
+
+
+class CheckpointException(LoomrayError):
+    """A checkpoint could not be read, validated, serialized or written."""
+
+
+class ModelConfigError(LoomrayUserError):
+    """A model name cannot be resolved, or its SDK extra or credentials are missing."""
+
+
+class ModelError(LoomrayRunError):
+    """A model provider call failed (after the SDK's own retries)."""
+
+    def __init__(self, message: str, *, provider: str | None = None, model: str | None = None, status: int | None = None):
+        super().__init__(message)
+        self.provider = provider
+        self.model = model
+        self.status = status
+
+    def __reduce__(self):
+        return (_rebuild_model_error, (type(self), str(self), self.provider, self.model, self.status))
+
+
+def _rebuild_model_error(cls, message, provider, model, status):
+    return cls(message, provider=provider, model=model, status=status)
+
+
+class ModelAuthError(ModelError):
+    """The provider rejected the credentials (401/403)."""
+
+
+class ModelBadRequestError(ModelError):
+    """The provider rejected the request as malformed (400/404/422)."""
+
+
+class MaxTurnsExceeded(LoomrayRunError):
+    """The loop hit ``Tuning.max_turns`` before the model stopped."""

@@ -1,0 +1,222 @@
+"""The records that cross the durable boundary: pydantic v2 models, JSON only.
+
+Persisted records are a contract. ``Checkpoint.schema_version`` names the
+format; new fields default to ``None`` so older objects still load, and a
+version this release cannot read raises :class:`CheckpointException`.
+Nothing here is ever pickled into storage.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from loomray.errors import CheckpointException
+from loomray.ids import new_id
+
+SCHEMA_VERSION = "1.0"
+#: Checkpoint schema versions this release can read.
+READABLE_SCHEMA_VERSIONS = frozenset({"1.0"})
+
+Role = Literal["system", "user", "assistant", "tool"]
+Position = Literal["after_model", "after_tools"]
+ExecutionStatus = Literal["active", "completed"]
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware UTC."""
+    return datetime.now(timezone.utc)
+
+
+class ToolCall(BaseModel):
+    """A tool invocation the model asked for."""
+
+    model_config = ConfigDict(frozen=True)
+
+    id: str
+    name: str
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
+class Message(BaseModel):
+    """One transcript entry, provider-neutral."""
+
+    model_config = ConfigDict(frozen=True)
+
+    role: Role
+    content: str = ""
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    #: For ``role == "tool"``: the id of the :class:`ToolCall` this answers.
+    tool_call_id: str | None = None
+    #: For ``role == "tool"``: the tool's name (providers such as OpenAI want it).
+    name: str | None = None
+    #: True when a tool message carries an error the tool raised.
+    is_error: bool = False
+
+
+class Usage(BaseModel):
+    """Tokens, requests and cost. ``a + b`` adds field by field.
+
+    ``cost_usd`` is ``None`` when any contributing call had an unknown price:
+    an unknown cost is never guessed as zero.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
+    requests: int = 0
+    cost_usd: float | None = 0.0
+
+    def __add__(self, other: "Usage") -> "Usage":
+        if not isinstance(other, Usage):
+            return NotImplemented
+        cost = None if self.cost_usd is None or other.cost_usd is None else self.cost_usd + other.cost_usd
+        return Usage(
+            input_tokens=self.input_tokens + other.input_tokens,
+            output_tokens=self.output_tokens + other.output_tokens,
+            cache_read_tokens=self.cache_read_tokens + other.cache_read_tokens,
+            cache_write_tokens=self.cache_write_tokens + other.cache_write_tokens,
+            requests=self.requests + other.requests,
+            cost_usd=cost,
+        )
+
+    @property
+    def total_tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+
+class CheckpointMeta(BaseModel):
+    """A checkpoint without its transcript: cheap to list."""
+
+    model_config = ConfigDict(frozen=True)
+
+    session_id: str
+    checkpoint_id: str
+    turn: int
+    created_at: datetime
+    user_id: str | None = None
+    execution_status: ExecutionStatus = "active"
+    position: Position | None = None
+    message_count: int | None = None
+    epoch: int | None = None
+
+
+class Checkpoint(BaseModel):
+    """A frozen snapshot of a session after a loop boundary.
+
+    Field order is the serialization order: the small identifying fields come
+    first and ``messages`` last, so the head of the JSON object is readable on
+    its own.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    schema_version: str = SCHEMA_VERSION
+    session_id: str
+    checkpoint_id: str = Field(default_factory=lambda: new_id("ckpt"))
+    user_id: str | None = None
+    agent_id: str | None = None
+    turn: int = Field(ge=0)
+    position: Position = "after_tools"
+    execution_status: ExecutionStatus = "active"
+    created_at: datetime = Field(default_factory=utcnow)
+    cursor: str | None = None
+    parent_checkpoint_id: str | None = None
+    forked_from: str | None = None
+    epoch: int | None = None
+    message_count: int | None = None
+    cumulative_usage: Usage = Field(default_factory=Usage)
+    messages: list[Message] = Field(default_factory=list)
+
+    def validate(self) -> "Checkpoint":  # type: ignore[override]
+        """Raise :class:`CheckpointException` if this checkpoint is not usable."""
+        if self.schema_version not in READABLE_SCHEMA_VERSIONS:
+            raise CheckpointException(
+                f"checkpoint {self.checkpoint_id!r} of session {self.session_id!r} has schema_version "
+                f"{self.schema_version!r}; this release reads {sorted(READABLE_SCHEMA_VERSIONS)}"
+            )
+        if self.message_count is not None and self.message_count != len(self.messages):
+            raise CheckpointException(
+                f"checkpoint {self.checkpoint_id!r} of session {self.session_id!r} says message_count="
+                f"{self.message_count} but holds {len(self.messages)} messages"
+            )
+        if self.created_at.tzinfo is None:
+            raise CheckpointException(f"checkpoint {self.checkpoint_id!r}: created_at must be timezone-aware UTC")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-compatible dict."""
+        return self.model_dump(mode="json")
+
+    def to_json_bytes(self) -> bytes:
+        """Serialize once, straight to bytes (no intermediate str or dict)."""
+        return self.__pydantic_serializer__.to_json(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "Checkpoint":
+        """Reconstruct and validate; raise :class:`CheckpointException` on bad data."""
+        if not isinstance(data, dict):
+            raise CheckpointException(f"checkpoint data must be a JSON object, got {type(data).__name__}")
+        version = data.get("schema_version")
+        if version not in READABLE_SCHEMA_VERSIONS:
+            raise CheckpointException(
+                f"unknown checkpoint schema_version {version!r}; this release reads {sorted(READABLE_SCHEMA_VERSIONS)}"
+            )
+        try:
+            ckpt = cls.model_validate(data)
+        except ValidationError as e:
+            raise CheckpointException(f"invalid checkpoint data: {e}") from e
+        return ckpt.validate()
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> "Checkpoint":
+        """Parse JSON bytes; raise :class:`CheckpointException` on corrupt or invalid data."""
+        import json
+
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CheckpointException(f"checkpoint is not valid JSON (corrupt or truncated): {e}") from e
+        return cls.from_dict(data)
+
+    def meta(self) -> CheckpointMeta:
+        return CheckpointMeta(
+            session_id=self.session_id,
+            checkpoint_id=self.checkpoint_id,
+            turn=self.turn,
+            created_at=self.created_at,
+            user_id=self.user_id,
+            execution_status=self.execution_status,
+            position=self.position,
+            message_count=self.message_count if self.message_count is not None else len(self.messages),
+            epoch=self.epoch,
+        )
+
+
+class RunResult(BaseModel):
+    """What ``Agent.run`` / ``resume`` / ``fork`` return."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    output: str
+    structured: Any = None
+    messages: list[Message] = Field(default_factory=list)
+    usage: Usage = Field(default_factory=Usage)
+    session_id: str
+    user_id: str | None = None
+    run_id: str | None = None
+    turns: int = 0
+    checkpoint_id: str | None = None
+    resumed_from_checkpoint: bool = False
+    resume_position: Position | None = None
+    forked_from: str | None = None
+    #: Model invocations made by this call; replayed and restored turns are not counted.
+    model_calls: int = 0
+    #: Steps answered from the journal instead of being executed again.
+    replayed_steps: int = 0
+    stop_reason: str = "completed"
