@@ -1,0 +1,92 @@
+"""loomray.testing.local_cluster: loopback nodes, pinning, node removal, clean teardown.
+
+One 3-node cluster for the whole module (a start costs ~5 s on CI's 2 cores).
+"""
+
+import os
+import warnings
+
+import pytest
+
+from loomray.testing import local_cluster, node_resource, wait_for, wait_until_dead
+
+ray = pytest.importorskip("ray")
+
+pytestmark = pytest.mark.ray
+
+
+@ray.remote(num_cpus=0)
+class Probe:
+    """Reports where it runs; ``hang`` stands for a long agent loop in flight."""
+
+    def where(self):
+        return os.getpid(), ray.get_runtime_context().get_node_id()
+
+    async def hang(self):
+        import asyncio
+
+        await asyncio.Event().wait()
+
+
+@pytest.fixture(scope="module")
+def lc():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with local_cluster(num_nodes=3, namespace="test-local-cluster") as cluster:
+            yield cluster
+    # Teardown left nothing running: every raylet, GCS and worker exited by itself.
+    assert cluster.leftover == [], f"processes had to be killed: {cluster.leftover}"
+    assert not cluster.any_started_alive()
+    assert not [w for w in caught if "leftover" in str(w.message)]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_three_nodes_on_loopback(lc):
+    nodes = [n for n in ray.nodes() if n["Alive"]]
+    assert len(nodes) == 3
+    assert {n["NodeManagerAddress"] for n in nodes} == {"127.0.0.1"}
+    assert lc.alive_node_ids() == set(lc.node_ids())
+    assert lc.address.startswith("127.0.0.1:")
+
+
+def test_killed_node_takes_its_actor_down(lc):
+    victim = lc.workers[0]
+    actor = Probe.options(scheduling_strategy=lc.pin(victim)).remote()
+    pid, node_id = ray.get(actor.where.remote(), timeout=60)
+    assert node_id == victim.node_id
+    in_flight = actor.hang.remote()
+
+    lc.remove_node(victim)  # SIGKILL the raylet: a machine vanishing
+
+    err = wait_until_dead(actor, timeout=15)
+    assert isinstance(err, ray.exceptions.ActorDiedError)
+    with pytest.raises(ray.exceptions.ActorDiedError):
+        ray.get(in_flight, timeout=15)
+    wait_for(lambda: not _pid_alive(pid), timeout=15, what=f"actor process {pid} to exit")
+    wait_for(lambda: victim.node_id not in lc.alive_node_ids(), timeout=15, what="GCS to mark the node dead")
+
+
+def test_custom_resource_pin_and_graceful_removal(lc):
+    node = lc.add_node()
+    assert lc.resource_of(node) == node_resource(3)  # numbered by add order, never reused
+    actor = Probe.options(resources={lc.resource_of(node): 0.01}).remote()
+    pid, node_id = ray.get(actor.where.remote(), timeout=60)
+    assert node_id == node.node_id
+
+    lc.remove_node(node, graceful=True)
+
+    # A draining raylet reports its actors dead at once and takes their processes down.
+    wait_until_dead(actor, timeout=10)
+    wait_for(lambda: not _pid_alive(pid), timeout=10, what=f"actor process {pid} to exit")
+
+
+def test_head_node_cannot_be_removed(lc):
+    with pytest.raises(ValueError, match="head node"):
+        lc.remove_node(lc.head)
