@@ -5,7 +5,10 @@
 - ``claude-*`` resolves to Anthropic, ``gpt-*`` / ``o1*`` / ``o3*`` / ``o4*`` to OpenAI;
 - anything else is a :class:`~loomray.errors.ModelConfigError` raised when the Agent is built.
 
-Provider SDKs are optional extras; a missing extra or credential is a clear error.
+Provider SDKs are optional extras; a missing extra or credential is a clear
+:class:`~loomray.errors.ModelConfigError` raised here, when the Agent is built,
+not at the first model call. ``settings`` (``base_url``, ``max_retries``,
+``timeout``, ``max_tokens``, ``prices``, ``api_key``...) go to the adapter.
 """
 
 from __future__ import annotations
@@ -20,8 +23,13 @@ _OPENAI_NAME = re.compile(r"^(gpt-|o[1-9](-|$)|chatgpt-)")
 
 def provider_for(name: str) -> tuple[str, str]:
     """Split a model name into ``(provider, model)``."""
+    if not isinstance(name, str) or not name.strip():
+        raise ModelConfigError(f"model name must be a non-empty string, got {name!r}")
+    name = name.strip()
     if ":" in name:
         provider, _, model = name.partition(":")
+        if not model.strip():
+            raise ModelConfigError(f"model name {name!r} names provider {provider!r} but no model")
         return provider.strip().lower(), model.strip()
     if name.startswith("claude-"):
         return "anthropic", name
