@@ -8,3 +8,46 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # Make sure no real AWS credentials or endpoints leak into tests.
 for _var in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN"):
     os.environ.pop(_var, None)
+
+
+# --- storage fixtures (shared: any test may ask for `store`, `s3_server`, `s3_store_url`) ---
+import uuid as _uuid
+
+import pytest as _pytest
+
+
+@_pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3 server on 127.0.0.1 (free port) for the whole test session."""
+    from storage.testing import MotoS3Server
+
+    server = MotoS3Server().start()
+    yield server
+    server.stop()
+
+
+@_pytest.fixture
+def s3_store_url(s3_server, monkeypatch):
+    """``s3://{fresh bucket}/root`` with endpoint and credentials in the environment (AWS_ENDPOINT_URL...)."""
+    bucket = s3_server.new_bucket()
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint_url)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_server.endpoint_url)
+    return f"s3://{bucket}/root"
+
+
+@_pytest.fixture(params=["memory", "local", "s3"])
+def store(request, tmp_path):
+    """A fresh, empty ``storage.Store`` on each backend: memory, a local directory, S3 (moto)."""
+    from storage import open_store
+
+    if request.param == "memory":
+        st = open_store(f"memory://{_uuid.uuid4().hex}")
+    elif request.param == "local":
+        st = open_store(tmp_path / "store")
+    else:
+        st = request.getfixturevalue("s3_server").open_store()
+    yield st
+    st.close()

@@ -1,0 +1,39 @@
+"""Storage exceptions.
+
+One root (:class:`StorageError`); messages name the backend, the bucket or
+root, and the key. Every exception pickles cleanly (plain message argument),
+so it can cross a Ray actor boundary unchanged.
+"""
+
+from __future__ import annotations
+
+
+class StorageError(Exception):
+    """Base of every storage failure; the message names backend, root and key."""
+
+
+class ObjectNotFound(StorageError, KeyError):
+    """A key that does not exist, where absence is an error."""
+
+    def __str__(self) -> str:  # KeyError would otherwise repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class PreconditionFailed(StorageError):
+    """A conditional put lost: the object exists (create-only) or its ETag changed (compare-and-swap)."""
+
+
+class CorruptObjectError(StorageError):
+    """Stored bytes are unreadable, truncated or do not match their recorded size/sha256."""
+
+
+class LeaseLostError(StorageError):
+    """Fencing: the writer holds an older epoch than the session's current lease."""
+
+
+class InvalidIdError(StorageError, ValueError):
+    """An id (session, user, checkpoint, run, step key) is not safe to use as a key segment."""
+
+
+class TransientStorageError(StorageError):
+    """A transient backend failure (503 SlowDown, timeout, connection reset) outlived its retries."""

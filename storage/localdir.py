@@ -1,0 +1,164 @@
+"""Local-directory object store: one file per key under a root directory.
+
+Writes go to a temporary file under ``{root}/.tmp`` first, then appear
+atomically: ``os.replace`` for a plain put, ``os.link`` (fails if the target
+exists) for a create-only put, and a compare-and-swap under ``flock`` on the
+parent directory for ``if_match``. Readers never see a half-written file.
+The ETag is ``mtime_ns-size-inode`` of the file, which changes on every
+replace without hashing the bytes a second time.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import uuid
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from storage.errors import PreconditionFailed, StorageError
+from storage.objects import ObjectInfo, ObjectStore, StoredObject
+
+_TMP = ".tmp"
+
+
+def _etag(st: os.stat_result) -> str:
+    return f'"{st.st_mtime_ns:x}-{st.st_size:x}-{st.st_ino:x}"'
+
+
+class LocalObjectStore(ObjectStore):
+    """Objects as files below ``root``; nothing is ever written outside it."""
+
+    backend = "file"
+
+    def __init__(self, root: str | os.PathLike, *, fsync: bool = False) -> None:
+        self.root = Path(root).expanduser().resolve()
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._tmp = self.root / _TMP
+        self._tmp.mkdir(exist_ok=True)
+        self._fsync = fsync
+
+    def _path(self, key: str) -> Path:
+        # Keys come from validated ids; this is a second wall, not the first.
+        if not key or key.startswith("/") or ".." in key.split("/") or key.split("/", 1)[0] == _TMP:
+            raise StorageError(f"{self.describe(key)}: refusing a key outside the root")
+        return self.root / key
+
+    def _write_tmp(self, data: bytes) -> Path:
+        tmp = self._tmp / uuid.uuid4().hex
+        with open(tmp, "wb") as f:
+            f.write(data)
+            if self._fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        return tmp
+
+    def put(self, *, key: str, data: bytes, if_none_match: bool = False, if_match: str | None = None) -> str:
+        path = self._path(key)
+        tmp = self._write_tmp(data)
+        try:
+            for attempt in range(3):
+                path.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    return self._publish(path, tmp, key, if_none_match, if_match)
+                except FileNotFoundError:
+                    # A concurrent delete removed the (then empty) parent directory; make it again.
+                    if attempt == 2:
+                        raise
+            raise AssertionError("unreachable")
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def _publish(self, path: Path, tmp: Path, key: str, if_none_match: bool, if_match: str | None) -> str:
+        if if_none_match:
+            try:
+                os.link(tmp, path)  # atomic exclusive create with the full content
+            except FileExistsError as e:
+                raise PreconditionFailed(f"{self.describe(key)} already exists (create-only put)") from e
+            return _etag(path.stat())
+        if if_match is None:
+            os.replace(tmp, path)
+            return _etag(path.stat())
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # serialises compare-and-swap across processes
+            try:
+                current = _etag(path.stat())
+            except FileNotFoundError:
+                current = None
+            if current != if_match:
+                raise PreconditionFailed(f"{self.describe(key)} changed since ETag {if_match} (compare-and-swap put)")
+            os.replace(tmp, path)
+            return _etag(path.stat())
+        finally:
+            os.close(fd)  # closing releases the flock
+
+    def get(self, *, key: str) -> StoredObject | None:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
+                return StoredObject(f.read(), _etag(st))
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return None
+
+    def list(self, *, prefix: str) -> Iterator[ObjectInfo]:
+        base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        start = self.root / base if base else self.root
+        if not start.is_dir():
+            return
+        hits: list[ObjectInfo] = []
+        for dirpath, dirnames, filenames in os.walk(start):
+            rel_dir = os.path.relpath(dirpath, self.root)
+            rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
+            if rel_dir == "":
+                dirnames[:] = [d for d in dirnames if d != _TMP]
+            # Prune directories that cannot hold a match, so a session LIST stays a session LIST.
+            dirnames[:] = [d for d in dirnames if (rel_dir + d + "/").startswith(prefix) or prefix.startswith(rel_dir + d + "/")]
+            for name in filenames:
+                key = rel_dir + name
+                if not key.startswith(prefix):
+                    continue
+                try:
+                    st = os.stat(os.path.join(dirpath, name))
+                except FileNotFoundError:
+                    continue  # deleted while listing
+                hits.append(ObjectInfo(key, st.st_size, _etag(st), datetime.fromtimestamp(st.st_mtime, timezone.utc)))
+        hits.sort(key=lambda o: o.key)
+        yield from hits
+
+    def list_dirs(self, *, prefix: str) -> list[str]:
+        start = self.root / prefix if prefix else self.root
+        try:
+            entries = list(os.scandir(start))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        # delete() removes emptied directories, so a directory here holds objects.
+        return sorted(e.name for e in entries if e.is_dir() and e.name != _TMP)
+
+    def delete(self, *, keys: list[str]) -> None:
+        for key in keys:
+            path = self._path(key)
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                continue
+            # S3 has no directories; remove emptied ones so listings of sessions match.
+            parent = path.parent
+            while parent != self.root:
+                try:
+                    parent.rmdir()
+                except OSError:
+                    break
+                parent = parent.parent
+
+    def fsspec(self) -> tuple[Any, str]:
+        import fsspec
+
+        return fsspec.filesystem("file"), str(self.root)
+
+    def describe(self, key: str | None = None) -> str:
+        where = f"file://{self.root}"
+        return where if key is None else f"{where} key {key!r}"
