@@ -1,0 +1,17 @@
+"""loomray: durable long-running LLM agent sessions, checkpointed to S3-compatible storage.
+
+Importing ``loomray`` never imports Ray; ``loomray.runtime.RayRuntime`` does,
+when first used.
+"""
+
+from loomray.agent import Agent
+from loomray.config import CheckpointConfig, Tuning
+from loomray.errors import CheckpointException
+from loomray.ids import new_id
+from loomray.records import Checkpoint, CheckpointMeta, Message, RunResult, ToolCall, Usage
+from loomray.tools import Tool, ToolContext, tool
+
+__all__ = [
+    "Agent", "Tuning", "CheckpointConfig", "tool", "Tool", "ToolContext", "Message", "ToolCall", "Usage",
+    "Checkpoint", "CheckpointMeta", "RunResult", "new_id", "CheckpointException",
+]

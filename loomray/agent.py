@@ -1,0 +1,235 @@
+"""``Agent``: the user-facing API (run, resume, fork, checkpoints), runtime-agnostic.
+
+Every call becomes a :class:`~loomray.session.RunRequest` executed by the
+agent's runtime; the Agent itself holds only configuration (instructions,
+model, tools, tuning), so it can be rebuilt in another process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Sequence
+
+from loomray.config import Tuning
+from loomray.errors import LoomrayUserError
+from loomray.events import EmitFn
+from loomray.ids import new_id
+from loomray.models.base import Model
+from loomray.models.resolve import resolve_model
+from loomray.records import Checkpoint, CheckpointMeta, RunResult
+from loomray.session import CheckpointNotFound, RunRequest
+from loomray.tools import as_tools
+
+
+def _run_sync(coro: Any) -> Any:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    coro.close()
+    raise RuntimeError("the *_sync methods cannot be called from a running event loop; await the async method")
+
+
+class Agent:
+    """An LLM agent: instructions, a model, tools, a runtime and tuning.
+
+    ``model`` is a name (``"claude-opus-4-7"``, ``"demo:research"``) resolved
+    when the Agent is built, or a :class:`~loomray.models.Model` instance.
+    ``tools`` are plain functions (sync or async) or ``@tool`` objects.
+    ``runtime`` defaults to a fresh :class:`~loomray.runtime.InProcRuntime`.
+    ``tuning`` must be a :class:`Tuning`; a wrong ``Tuning.checkpoint`` type is a
+    ``TypeError`` here, not later.
+    """
+
+    def __init__(
+        self,
+        instructions: str = "",
+        *,
+        model: "str | Model",
+        tools: Sequence[Any] = (),
+        runtime: Any = None,
+        tuning: Tuning | None = None,
+        name: str | None = None,
+    ) -> None:
+        if not isinstance(instructions, str):
+            raise TypeError(f"instructions must be a str, got {type(instructions).__name__}")
+        if tuning is None:
+            tuning = Tuning()
+        if not isinstance(tuning, Tuning):
+            raise TypeError(f"tuning must be a loomray.Tuning, got {type(tuning).__name__}")
+        tuning.checkpoint_config()  # raises TypeError for a wrong checkpoint type
+        if runtime is None:
+            from loomray.runtime.inproc import InProcRuntime
+
+            runtime = InProcRuntime()
+        self.instructions = instructions
+        self.model: Model = resolve_model(model)
+        self.tools = as_tools(tools)
+        self.runtime = runtime
+        self.tuning = tuning
+        self.name = name or "agent"
+
+    def __repr__(self) -> str:
+        return f"Agent({self.name!r}, model={self.model.name!r}, tools={sorted(self.tools)}, runtime={self.runtime!r})"
+
+    # -- running -----------------------------------------------------------
+    async def run(
+        self,
+        prompt: str,
+        *,
+        session_id: str | None = None,
+        user_id: str | None = None,
+        metadata: dict[str, Any] | None = None,
+        context: Any = None,
+        extra_tools: Sequence[Any] = (),
+        emit: EmitFn | None = None,
+        output_schema: Any = None,
+        effort: str | None = None,
+    ) -> RunResult:
+        """Run ``prompt`` to completion in ``session_id`` (a new ``sess...`` id when omitted).
+
+        Re-issuing the same call after a crash continues the unfinished run:
+        journaled steps replay instead of calling the model or tools again.
+        """
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+        request = RunRequest(kind="run", prompt=prompt, session_id=session_id or new_id("sess"), user_id=user_id,
+                             metadata=metadata, context=context, output_schema=_schema(output_schema), effort=effort)
+        return await self._execute(request, emit=emit, extra_tools=extra_tools, output_schema=output_schema)
+
+    async def resume(
+        self,
+        prompt: str | None = None,
+        *,
+        session_id: str,
+        from_checkpoint: str = "latest",
+        user_id: str | None = None,
+        **run_kwargs: Any,
+    ) -> RunResult:
+        """Continue ``session_id`` from a checkpoint (seed 000 semantics).
+
+        ``"latest"`` or the latest checkpoint's id continues in place; an older
+        id forks into a new ``sess...`` session (the original stays untouched).
+        ``prompt=None`` appends "Continue the interrupted task.". With no
+        checkpoint this falls back to ``run`` against the session's last run,
+        replaying its journaled steps.
+        """
+        emit, extra_tools, output_schema, fields = _split_kwargs(run_kwargs)
+        fork_of = None
+        target = session_id
+        if from_checkpoint != "latest":
+            rows = await asyncio.to_thread(self.runtime.store.list_checkpoints, session_id, user_id=user_id, limit=1)
+            if rows and rows[0].checkpoint_id == from_checkpoint:
+                from_checkpoint = "latest"
+            else:
+                await self._require_checkpoint(session_id, from_checkpoint, user_id)
+                fork_of, target = session_id, new_id("sess")
+        request = RunRequest(kind="resume", prompt=prompt, session_id=target, user_id=user_id,
+                             from_checkpoint=from_checkpoint, fork_of=fork_of,
+                             output_schema=_schema(output_schema), **fields)
+        return await self._execute(request, emit=emit, extra_tools=extra_tools, output_schema=output_schema)
+
+    async def fork(
+        self,
+        session_id: str,
+        *,
+        from_checkpoint: str,
+        prompts: Sequence[str | None],
+        user_id: str | None = None,
+        **run_kwargs: Any,
+    ) -> list[RunResult]:
+        """Fan out: one new session per prompt, each from ``from_checkpoint``, all at once.
+
+        Results come back in prompt order. On Ray each fork is its own actor.
+        """
+        if isinstance(prompts, str):
+            raise TypeError("prompts must be a list of prompts, not one string")
+        emit, extra_tools, output_schema, fields = _split_kwargs(run_kwargs)
+        if from_checkpoint == "latest":
+            rows = await asyncio.to_thread(self.runtime.store.list_checkpoints, session_id, user_id=user_id, limit=1)
+            if not rows:
+                raise CheckpointNotFound(f"session {session_id!r} (user {user_id!r}) has no checkpoint to fork")
+            from_checkpoint = rows[0].checkpoint_id
+        else:
+            await self._require_checkpoint(session_id, from_checkpoint, user_id)
+        requests = [RunRequest(kind="resume", prompt=p, session_id=new_id("sess"), user_id=user_id,
+                               from_checkpoint=from_checkpoint, fork_of=session_id,
+                               output_schema=_schema(output_schema), **fields) for p in prompts]
+        return await self.runtime.execute_many(self, requests, emit=emit, extra_tools=extra_tools,
+                                               output_type=_output_type(output_schema))
+
+    async def _require_checkpoint(self, session_id: str, checkpoint_id: str, user_id: str | None) -> None:
+        if await self.get_checkpoint(session_id, checkpoint_id, user_id=user_id) is None:
+            raise CheckpointNotFound(f"session {session_id!r} (user {user_id!r}) has no checkpoint {checkpoint_id!r}")
+
+    async def _execute(self, request: RunRequest, *, emit: EmitFn | None, extra_tools: Sequence[Any],
+                       output_schema: Any) -> RunResult:
+        output_type = _output_type(output_schema)
+        result = await self.runtime.execute(self, request, emit=emit, extra_tools=extra_tools, output_type=output_type)
+        if output_type is not None and not isinstance(result.structured, output_type) and result.output:
+            # A runtime in another process returns JSON; give the caller the class they asked for.
+            result.structured = output_type.model_validate_json(result.output)
+        return result
+
+    # -- checkpoints ---------------------------------------------------------
+    async def list_checkpoints(self, session_id: str, *, limit: int = 50, user_id: str | None = None) -> list[CheckpointMeta]:
+        """Checkpoints of ``session_id`` for ``user_id``, newest first, without messages."""
+        lister = getattr(self.runtime, "list_checkpoints", None)
+        return [] if lister is None else await lister(session_id, limit=limit, user_id=user_id)
+
+    async def get_checkpoint(self, session_id: str, checkpoint_id: str = "latest", *,
+                             user_id: str | None = None) -> Checkpoint | None:
+        """One checkpoint (``"latest"`` by default) or None; corrupt data raises ``CheckpointException``."""
+        getter = getattr(self.runtime, "get_checkpoint", None)
+        return None if getter is None else await getter(session_id, checkpoint_id, user_id=user_id)
+
+    # -- sync twins ------------------------------------------------------------
+    def run_sync(self, prompt: str, **kwargs: Any) -> RunResult:
+        """Blocking :meth:`run` for scripts."""
+        return _run_sync(self.run(prompt, **kwargs))
+
+    def resume_sync(self, prompt: str | None = None, **kwargs: Any) -> RunResult:
+        """Blocking :meth:`resume` for scripts."""
+        return _run_sync(self.resume(prompt, **kwargs))
+
+    def fork_sync(self, session_id: str, **kwargs: Any) -> list[RunResult]:
+        """Blocking :meth:`fork` for scripts."""
+        return _run_sync(self.fork(session_id, **kwargs))
+
+    def list_checkpoints_sync(self, session_id: str, **kwargs: Any) -> list[CheckpointMeta]:
+        """Blocking :meth:`list_checkpoints` for scripts."""
+        return _run_sync(self.list_checkpoints(session_id, **kwargs))
+
+    def get_checkpoint_sync(self, session_id: str, checkpoint_id: str = "latest", **kwargs: Any) -> Checkpoint | None:
+        """Blocking :meth:`get_checkpoint` for scripts."""
+        return _run_sync(self.get_checkpoint(session_id, checkpoint_id, **kwargs))
+
+
+_RUN_FIELDS = ("metadata", "context", "effort")
+
+
+def _split_kwargs(kwargs: dict[str, Any]) -> tuple[Any, Any, Any, dict[str, Any]]:
+    unknown = set(kwargs) - {"emit", "extra_tools", "output_schema", *_RUN_FIELDS}
+    if unknown:
+        raise TypeError(f"unexpected keyword argument(s): {sorted(unknown)}")
+    fields = {k: kwargs[k] for k in _RUN_FIELDS if k in kwargs}
+    return kwargs.get("emit"), kwargs.get("extra_tools", ()), kwargs.get("output_schema"), fields
+
+
+def _output_type(output_schema: Any) -> Any:
+    from pydantic import BaseModel
+
+    if output_schema is None:
+        return None
+    if isinstance(output_schema, type) and issubclass(output_schema, BaseModel):
+        return output_schema
+    if isinstance(output_schema, dict):
+        return None
+    raise LoomrayUserError(f"output_schema must be a pydantic model class or a JSON schema dict, got {output_schema!r}")
+
+
+def _schema(output_schema: Any) -> dict[str, Any] | None:
+    t = _output_type(output_schema)
+    if t is not None:
+        return t.model_json_schema()
+    return output_schema if isinstance(output_schema, dict) else None

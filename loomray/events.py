@@ -1,0 +1,136 @@
+"""Typed events the loop emits as they happen.
+
+Every event is a frozen pydantic model with a ``type`` tag, so a consumer can
+``match event.type`` or ``isinstance`` and can serialize any event as JSON
+(``event.model_dump_json()``) to stream it across a process or actor boundary.
+"""
+
+from __future__ import annotations
+
+import inspect
+from datetime import datetime
+from typing import Any, Awaitable, Callable, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from loomray.records import Message, ToolCall, Usage, utcnow
+
+
+class Event(BaseModel):
+    """Fields every event carries."""
+
+    model_config = ConfigDict(frozen=True)
+
+    type: str
+    session_id: str
+    run_id: str | None = None
+    #: Passes completed when the event happened (the pass in flight is ``turn``, 0-based).
+    turn: int = 0
+    at: datetime = Field(default_factory=utcnow)
+
+
+class RunStart(Event):
+    type: Literal["run_start"] = "run_start"
+    prompt: str | None = None
+    kind: str = "run"
+    restored_checkpoint_id: str | None = None
+    replaying: bool = False
+
+
+class ModelCall(Event):
+    type: Literal["model_call"] = "model_call"
+    message_count: int
+    step_key: str
+
+
+class ModelResponseEvent(Event):
+    type: Literal["model_response"] = "model_response"
+    message: Message
+    usage: Usage
+    replayed: bool = False
+
+
+class ToolCallEvent(Event):
+    type: Literal["tool_call"] = "tool_call"
+    tool_call: ToolCall
+
+
+class ToolResultEvent(Event):
+    type: Literal["tool_result"] = "tool_result"
+    tool_call_id: str
+    name: str
+    content: str
+    is_error: bool = False
+    replayed: bool = False
+
+
+class CheckpointEvent(Event):
+    type: Literal["checkpoint"] = "checkpoint"
+    checkpoint_id: str
+    position: str
+    execution_status: str
+    size: int
+    #: False when the write failed (the run goes on; a warning was logged).
+    ok: bool = True
+    error: str | None = None
+
+
+class ReplayedStep(Event):
+    type: Literal["replayed_step"] = "replayed_step"
+    step_key: str
+    kind: str
+
+
+class DeterminismViolation(Event):
+    type: Literal["determinism_violation"] = "determinism_violation"
+    step_key: str
+    kind: str
+    journaled_hash: str
+    actual_hash: str
+
+
+class CompactionEvent(Event):
+    type: Literal["compaction"] = "compaction"
+    tokens_before: int
+    tokens_after: int
+    messages_before: int
+    messages_after: int
+
+
+class RunEnd(Event):
+    type: Literal["run_end"] = "run_end"
+    output: str
+    usage: Usage
+    model_calls: int
+    stop_reason: str
+
+
+class RunError(Event):
+    type: Literal["run_error"] = "run_error"
+    error_type: str
+    error: str
+
+
+AnyEvent = Union[
+    RunStart, ModelCall, ModelResponseEvent, ToolCallEvent, ToolResultEvent, CheckpointEvent,
+    ReplayedStep, DeterminismViolation, CompactionEvent, RunEnd, RunError,
+]
+
+#: A user callback: sync or async, called with each event in order.
+EmitFn = Callable[[Event], Union[Awaitable[None], None]]
+
+
+async def deliver(emit: EmitFn | None, event: Event) -> None:
+    """Call ``emit`` with ``event``, awaiting it when it is a coroutine function's result."""
+    if emit is None:
+        return
+    result = emit(event)
+    if inspect.isawaitable(result):
+        await result
+
+
+def event_from_dict(data: dict[str, Any]) -> Event:
+    """Rebuild a typed event from its JSON dict (e.g. after crossing an actor boundary)."""
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(AnyEvent).validate_python(data)

@@ -1,0 +1,178 @@
+"""The journal: durable wrappers around the model and the tools.
+
+Like pydantic-ai's durable_exec wrappers, this sits *outside* the loop's logic:
+the loop asks :class:`StepRunner` for "the model's answer to this request at
+step ``t0003-model``" and does not care whether it was computed or replayed.
+
+- Every step is recorded (``sink.append``) *before* its result is returned to
+  the loop, with a hash of its inputs.
+- A step whose key was recorded before (in the run being continued, or in the
+  run being replayed) with the same input hash returns the recorded output:
+  no model call, no tool call, nothing billed twice.
+- A step whose inputs changed re-executes, and a ``determinism_violation``
+  event says so; a stale output is never returned.
+- A tool that declares an idempotency key is matched by that key instead of
+  its step key, so the same effect is not repeated even if the model re-asked
+  for it under a new call id.
+
+Nothing here knows about storage: persistence is the injected
+:class:`JournalSink`; ``loomray.session`` adapts the store to it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Protocol
+
+from loomray.events import DeterminismViolation, Event, ReplayedStep
+from loomray.models.base import Model, ModelRequest, ModelResponse
+from loomray.records import Message, ToolCall
+from loomray.tools import Tool, ToolContext, run_tool_call
+
+
+def input_hash(data: Any) -> str:
+    """sha256 of canonical JSON (sorted keys, no whitespace) of ``data``."""
+    if hasattr(data, "model_dump"):
+        data = data.model_dump(mode="json")
+    raw = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class JournalRecord:
+    """One step as the journal sees it (the store adds session/run/epoch/time)."""
+
+    seq: int
+    step_key: str
+    kind: str
+    input_hash: str
+    output: dict[str, Any] = field(default_factory=dict)
+
+
+class JournalSink(Protocol):
+    """Where records go. Must raise the store's fencing error, may swallow others."""
+
+    async def append(self, record: JournalRecord) -> None: ...
+
+
+def model_step_key(turn: int) -> str:
+    return f"t{turn:04d}-model"
+
+
+def tool_step_key(turn: int, call_id: str) -> str:
+    # Call ids come from providers; keep the key a valid storage id whatever they contain.
+    safe = "".join(ch if ch.isalnum() or ch in "_-" else "_" for ch in call_id)[:80]
+    return f"t{turn:04d}-tool-{safe}"
+
+
+class StepRunner:
+    """Runs model and tool steps, journaling them when a sink is given.
+
+    ``prior`` are the records a replay may answer from; ``next_seq`` is where
+    this run's own records continue.
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        tools: dict[str, Tool],
+        *,
+        sink: JournalSink | None = None,
+        prior: list[JournalRecord] = (),  # type: ignore[assignment]
+        next_seq: int = 0,
+        emit: Callable[[Event], Awaitable[None]] | None = None,
+        session_id: str = "",
+        run_id: str | None = None,
+    ) -> None:
+        self.model = model
+        self.tools = tools
+        self.sink = sink
+        self.seq = next_seq
+        self.emit = emit
+        self.session_id = session_id
+        self.run_id = run_id
+        self._by_key: dict[str, JournalRecord] = {}
+        self._by_idem: dict[str, JournalRecord] = {}
+        for rec in prior:
+            self._index(rec)
+        #: Model invocations actually made (not replayed).
+        self.model_calls = 0
+        self.replayed = 0
+
+    @property
+    def replaying(self) -> bool:
+        """True when earlier records may answer steps of this run."""
+        return bool(self._by_key)
+
+    def _index(self, rec: JournalRecord) -> None:
+        self._by_key[rec.step_key] = rec  # later records win: a re-executed step replaces its stale one
+        key = rec.output.get("idempotency_key") if rec.kind == "tool" else None
+        if key:
+            self._by_idem[f"{rec.output.get('tool')}:{key}"] = rec
+
+    async def record(self, kind: str, step_key: str, ihash: str, output: dict[str, Any]) -> None:
+        """Append a record (no-op without a sink) and make it answer later lookups."""
+        rec = JournalRecord(seq=self.seq, step_key=step_key, kind=kind, input_hash=ihash, output=output)
+        self.seq += 1
+        if self.sink is not None:
+            await self.sink.append(rec)
+        self._index(rec)
+
+    async def _notify(self, event: Event) -> None:
+        if self.emit is not None:
+            await self.emit(event)
+
+    async def _lookup(self, rec: JournalRecord | None, ihash: str, step_key: str, kind: str, turn: int) -> bool:
+        """True when ``rec`` may answer this step; emits replay / violation events."""
+        if rec is None:
+            return False
+        if rec.input_hash == ihash:
+            self.replayed += 1
+            await self._notify(ReplayedStep(session_id=self.session_id, run_id=self.run_id, turn=turn,
+                                            step_key=step_key, kind=kind))
+            return True
+        await self._notify(DeterminismViolation(
+            session_id=self.session_id, run_id=self.run_id, turn=turn, step_key=step_key, kind=kind,
+            journaled_hash=rec.input_hash, actual_hash=ihash))
+        return False
+
+    async def complete(self, request: ModelRequest, *, turn: int) -> tuple[ModelResponse, bool]:
+        """The model's answer for pass ``turn``: replayed when journaled with the same inputs."""
+        step_key = model_step_key(turn)
+        ihash = input_hash(request)
+        rec = self._by_key.get(step_key)
+        if await self._lookup(rec, ihash, step_key, "model", turn):
+            return ModelResponse.model_validate(rec.output["response"]), True  # type: ignore[union-attr]
+        response = await self.model.complete(request)
+        self.model_calls += 1
+        await self.record("model", step_key, ihash, {"response": response.model_dump(mode="json")})
+        return response, False
+
+    async def call_tool(self, call: ToolCall, ctx: ToolContext, *, turn: int) -> tuple[Message, bool]:
+        """The result message of one tool call: replayed when journaled with the same inputs."""
+        step_key = tool_step_key(turn, call.id)
+        ihash = input_hash({"name": call.name, "arguments": call.arguments})
+        t = self.tools.get(call.name)
+        idem = None
+        if t is not None:
+            try:
+                idem = t.key_for(call.arguments)
+            except Exception:  # a key function that cannot read bad arguments: no key
+                idem = None
+        rec = self._by_idem.get(f"{call.name}:{idem}") if idem else self._by_key.get(step_key)
+        if rec is not None and idem:
+            ihash = rec.input_hash if rec.output.get("idempotency_key") == idem else ihash
+        if await self._lookup(rec, ihash, step_key, "tool", turn):
+            msg = Message.model_validate(rec.output["message"])  # type: ignore[union-attr]
+            # The same effect answered under this call's id.
+            return msg.model_copy(update={"tool_call_id": call.id}), True
+        if idem:
+            ctx = ToolContext(**{**ctx.__dict__, "idempotency_key": idem})
+        msg = await run_tool_call(self.tools, call, ctx)
+        output: dict[str, Any] = {"message": msg.model_dump(mode="json"), "tool": call.name}
+        if idem:
+            output["idempotency_key"] = idem
+        await self.record("tool", step_key, ihash, output)
+        return msg, False

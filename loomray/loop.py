@@ -1,0 +1,358 @@
+"""The agent loop: model call, tool calls, repeat. No Ray, no storage.
+
+A *pass* is one model call plus the tool calls it asked for; ``turn`` counts
+completed passes. Persistence is injected: the loop hands finished
+:class:`~loomray.records.Checkpoint` records to a :class:`CheckpointWriter`
+(serialized once, as bytes) and asks a :class:`~loomray.journal.StepRunner`
+for model answers and tool results, which may be replayed from the journal.
+
+Invariants the loop keeps:
+
+- a transcript with dangling tool calls (an assistant message whose calls
+  have no results yet, e.g. restored from an "after_model" checkpoint) is
+  never sent to a model: the missing tool calls run (or replay) first;
+- compaction happens at pass boundaries, before the checkpoint of that
+  boundary, so a snapshot holds the compacted transcript;
+- a failed checkpoint write logs a warning and the run goes on; only a
+  fencing error (``is_fatal``) stops the run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+from loomray.compaction import compact, estimate_tokens
+from loomray.config import CheckpointConfig, Tuning
+from loomray.errors import LoomrayRunError, MaxTurnsExceeded
+from loomray.events import (
+    CheckpointEvent, CompactionEvent, EmitFn, Event, ModelCall, ModelResponseEvent, RunEnd,
+    RunError, RunStart, ToolCallEvent, ToolResultEvent, deliver,
+)
+from loomray.journal import StepRunner, model_step_key
+from loomray.models.base import ModelRequest
+from loomray.records import Checkpoint, Message, RunResult, ToolCall, Usage
+from loomray.tools import ToolContext
+
+log = logging.getLogger("loomray.loop")
+
+CONTINUE_NUDGE = "Continue the interrupted task."
+
+
+class OutputValidationError(LoomrayRunError):
+    """The model's final answer did not satisfy ``output_schema`` after the allowed retries."""
+
+
+@dataclass
+class LoopState:
+    """Where a run starts: a fresh transcript or a restored checkpoint."""
+
+    session_id: str
+    messages: list[Message]
+    turn: int = 0
+    usage: Usage = field(default_factory=Usage)
+    user_id: str | None = None
+    run_id: str | None = None
+    agent_id: str | None = None
+    parent_checkpoint_id: str | None = None
+    forked_from: str | None = None
+    epoch: int | None = None
+
+
+class CheckpointWriter:
+    """Writes checkpoints through ``put(checkpoint, data)``; sync or async (ordered) durability.
+
+    ``put`` gets the bytes serialized once here. Errors for which ``is_fatal``
+    is true (fencing) stop the run; any other error is logged as a warning,
+    reported as a ``checkpoint`` event with ``ok=False``, and the run goes on.
+    """
+
+    def __init__(
+        self,
+        put: Callable[[Checkpoint, bytes], Awaitable[None]],
+        *,
+        durability: str = "sync",
+        emit: Callable[[Event], Awaitable[None]] | None = None,
+        is_fatal: Callable[[BaseException], bool] = lambda e: False,
+    ) -> None:
+        self._put = put
+        self._async = durability == "async"
+        self._emit = emit
+        self._is_fatal = is_fatal
+        self._tail: asyncio.Task | None = None
+        self.fatal: BaseException | None = None
+        #: The id of the last checkpoint written successfully.
+        self.last_ok_id: str | None = None
+        self.written = 0
+        self.bytes_written = 0
+
+    async def save(self, ckpt: Checkpoint) -> None:
+        self.check()
+        data = ckpt.to_json_bytes()
+        if not self._async:
+            await self._write(ckpt, data)
+            self.check()
+            return
+        prev = self._tail
+        self._tail = asyncio.ensure_future(self._chained(prev, ckpt, data))
+
+    async def _chained(self, prev: asyncio.Task | None, ckpt: Checkpoint, data: bytes) -> None:
+        if prev is not None:
+            await asyncio.shield(prev)  # keep uploads in order
+        if self.fatal is None:
+            await self._write(ckpt, data)
+
+    async def _write(self, ckpt: Checkpoint, data: bytes) -> None:
+        try:
+            await self._put(ckpt, data)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            if self._is_fatal(e):
+                self.fatal = e
+                return
+            log.warning("checkpoint %s of session %r could not be written (the run goes on): %s: %s",
+                        ckpt.checkpoint_id, ckpt.session_id, type(e).__name__, e)
+            await self._event(ckpt, len(data), ok=False, error=f"{type(e).__name__}: {e}")
+            return
+        self.last_ok_id = ckpt.checkpoint_id
+        self.written += 1
+        self.bytes_written += len(data)
+        await self._event(ckpt, len(data), ok=True)
+
+    async def _event(self, ckpt: Checkpoint, size: int, *, ok: bool, error: str | None = None) -> None:
+        if self._emit is not None:
+            await self._emit(CheckpointEvent(
+                session_id=ckpt.session_id, run_id=_run_of(ckpt.cursor), turn=ckpt.turn,
+                checkpoint_id=ckpt.checkpoint_id, position=ckpt.position,
+                execution_status=ckpt.execution_status, size=size, ok=ok, error=error))
+
+    def check(self) -> None:
+        """Raise the fencing error a background upload hit, if any."""
+        if self.fatal is not None:
+            raise self.fatal
+
+    async def flush(self) -> None:
+        """Wait for every queued upload; raise a fencing error if one happened."""
+        if self._tail is not None:
+            await self._tail
+        self.check()
+
+
+def make_cursor(run_id: str | None, turn: int, position: str) -> str:
+    """The re-entry marker stored in a checkpoint: which run wrote it, at which boundary."""
+    return f"{run_id or '-'}:t{turn:04d}:{position}"
+
+
+def _run_of(cursor: str | None) -> str | None:
+    if not cursor:
+        return None
+    run = cursor.split(":", 1)[0]
+    return None if run == "-" else run
+
+
+def run_of_cursor(cursor: str | None) -> str | None:
+    """The run id recorded in a checkpoint cursor (None for foreign or missing cursors)."""
+    return _run_of(cursor)
+
+
+def dangling_tool_calls(messages: list[Message]) -> list[ToolCall]:
+    """Tool calls of the last assistant message that have no tool result after it."""
+    for i in range(len(messages) - 1, -1, -1):
+        m = messages[i]
+        if m.role == "assistant":
+            if not m.tool_calls:
+                return []
+            answered = {x.tool_call_id for x in messages[i + 1:] if x.role == "tool"}
+            return [c for c in m.tool_calls if c.id not in answered]
+    return []
+
+
+@dataclass
+class LoopOptions:
+    """Per-run inputs that are not state."""
+
+    tuning: Tuning
+    checkpoint: CheckpointConfig | None
+    prompt: str | None = None
+    tool_schemas: list[dict[str, Any]] = field(default_factory=list)
+    output_schema: dict[str, Any] | None = None
+    #: Turns the final answer into the structured value, raising on invalid output.
+    output_validator: Callable[[str], Any] | None = None
+    effort: str | None = None
+    context: Any = None
+    resumed_from_checkpoint: bool = False
+    resume_position: str | None = None
+
+
+async def run_loop(
+    state: LoopState,
+    steps: StepRunner,
+    options: LoopOptions,
+    *,
+    writer: CheckpointWriter | None = None,
+    emit: EmitFn | None = None,
+) -> RunResult:
+    """Run passes until the model answers without tool calls; return the result."""
+    loop = _Loop(state, steps, options, writer, emit)
+    return await loop.run()
+
+
+class _Loop:
+    def __init__(self, state: LoopState, steps: StepRunner, options: LoopOptions,
+                 writer: CheckpointWriter | None, emit: EmitFn | None) -> None:
+        self.s = state
+        self.steps = steps
+        self.o = options
+        self.writer = writer if options.checkpoint is not None else None
+        self._emit = emit
+        self.msgs = list(state.messages)
+        self.turn = state.turn
+        self.usage = state.usage
+        self.parent = state.parent_checkpoint_id
+
+    async def emit(self, event: Event) -> None:
+        await deliver(self._emit, event)
+
+    def _ev(self) -> dict[str, Any]:
+        return {"session_id": self.s.session_id, "run_id": self.s.run_id, "turn": self.turn}
+
+    async def checkpoint(self, position: str, status: str = "active") -> None:
+        if self.writer is None:
+            return
+        ckpt = Checkpoint(
+            session_id=self.s.session_id, user_id=self.s.user_id, agent_id=self.s.agent_id,
+            turn=self.turn, position=position, execution_status=status,  # type: ignore[arg-type]
+            cursor=make_cursor(self.s.run_id, self.turn, position), parent_checkpoint_id=self.parent,
+            forked_from=self.s.forked_from, epoch=self.s.epoch, message_count=len(self.msgs),
+            cumulative_usage=self.usage, messages=self.msgs,
+        )
+        self.parent = ckpt.checkpoint_id
+        await self.writer.save(ckpt)
+
+    async def maybe_compact(self) -> None:
+        budget = self.o.tuning.compact_after_tokens
+        if budget is None or dangling_tool_calls(self.msgs):
+            return
+        before = estimate_tokens(self.msgs)
+        new = compact(self.msgs, budget_tokens=budget, keep_last=self.o.tuning.compact_keep_last)
+        if new is None:
+            return
+        n_before = len(self.msgs)
+        self.msgs = new
+        await self.emit(CompactionEvent(**self._ev(), tokens_before=before, tokens_after=estimate_tokens(new),
+                                        messages_before=n_before, messages_after=len(new)))
+
+    async def run_tools(self, calls: list[ToolCall]) -> None:
+        """Run (or replay) ``calls`` concurrently; append their results in call order."""
+
+        async def one(call: ToolCall) -> Message:
+            await self.emit(ToolCallEvent(**self._ev(), tool_call=call))
+            ctx = ToolContext(session_id=self.s.session_id, user_id=self.s.user_id, run_id=self.s.run_id,
+                              turn=self.turn, tool_call_id=call.id, context=self.o.context)
+            msg, replayed = await self.steps.call_tool(call, ctx, turn=self.turn)
+            await self.emit(ToolResultEvent(**self._ev(), tool_call_id=call.id, name=call.name,
+                                            content=msg.content, is_error=msg.is_error, replayed=replayed))
+            return msg
+
+        results = await asyncio.gather(*(one(c) for c in calls))
+        self.msgs.extend(results)
+
+    async def finish_pass_with_tools(self, calls: list[ToolCall]) -> None:
+        await self.run_tools(calls)
+        self.turn += 1
+        await self.maybe_compact()
+        if self.o.checkpoint and self.o.checkpoint.saves_after_tools():
+            await self.checkpoint("after_tools")
+
+    async def run(self) -> RunResult:
+        await self.emit(RunStart(**self._ev(), prompt=self.o.prompt,
+                                 restored_checkpoint_id=self.s.parent_checkpoint_id if self.o.resumed_from_checkpoint else None,
+                                 replaying=self.steps.replaying))
+        try:
+            result = await self._run()
+        except BaseException as e:
+            if self.writer is not None:
+                try:
+                    await self.writer.flush()
+                except Exception:
+                    pass
+            if isinstance(e, Exception):
+                await self.emit(RunError(**self._ev(), error_type=type(e).__name__, error=str(e)))
+            raise
+        await self.emit(RunEnd(**self._ev(), output=result.output, usage=result.usage,
+                               model_calls=result.model_calls, stop_reason=result.stop_reason))
+        return result
+
+    async def _run(self) -> RunResult:
+        start_turn = self.turn
+        # A half-written pass (restored "after_model" checkpoint) completes before anything else.
+        pending = dangling_tool_calls(self.msgs)
+        if pending:
+            await self.finish_pass_with_tools(pending)
+        if self.o.prompt is not None:
+            self.msgs.append(Message(role="user", content=self.o.prompt))
+        retries = 0
+        structured = None
+        while True:
+            if self.turn - start_turn >= self.o.tuning.max_turns:
+                if self.writer is not None and not (self.o.checkpoint and self.o.checkpoint.saves_after_tools()):
+                    await self.checkpoint("after_tools")
+                if self.writer is not None:
+                    await self.writer.flush()
+                raise MaxTurnsExceeded(
+                    f"session {self.s.session_id!r} hit max_turns={self.o.tuning.max_turns} before the model "
+                    "stopped; resume() continues it")
+            await self.maybe_compact()
+            assert not dangling_tool_calls(self.msgs), "never send dangling tool calls to a model"
+            request = ModelRequest(messages=self.msgs, tools=self.o.tool_schemas,
+                                   output_schema=self.o.output_schema, effort=self.o.effort)
+            await self.emit(ModelCall(**self._ev(), message_count=len(self.msgs), step_key=model_step_key(self.turn)))
+            response, replayed = await self.steps.complete(request, turn=self.turn)
+            message = response.message
+            if message.role != "assistant":
+                message = message.model_copy(update={"role": "assistant"})
+            self.usage = self.usage + response.usage
+            self.msgs.append(message)
+            await self.emit(ModelResponseEvent(**self._ev(), message=message, usage=response.usage, replayed=replayed))
+            if message.tool_calls:
+                if self.o.checkpoint and self.o.checkpoint.saves_after_model():
+                    await self.checkpoint("after_model")
+                await self.finish_pass_with_tools(list(message.tool_calls))
+                continue
+            self.turn += 1
+            if self.o.output_validator is not None:
+                try:
+                    structured = self.o.output_validator(message.content)
+                except Exception as e:
+                    if retries >= self.o.tuning.output_retries:
+                        raise OutputValidationError(
+                            f"session {self.s.session_id!r}: final answer does not match output_schema: {e}") from e
+                    retries += 1
+                    self.msgs.append(Message(role="user", content=(
+                        f"Your answer did not match the required JSON schema ({e}). "
+                        "Reply with only a JSON object that matches it.")))
+                    continue
+            break
+        await self.checkpoint("after_tools", status="completed")
+        if self.writer is not None:
+            await self.writer.flush()
+        return RunResult(
+            output=self.msgs[-1].content,
+            structured=structured,
+            messages=self.msgs,
+            usage=self.usage,
+            session_id=self.s.session_id,
+            user_id=self.s.user_id,
+            run_id=self.s.run_id,
+            turns=self.turn,
+            checkpoint_id=self.writer.last_ok_id if self.writer is not None else None,
+            resumed_from_checkpoint=self.o.resumed_from_checkpoint,
+            resume_position=self.o.resume_position,  # type: ignore[arg-type]
+            forked_from=self.s.forked_from,
+            model_calls=self.steps.model_calls,
+            replayed_steps=self.steps.replayed,
+            stop_reason="completed",
+        )

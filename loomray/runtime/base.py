@@ -1,0 +1,90 @@
+"""The runtime seam: where a run executes and where its state lives.
+
+An :class:`~loomray.Agent` turns each call into a
+:class:`~loomray.session.RunRequest` and hands it to its runtime. In-process
+runtimes call :func:`~loomray.session.execute_request` directly; the Ray
+runtime overrides :meth:`Runtime.execute` (one session actor per request) and
+:meth:`Runtime.execute_many` (parallel actors for fan-out forks).
+Checkpoint reads go straight to ``self.store`` from the caller's process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any, Sequence
+
+from loomray.records import Checkpoint, CheckpointMeta, RunResult
+
+if TYPE_CHECKING:  # pragma: no cover
+    from loomray.agent import Agent
+    from loomray.events import EmitFn
+    from loomray.session import RunRequest
+
+
+class Runtime:
+    """Base runtime: in-process execution against ``self.store``.
+
+    ``max_checkpoints_per_session`` is the retention per session (< 1 keeps all).
+    """
+
+    store: Any
+    max_checkpoints_per_session: int
+
+    def __init__(self, store: Any, *, max_checkpoints_per_session: int = 20) -> None:
+        if isinstance(max_checkpoints_per_session, bool) or not isinstance(max_checkpoints_per_session, int):
+            raise TypeError("max_checkpoints_per_session must be an int")
+        self.store = store
+        self.max_checkpoints_per_session = max_checkpoints_per_session
+
+    @property
+    def keep(self) -> int:
+        """Retention passed to the store: 0 (keep everything) when pruning is disabled."""
+        return self.max_checkpoints_per_session if self.max_checkpoints_per_session >= 1 else 0
+
+    async def execute(
+        self,
+        agent: "Agent",
+        request: "RunRequest",
+        *,
+        emit: "EmitFn | None" = None,
+        extra_tools: Sequence[Any] = (),
+        output_type: Any = None,
+    ) -> RunResult:
+        """Run one request to completion and return its result."""
+        from loomray.session import execute_request
+
+        return await execute_request(agent, request, self.store, max_checkpoints_per_session=self.keep,
+                                     emit=emit, extra_tools=extra_tools, output_type=output_type)
+
+    async def execute_many(
+        self,
+        agent: "Agent",
+        requests: Sequence["RunRequest"],
+        *,
+        emit: "EmitFn | None" = None,
+        extra_tools: Sequence[Any] = (),
+        output_type: Any = None,
+    ) -> list[RunResult]:
+        """Run several requests at once (fan-out); results in request order."""
+        return list(await asyncio.gather(*(
+            self.execute(agent, r, emit=emit, extra_tools=extra_tools, output_type=output_type) for r in requests)))
+
+    # -- reads -------------------------------------------------------------
+    async def list_checkpoints(self, session_id: str, *, limit: int = 50, user_id: str | None = None) -> list[CheckpointMeta]:
+        """Newest first, no payload; ``[]`` for an unknown session."""
+        rows = await asyncio.to_thread(self.store.list_checkpoints, session_id, user_id=user_id, limit=limit)
+        return [CheckpointMeta(session_id=r.session_id, checkpoint_id=r.checkpoint_id, turn=r.turn,
+                               created_at=r.created_at, user_id=r.user_id, execution_status=r.execution_status,
+                               position=r.position, message_count=r.message_count, epoch=r.epoch) for r in rows]
+
+    async def get_checkpoint(self, session_id: str, checkpoint_id: str = "latest", *,
+                             user_id: str | None = None) -> Checkpoint | None:
+        """The checkpoint, or None when it does not exist for this user; corrupt data raises."""
+        raw = await asyncio.to_thread(self.store.get_checkpoint, session_id, checkpoint_id, user_id=user_id)
+        return None if raw is None else Checkpoint.from_json(raw)
+
+    def close(self) -> None:
+        """Release the store's clients."""
+        close = getattr(self.store, "close", None)
+        if close is not None:
+            close()
