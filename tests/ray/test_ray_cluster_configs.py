@@ -1,0 +1,98 @@
+"""The shipped cluster configs: Ray's own validator for the launcher YAML, structure for KubeRay.
+
+No cloud is contacted: ``prepare_config`` only merges Ray's bundled AWS
+defaults, and ``validate_config`` checks the result against Ray's JSON schema.
+"""
+
+import copy
+import subprocess
+from pathlib import Path
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+pytest.importorskip("jsonschema")
+from ray.autoscaler._private.util import prepare_config, validate_config  # noqa: E402
+
+CLUSTER = Path(__file__).resolve().parents[2] / "cluster"
+
+
+def _load(name):
+    return yaml.safe_load((CLUSTER / name).read_text())
+
+
+def _env(container):
+    return {e["name"]: e for e in container.get("env", [])}
+
+
+# --- cluster/aws.yaml ------------------------------------------------------------
+
+def test_aws_launcher_config_passes_rays_validation():
+    config = _load("aws.yaml")
+    validate_config(prepare_config(copy.deepcopy(config)))
+    assert config["provider"]["type"] == "aws"
+    assert config["head_node_type"] in config["available_node_types"]
+
+
+def test_aws_launcher_config_rejects_a_typo():
+    # The validator is real: the same file with an unknown top-level key fails.
+    config = _load("aws.yaml")
+    config["max_wrokers"] = 3
+    with pytest.raises(Exception, match="max_wrokers"):
+        validate_config(prepare_config(config))
+
+
+def test_aws_wiring_store_credentials_and_supervisor():
+    config = _load("aws.yaml")
+    setup = "\n".join(config["setup_commands"])
+    assert "export LOOMRAY_STORE=s3://" in setup
+    assert "pip install" in setup and "loomray" in setup
+    # Credentials come from instance profiles, never from the file.
+    assert "AWS_SECRET_ACCESS_KEY" not in (CLUSTER / "aws.yaml").read_text()
+    for node_type in config["available_node_types"].values():
+        assert node_type["node_config"]["IamInstanceProfile"]["Arn"].startswith("arn:aws:iam::")
+    head = " ".join(config["head_start_ray_commands"])
+    assert "ray start --head" in head
+    assert "loomray supervise" in head and "$LOOMRAY_STORE" in head
+    assert "loomray supervise" not in " ".join(config["worker_start_ray_commands"])
+
+
+# --- cluster/kuberay.yaml --------------------------------------------------------
+
+def test_kuberay_manifest_is_a_raycluster_with_head_and_workers():
+    docs = [d for d in yaml.safe_load_all((CLUSTER / "kuberay.yaml").read_text()) if d]
+    clusters = [d for d in docs if d.get("kind") == "RayCluster"]
+    assert len(clusters) == 1
+    rc = clusters[0]
+    assert rc["apiVersion"] == "ray.io/v1"
+    spec = rc["spec"]
+    assert spec["rayVersion"]
+    head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]
+    groups = spec["workerGroupSpecs"]
+    assert groups and all(g["groupName"] and g["minReplicas"] <= g["replicas"] <= g["maxReplicas"] for g in groups)
+    for container in [head] + [g["template"]["spec"]["containers"][0] for g in groups]:
+        env = _env(container)
+        assert env["LOOMRAY_STORE"]["value"].startswith("s3://")
+        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+            ref = env[key]["valueFrom"]["secretKeyRef"]
+            assert ref["name"] == "loomray-s3" and ref["key"] == key
+            assert "value" not in env[key]  # never a literal credential
+        script = container["args"][0]
+        assert "pip install" in script and "loomray" in script
+        assert "$KUBERAY_GEN_RAY_START_CMD" in script
+    # The custom command is only honoured with this annotation.
+    assert rc["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
+    assert "loomray supervise" in head["args"][0]
+    assert all("loomray supervise" not in g["template"]["spec"]["containers"][0]["args"][0] for g in groups)
+
+
+def test_kuberay_scripts_are_valid_shell():
+    rc = _load("kuberay.yaml")
+    spec = rc["spec"]
+    containers = [spec["headGroupSpec"]["template"]["spec"]["containers"][0]] + [
+        g["template"]["spec"]["containers"][0] for g in spec["workerGroupSpecs"]]
+    for container in containers:
+        assert container["command"][:2] == ["/bin/bash", "-lc"]
+        # bash -n parses without running anything.
+        check = subprocess.run(["bash", "-n", "-c", container["args"][0]], capture_output=True, text=True)
+        assert check.returncode == 0, check.stderr
