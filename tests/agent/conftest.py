@@ -1,0 +1,79 @@
+"""Fixtures for the agent suite: runtimes on every backend, and small fault-injecting store wrappers."""
+
+from __future__ import annotations
+
+import pytest
+
+from loomray.runtime import InProcRuntime, LocalRuntime
+
+
+@pytest.fixture(params=["inproc", "local", "s3"])
+def runtime_factory(request, tmp_path):
+    """Builds runtimes that share one backend per test: memory, a local directory, or S3 (moto)."""
+    made = []
+    inproc_store = []
+
+    def make(max_checkpoints_per_session: int = 20):
+        if request.param == "inproc":
+            rt = InProcRuntime(max_checkpoints_per_session=max_checkpoints_per_session)
+            if inproc_store:  # share state between runtimes of one test, as a directory would
+                rt.store = inproc_store[0]
+            else:
+                inproc_store.append(rt.store)
+        elif request.param == "local":
+            rt = LocalRuntime(tmp_path / "data", max_checkpoints_per_session=max_checkpoints_per_session)
+        else:
+            server = request.getfixturevalue("s3_server")
+            if not made:
+                bucket = server.new_bucket("agent")
+                make.url = f"s3://{bucket}/root"
+            rt = LocalRuntime(make.url, max_checkpoints_per_session=max_checkpoints_per_session, **server.options)
+        made.append(rt)
+        return rt
+
+    make.backend = request.param
+    yield make
+    closed = set()
+    for rt in made:
+        if id(rt.store) not in closed:
+            closed.add(id(rt.store))
+            rt.close()
+
+
+@pytest.fixture
+def runtime(runtime_factory):
+    """One runtime on each backend."""
+    return runtime_factory()
+
+
+class StoreWrapper:
+    """Delegates to a real store; subclasses override one method to count or fail (fault injection)."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class FailingCheckpoints(StoreWrapper):
+    """``put_checkpoint`` fails ``failures`` times (None = always) with an OSError."""
+
+    def __init__(self, inner, failures=None):
+        super().__init__(inner)
+        self.failures = failures
+        self.attempts = 0
+
+    def put_checkpoint(self, data, **kw):
+        self.attempts += 1
+        if self.failures is None or self.failures > 0:
+            if self.failures is not None:
+                self.failures -= 1
+            raise OSError("disk full (injected)")
+        return self._inner.put_checkpoint(data, **kw)
+
+
+@pytest.fixture
+def failing_checkpoints():
+    """The :class:`FailingCheckpoints` wrapper class (tests wrap ``runtime.store`` with it)."""
+    return FailingCheckpoints
