@@ -21,11 +21,14 @@ kept: the transcript holds what the model said and did, nothing provider-only.
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Any, Iterable
 
 from loomray.models.base import DeltaCallback, ModelRequest, ModelResponse
 from loomray.models.provider import ProviderModel, closed_schema
 from loomray.records import Message, ToolCall, Usage
+
+_BAD_ID_CHARS = re.compile(r"[^A-Za-z0-9_-]")
 
 #: ``max_tokens`` is mandatory on this API; this is the default when none is set.
 DEFAULT_MAX_TOKENS = 8192
@@ -77,10 +80,13 @@ class AnthropicModel(ProviderModel):
             output_config["format"] = {"type": "json_schema", "schema": closed_schema(request.output_schema)}
         if request.effort is not None:
             output_config["effort"] = request.effort
+        # Sent as a raw body field so SDK releases older than output_config still pass it on.
+        # The adapter's extra_body is a default; this request's own settings win over it.
+        extra_body = dict(self.extra_body)
         if output_config:
-            params["output_config"] = output_config
-        if self.extra_body:
-            params["extra_body"] = dict(self.extra_body)
+            extra_body["output_config"] = {**extra_body.get("output_config", {}), **output_config}
+        if extra_body:
+            params["extra_body"] = extra_body
         return params
 
     async def complete(self, request: ModelRequest) -> ModelResponse:
@@ -130,6 +136,15 @@ def usage_from_anthropic(usage: dict[str, Any]) -> Usage:
     )
 
 
+def wire_id(call_id: str | None) -> str:
+    """A tool call id in the form this API accepts (``[A-Za-z0-9_-]+``).
+
+    Ids minted by other providers may hold other characters; the mapping is a
+    pure function of the id, so a call and its result still match.
+    """
+    return _BAD_ID_CHARS.sub("_", call_id or "") or "_"
+
+
 def to_anthropic(messages: Iterable[Message]) -> tuple[str | None, list[dict[str, Any]]]:
     """``(system, messages)`` in Messages API form for a neutral transcript."""
     system: list[str] = []
@@ -140,15 +155,19 @@ def to_anthropic(messages: Iterable[Message]) -> tuple[str | None, list[dict[str
         elif m.role == "user":
             wire.append({"role": "user", "content": [{"type": "text", "text": m.content}]})
         elif m.role == "assistant":
+            if not m.content and not m.tool_calls:
+                # The API rejects an empty turn; an empty reply carries nothing to send back.
+                continue
             blocks: list[dict[str, Any]] = []
-            if m.content or not m.tool_calls:
+            if m.content:
                 blocks.append({"type": "text", "text": m.content})
             blocks.extend(
-                {"type": "tool_use", "id": c.id, "name": c.name, "input": dict(c.arguments)} for c in m.tool_calls
+                {"type": "tool_use", "id": wire_id(c.id), "name": c.name, "input": dict(c.arguments)}
+                for c in m.tool_calls
             )
             wire.append({"role": "assistant", "content": blocks})
         elif m.role == "tool":
-            block = {"type": "tool_result", "tool_use_id": m.tool_call_id, "content": m.content}
+            block = {"type": "tool_result", "tool_use_id": wire_id(m.tool_call_id), "content": m.content}
             if m.is_error:
                 block["is_error"] = True
             last = wire[-1] if wire else None

@@ -170,3 +170,11 @@ async def test_unknown_model_costs_none(anthropic_server):
     model = AnthropicModel("claude-unreleased-9", base_url=anthropic_server.base_url)
     response = await model.complete(ModelRequest(messages=[Message(role="user", content="hi")]))
     assert response.usage.input_tokens == 10 and response.usage.cost_usd is None
+
+
+async def test_extra_body_is_a_default_the_request_refines(anthropic_server):
+    anthropic_server.reply(anthropic_message("ok"))
+    model = make(anthropic_server, extra_body={"output_config": {"effort": "max"}, "metadata": {"user_id": "u1"}})
+    await model.complete(ModelRequest(messages=[Message(role="user", content="hi")], effort="low"))
+    body = anthropic_server.requests[0]["body"]
+    assert body["output_config"] == {"effort": "low"} and body["metadata"] == {"user_id": "u1"}

@@ -145,3 +145,16 @@ async def test_explicit_key_is_not_shipped_and_receiver_needs_its_own(anthropic_
     with pytest.raises(ModelConfigError, match="ANTHROPIC_API_KEY"):
         await copy.complete(ModelRequest(messages=[Message(role="user", content="hi")]))
     assert anthropic_server.requests == []
+
+
+def test_foreign_ids_are_made_valid_for_anthropic_consistently():
+    transcript = [
+        Message(role="user", content="x"),
+        Message(role="assistant", content="", tool_calls=[ToolCall(id="call:7/a.b", name="t", arguments={})]),
+        Message(role="tool", content="ok", tool_call_id="call:7/a.b", name="t"),
+        Message(role="assistant", content=""),  # an empty reply: the API rejects empty turns
+        Message(role="user", content="y"),
+    ]
+    _, wire = to_anthropic(transcript)
+    assert wire[1]["content"][0]["id"] == "call_7_a_b" == wire[2]["content"][0]["tool_use_id"]
+    assert [m["role"] for m in wire] == ["user", "assistant", "user", "user"]
