@@ -76,6 +76,8 @@ def compact(store: "Store") -> CompactReport:
 
 
 def _sessions(store: "Store", session_id: str | None, user_id: str | None) -> list[tuple[str | None, str]]:
+    if session_id is not None:
+        validate_id(session_id, "session_id")  # even when no session exists to match
     users = [user_segment(user_id)] if user_id is not None else store.objects.list_dirs(prefix="sessions/")
     out = []
     for seg in users:

@@ -50,7 +50,8 @@ class S3ObjectStore(ObjectStore):
             from botocore.config import Config
 
             config = Config(
-                retries={"mode": retry_mode, "max_attempts": max_attempts},
+                # total_max_attempts counts the first try (botocore's "max_attempts" would not).
+                retries={"mode": retry_mode, "total_max_attempts": max_attempts},
                 connect_timeout=connect_timeout,
                 read_timeout=read_timeout,
                 # One PUT carries the bytes; no extra checksum pass unless S3 demands it.

@@ -1,0 +1,99 @@
+"""Bad input: a clear typed error, nothing written, nothing outside the root."""
+
+from __future__ import annotations
+
+import os
+from datetime import datetime, timezone
+
+import pytest
+
+from storage import InvalidStoreUrl, JournalEntry, SessionRow, open_store
+from storage.errors import InvalidIdError
+
+BAD_IDS = ["a/b", "../x", "..", "a\\b", "x\x00y", "tab\there", "new\nline", "\x7f", "", "x" * 129, "a..b", "/abs"]
+NOW = datetime(2026, 7, 4, tzinfo=timezone.utc)
+
+
+def _put(store, **ids):
+    args = {"session_id": "s1", "checkpoint_id": "c1", "user_id": None, **ids}
+    return store.put_checkpoint(b"{}", turn=0, created_at=NOW, position="after_tools", execution_status="active",
+                                message_count=0, **args)
+
+
+@pytest.mark.parametrize("bad", BAD_IDS)
+@pytest.mark.parametrize("field", ["session_id", "checkpoint_id", "user_id"])
+def test_bad_ids_on_put_write_nothing(store, field, bad):
+    with pytest.raises(InvalidIdError) as info:
+        _put(store, **{field: bad})
+    assert isinstance(info.value, ValueError)
+    assert list(store.objects.list(prefix="")) == []
+
+
+@pytest.mark.parametrize("bad", BAD_IDS)
+def test_bad_ids_everywhere(store, bad):
+    calls = [
+        lambda: store.get_checkpoint(bad),
+        lambda: store.get_checkpoint("s1", bad),
+        lambda: store.get_checkpoint("s1", user_id=bad),
+        lambda: store.list_checkpoints(bad),
+        lambda: store.delete_checkpoint("s1", bad),
+        lambda: store.acquire_lease(bad, owner="x"),
+        lambda: store.current_epoch("s1", user_id=bad),
+        lambda: store.journal_append(JournalEntry(session_id="s1", run_id=bad, seq=0, step_key="k", kind="model")),
+        lambda: store.journal_append(JournalEntry(session_id="s1", run_id="r", seq=0, step_key=bad, kind="model")),
+        lambda: store.journal_list("s1", bad),
+        lambda: store.put_session(SessionRow(bad, None, "running", NOW)),
+        lambda: store.query(user_id=bad),
+        lambda: store.prune(session_id=bad),
+    ]
+    for call in calls:
+        with pytest.raises(InvalidIdError):
+            call()
+    assert list(store.objects.list(prefix="")) == []
+
+
+def test_underscore_user_is_reserved(store):
+    with pytest.raises(InvalidIdError, match="reserved"):
+        _put(store, user_id="_")
+
+
+def test_max_length_id_is_fine(store):
+    long_id = "s" * 128
+    _put(store, session_id=long_id, checkpoint_id="c" * 128, user_id="u" * 128)
+    assert store.get_checkpoint(long_id, user_id="u" * 128) == b"{}"
+
+
+def test_nothing_written_outside_the_local_root(tmp_path):
+    root = tmp_path / "root"
+    store = open_store(root)
+    for bad in BAD_IDS:
+        for field in ("session_id", "checkpoint_id", "user_id"):
+            with pytest.raises(InvalidIdError):
+                _put(store, **{field: bad})
+    _put(store)
+    assert sorted(os.listdir(tmp_path)) == ["root"]
+    assert sorted(os.listdir(root)) == [".tmp", "index", "sessions"]
+    assert os.listdir(root / ".tmp") == []  # no temporary left behind
+
+
+def test_bad_store_urls():
+    for url in ("ftp://x/y", "gs://bucket", "", "s3://ab"):
+        with pytest.raises(InvalidStoreUrl):
+            open_store(url)
+    with pytest.raises(InvalidStoreUrl, match="endpoint_url"):
+        open_store("memory://", endpoint_url="http://127.0.0.1:1")
+
+
+def test_file_url_and_path_are_the_same_store(tmp_path):
+    a = open_store(tmp_path / "d")
+    _put(a)
+    b = open_store(f"file://{tmp_path / 'd'}")
+    assert b.get_checkpoint("s1") == b"{}" and a.url == b.url
+
+
+def test_s3_from_environment(s3_store_url):
+    """No options: endpoint and credentials come from the usual AWS environment variables."""
+    store = open_store(s3_store_url)
+    _put(store)
+    assert store.get_checkpoint("s1") == b"{}"
+    assert "s3://" in store.describe()
