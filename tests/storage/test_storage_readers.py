@@ -1,0 +1,55 @@
+"""The index is plain hive-partitioned Parquet: pyarrow, DuckDB and s3fs read it without loomray."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+import pyarrow.dataset as ds
+import pytest
+
+from storage import open_store
+
+NOW = datetime(2026, 7, 4, tzinfo=timezone.utc)
+
+
+def _fill(store):
+    for user in (None, "alice"):
+        for i in range(3):
+            store.put_checkpoint(b"{}", session_id="sess-a", checkpoint_id=f"c{i}", user_id=user, turn=i,
+                                 created_at=NOW, position="after_tools", execution_status="active",
+                                 message_count=i, cost_usd=0.25 * i, keep=2)
+
+
+def _live_count(table) -> int:
+    rows = table.to_pylist()
+    dead = {(r["user_id"], r["checkpoint_id"]) for r in rows if r["tombstone"]}
+    return sum(1 for r in rows if not r["tombstone"] and (r["user_id"], r["checkpoint_id"]) not in dead)
+
+
+def test_pyarrow_and_duckdb_read_the_local_index(tmp_path):
+    store = open_store(tmp_path / "root")
+    _fill(store)
+    fs, root = store.fsspec()
+    data = ds.dataset(f"{root}/index/checkpoints", format="parquet", partitioning="hive").to_table()
+    assert set(data["user"].to_pylist()) == {"_", "alice"} and set(data["session"].to_pylist()) == {"sess-a"}
+    assert _live_count(data) == 4 == store.query().num_rows
+    duckdb = pytest.importorskip("duckdb")
+    n = duckdb.sql(
+        f"select count(*) from read_parquet('{root}/index/checkpoints/*/*/*.parquet', hive_partitioning=true) "
+        "where user = 'alice' and not tombstone").fetchall()[0][0]
+    assert n == 3  # two live + one retired by a tombstone row (readers apply tombstones themselves)
+    store.compact()
+    n = duckdb.sql(f"select count(*) from read_parquet('{root}/index/checkpoints/*/*/*.parquet', "
+                   "hive_partitioning=true) where user = 'alice'").fetchall()[0][0]
+    assert n == 2  # after compaction the files hold only live rows
+
+
+def test_pyarrow_reads_the_index_straight_from_the_bucket(s3_server):
+    store = s3_server.open_store()
+    _fill(store)
+    store.compact()
+    fs, root = store.fsspec()
+    data = ds.dataset(f"{root}/index/checkpoints", filesystem=fs, format="parquet", partitioning="hive").to_table()
+    assert data.num_rows == 4 and not any(data["tombstone"].to_pylist())
+    assert sorted(data.filter(ds.field("user") == "alice")["checkpoint_id"].to_pylist()) == ["c1", "c2"]
+    assert fs.cat(f"{root}/sessions/alice/sess-a/checkpoints/c2.json") == b"{}"
