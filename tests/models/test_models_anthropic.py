@@ -178,3 +178,11 @@ async def test_extra_body_is_a_default_the_request_refines(anthropic_server):
     await model.complete(ModelRequest(messages=[Message(role="user", content="hi")], effort="low"))
     body = anthropic_server.requests[0]["body"]
     assert body["output_config"] == {"effort": "low"} and body["metadata"] == {"user_id": "u1"}
+
+
+async def test_429_without_retry_after_uses_the_sdk_backoff(anthropic_server):
+    anthropic_server.error(429, "slow down")  # no retry-after: the SDK's own exponential backoff
+    anthropic_server.reply(anthropic_message("ok"))
+    response = await make(anthropic_server, max_retries=1).complete(
+        ModelRequest(messages=[Message(role="user", content="hi")]))
+    assert response.message.content == "ok" and len(anthropic_server.requests) == 2
