@@ -40,8 +40,15 @@ class AnthropicModel(ProviderModel):
     Settings: ``api_key`` (else ``ANTHROPIC_API_KEY`` / ``ANTHROPIC_AUTH_TOKEN``),
     ``base_url`` (else ``ANTHROPIC_BASE_URL``), ``max_retries`` (SDK retries on
     429/5xx), ``timeout`` (seconds per attempt), ``max_tokens``, ``prices``,
-    ``extra_body`` (extra request fields, e.g. ``{"thinking": {...}}``).
+    ``extra_body`` (extra request fields, e.g. ``{"thinking": {...}}``), and
+    ``prompt_cache`` (default True: the request asks the API to cache the
+    transcript prefix, so each pass of a long session pays cache-read prices
+    for the turns the previous pass already sent).
     """
+
+    def __init__(self, model: str, *, prompt_cache: bool = True, **settings: Any):
+        self.prompt_cache = bool(prompt_cache)
+        super().__init__(model, **settings)
 
     provider = "anthropic"
     extra = "anthropic"
@@ -82,7 +89,8 @@ class AnthropicModel(ProviderModel):
             output_config["effort"] = request.effort
         # Sent as a raw body field so SDK releases older than output_config still pass it on.
         # The adapter's extra_body is a default; this request's own settings win over it.
-        extra_body = dict(self.extra_body)
+        extra_body = {"cache_control": {"type": "ephemeral"}} if self.prompt_cache else {}
+        extra_body.update(self.extra_body)
         if output_config:
             extra_body["output_config"] = {**extra_body.get("output_config", {}), **output_config}
         if extra_body:

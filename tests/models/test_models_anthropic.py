@@ -186,3 +186,13 @@ async def test_429_without_retry_after_uses_the_sdk_backoff(anthropic_server):
     response = await make(anthropic_server, max_retries=1).complete(
         ModelRequest(messages=[Message(role="user", content="hi")]))
     assert response.message.content == "ok" and len(anthropic_server.requests) == 2
+
+
+async def test_prompt_cache_is_requested_unless_turned_off(anthropic_server):
+    anthropic_server.reply(anthropic_message("a"))
+    anthropic_server.reply(anthropic_message("b"))
+    request = ModelRequest(messages=[Message(role="user", content="hi")])
+    await make(anthropic_server).complete(request)
+    await make(anthropic_server, prompt_cache=False).complete(request)
+    assert anthropic_server.requests[0]["body"]["cache_control"] == {"type": "ephemeral"}
+    assert "cache_control" not in anthropic_server.requests[1]["body"]
