@@ -323,6 +323,8 @@ async def execute_request(
                 context=request.context, resumed_from_checkpoint=plan.resumed_from_checkpoint,
                 resume_position=plan.resume_position)
             result = await run_loop(plan.state, steps, options, writer=writer, emit=on_event)
+        # Status first, run_end last: a crash between them re-enters this run and finds it finished.
+        await status("completed")
         if sink is not None:
             await steps.record("run_end", RUN_END, "", {"turns": result.turns, "checkpoint_id": result.checkpoint_id,
                                                         "model_calls": result.model_calls})
@@ -331,7 +333,6 @@ async def execute_request(
     except BaseException as e:
         await status("failed", error=f"{type(e).__name__}: {e}")
         raise
-    await status("completed")
     return result
 
 

@@ -1,0 +1,100 @@
+"""Child process for the crash tests: runs one session on a LocalRuntime and may SIGKILL itself.
+
+    python crash_child.py DATA_DIR SESSION_ID OUT_JSON [KILL_SPEC]
+
+KILL_SPEC picks a deterministic point (no timing):
+  ``event:<type>:<n>``               die when the n-th event of that type is emitted
+  ``store:<method>:<before|after>:<n>``  die just before / just after the n-th call of a store method
+  ``tool:<n>``                        die inside the n-th tool execution (its effect half done)
+
+The model is a ScriptedModel with a file-backed call counter (``DATA_DIR/model_calls``);
+the tool appends each effect to ``DATA_DIR/effects``. The result (transcript etc.)
+goes to OUT_JSON when the run completes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+
+from loomray import Agent, CheckpointConfig, Tuning
+from loomray.models import ScriptedModel
+from loomray.runtime import LocalRuntime
+
+PASSES = 5  # tool passes; the sixth pass is the final answer
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+
+    def hit(self, key: str) -> int:
+        self.counts[key] = self.counts.get(key, 0) + 1
+        return self.counts[key]
+
+
+def build(data_dir: str, kill: str | None, position: str = "both"):
+    counter = Counter()
+    kind, *rest = kill.split(":") if kill else ("", )
+
+    def research(topic: str, page: int) -> str:
+        """Read one page about a topic."""
+        if kind == "tool" and counter.hit("tool") == int(rest[0]):
+            with open(os.path.join(data_dir, "effects"), "a") as f:
+                f.write(f"{topic}-{page}-partial\n")
+            die()
+        with open(os.path.join(data_dir, "effects"), "a") as f:
+            f.write(f"{topic}-{page}\n")
+        return f"page {page} on {topic}: " + "x" * 2048
+
+    model = ScriptedModel(
+        [{"tool": "research", "args": {"topic": "ray", "page": i}} for i in range(PASSES)] + ["report: done"],
+        counter_path=os.path.join(data_dir, "model_calls"))
+    runtime = LocalRuntime(os.path.join(data_dir, "store"))
+    if kind == "store":
+        method, when, nth = rest[0], rest[1], int(rest[2])
+        inner = runtime.store
+        real = getattr(inner, method)
+
+        def wrapped(*a, **kw):
+            n = counter.hit(method)
+            if n == nth and when == "before":
+                die()
+            out = real(*a, **kw)
+            if n == nth and when == "after":
+                die()
+            return out
+
+        setattr(inner, method, wrapped)  # instance attribute shadows the method for this process only
+    agent = Agent("You research.", model=model, tools=[research], runtime=runtime,
+                  tuning=Tuning(checkpoint=CheckpointConfig(position=position) if position != "off" else False))
+
+    def emit(event) -> None:
+        if kind == "event" and event.type == rest[0] and counter.hit(event.type) == int(rest[1]):
+            die()
+
+    return agent, emit
+
+
+async def main() -> None:
+    data_dir, session_id, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    kill = sys.argv[4] if len(sys.argv) > 4 and sys.argv[4] else None
+    position = os.environ.get("CRASH_POSITION", "both")
+    agent, emit = build(data_dir, kill, position)
+    result = await agent.run("research ray for me", session_id=session_id, emit=emit)
+    with open(out, "w") as f:
+        json.dump({"messages": [m.model_dump(mode="json") for m in result.messages], "turns": result.turns,
+                   "model_calls": result.model_calls, "output": result.output,
+                   "usage": result.usage.model_dump(mode="json"),
+                   "resumed_from_checkpoint": result.resumed_from_checkpoint}, f)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
