@@ -1,0 +1,103 @@
+"""The journal seam: determinism violations, fencing, session rows, and execute_request as the actor calls it."""
+
+from __future__ import annotations
+
+import pytest
+
+from loomray import Agent, Tuning
+from loomray.models import ScriptedModel
+from loomray.runtime import InProcRuntime, LocalRuntime
+from loomray.session import RunRequest, execute_request
+from storage.errors import LeaseLostError
+
+
+def lookup(key: str) -> str:
+    """Look something up."""
+    return f"value of {key}"
+
+
+def script():
+    return ScriptedModel([{"tool": "lookup", "args": {"key": "a"}}, {"tool": "lookup", "args": {"key": "b"}}, "done"])
+
+
+async def test_changed_inputs_re_execute_and_say_so():
+    runtime = InProcRuntime()
+    model = script()
+    await Agent("v1 instructions", model=model, tools=[lookup], runtime=runtime).run("task", session_id="s")
+    assert model.calls == 3
+    events = []
+    changed = Agent("v2 instructions", model=model, tools=[lookup], runtime=runtime)
+    result = await changed.resume(session_id="s", emit=events.append)  # no checkpoint: replay fallback
+    violations = [e for e in events if e.type == "determinism_violation"]
+    assert violations and violations[0].step_key == "t0000-model" and violations[0].kind == "model"
+    assert violations[0].journaled_hash != violations[0].actual_hash
+    assert result.model_calls == 3 and model.calls == 6  # re-executed, never a stale journaled answer
+    assert result.messages[0].content == "v2 instructions"
+
+
+async def test_identical_replay_reports_replayed_steps_only():
+    runtime = InProcRuntime()
+    agent = Agent("sys", model=script(), tools=[lookup], runtime=runtime)
+    await agent.run("task", session_id="s")
+    events = []
+    result = await agent.resume(session_id="s", emit=events.append)
+    assert [e.step_key for e in events if e.type == "replayed_step"] == [
+        "t0000-model", "t0000-tool-s0000_0", "t0001-model", "t0001-tool-s0001_0", "t0002-model"]
+    assert result.model_calls == 0 and result.replayed_steps == 5
+    assert all(e.replayed for e in events if e.type in ("model_response", "tool_result"))
+
+
+async def test_a_fenced_run_stops_on_lease_loss(tmp_path):
+    runtime = LocalRuntime(tmp_path / "d")
+    taken = []
+
+    def usurp(key: str) -> str:
+        """Another incarnation takes the session mid-run."""
+        taken.append(runtime.store.acquire_lease("s", owner="newer-incarnation"))
+        return "ok"
+
+    model = ScriptedModel([{"tool": "usurp", "args": {"key": "x"}}, "done"])
+    agent = Agent("", model=model, tools=[usurp], runtime=runtime, tuning=Tuning(checkpoint=True))
+    with pytest.raises(LeaseLostError):
+        await agent.run("task", session_id="s")
+    assert model.calls == 1 and taken[0].epoch == 2
+    assert await agent.list_checkpoints("s") == []  # nothing written after losing the lease
+    row = runtime.store.get_session("s")
+    assert row.status == "running"  # the fenced incarnation does not mark the session failed
+
+
+async def test_session_rows_track_the_run(tmp_path):
+    runtime = LocalRuntime(tmp_path / "d")
+    agent = Agent("", model=ScriptedModel(["done"]), runtime=runtime)
+    result = await agent.run("task", session_id="s", user_id="u1", metadata={"ticket": 7})
+    row = runtime.store.get_session("s", user_id="u1")
+    assert row.status == "completed" and row.run_id == result.run_id and row.epoch == 1
+    spec = RunRequest.model_validate_json(row.spec_json)
+    assert spec.prompt == "task" and spec.metadata == {"ticket": 7}
+
+    failing = Agent("", model=ScriptedModel([]), runtime=runtime)
+    with pytest.raises(Exception, match="ScriptedModel has 0 replies"):
+        await failing.run("task", session_id="f")
+    failed = runtime.store.get_session("f")
+    assert failed.status == "failed" and "ModelError" in failed.error
+
+
+async def test_execute_request_is_the_actor_entry_point(tmp_path):
+    from storage import open_store
+
+    store = open_store(tmp_path / "d")
+    agent = Agent("sys", model=script(), tools=[lookup], tuning=Tuning(checkpoint=True))
+    request = RunRequest(kind="run", prompt="task", session_id="s", user_id="bob", context={"k": 1})
+    wire = request.model_dump_json()  # what crosses to the actor
+    assert RunRequest.model_validate_json(wire) == request
+    seen = []
+    result = await execute_request(agent, RunRequest.model_validate_json(wire), store,
+                                   max_checkpoints_per_session=2, emit=seen.append)
+    assert result.output == "done" and result.user_id == "bob"
+    assert len(store.list_checkpoints("s", user_id="bob")) == 2
+    assert store.current_epoch("s", user_id="bob") == 1
+    assert seen[0].type == "run_start" and seen[-1].type == "run_end"
+    # The same request again (a restarted actor) finds the run finished and starts a new one.
+    again = await execute_request(agent, request, store)
+    assert again.run_id != result.run_id and store.current_epoch("s", user_id="bob") == 2
+    store.close()
