@@ -8,7 +8,7 @@ pure function of the transcript, so replays and restored sessions get exactly
 the answers an uninterrupted run would have had.
 
 Model settings (``resolve_model("demo:research", passes=8, page_kb=3)``):
-``passes`` (default 6), ``page_kb`` (default 3), ``delay`` seconds per call.
+``passes`` (default 9), ``page_kb`` (default 3), ``delay`` seconds per call.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ _STEPS = ("search", "fetch_page", "take_note")
 class ResearchModel:
     """Deterministic offline research agent (``model="demo:research"``)."""
 
-    def __init__(self, name: str = "demo:research", *, passes: int = 6, page_kb: float = 3.0,
+    def __init__(self, name: str = "demo:research", *, passes: int = 9, page_kb: float = 3.0,
                  delay: float = 0.0) -> None:
         self.name = name
         self.passes = passes
