@@ -69,6 +69,11 @@ class Agent:
         self.tuning = tuning
         self.name = name or "agent"
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The runtime holds live clients; a copy shipped to a worker (a Ray actor) gets its
+        # store from the process that hosts it, so the runtime does not travel.
+        return {**self.__dict__, "runtime": None}
+
     def __repr__(self) -> str:
         return f"Agent({self.name!r}, model={self.model.name!r}, tools={sorted(self.tools)}, runtime={self.runtime!r})"
 
