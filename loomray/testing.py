@@ -133,6 +133,8 @@ class LocalCluster:
     cluster: Cluster
     namespace: str
     num_cpus_per_node: float
+    #: Extra resources every node added after the head gets by default.
+    worker_resources: dict[str, float] = field(default_factory=dict)
     nodes: list[Any] = field(default_factory=list)
     removed: list[Any] = field(default_factory=list)
     _added: int = 0
@@ -184,7 +186,7 @@ class LocalCluster:
         every node ever added, so names are never reused after a removal).
         """
         index = self._added
-        res = {node_resource(index): 1.0, **(resources or {})}
+        res = {node_resource(index): 1.0, **(self.worker_resources if resources is None else resources)}
         node = self.cluster.add_node(
             num_cpus=self.num_cpus_per_node if num_cpus is None else num_cpus,
             node_ip_address=LOOPBACK,
@@ -238,6 +240,7 @@ def local_cluster(
     namespace: str = "loomray",
     num_cpus_per_node: float = 1,
     head_resources: dict[str, float] | None = None,
+    worker_resources: dict[str, float] | None = None,
     fast_failure_detection: bool = True,
     system_config: dict[str, Any] | None = None,
     include_dashboard: bool = False,
@@ -248,7 +251,10 @@ def local_cluster(
     """Start a ``num_nodes``-node Ray cluster on 127.0.0.1, connect to it, and yield it.
 
     - ``num_nodes`` counts the head; each node gets ``num_cpus_per_node`` CPUs
-      and a custom resource :func:`node_resource` ``(i)``.
+      and a custom resource :func:`node_resource` ``(i)``; the head also gets
+      ``head_resources``, the other nodes ``worker_resources`` (e.g.
+      ``{"loomray_session": 100}`` to keep session actors off the head, so a
+      node that can be removed hosts them).
     - ``fast_failure_detection`` applies :data:`FAST_FAILURE_DETECTION`;
       ``system_config`` entries override it (Ray ``_system_config`` keys).
     - ``env`` is set in ``os.environ`` before any node starts, so raylets and
@@ -282,12 +288,13 @@ def local_cluster(
             },
             shutdown_at_exit=True,
         )
-        lc = LocalCluster(cluster=cluster, namespace=namespace, num_cpus_per_node=num_cpus_per_node, _preexisting=before)
+        lc = LocalCluster(cluster=cluster, namespace=namespace, num_cpus_per_node=num_cpus_per_node,
+                          worker_resources=dict(worker_resources or {}), _preexisting=before)
         lc.nodes.append(cluster.head_node)
         lc._index[cluster.head_node.node_id] = 0
         lc._added = 1
         for _ in range(num_nodes - 1):
-            lc.add_node()
+            lc.add_node(resources=worker_resources)
         cluster.wait_for_nodes()
         if connect:
             ray.init(address=cluster.address, namespace=namespace, **(init_kwargs or {}))
