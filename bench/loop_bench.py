@@ -1,0 +1,175 @@
+"""Loop benchmark: what checkpointing costs per pass of a scripted agent loop.
+
+Run: ``.venv/bin/python bench/loop_bench.py`` (10/100/1000 passes, a few
+minutes) or ``--quick`` (10/100 passes, seconds). Prints a table and writes
+``bench/results/loop.json`` (or ``--out``).
+
+Each case runs ``Agent.run`` with a ``ScriptedModel`` (no model latency: the
+loop's own overhead is what is measured) whose every pass calls one tool that
+returns a 2 KB payload, so the transcript grows by ~2.2 KB per pass. Cases:
+
+- ``bare``: checkpoint off, journal off (the loop alone);
+- ``off``: checkpoint off, journal on (the default);
+- ``sync`` / ``async``: ``Tuning(checkpoint=True)`` with ``durability`` sync or async;
+
+on a local directory and on S3 (moto's server on loopback). Ratios are taken
+against the ``off`` case of the same backend and size, measured in the same
+run (the machine is noisy and shared). Bytes are counted at the object-store
+boundary (checkpoint objects, journal entries, index files) and compared with
+the final transcript size. ``floor_ms`` is one raw PUT of the mean checkpoint
+size through the same object store: the least a per-pass snapshot can cost.
+
+A checkpoint per pass snapshots the whole transcript, so bytes written grow
+quadratically with the number of passes; ``bytes/pass`` and ``ckpt ms/pass``
+at 1000 passes show that cost in numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from loomray import Agent, Tuning  # noqa: E402
+from loomray.models import ScriptedModel  # noqa: E402
+from loomray.runtime import LocalRuntime  # noqa: E402
+
+PAYLOAD = 2048
+
+
+def fetch(i: int) -> str:
+    """Return a 2 KB page."""
+    head = f"page {i}: "
+    return head + ("abcdefghij" * (PAYLOAD // 10 + 1))[: PAYLOAD - len(head)]
+
+
+class ByteCounter:
+    """Counts bytes and PUTs crossing the object-store boundary."""
+
+    def __init__(self, objects) -> None:
+        self.objects, self.real, self.bytes, self.puts = objects, objects.put, 0, 0
+        objects.put = self._put
+
+    def _put(self, *args, **kw):
+        data = kw.get("data", args[1] if len(args) > 1 else b"")
+        self.bytes += len(data)
+        self.puts += 1
+        return self.real(*args, **kw)
+
+
+def make_runtime(backend: str, name: str, tmp: Path, server) -> LocalRuntime:
+    if backend == "local":
+        return LocalRuntime(tmp / name)
+    return LocalRuntime(f"s3://{server.bench_bucket}/{name}", **server.options)
+
+
+async def run_case(backend: str, passes: int, mode: str, tmp: Path, server) -> dict:
+    name = f"{backend}-{passes}-{mode}"
+    runtime = make_runtime(backend, name, tmp, server)
+    counter = ByteCounter(runtime.store.objects)
+    tuning = Tuning(checkpoint=mode in ("sync", "async"), durability="async" if mode == "async" else "sync",
+                    journal=mode != "bare", max_turns=passes + 1)
+    model = ScriptedModel([{"tool": "fetch", "args": {"i": i}} for i in range(passes - 1)] + ["done"])
+    agent = Agent("bench", model=model, tools=[fetch], runtime=runtime, tuning=tuning)
+    sizes: list[int] = []
+
+    def emit(event) -> None:
+        if event.type == "checkpoint" and event.ok:
+            sizes.append(event.size)
+
+    t0 = time.perf_counter()
+    result = await agent.run("go", session_id="bench", emit=emit)
+    wall = time.perf_counter() - t0
+    assert result.turns == passes and result.model_calls == passes
+    transcript = sum(len(m.model_dump_json()) for m in result.messages)
+    runtime.close()
+    return {"backend": backend, "passes": passes, "mode": mode, "wall_s": wall, "ms_per_pass": wall * 1000 / passes,
+            "checkpoints": len(sizes), "checkpoint_bytes": sum(sizes),
+            "mean_checkpoint_bytes": statistics.mean(sizes) if sizes else 0,
+            "bytes_written": counter.bytes, "puts": counter.puts, "bytes_per_pass": counter.bytes / passes,
+            "transcript_bytes": transcript}
+
+
+def floor_ms(backend: str, size: int, tmp: Path, server, reps: int = 10) -> float:
+    """One raw PUT of ``size`` bytes through the same object store (median of ``reps``)."""
+    runtime = make_runtime(backend, f"floor-{backend}-{size}", tmp, server)
+    data = os.urandom(max(size, 1))
+    times = []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        runtime.store.objects.put(key=f"floor/{i}.json", data=data)
+        times.append(time.perf_counter() - t0)
+    runtime.close()
+    return statistics.median(times) * 1000
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="10 and 100 passes only (a smoke run)")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "loop.json"))
+    ap.add_argument("--backends", default="local,s3")
+    ap.add_argument("--sizes", default=None, help="comma-separated pass counts (default 10,100,1000; quick 10,100)")
+    ap.add_argument("--s3-sizes", default=None, help="pass counts for S3 (default: same as --sizes)")
+    args = ap.parse_args()
+    sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else ([10, 100] if args.quick else [10, 100, 1000])
+    s3_sizes = [int(x) for x in args.s3_sizes.split(",")] if args.s3_sizes else sizes
+    backends = args.backends.split(",")
+    modes = ["bare", "off", "sync", "async"]
+
+    from storage.testing import MotoS3Server
+
+    server = MotoS3Server().start() if "s3" in backends else None
+    if server is not None:
+        server.bench_bucket = server.new_bucket("loopbench")
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmpdir:
+        tmp = Path(tmpdir)
+        try:
+            for backend in backends:
+                for passes in (s3_sizes if backend == "s3" else sizes):
+                    case_rows = {}
+                    for mode in modes:
+                        case_rows[mode] = asyncio.run(run_case(backend, passes, mode, tmp, server))
+                    base = case_rows["off"]
+                    mean_ck = case_rows["sync"]["mean_checkpoint_bytes"]
+                    fl = floor_ms(backend, int(mean_ck), tmp, server)
+                    for mode, row in case_rows.items():
+                        row["ratio_to_off"] = row["wall_s"] / base["wall_s"]
+                        row["ckpt_overhead_ms_per_pass"] = (row["wall_s"] - base["wall_s"]) * 1000 / passes
+                        row["floor_put_ms"] = fl
+                        row["bytes_per_pass_over_transcript"] = row["bytes_per_pass"] / row["transcript_bytes"]
+                        rows.append(row)
+                    print(f"  done {backend} {passes} passes", file=sys.stderr, flush=True)
+        finally:
+            if server is not None:
+                server.stop()
+
+    header = (f"{'backend':7} {'passes':>6} {'mode':6} {'wall s':>8} {'ms/pass':>8} {'x off':>6} "
+              f"{'ckpt ms/pass':>12} {'floor ms':>9} {'ckpts':>6} {'KB/pass':>9} {'transcript KB':>13} {'KB/pass÷tr':>10}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['backend']:7} {r['passes']:>6} {r['mode']:6} {r['wall_s']:>8.3f} {r['ms_per_pass']:>8.2f} "
+              f"{r['ratio_to_off']:>6.2f} {r['ckpt_overhead_ms_per_pass']:>12.2f} {r['floor_put_ms']:>9.2f} "
+              f"{r['checkpoints']:>6} {r['bytes_per_pass'] / 1024:>9.1f} {r['transcript_bytes'] / 1024:>13.1f} "
+              f"{r['bytes_per_pass_over_transcript']:>10.3f}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"bench": "loop", "quick": args.quick, "payload_bytes": PAYLOAD,
+                               "python": platform.python_version(), "machine": platform.machine(),
+                               "cpus": os.cpu_count(), "rows": rows}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
