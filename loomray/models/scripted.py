@@ -12,6 +12,7 @@ reply that turn would have had. Replies may be strings (a final answer),
         "final answer",
     ])
 
+A reply may also be a function ``(request) -> reply`` (sync or async).
 Tool-call ids are derived from the reply number (``s0003_0``), which also lets
 the model find its place after compaction folded older assistant messages away.
 ``calls`` counts invocations; ``counter_path`` additionally appends one line per
@@ -21,6 +22,7 @@ call to a file, so a count survives a killed process.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import re
 from typing import Any, Callable, Sequence
@@ -113,6 +115,8 @@ class ScriptedModel:
         reply = self.responses[index]
         if callable(reply) and not isinstance(reply, (Message, ToolCall)):
             reply = reply(request)
+            if inspect.isawaitable(reply):  # an async reply function (e.g. one that waits on an event)
+                reply = await reply
         message = _to_message(reply, index)
         self.calls += 1
         self.requests.append(request)

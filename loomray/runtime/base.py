@@ -71,7 +71,9 @@ class Runtime:
 
     # -- reads -------------------------------------------------------------
     async def list_checkpoints(self, session_id: str, *, limit: int = 50, user_id: str | None = None) -> list[CheckpointMeta]:
-        """Newest first, no payload; ``[]`` for an unknown session."""
+        """Newest first, no payload; ``[]`` for an unknown session or a runtime without a store."""
+        if self.store is None:
+            return []
         rows = await asyncio.to_thread(self.store.list_checkpoints, session_id, user_id=user_id, limit=limit)
         return [CheckpointMeta(session_id=r.session_id, checkpoint_id=r.checkpoint_id, turn=r.turn,
                                created_at=r.created_at, user_id=r.user_id, execution_status=r.execution_status,
@@ -80,6 +82,8 @@ class Runtime:
     async def get_checkpoint(self, session_id: str, checkpoint_id: str = "latest", *,
                              user_id: str | None = None) -> Checkpoint | None:
         """The checkpoint, or None when it does not exist for this user; corrupt data raises."""
+        if self.store is None:
+            return None
         raw = await asyncio.to_thread(self.store.get_checkpoint, session_id, checkpoint_id, user_id=user_id)
         return None if raw is None else Checkpoint.from_json(raw)
 

@@ -83,6 +83,8 @@ async def test_prompt_none_appends_the_continuation_nudge(runtime):
     result = await agent.resume(session_id="s1")
     nudges = [m for m in result.messages if m.role == "user" and m.content == "Continue the interrupted task."]
     assert len(nudges) == 1 and result.resumed_from_checkpoint
+    # The restored transcript is the state: no second system/instructions block is seeded.
+    assert [m.role for m in result.messages].count("system") == 1
 
 
 async def test_latest_id_continues_in_place_and_older_id_forks(runtime):
@@ -257,3 +259,18 @@ def test_sync_twins(runtime):
     assert agent.resume_sync("more", session_id="sy").session_id == "sy"
     forks = agent.fork_sync("sy", from_checkpoint=metas[-1].checkpoint_id, prompts=["a"])
     assert forks[0].forked_from == "sy"
+
+
+async def test_forks_run_at_the_same_time(runtime):
+    import asyncio
+
+    barrier = asyncio.Barrier(3)
+
+    async def meet(request):
+        await asyncio.wait_for(barrier.wait(), timeout=10)  # only passes if all three forks are in flight
+        return f"met after {request.messages[-1].content}"
+
+    agent = agent_for(runtime, ScriptedModel([{"tool": "lookup", "args": {"key": "x"}}, "first", meet]))
+    await agent.run("task", session_id="fan")
+    results = await agent.fork("fan", from_checkpoint="latest", prompts=["a", "b", "c"])
+    assert [r.output for r in results] == ["met after a", "met after b", "met after c"]
