@@ -22,6 +22,12 @@ size through the same object store: the least a per-pass snapshot can cost.
 A checkpoint per pass snapshots the whole transcript, so bytes written grow
 quadratically with the number of passes; ``bytes/pass`` and ``ckpt ms/pass``
 at 1000 passes show that cost in numbers.
+
+``--loomflow-python PATH`` runs the same loop on loomflow 0.20 (its
+``ScriptedModel`` and ``SqliteRuntime`` with ``Tuning(checkpoint=True)``) in
+that interpreter -- install loomflow into a separate venv, never this one.
+loomflow checkpoints once per *architecture* pass (one per ``run`` for ReAct),
+loomray once per *loop* pass; both counts are reported.
 """
 
 from __future__ import annotations
@@ -113,6 +119,52 @@ def floor_ms(backend: str, size: int, tmp: Path, server, reps: int = 10) -> floa
     return statistics.median(times) * 1000
 
 
+LOOMFLOW_SCRIPT = r"""
+import asyncio, json, os, sys, tempfile, time
+from loomflow import Agent, Tuning, ScriptedModel, ScriptedTurn
+from loomflow.core.types import ToolCall
+from loomflow.runtime.sqlite import SqliteRuntime
+
+def fetch(i: int) -> str:
+    '''Return a 2 KB page.'''
+    head = f"page {i}: "
+    return head + ("abcdefghij" * 210)[: 2048 - len(head)]
+
+async def case(passes, ckpt):
+    d = tempfile.mkdtemp()
+    turns = [ScriptedTurn(tool_calls=[ToolCall(tool="fetch", args={"i": i})]) for i in range(passes - 1)]
+    turns.append(ScriptedTurn(text="done"))
+    agent = Agent("bench", model=ScriptedModel(turns), tools=[fetch], max_turns=passes + 1,
+                  runtime=SqliteRuntime(os.path.join(d, "j.db"), max_checkpoints_per_session=0),
+                  tuning=Tuning(checkpoint=ckpt))
+    t0 = time.perf_counter()
+    await agent.run("go", session_id="bench")
+    wall = time.perf_counter() - t0
+    metas = await agent.list_checkpoints("bench", limit=1000000)
+    return {"passes": passes, "mode": "sync" if ckpt else "off", "wall_s": wall, "checkpoints": len(metas),
+            "db_bytes": os.path.getsize(os.path.join(d, "j.db"))}
+
+rows = [asyncio.run(case(int(p), c)) for p in sys.argv[1].split(",") for c in (False, True)]
+print(json.dumps(rows))
+"""
+
+
+def loomflow_rows(python: str, sizes: list[int]) -> list[dict]:
+    """The same scripted loop on loomflow 0.20 (SqliteRuntime), run by ``python`` (a separate venv)."""
+    import subprocess
+
+    out = subprocess.run([python, "-c", LOOMFLOW_SCRIPT, ",".join(map(str, sizes))], capture_output=True,
+                         text=True, timeout=3600, check=True)
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    by = {(r["passes"], r["mode"]): r for r in rows}
+    for r in rows:
+        base = by[(r["passes"], "off")]
+        r.update(backend="loomflow", ms_per_pass=r["wall_s"] * 1000 / r["passes"],
+                 ratio_to_off=r["wall_s"] / base["wall_s"],
+                 ckpt_overhead_ms_per_pass=(r["wall_s"] - base["wall_s"]) * 1000 / r["passes"])
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="10 and 100 passes only (a smoke run)")
@@ -120,6 +172,8 @@ def main() -> None:
     ap.add_argument("--backends", default="local,s3")
     ap.add_argument("--sizes", default=None, help="comma-separated pass counts (default 10,100,1000; quick 10,100)")
     ap.add_argument("--s3-sizes", default=None, help="pass counts for S3 (default: same as --sizes)")
+    ap.add_argument("--loomflow-python", default=None,
+                    help="python of a separate venv with loomflow 0.20 installed: adds its rows side by side")
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else ([10, 100] if args.quick else [10, 100, 1000])
     s3_sizes = [int(x) for x in args.s3_sizes.split(",")] if args.s3_sizes else sizes
@@ -163,11 +217,22 @@ def main() -> None:
               f"{r['ratio_to_off']:>6.2f} {r['ckpt_overhead_ms_per_pass']:>12.2f} {r['floor_put_ms']:>9.2f} "
               f"{r['checkpoints']:>6} {r['bytes_per_pass'] / 1024:>9.1f} {r['transcript_bytes'] / 1024:>13.1f} "
               f"{r['bytes_per_pass_over_transcript']:>10.3f}")
+    lf_rows: list[dict] = []
+    if args.loomflow_python:
+        lf_rows = loomflow_rows(args.loomflow_python, sizes)
+        print()
+        print("loomflow 0.20 (SqliteRuntime, Tuning(checkpoint=True)): one checkpoint per architecture pass")
+        print(f"{'passes':>6} {'mode':5} {'wall s':>8} {'ms/pass':>8} {'x off':>6} {'ckpt ms/pass':>12} {'ckpts':>6}")
+        for r in lf_rows:
+            print(f"{r['passes']:>6} {r['mode']:5} {r['wall_s']:>8.3f} {r['ms_per_pass']:>8.2f} {r['ratio_to_off']:>6.2f} "
+                  f"{r['ckpt_overhead_ms_per_pass']:>12.2f} {r['checkpoints']:>6}")
+        print("loomray (above) writes one checkpoint per loop pass; compare the 'ckpts' columns.")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"bench": "loop", "quick": args.quick, "payload_bytes": PAYLOAD,
                                "python": platform.python_version(), "machine": platform.machine(),
-                               "cpus": os.cpu_count(), "rows": rows}, indent=2))
+                               "cpus": os.cpu_count(), "rows": rows,
+                               "loomflow_rows": lf_rows}, indent=2))
     print(f"wrote {out}")
 
 
