@@ -34,7 +34,7 @@ from loomray.journal import JournalRecord, StepRunner, input_hash, tool_step_key
 from loomray.loop import (
     CONTINUE_NUDGE, CheckpointWriter, LoopOptions, LoopState, dangling_tool_calls, run_loop, run_of_cursor,
 )
-from loomray.records import Checkpoint, Message, RunResult, Usage, utcnow
+from loomray.records import Checkpoint, Message, RunResult, utcnow
 from loomray.tools import as_tools
 
 from storage.errors import LeaseLostError

@@ -25,7 +25,7 @@ import asyncio
 import inspect
 import os
 import re
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from loomray.compaction import estimate_tokens
 from loomray.errors import ModelError
@@ -35,7 +35,6 @@ from loomray.records import Message, ToolCall, Usage
 _SCRIPTED_ID = re.compile(r"^s(\d{4,})_\d+$")
 _COMPACTED = re.compile(r"\[compacted: \d+ earlier messages, (\d+) from the assistant\]")
 
-Reply = "str | Message | dict[str, Any] | Callable[[ModelRequest], Any]"
 
 
 def reply_index(messages: Sequence[Message]) -> int:

@@ -149,8 +149,6 @@ async def test_async_durability_overlaps_upload_with_next_model_call():
             return getattr(self._inner, name)
 
         def put_checkpoint(self, data, **kw):
-            import time
-
             uploading.set()
             gate.wait(timeout=2)  # the upload "takes" until the model has been called again
             uploading.clear()
