@@ -274,3 +274,19 @@ async def test_forks_run_at_the_same_time(runtime):
     await agent.run("task", session_id="fan")
     results = await agent.fork("fan", from_checkpoint="latest", prompts=["a", "b", "c"])
     assert [r.output for r in results] == ["met after a", "met after b", "met after c"]
+
+
+async def test_a_crashed_resume_reissued_continues_without_rebilling(runtime):
+    model = scripted(n_tool_passes=4, tail=2)
+    agent = agent_for(runtime, model)
+    with pytest.raises(Crash):
+        await agent.run("task", session_id="rc", emit=crash_at("model_call", 2))
+    assert model.calls == 1
+    with pytest.raises(Crash):  # the resume itself dies after a journaled model answer, before its checkpoint
+        await agent.resume("go on", session_id="rc", emit=crash_at("model_response", 2))
+    assert model.calls == 3
+    result = await agent.resume("go on", session_id="rc")  # the same call again continues that resume
+    assert result.model_calls == 2 and model.calls == 5 and result.turns == 5
+    assert result.replayed_steps == 1  # the paid-for answer of pass 2 came from the journal
+    assert [m.content for m in result.messages if m.role == "user"] == ["task", "go on"]
+    assert calls_by_tool == {"k0": 1, "k1": 1, "k2": 1, "k3": 1}
