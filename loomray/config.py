@@ -8,7 +8,7 @@ pydantic validation error from deep inside a run.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 _POSITIONS = ("after_tools", "after_model", "both")
@@ -68,7 +68,6 @@ class Tuning:
     compact_after_tokens: int | None = None
     compact_keep_last: int = 8
     output_retries: int = 1
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.max_turns, bool) or not isinstance(self.max_turns, int) or self.max_turns < 1:
