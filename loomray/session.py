@@ -275,7 +275,8 @@ async def execute_request(
     sid, uid = request.session_id, request.user_id
     lease = await t(store.acquire_lease, sid, user_id=uid, owner=owner or _owner())
     plan = await t(_plan, agent, request, store)
-    spec_json = request.model_dump_json()
+    # In-process callers may pass live objects as context; the stored spec names them instead.
+    spec_json = request.model_dump_json(fallback=lambda v: f"<unserializable {type(v).__name__}>")
 
     async def status(state: str, error: str | None = None) -> None:
         row = SessionRow(session_id=sid, user_id=uid, status=state, updated_at=utcnow(), run_id=plan.run_id,

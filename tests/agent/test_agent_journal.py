@@ -101,3 +101,22 @@ async def test_execute_request_is_the_actor_entry_point(tmp_path):
     again = await execute_request(agent, request, store)
     assert again.run_id != result.run_id and store.current_epoch("s", user_id="bob") == 2
     store.close()
+
+
+async def test_live_context_objects_reach_tools_in_process_and_are_named_in_the_spec():
+    from loomray import ToolContext
+
+    class Db:
+        def get(self, key):
+            return f"db[{key}]"
+
+    def read(key: str, ctx: ToolContext) -> str:
+        """Read from the caller's database handle."""
+        return ctx.context.get(key)
+
+    runtime = InProcRuntime()
+    agent = Agent("", model=ScriptedModel([{"tool": "read", "args": {"key": "a"}}, "done"]), tools=[read],
+                  runtime=runtime)
+    result = await agent.run("go", session_id="ctx", context=Db())
+    assert result.messages[-2].content == "db[a]"
+    assert '"context":"<unserializable Db>"' in runtime.store.get_session("ctx").spec_json
