@@ -105,7 +105,7 @@ class Tool:
             if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
                 continue
             annotation = hints.get(pname, param.annotation)
-            if annotation is ToolContext:
+            if annotation is ToolContext or (isinstance(annotation, str) and annotation.split(".")[-1] == "ToolContext"):
                 self._context_param = pname
                 continue
             if annotation is inspect.Parameter.empty:
@@ -161,7 +161,8 @@ class Tool:
 def _type_hints(fn: Callable[..., Any]) -> dict[str, Any]:
     import typing
 
-    return typing.get_type_hints(fn)
+    # ToolContext is resolvable even when the tool's module imported it locally (string annotations).
+    return typing.get_type_hints(fn, localns={"ToolContext": ToolContext})
 
 
 def _to_text(result: Any) -> str:
