@@ -204,6 +204,7 @@ def main() -> None:
                         row["bytes_per_pass_over_transcript"] = row["bytes_per_pass"] / row["transcript_bytes"]
                         rows.append(row)
                     print(f"  done {backend} {passes} passes", file=sys.stderr, flush=True)
+                    write_json(args, rows, [], partial=True)  # a long run keeps what it measured so far
         finally:
             if server is not None:
                 server.stop()
@@ -227,13 +228,16 @@ def main() -> None:
             print(f"{r['passes']:>6} {r['mode']:5} {r['wall_s']:>8.3f} {r['ms_per_pass']:>8.2f} {r['ratio_to_off']:>6.2f} "
                   f"{r['ckpt_overhead_ms_per_pass']:>12.2f} {r['checkpoints']:>6}")
         print("loomray (above) writes one checkpoint per loop pass; compare the 'ckpts' columns.")
+    print(f"wrote {write_json(args, rows, lf_rows, partial=False)}")
+
+
+def write_json(args, rows: list[dict], lf_rows: list[dict], *, partial: bool) -> Path:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"bench": "loop", "quick": args.quick, "payload_bytes": PAYLOAD,
+    out.write_text(json.dumps({"bench": "loop", "quick": args.quick, "partial": partial, "payload_bytes": PAYLOAD,
                                "python": platform.python_version(), "machine": platform.machine(),
-                               "cpus": os.cpu_count(), "rows": rows,
-                               "loomflow_rows": lf_rows}, indent=2))
-    print(f"wrote {out}")
+                               "cpus": os.cpu_count(), "rows": rows, "loomflow_rows": lf_rows}, indent=2))
+    return out
 
 
 if __name__ == "__main__":
