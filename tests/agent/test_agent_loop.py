@@ -256,3 +256,15 @@ async def test_auto_compaction_keeps_budget_and_checkpoint_holds_compacted_trans
     from loomray.loop import dangling_tool_calls
 
     assert all(not dangling_tool_calls(list(r.messages)) for r in model.requests)
+
+
+async def test_events_are_json_and_round_trip():
+    from loomray.events import event_from_dict
+
+    events = []
+    await make_agent(Tuning(checkpoint=True), n=1).run("go", session_id="j", emit=events.append)
+    import json
+
+    for e in events:
+        back = event_from_dict(json.loads(e.model_dump_json()))
+        assert type(back) is type(e) and back == e
