@@ -38,9 +38,18 @@ def new_file_name(suffix: str = "") -> str:
 
 
 def encode(table: pa.Table) -> bytes:
-    """One Parquet file's bytes (zstd; statistics on, so readers can skip row groups)."""
+    """One Parquet file's bytes.
+
+    A write's own file (a row or a few) skips compression, dictionaries and
+    statistics: they cost ~1 ms and bytes for nothing on one row. Compacted
+    files get zstd, dictionaries and statistics, so readers can skip row groups.
+    """
     sink = io.BytesIO()
-    pq.write_table(table, sink, compression="zstd", row_group_size=256 * 1024)
+    if table.num_rows < 1000:
+        pq.write_table(table, sink, compression="none", use_dictionary=False, write_statistics=False,
+                       store_schema=False)
+    else:
+        pq.write_table(table, sink, compression="zstd", row_group_size=256 * 1024)
     return sink.getvalue()
 
 
@@ -57,11 +66,12 @@ class ParquetIndex:
         self._pool.shutdown(wait=False)
 
     # -- write -----------------------------------------------------------
-    def write(self, partition: str, table: pa.Table, *, suffix: str = "") -> str:
+    def write(self, partition: str, table: pa.Table, *, suffix: str = "", cache: bool = True) -> str:
         """Append ``table`` as a new file in ``partition``; visible to readers when this returns."""
         key = partition + new_file_name(suffix)
         self.objects.put(key=key, data=encode(table))
-        self._remember(key, table)
+        if cache:
+            self._remember(key, table)
         return key
 
     def _remember(self, key: str, table: pa.Table) -> None:

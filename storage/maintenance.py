@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from typing import TYPE_CHECKING
 
@@ -18,8 +19,7 @@ import pyarrow as pa
 from storage import layout
 from storage.ids import user_from_segment, user_segment, validate_id
 from storage.index import compact_checkpoint_partition
-from storage.rows import (CHECKPOINT_SCHEMA, SESSION_SCHEMA, CompactReport, PruneReport, as_utc,
-                          checkpoint_rows_table, utcnow)
+from storage.rows import CHECKPOINT_SCHEMA, SESSION_SCHEMA, CompactReport, PruneReport, as_utc
 
 if TYPE_CHECKING:
     from storage.store import Store
@@ -63,12 +63,15 @@ def compact(store: "Store") -> CompactReport:
             if len(pairs) <= 1 and applied == 0 and merged.num_rows == table.num_rows:
                 return len(keys), table.num_rows, 0  # already compact
             if merged.num_rows:
-                store.index.write(partition, merged, suffix="-c")
+                store.index.write(partition, merged, suffix="-c", cache=False)
             # Delete only what was read and merged: a file that appeared after the LIST survives.
             store.objects.delete(keys=[k for k, _ in pairs])
             return (1 if merged.num_rows else 0) + (len(keys) - len(pairs)), merged.num_rows, applied
 
-        for n_files, n_rows, n_applied in store.index._pool.map(merge, groups.items()):
+        # Its own pool: merge() reads through the index's pool, and nesting one pool in itself deadlocks.
+        with ThreadPoolExecutor(max_workers=4, thread_name_prefix="storage-compact") as pool:
+            results = list(pool.map(merge, groups.items()))
+        for n_files, n_rows, n_applied in results:
             files_after += n_files
             rows += n_rows
             dropped += n_applied
@@ -99,11 +102,10 @@ def prune(store: "Store", *, before: datetime | None, session_id: str | None, us
         if cutoff is None:
             # Orphaned objects (written, index row lost in a crash) go too when everything goes.
             doomed_keys |= {o.key for o in store.objects.list(prefix=layout.session_prefix(sid, uid) + "checkpoints/")}
-        if doomed_keys:
-            store.objects.delete(keys=sorted(doomed_keys))
-        if doomed:
-            partition = layout.index_partition(layout.CHECKPOINT_INDEX, sid, uid)
-            store.index.write(partition, checkpoint_rows_table(doomed, tombstone=True, written_at=utcnow()))
+        store._retire(sid, uid, doomed)  # objects, tombstones, and the retention view
+        orphans = sorted(doomed_keys - {r.key for r in doomed})
+        if orphans:
+            store.objects.delete(keys=orphans)
         n_ckpt += len(doomed_keys)
 
         keys = [o.key for o in store.objects.list(prefix=layout.journal_prefix(sid, uid))]

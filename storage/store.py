@@ -10,6 +10,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
+from collections import OrderedDict
 from datetime import datetime
 from typing import Any
 
@@ -28,6 +30,8 @@ from storage.rows import (CHECKPOINT_SCHEMA, SESSION_SCHEMA, CheckpointRow, Comp
 log = logging.getLogger("storage")
 ANY: Any = ...  # "any user" in queries; None means "no user"
 _LEASE_ATTEMPTS = 16
+_ROW_CACHE_FILES = 16384
+_VIEW_REFRESH = 32
 
 
 class Store:
@@ -37,6 +41,11 @@ class Store:
         self.objects = objects
         self.url = url
         self.index = ParquetIndex(objects)
+        self._lock = threading.RLock()
+        #: Parsed rows per immutable index file key (LRU).
+        self._rows: OrderedDict[str, list[tuple[CheckpointRow, bool]]] = OrderedDict()
+        #: Per-session live rows for retention: [rows by checkpoint id, writes since the last full LIST].
+        self._views: dict[tuple[str | None, str], list] = {}
 
     def describe(self, key: str | None = None) -> str:
         """Backend, root and (optionally) key, for messages and the CLI."""
@@ -125,7 +134,7 @@ class Store:
                             agent_id, epoch, key, len(data), hashlib.sha256(data).hexdigest())
         self.objects.put(key=key, data=data)
         partition = layout.index_partition(layout.CHECKPOINT_INDEX, session_id, user_id)
-        self.index.write(partition, checkpoint_rows_table([row], tombstone=False, written_at=utcnow()))
+        self._write_rows(partition, [row], tombstone=False)
         if lease is not None:
             try:
                 self.check_lease(lease)
@@ -134,15 +143,75 @@ class Store:
                 self._retire(session_id, user_id, [row])
                 raise
         if keep >= 1:
-            rows = sorted(self._live_rows(session_id, user_id).values(), key=lambda r: r.order)
-            if len(rows) > keep:
-                self._retire(session_id, user_id, rows[:len(rows) - keep])
+            self._apply_retention(session_id, user_id, row, keep)
         return row
 
+    def _apply_retention(self, session_id: str, user_id: str | None, row: CheckpointRow, keep: int) -> None:
+        """Drop the oldest live checkpoints beyond ``keep``.
+
+        The session's live rows come from a per-store view refreshed by a full
+        partition LIST on first use and every ``_VIEW_REFRESH`` writes, so a
+        steady-state write costs no LIST. The view can only miss rows another
+        process wrote; it never deletes beyond the ``keep`` newest rows it knows,
+        so a session never drops below ``keep`` checkpoints.
+        """
+        view_key = (user_id, session_id)
+        with self._lock:
+            view = self._views.get(view_key)
+            if view is not None and view[1] < _VIEW_REFRESH:
+                view[0][row.checkpoint_id] = row
+                view[1] += 1
+                rows = dict(view[0])
+            else:
+                rows = None
+        if rows is None:
+            rows = self._live_rows(session_id, user_id)
+        if len(rows) > keep:
+            ordered = sorted(rows.values(), key=lambda r: r.order)
+            self._retire(session_id, user_id, ordered[:len(ordered) - keep])
+
+    def _file_rows(self, keys: list[str]) -> list[list[tuple[CheckpointRow, bool]]]:
+        """Parsed rows of each readable index file; files are immutable, so parsing is cached by key."""
+        with self._lock:
+            missing = [k for k in keys if k not in self._rows]
+        parsed = {}
+        for key, table in self.index.read_files(missing, cache=False):
+            try:
+                parsed[key] = checkpoint_rows_from_table(table.select(CHECKPOINT_SCHEMA.names).cast(CHECKPOINT_SCHEMA))
+            except (KeyError, ValueError, TypeError, pa.ArrowInvalid) as e:
+                log.warning("skipping index file with a foreign schema: %s: %s", self.describe(key), e)
+        with self._lock:
+            for key, rows in parsed.items():
+                self._cache_rows(key, rows)
+            return [self._rows[k] for k in keys if k in self._rows]
+
+    def _cache_rows(self, key: str, rows: list[tuple[CheckpointRow, bool]]) -> None:
+        self._rows[key] = rows
+        self._rows.move_to_end(key)
+        while len(self._rows) > _ROW_CACHE_FILES:
+            self._rows.popitem(last=False)
+
+    def _write_rows(self, partition: str, rows: list[CheckpointRow], *, tombstone: bool) -> None:
+        key = self.index.write(partition, checkpoint_rows_table(rows, tombstone=tombstone, written_at=utcnow()),
+                               cache=False)
+        with self._lock:
+            self._cache_rows(key, [(r, tombstone) for r in rows])
+
     def _live_rows(self, session_id: str, user_id: str | None) -> dict[str, CheckpointRow]:
+        """The session's live rows from a fresh LIST of its partition (strongly consistent); refreshes the view."""
         partition = layout.index_partition(layout.CHECKPOINT_INDEX, session_id, user_id)
-        _, table = self.index.read_prefix(partition, CHECKPOINT_SCHEMA)
-        return {r.checkpoint_id: r for r, _ in checkpoint_rows_from_table(live_checkpoints(table))}
+        live: dict[str, CheckpointRow] = {}
+        dead: set[str] = set()
+        for rows in self._file_rows(self.index.list_files(partition)):
+            for row, tomb in rows:
+                if tomb:
+                    dead.add(row.checkpoint_id)
+                else:
+                    live[row.checkpoint_id] = row
+        result = {cid: r for cid, r in live.items() if cid not in dead}
+        with self._lock:
+            self._views[(user_id, session_id)] = [dict(result), 0]
+        return result
 
     def _retire(self, session_id: str, user_id: str | None, rows: list[CheckpointRow]) -> None:
         """Delete objects, then write tombstones (a crash between leaves rows whose object is gone: listings skip them)."""
@@ -150,7 +219,12 @@ class Store:
             return
         self.objects.delete(keys=[r.key for r in rows])
         partition = layout.index_partition(layout.CHECKPOINT_INDEX, session_id, user_id)
-        self.index.write(partition, checkpoint_rows_table(rows, tombstone=True, written_at=utcnow()))
+        self._write_rows(partition, rows, tombstone=True)
+        with self._lock:
+            view = self._views.get((user_id, session_id))
+            if view is not None:
+                for r in rows:
+                    view[0].pop(r.checkpoint_id, None)
 
     def list_checkpoints(self, session_id: str, *, user_id: str | None = None, limit: int | None = 50) -> list[CheckpointRow]:
         """Newest first by (epoch, checkpoint_id); rows whose object is missing or truncated are skipped."""

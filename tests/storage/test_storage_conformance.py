@@ -373,3 +373,14 @@ def test_missing_object_is_not_latest(store):
     store.objects.delete(keys=[row.key])  # deleted behind the index's back
     assert store.get_checkpoint("s1") == store.get_checkpoint("s1", "c1")
     assert [r.checkpoint_id for r in store.list_checkpoints("s1")] == ["c1"]
+
+
+@pytest.mark.timeout(60)
+def test_compact_many_partitions(store):
+    """More partitions than reader threads: compaction must not starve its own pool."""
+    for s in range(40):
+        put(store, f"s{s:02d}", "c1", turn=1, keep=0)
+        put(store, f"s{s:02d}", "c2", turn=2, keep=0)
+    report = store.compact()
+    assert (report.files_before, report.files_after, report.rows) == (80, 40, 80)
+    assert store.query().num_rows == 80
