@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 _TS = pa.timestamp("us", tz="UTC")
 
@@ -120,6 +120,12 @@ class JournalEntry(BaseModel):
     output: dict[str, Any] = Field(default_factory=dict)
     created_at: datetime = Field(default_factory=utcnow)
     epoch: int = 0
+
+    @field_validator("created_at")
+    @classmethod
+    def _aware(cls, value: datetime) -> datetime:
+        # A naive time is ambiguous and would break prune(before=...) comparisons later.
+        return as_utc(value)
 
 
 # -- Arrow schemas ---------------------------------------------------------
