@@ -247,6 +247,7 @@ def local_cluster(
     connect: bool = True,
     env: dict[str, str] | None = None,
     init_kwargs: dict[str, Any] | None = None,
+    head_node_args: dict[str, Any] | None = None,
 ) -> Iterator[LocalCluster]:
     """Start a ``num_nodes``-node Ray cluster on 127.0.0.1, connect to it, and yield it.
 
@@ -260,6 +261,8 @@ def local_cluster(
     - ``env`` is set in ``os.environ`` before any node starts, so raylets and
       the workers they spawn inherit it (e.g. ``PYTHONPATH`` for test-only
       modules); the previous values are restored on exit.
+    - ``head_node_args`` are extra Ray node parameters for the head (e.g.
+      ``{"gcs_server_port": 6390, "temp_dir": "/tmp/x"}``).
     - ``connect=True`` calls ``ray.init(address=..., namespace=namespace)``.
       Raises ``RuntimeError`` if this process is already connected to Ray.
 
@@ -285,6 +288,7 @@ def local_cluster(
                 "resources": {node_resource(0): 1.0, **(head_resources or {})},
                 "include_dashboard": include_dashboard,
                 "_system_config": config,
+                **(head_node_args or {}),
             },
             shutdown_at_exit=True,
         )
