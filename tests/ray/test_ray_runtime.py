@@ -172,3 +172,33 @@ def _pid_alive(pid):
     except ProcessLookupError:
         return False
     return True
+
+
+def test_supervise_keeper_recreates_a_killed_supervisor(env):
+    import threading
+
+    from loomray.runtime.actors import NAMESPACE, SUPERVISOR_NAME
+    from loomray.runtime.ray_runtime import supervise
+
+    lc, runtime, agents = env
+    stop, reports = threading.Event(), []
+    keeper = threading.Thread(target=supervise, args=(runtime.config.store_url,), daemon=True,
+                              kwargs={"interval_s": 0.2, "stop": stop, "report": reports.append})
+    keeper.start()
+    try:
+        wait_for(lambda: reports, timeout=30, what="the keeper to find a supervisor")
+
+        def supervisor_id():
+            try:
+                return ray.get_actor(SUPERVISOR_NAME, namespace=NAMESPACE)._actor_id.hex()
+            except ValueError:
+                return None
+
+        old_id = supervisor_id()
+        ray.kill(ray.get_actor(SUPERVISOR_NAME, namespace=NAMESPACE))
+        wait_for(lambda: supervisor_id() not in (None, old_id), timeout=30, what="a replacement supervisor")
+        assert any("re-creating" in r for r in reports)
+    finally:
+        stop.set()
+        keeper.join(timeout=30)
+    assert not keeper.is_alive()
