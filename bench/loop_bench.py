@@ -79,13 +79,14 @@ def make_runtime(backend: str, name: str, tmp: Path, server) -> LocalRuntime:
     return LocalRuntime(f"s3://{server.bench_bucket}/{name}", **server.options)
 
 
-async def run_case(backend: str, passes: int, mode: str, tmp: Path, server) -> dict:
-    name = f"{backend}-{passes}-{mode}"
+async def run_case(backend: str, passes: int, mode: str, tmp: Path, server, delay_ms: float = 0.0) -> dict:
+    name = f"{backend}-{passes}-{mode}-{delay_ms:g}ms"
     runtime = make_runtime(backend, name, tmp, server)
     counter = ByteCounter(runtime.store.objects)
     tuning = Tuning(checkpoint=mode in ("sync", "async"), durability="async" if mode == "async" else "sync",
                     journal=mode != "bare", max_turns=passes + 1)
-    model = ScriptedModel([{"tool": "fetch", "args": {"i": i}} for i in range(passes - 1)] + ["done"])
+    model = ScriptedModel([{"tool": "fetch", "args": {"i": i}} for i in range(passes - 1)] + ["done"],
+                          delay=delay_ms / 1000)
     agent = Agent("bench", model=model, tools=[fetch], runtime=runtime, tuning=tuning)
     sizes: list[int] = []
 
@@ -99,7 +100,7 @@ async def run_case(backend: str, passes: int, mode: str, tmp: Path, server) -> d
     assert result.turns == passes and result.model_calls == passes
     transcript = sum(len(m.model_dump_json()) for m in result.messages)
     runtime.close()
-    return {"backend": backend, "passes": passes, "mode": mode, "wall_s": wall, "ms_per_pass": wall * 1000 / passes,
+    return {"backend": backend, "passes": passes, "mode": mode, "model_delay_ms": delay_ms, "wall_s": wall, "ms_per_pass": wall * 1000 / passes,
             "checkpoints": len(sizes), "checkpoint_bytes": sum(sizes),
             "mean_checkpoint_bytes": statistics.mean(sizes) if sizes else 0,
             "bytes_written": counter.bytes, "puts": counter.puts, "bytes_per_pass": counter.bytes / passes,
@@ -172,12 +173,17 @@ def main() -> None:
     ap.add_argument("--backends", default="local,s3")
     ap.add_argument("--sizes", default=None, help="comma-separated pass counts (default 10,100,1000; quick 10,100)")
     ap.add_argument("--s3-sizes", default=None, help="pass counts for S3 (default: same as --sizes)")
+    ap.add_argument("--latency-ms", type=float, default=None,
+                    help="also run off/sync/async with this model latency (default 20; 0 disables; quick: 0)")
+    ap.add_argument("--latency-passes", type=int, default=100)
     ap.add_argument("--loomflow-python", default=None,
                     help="python of a separate venv with loomflow 0.20 installed: adds its rows side by side")
     args = ap.parse_args()
     sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else ([10, 100] if args.quick else [10, 100, 1000])
     s3_sizes = [int(x) for x in args.s3_sizes.split(",")] if args.s3_sizes else sizes
     backends = args.backends.split(",")
+    if args.latency_ms is None:
+        args.latency_ms = 0.0 if args.quick else 20.0
     modes = ["bare", "off", "sync", "async"]
 
     from storage.testing import MotoS3Server
@@ -209,6 +215,24 @@ def main() -> None:
             if server is not None:
                 server.stop()
 
+    latency_rows: list[dict] = []
+    if args.latency_ms > 0:
+        # With a model that takes time, async durability hides the upload behind the next call.
+        server = MotoS3Server().start() if "s3" in backends else None
+        if server is not None:
+            server.bench_bucket = server.new_bucket("loopbench-lat")
+        with tempfile.TemporaryDirectory() as tmpdir:
+            try:
+                for backend in backends:
+                    case = {m: asyncio.run(run_case(backend, args.latency_passes, m, Path(tmpdir), server,
+                                                    args.latency_ms)) for m in ("off", "sync", "async")}
+                    for m, row in case.items():
+                        row["ratio_to_off"] = row["wall_s"] / case["off"]["wall_s"]
+                        row["ckpt_overhead_ms_per_pass"] = (row["wall_s"] - case["off"]["wall_s"]) * 1000 / row["passes"]
+                        latency_rows.append(row)
+            finally:
+                if server is not None:
+                    server.stop()
     header = (f"{'backend':7} {'passes':>6} {'mode':6} {'wall s':>8} {'ms/pass':>8} {'x off':>6} "
               f"{'ckpt ms/pass':>12} {'floor ms':>9} {'ckpts':>6} {'KB/pass':>9} {'transcript KB':>13} {'KB/pass÷tr':>10}")
     print(header)
@@ -218,6 +242,14 @@ def main() -> None:
               f"{r['ratio_to_off']:>6.2f} {r['ckpt_overhead_ms_per_pass']:>12.2f} {r['floor_put_ms']:>9.2f} "
               f"{r['checkpoints']:>6} {r['bytes_per_pass'] / 1024:>9.1f} {r['transcript_bytes'] / 1024:>13.1f} "
               f"{r['bytes_per_pass_over_transcript']:>10.3f}")
+    if latency_rows:
+        print()
+        print(f"with {args.latency_ms:g} ms model latency, {args.latency_passes} passes (async overlaps upload and call):")
+        print(f"{'backend':7} {'mode':6} {'wall s':>8} {'ms/pass':>8} {'x off':>6} {'ckpt ms/pass':>12}")
+        for r in latency_rows:
+            print(f"{r['backend']:7} {r['mode']:6} {r['wall_s']:>8.3f} {r['ms_per_pass']:>8.2f} {r['ratio_to_off']:>6.2f} "
+                  f"{r['ckpt_overhead_ms_per_pass']:>12.2f}")
+        rows.extend(latency_rows)
     lf_rows: list[dict] = []
     if args.loomflow_python:
         lf_rows = loomflow_rows(args.loomflow_python, sizes)
