@@ -33,3 +33,19 @@ def test_crash_resume(tmp_path):
     assert "first process exited with -9" in out.stdout
     assert "each pass billed once: True" in out.stdout
     assert "latest checkpoint: turn 10, completed" in out.stdout
+
+
+def test_loop_bench_smoke(tmp_path):
+    """The benchmark still runs (numbers are not asserted: speed lives in bench/, not in tests)."""
+    import json
+
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, str(REPO / "bench" / "loop_bench.py"), "--quick", "--sizes", "10",
+                          "--backends", "local", "--out", str(tmp_path / "loop.json")],
+                         capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    data = json.loads((tmp_path / "loop.json").read_text())
+    modes = {r["mode"]: r for r in data["rows"]}
+    assert set(modes) == {"bare", "off", "sync", "async"}
+    assert modes["sync"]["checkpoints"] == 10 and modes["off"]["checkpoints"] == 0
+    assert modes["sync"]["bytes_written"] > modes["off"]["bytes_written"] > modes["bare"]["bytes_written"]
