@@ -491,6 +491,9 @@ class Supervisor:
                 await asyncio.sleep(0.2)
                 continue
             except ray.exceptions.RayActorError as e:
+                if e.actor_init_failed:  # the constructor raised (bad store options, broken agent): would recur
+                    return await self._finish(w, Outcome(status="failed", error=str(e), error_type="ActorInitFailed"),
+                                              mark_failed=True)
                 log.warning("session %r lost its actor (%s); restarting", w.session_id, type(e).__name__)
                 w.handle = None
                 continue
