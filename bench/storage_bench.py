@@ -64,6 +64,13 @@ class ByteCounter:
         self.bytes = self.puts = 0
 
 
+_START = time.perf_counter()
+
+
+def progress(msg: str) -> None:
+    print(f"[{time.perf_counter() - _START:6.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
 def _pct(values, q):
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
@@ -119,7 +126,7 @@ def bench_listing(store, backend, sessions, per_session, threads):
                                  created_at=T0, position="after_tools", execution_status="active",
                                  message_count=j, keep=0)
 
-    def measure(sid, reps=20):
+    def measure(sid, reps=5 if sessions < 1000 else 20):
         lat = []
         for _ in range(reps):
             store.index._cache.clear()  # a cold reader: LISTs, GETs and parses every time
@@ -134,6 +141,7 @@ def bench_listing(store, backend, sessions, per_session, threads):
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(fill, range(10)))
     few = measure("s000005")
+    progress(f"  filling {sessions:,} sessions")
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(fill, range(10, sessions)))
     fill_s = time.perf_counter() - t
@@ -191,8 +199,10 @@ def bench_query(store, backend, sessions, files_per_session, rows_per_file, user
         return {"all_rows": everything.num_rows, "all_s": q_all, "filtered_rows": filtered.num_rows,
                 "filtered_s": q_filtered, "one_user_rows": one_user.num_rows, "one_user_s": q_user}
 
+    progress(f"  generated {total_rows:,} rows in {gen_s:.1f}s; querying")
     files_before = len(store.index_files())
     before = run_query()
+    progress("  compacting")
     t = time.perf_counter()
     report = store.compact()
     compact_s = time.perf_counter() - t
@@ -213,29 +223,34 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     q = args.quick
     cfg = {
-        "sizes": [10_000, 100_000, 1_000_000], "writes": 5 if q else 40,
-        "list_sessions_local": 200 if q else 10_000, "list_sessions_s3": 100 if q else 2_000, "per_session": 3,
-        "query_sessions": 40 if q else 1_000, "files_per_session": 5 if q else 20, "rows_per_file": 10 if q else 50,
-        "query_users": 10 if q else 100, "query_sessions_s3": 20 if q else 200,
+        "sizes": [10_000, 100_000, 1_000_000], "writes": 3 if q else 40,
+        "list_sessions_local": 60 if q else 10_000, "list_sessions_s3": 30 if q else 1_000, "per_session": 2,
+        "query_sessions": 20 if q else 1_000, "files_per_session": 3 if q else 20, "rows_per_file": 10 if q else 50,
+        "query_users": 10 if q else 100, "query_sessions_s3": 10 if q else 100,
     }
     results = {"machine": {"python": platform.python_version(), "cpus": os.cpu_count(), "platform": platform.platform()},
                "config": cfg, "quick": q, "writes": [], "listing": [], "query": []}
     with tempfile.TemporaryDirectory(prefix="loomray-bench-") as tmp, MotoS3Server() as s3:
         backends = {"local": lambda: open_store(Path(tmp) / f"d{time.time_ns()}"), "s3": s3.open_store}
         for name, make in backends.items():
+            progress(f"writes on {name}")
             store = make()
             results["writes"] += bench_writes(store, name, cfg["sizes"], cfg["writes"])
             store.close()
+        progress("listing on local")
         store = backends["local"]()
         results["listing"].append(bench_listing(store, "local", cfg["list_sessions_local"], cfg["per_session"], 2))
         store.close()
+        progress("listing on s3")
         store = backends["s3"]()
         results["listing"].append(bench_listing(store, "s3", cfg["list_sessions_s3"], cfg["per_session"], 8))
         store.close()
+        progress("query on local")
         store = backends["local"]()
         results["query"].append(bench_query(store, "local", cfg["query_sessions"], cfg["files_per_session"],
                                             cfg["rows_per_file"], cfg["query_users"], 4))
         store.close()
+        progress("query on s3")
         store = backends["s3"]()
         results["query"].append(bench_query(store, "s3", cfg["query_sessions_s3"], cfg["files_per_session"],
                                             cfg["rows_per_file"], min(cfg["query_users"], cfg["query_sessions_s3"]), 8))
