@@ -57,16 +57,16 @@ def get_supervisor(config: RuntimeConfig, *, timeout: float = 120.0) -> Any:
 
     Raises :class:`LoomrayUserError` when the running supervisor serves another store.
     """
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     options: dict[str, Any] = {
         "name": SUPERVISOR_NAME, "namespace": NAMESPACE, "lifetime": "detached", "get_if_exists": True,
         "num_cpus": 0, "max_restarts": -1, "max_concurrency": 1000,
     }
-    head = _head_node_id()
-    if head is not None:
-        # Worker nodes come and go; the head lives as long as the cluster.
-        options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(head, soft=True)
+    if _head_node_id() is not None:
+        # Worker nodes come and go; the head lives as long as the cluster. A resource,
+        # not soft node affinity: soft affinity to the head was measured landing on a
+        # worker about half the time, and a head re-created with a new node id (GCS
+        # fault tolerance) still carries this resource.
+        options["resources"] = {"node:__internal_head__": 0.001}
     handle = ray.remote(Supervisor).options(**options).remote(config)
     info = ray.get(handle.ready.remote(), timeout=timeout)
     if info["store"] != config.store_url:

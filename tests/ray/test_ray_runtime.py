@@ -76,6 +76,8 @@ async def test_node_death_mid_run_continues_on_another_node(env):
     victim = lc.node_of(first["node_id"])
     assert victim is not None and victim is not lc.head
 
+    # The supervisor lives on the head, so losing a worker never takes it down.
+    assert (await runtime._call("ready"))["node_id"] == lc.head.node_id
     lc.remove_node(victim)  # SIGKILL: the actor dies with its node
 
     result = await asyncio.wait_for(run, 90)
