@@ -48,6 +48,8 @@ def steps_started(name: str) -> int:
 nodekill = _slow_agent("nodekill", 0.4)
 #: Outlives a supervisor that is killed mid-run.
 orphaned = _slow_agent("orphaned", 0.4)
+#: Loses its actor and its supervisor at once; a new supervisor restarts it by reference.
+adopted = _slow_agent("adopted", 0.4)
 #: Loses its lease to an intruder mid-run.
 fenced = _slow_agent("fenced", 0.4)
 #: One quick answer per turn: the source and the forks of the fan-out test.

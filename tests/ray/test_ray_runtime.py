@@ -117,6 +117,25 @@ async def test_supervisor_killed_mid_run_new_one_adopts_the_session(env):
     assert sessions["s-orphaned"]["state"] == "completed"
 
 
+async def test_supervisor_and_actor_both_killed_new_supervisor_restarts_by_reference(env):
+    lc, runtime, agents = env
+    from loomray.runtime.actors import NAMESPACE, SUPERVISOR_NAME, session_actor_name
+
+    agent = _driver_agent(agents.adopted, "ray_agents:adopted", runtime)
+    run = asyncio.create_task(agent.run("go", session_id="s-adopted"))
+    await _until(lambda: agents.steps_started("adopted") >= 2, 60, "two tool steps")
+
+    # Nothing in memory survives: the only way back is the session row (agent_ref + spec) and the store.
+    ray.kill(ray.get_actor(SUPERVISOR_NAME, namespace=NAMESPACE))
+    ray.kill(ray.get_actor(session_actor_name("s-adopted"), namespace=NAMESPACE))
+
+    result = await asyncio.wait_for(run, 90)
+    assert result.output == "adopted finished"
+    row = runtime.store.get_session("s-adopted")
+    assert row.status == "completed" and row.epoch == 2 and row.agent_ref == "ray_agents:adopted"
+    assert sorted(agents.model_calls("adopted")) == list(range(agents.TURNS + 1))
+
+
 async def test_fan_out_eight_forks_one_actor_each(env):
     lc, runtime, agents = env
     agent = _driver_agent(agents.quick, None, runtime)  # by value only
