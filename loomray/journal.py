@@ -15,6 +15,13 @@ step ``t0003-model``" and does not care whether it was computed or replayed.
   its step key, so the same effect is not repeated even if the model re-asked
   for it under a new call id.
 
+Windows that remain (inherent, and covered by tests): a model call whose
+process dies after the answer arrived but before its record was written is
+made again on recovery; a tool is at-least-once (it may run again if the
+process dies between its effect and its record) -- declare an idempotency
+key and pass it on to the external system. Idempotency keys are matched
+within the run being continued or replayed, not across a session's runs.
+
 Nothing here knows about storage: persistence is the injected
 :class:`JournalSink`; ``loomray.session`` adapts the store to it.
 """

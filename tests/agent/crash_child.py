@@ -73,8 +73,10 @@ def build(data_dir: str, kill: str | None, position: str = "both"):
             return out
 
         setattr(inner, method, wrapped)  # instance attribute shadows the method for this process only
+    position, _, durability = position.partition("/")  # e.g. "after_tools/async"
     agent = Agent("You research.", model=model, tools=[research], runtime=runtime,
-                  tuning=Tuning(checkpoint=CheckpointConfig(position=position) if position != "off" else False))
+                  tuning=Tuning(checkpoint=CheckpointConfig(position=position) if position != "off" else False,
+                                durability=durability or "sync"))
 
     def emit(event) -> None:
         if kind == "event" and event.type == rest[0] and counter.hit(event.type) == int(rest[1]):
