@@ -3,7 +3,9 @@
 ``Agent("...", model="demo:research", tools=research_tools())`` runs a
 multi-turn research task with no network and no API key: each pass the model
 searches, fetches a page (a few KB of text), and takes a note; after
-``passes`` passes it writes a final report citing its notes. Everything is a
+``passes`` passes it writes a final report citing its notes. A follow-up
+request (``resume("Add a section on costs.")``) gets one more
+search / read / note round on it and a revised report. Everything is a
 pure function of the transcript, so replays and restored sessions get exactly
 the answers an uninterrupted run would have had.
 
@@ -54,6 +56,18 @@ def _topic(messages: list[Message]) -> str:
     return "the task"
 
 
+def _followup(messages: list[Message]) -> tuple[str | None, int]:
+    """A later user request (not the continuation nudge) and the assistant turns since it."""
+    users = [i for i, m in enumerate(messages) if m.role == "user"]
+    if len(users) < 2:
+        return None, 0
+    last = messages[users[-1]]
+    if last.content.strip() == "Continue the interrupted task.":
+        return None, 0
+    since = sum(1 for m in messages[users[-1] + 1:] if m.role == "assistant")
+    return last.content.strip().splitlines()[0] if last.content.strip() else None, since
+
+
 def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")[:40] or "topic"
 
@@ -82,9 +96,13 @@ class ResearchModel:
         self.calls += 1
         index = reply_index(request.messages)
         topic = _topic(request.messages)
-        if index < self.passes:
-            aspect = _ASPECTS[(index // len(_STEPS)) % len(_ASPECTS)]
-            step = _STEPS[index % len(_STEPS)]
+        followup, since = _followup(request.messages)
+        if index < self.passes or (followup is not None and since < len(_STEPS)):
+            if index < self.passes:  # the original plan first, even after a resume
+                aspect = _ASPECTS[(index // len(_STEPS)) % len(_ASPECTS)]
+                step = _STEPS[index % len(_STEPS)]
+            else:  # then one search / read / note round on the follow-up request
+                aspect, step = followup[:60], _STEPS[since]
             if step == "search":
                 args = {"query": f"{topic} {aspect}"}
                 text = f"Looking into {aspect} of {topic}."

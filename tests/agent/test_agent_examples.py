@@ -22,7 +22,7 @@ def test_quickstart(tmp_path):
     lines = out.stdout.splitlines()
     assert lines[0].startswith("run:    10 passes, 10 model calls")
     assert lines[1] == "# Report: durable agent sessions on Ray"
-    assert "1 new model calls, resumed_from_checkpoint=True" in lines[2]
+    assert "14 passes in total, 4 new model calls, resumed_from_checkpoint=True" in lines[2]
     assert "forked from research-2026-07-04" in lines[-1]
     assert (tmp_path / "data" / "sessions" / "_" / "research-2026-07-04" / "checkpoints").is_dir()
 

@@ -41,3 +41,15 @@ def test_agent_ships_to_a_worker_without_its_runtime():
     assert clone.runtime is None and clone.instructions == "x" and sorted(clone.tools) == sorted(agent.tools)
     assert clone.tools["take_note"].key_for({"title": "t", "text": "x"}) == agent.tools["take_note"].key_for(
         {"title": "t", "text": "x"})
+
+
+async def test_a_follow_up_gets_one_more_research_round_and_a_revised_report():
+    agent = Agent("researcher", model="demo:research", tools=research_tools(), tuning=Tuning(checkpoint=True))
+    await agent.run("vector clocks", session_id="f")
+    more = await agent.resume("Add a section on costs.", session_id="f")
+    new_calls = [c for m in more.messages[21:] for c in m.tool_calls]
+    assert [c.name for c in new_calls] == ["search", "fetch_page", "take_note"]
+    assert "Add a section on costs" in new_calls[0].arguments["query"]
+    assert more.model_calls == 4 and more.output.count("\n4. ") == 1  # the fourth note is the follow-up's
+    nudged = await agent.resume(session_id="f")  # the nudge is not a new request: just the report again
+    assert nudged.model_calls == 1 and nudged.output.startswith("# Report")
