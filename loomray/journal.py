@@ -71,6 +71,8 @@ def model_step_key(turn: int) -> str:
 def tool_step_key(turn: int, call_id: str) -> str:
     # Call ids come from providers; keep the key a valid storage id whatever they contain.
     safe = "".join(ch if ch.isalnum() or ch in "_-" else "_" for ch in call_id)[:80]
+    if safe != call_id:  # rewritten: a digest keeps distinct ids distinct
+        safe = f"{safe[:70]}-{hashlib.sha256(call_id.encode()).hexdigest()[:8]}"
     return f"t{turn:04d}-tool-{safe}"
 
 

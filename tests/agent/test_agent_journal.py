@@ -120,3 +120,14 @@ async def test_live_context_objects_reach_tools_in_process_and_are_named_in_the_
     result = await agent.run("go", session_id="ctx", context=Db())
     assert result.messages[-2].content == "db[a]"
     assert '"context":"<unserializable Db>"' in runtime.store.get_session("ctx").spec_json
+
+
+def test_tool_step_keys_are_valid_ids_and_stay_distinct():
+    from loomray.journal import tool_step_key
+    from storage.ids import validate_id
+
+    ids = ["call_1", "call.1", "call/1", "toolu_01/../" * 20, "x" * 300]
+    keys = [tool_step_key(7, i) for i in ids]
+    assert len(set(keys)) == len(ids) and keys[0] == "t0007-tool-call_1"
+    for key in keys:
+        validate_id(key)
