@@ -30,6 +30,8 @@ class Event(BaseModel):
 
 
 class RunStart(Event):
+    """A run began (fresh, restored from a checkpoint, or replaying its journal)."""
+
     type: Literal["run_start"] = "run_start"
     prompt: str | None = None
     kind: str = "run"
@@ -38,12 +40,16 @@ class RunStart(Event):
 
 
 class ModelCall(Event):
+    """The loop is about to ask the model (or the journal) for pass ``turn``'s answer."""
+
     type: Literal["model_call"] = "model_call"
     message_count: int
     step_key: str
 
 
 class ModelResponseEvent(Event):
+    """The model answered; ``replayed`` when the answer came from the journal."""
+
     type: Literal["model_response"] = "model_response"
     message: Message
     usage: Usage
@@ -51,11 +57,15 @@ class ModelResponseEvent(Event):
 
 
 class ToolCallEvent(Event):
+    """A tool call is about to run (or replay)."""
+
     type: Literal["tool_call"] = "tool_call"
     tool_call: ToolCall
 
 
 class ToolResultEvent(Event):
+    """A tool call's result (``is_error`` when the tool failed)."""
+
     type: Literal["tool_result"] = "tool_result"
     tool_call_id: str
     name: str
@@ -65,6 +75,8 @@ class ToolResultEvent(Event):
 
 
 class CheckpointEvent(Event):
+    """A checkpoint write finished (``ok=False``: it failed and the run went on)."""
+
     type: Literal["checkpoint"] = "checkpoint"
     checkpoint_id: str
     position: str
@@ -76,12 +88,16 @@ class CheckpointEvent(Event):
 
 
 class ReplayedStep(Event):
+    """A step was answered from the journal instead of being executed."""
+
     type: Literal["replayed_step"] = "replayed_step"
     step_key: str
     kind: str
 
 
 class DeterminismViolation(Event):
+    """A journaled step's inputs changed: it re-executes instead of replaying."""
+
     type: Literal["determinism_violation"] = "determinism_violation"
     step_key: str
     kind: str
@@ -90,6 +106,8 @@ class DeterminismViolation(Event):
 
 
 class CompactionEvent(Event):
+    """The transcript was compacted to stay under the token budget."""
+
     type: Literal["compaction"] = "compaction"
     tokens_before: int
     tokens_after: int
@@ -98,6 +116,8 @@ class CompactionEvent(Event):
 
 
 class RunEnd(Event):
+    """The run completed."""
+
     type: Literal["run_end"] = "run_end"
     output: str
     usage: Usage
@@ -106,6 +126,8 @@ class RunEnd(Event):
 
 
 class RunError(Event):
+    """The run stopped with an exception (re-raised to the caller)."""
+
     type: Literal["run_error"] = "run_error"
     error_type: str
     error: str
