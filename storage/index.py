@@ -96,7 +96,9 @@ class ParquetIndex:
         if obj is None:
             return None  # compacted away between LIST and GET
         try:
-            table = pq.read_table(pa.BufferReader(obj.data))
+            # ParquetFile.read without inner threads is ~4x cheaper than read_table for small files;
+            # parallelism comes from reading many files at once.
+            table = pq.ParquetFile(pa.BufferReader(obj.data)).read(use_threads=False)
         except Exception as e:  # pyarrow raises several types for bad bytes
             log.warning("skipping unreadable index file: %s", CorruptObjectError(f"{self.objects.describe(key)}: {e}"))
             return None
@@ -115,11 +117,15 @@ class ParquetIndex:
 
     def read_prefix(self, prefix: str, schema: pa.Schema, *, cache: bool = True) -> tuple[list[str], pa.Table]:
         """All files under ``prefix`` as one table (schema-aligned), and the keys read."""
-        pairs = self.read_files(self.list_files(prefix), cache=cache)
+        return self.read_keys(self.list_files(prefix), schema, cache=cache)
+
+    def read_keys(self, keys: list[str], schema: pa.Schema, *, cache: bool = True) -> tuple[list[str], pa.Table]:
+        """Files ``keys`` as one table in ``schema``; files of a foreign schema are skipped with a warning."""
+        pairs = self.read_files(keys, cache=cache)
         tables = []
         for key, t in pairs:
             try:
-                tables.append(t.select(schema.names).cast(schema))
+                tables.append(conform(t, schema))
             except (KeyError, pa.ArrowInvalid, pa.ArrowTypeError) as e:
                 log.warning("skipping index file with a foreign schema: %s: %s", self.objects.describe(key), e)
         table = pa.concat_tables(tables) if tables else schema.empty_table()
@@ -132,6 +138,13 @@ def _keyed(table: pa.Table) -> pa.Table:
 
 
 _JOIN = ["__u", "session_id", "checkpoint_id"]
+
+
+def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """``table`` in exactly ``schema`` (column order and types); a no-op for files this package wrote."""
+    if table.schema.equals(schema):
+        return table
+    return table.select(schema.names).cast(schema)
 
 
 def dedupe(table: pa.Table) -> pa.Table:

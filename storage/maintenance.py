@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from storage import layout
 from storage.ids import user_from_segment, user_segment, validate_id
-from storage.index import compact_checkpoint_partition
+from storage.index import compact_checkpoint_partition, conform
 from storage.rows import CHECKPOINT_SCHEMA, SESSION_SCHEMA, CompactReport, PruneReport, as_utc
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ def compact(store: "Store") -> CompactReport:
         def merge(item: tuple[str, list[str]]) -> tuple[int, int, int]:
             partition, keys = item
             pairs = store.index.read_files(keys, cache=False)
-            tables = [t.select(schema.names).cast(schema) for _, t in pairs]
+            tables = [conform(t, schema) for _, t in pairs]
             table = pa.concat_tables(tables) if tables else schema.empty_table()
             if kind == "checkpoints":
                 merged, applied = compact_checkpoint_partition(table)

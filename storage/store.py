@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 from storage import layout
 from storage.errors import CorruptObjectError, LeaseLostError, PreconditionFailed
 from storage.ids import user_segment, validate_id
-from storage.index import ParquetIndex, live_checkpoints
+from storage.index import ParquetIndex, conform, live_checkpoints
 from storage.objects import ObjectStore
 from storage.rows import (CHECKPOINT_SCHEMA, SESSION_SCHEMA, CheckpointRow, CompactReport, JournalEntry, Lease,
                           PruneReport, SessionRow, as_utc, checkpoint_rows_from_table, checkpoint_rows_table,
@@ -177,7 +177,7 @@ class Store:
         parsed = {}
         for key, table in self.index.read_files(missing, cache=False):
             try:
-                parsed[key] = checkpoint_rows_from_table(table.select(CHECKPOINT_SCHEMA.names).cast(CHECKPOINT_SCHEMA))
+                parsed[key] = checkpoint_rows_from_table(conform(table, CHECKPOINT_SCHEMA))
             except (KeyError, ValueError, TypeError, pa.ArrowInvalid) as e:
                 log.warning("skipping index file with a foreign schema: %s: %s", self.describe(key), e)
         with self._lock:
@@ -344,9 +344,7 @@ class Store:
         if session_id is not None and user_id is ANY:
             validate_id(session_id, "session_id")
             keys = [k for k in keys if f"/session={session_id}/" in k]
-        pairs = self.index.read_files(keys, cache=False)
-        tables = [t.select(CHECKPOINT_SCHEMA.names).cast(CHECKPOINT_SCHEMA) for _, t in pairs]
-        table = pa.concat_tables(tables) if tables else CHECKPOINT_SCHEMA.empty_table()
+        _, table = self.index.read_keys(keys, CHECKPOINT_SCHEMA, cache=False)
         table = live_checkpoints(table)
         mask = None
         for cond in (

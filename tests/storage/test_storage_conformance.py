@@ -384,3 +384,19 @@ def test_compact_many_partitions(store):
     report = store.compact()
     assert (report.files_before, report.files_after, report.rows) == (80, 40, 80)
     assert store.query().num_rows == 80
+
+
+def test_index_file_of_a_foreign_schema_is_skipped(store, caplog):
+    import io
+
+    import pyarrow.parquet as pq
+
+    put(store, "s1", "c1", turn=1)
+    sink = io.BytesIO()
+    pq.write_table(pa.table({"something": [1, 2]}), sink)
+    store.objects.put(key="index/checkpoints/user=_/session=s1/0000000000000000002-cafebabe.parquet",
+                      data=sink.getvalue())
+    with caplog.at_level("WARNING"):
+        assert store.query().num_rows == 1
+        assert [r.checkpoint_id for r in store.list_checkpoints("s1")] == ["c1"]
+    assert "cafebabe" in caplog.text
