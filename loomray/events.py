@@ -47,6 +47,14 @@ class ModelCall(Event):
     step_key: str
 
 
+class TextDelta(Event):
+    """A piece of the model's answer as it streams in (live calls only; a replayed turn is not streamed)."""
+
+    type: Literal["text_delta"] = "text_delta"
+    step_key: str
+    text: str
+
+
 class ModelResponseEvent(Event):
     """The model answered; ``replayed`` when the answer came from the journal."""
 
@@ -134,7 +142,7 @@ class RunError(Event):
 
 
 AnyEvent = Union[
-    RunStart, ModelCall, ModelResponseEvent, ToolCallEvent, ToolResultEvent, CheckpointEvent,
+    RunStart, ModelCall, TextDelta, ModelResponseEvent, ToolCallEvent, ToolResultEvent, CheckpointEvent,
     ReplayedStep, DeterminismViolation, CompactionEvent, RunEnd, RunError,
 ]
 

@@ -33,8 +33,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol
 
-from loomray.events import DeterminismViolation, Event, ReplayedStep
-from loomray.models.base import Model, ModelRequest, ModelResponse
+from loomray.events import DeterminismViolation, Event, ReplayedStep, TextDelta
+from loomray.models.base import Model, ModelRequest, ModelResponse, complete_with_stream
 from loomray.records import Message, ToolCall
 from loomray.tools import Tool, ToolContext, run_tool_call
 
@@ -94,8 +94,11 @@ class StepRunner:
         emit: Callable[[Event], Awaitable[None]] | None = None,
         session_id: str = "",
         run_id: str | None = None,
+        stream: bool = False,
     ) -> None:
         self.model = model
+        #: Stream text deltas as events when the model can (only worth it when someone listens).
+        self.stream = stream
         self.tools = tools
         self.sink = sink
         self.seq = next_seq
@@ -175,7 +178,13 @@ class StepRunner:
         rec = self._by_key.get(step_key)
         if await self._lookup(rec, ihash, step_key, "model", turn):
             return ModelResponse.model_validate(rec.output["response"]), True  # type: ignore[union-attr]
-        response = await self.model.complete(request)
+        on_delta = None
+        if self.stream and self.emit is not None:
+            async def on_delta(text: str) -> None:
+                await self._notify(TextDelta(session_id=self.session_id, run_id=self.run_id, turn=turn,
+                                             step_key=step_key, text=text))
+        # Streamed when the model can stream and someone listens; the journal keeps only the final answer.
+        response = await complete_with_stream(self.model, request, on_delta)
         self.model_calls += 1
         await self.record("model", step_key, ihash, {"response": response.model_dump(mode="json")})
         return response, False

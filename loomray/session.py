@@ -295,7 +295,7 @@ async def execute_request(
     tools = dict(agent.tools)
     tools.update(as_tools(extra_tools))
     steps = StepRunner(agent.model, tools, sink=sink, prior=plan.prior, next_seq=plan.next_seq, emit=on_event,
-                       session_id=sid, run_id=plan.run_id)
+                       session_id=sid, run_id=plan.run_id, stream=emit is not None)
     plan.state.epoch = lease.epoch
     await status("running")
     try:
