@@ -1,115 +1,33 @@
 """The ``loomray`` command line.
 
-Every command takes ``--store URL`` (or ``LOOMRAY_STORE``) and, where a
-cluster is involved, ``--address`` (or ``RAY_ADDRESS``). ``--json`` prints
-machine-readable output. A user mistake prints one line on stderr and exits 2;
-a failed run exits 1; neither prints a traceback (``LOOMRAY_DEBUG=1`` does).
+Store-side commands (``checkpoints``, ``show``, ``query``, ``prune``,
+``compact``) live here; cluster commands (``submit``, ``status``, ``resume``,
+``fork``, ``supervise``) in :mod:`loomray.cli_ray`; ``demo`` in
+:mod:`loomray.demo`. Every command takes ``--store URL`` (or
+``LOOMRAY_STORE``) and, where a cluster is involved, ``--address`` (or
+``RAY_ADDRESS``). ``--json`` prints machine-readable output. A user mistake
+prints one line on stderr and exits 2; a failed run exits 1; neither prints a
+traceback (``LOOMRAY_DEBUG=1`` does).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import sys
-from datetime import datetime, timezone
-from typing import Any, Callable
 
-import click
-from rich.console import Console
-from rich.table import Table
+# Ray reads this once, when first imported: bind to 127.0.0.1 for a user who runs `loomray demo` directly.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-from loomray.errors import LoomrayRunError, LoomrayUserError
+import json  # noqa: E402
+from typing import Any  # noqa: E402
 
-console = Console()
-err_console = Console(stderr=True)
+import click  # noqa: E402
+from rich.table import Table  # noqa: E402
 
-EXIT_USER = 2
-EXIT_RUN = 1
-
-
-class CliError(click.ClickException):
-    """A user mistake: one line, exit code 2."""
-
-    exit_code = EXIT_USER
-
-    def show(self, file=None) -> None:  # one clear line, no "Usage:" noise
-        err_console.print(f"[bold red]error:[/] {self.format_message()}", highlight=False)
-
-
-def _user_error_types() -> tuple[type[BaseException], ...]:
-    from storage import errors as serr
-
-    return (LoomrayUserError, ValueError, KeyError, FileNotFoundError, serr.StorageError)
-
-
-def _guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Turn expected failures into one line and an exit code instead of a traceback."""
-    import functools
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except click.ClickException:
-            raise
-        except LoomrayRunError as e:
-            if os.environ.get("LOOMRAY_DEBUG"):
-                raise
-            err_console.print(f"[bold red]run failed:[/] {e}", highlight=False)
-            sys.exit(EXIT_RUN)
-        except Exception as e:  # noqa: BLE001 - classify, then re-raise the unexpected
-            if os.environ.get("LOOMRAY_DEBUG"):
-                raise
-            if isinstance(e, _user_error_types()):
-                raise CliError(str(e) or type(e).__name__) from e
-            err_console.print(f"[bold red]error:[/] {type(e).__name__}: {e}", highlight=False)
-            sys.exit(EXIT_RUN)
-
-    return wrapper
-
-
-def _open(store_url: str | None):
-    if not store_url:
-        raise CliError("no store given: pass --store URL or set LOOMRAY_STORE (a directory, file://..., s3://bucket/prefix)")
-    from storage import open_store
-
-    return open_store(store_url)
-
-
-def _parse_time(value: str | None) -> datetime | None:
-    if value is None:
-        return None
-    try:
-        t = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError as e:
-        raise CliError(f"not an ISO-8601 time: {value!r}") from e
-    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
-
-
-def _emit_json(obj: Any) -> None:
-    click.echo(json.dumps(obj, default=str, indent=2))
-
-
-def _row_dict(row: Any) -> dict[str, Any]:
-    if hasattr(row, "model_dump"):
-        return row.model_dump(mode="json")
-    if hasattr(row, "__dataclass_fields__"):
-        import dataclasses
-
-        return dataclasses.asdict(row)
-    return dict(row)
-
-
-store_option = click.option(
-    "--store", "store_url", envvar="LOOMRAY_STORE", metavar="URL",
-    help="Store URL: a directory, file://..., s3://bucket/prefix (env LOOMRAY_STORE).",
+from loomray.cli_common import (  # noqa: E402
+    CliError, check_id, console, emit_json, err_console, first_line, guarded, json_option,
+    open_store_or_fail, parse_time, row_dict, short_time, store_option, user_option,
 )
-address_option = click.option(
-    "--address", envvar="RAY_ADDRESS", default=None, metavar="ADDR",
-    help="Ray cluster address (env RAY_ADDRESS); default: start or join a local cluster.",
-)
-json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-user_option = click.option("--user", "user_id", default=None, help="The user the session belongs to.")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -127,15 +45,21 @@ def main() -> None:
 @user_option
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 10_000))
 @json_option
-@_guarded
+@guarded
 def checkpoints(session_id: str, store_url: str | None, user_id: str | None, limit: int, as_json: bool) -> None:
     """List a session's checkpoints, newest first."""
-    rows = _open(store_url).list_checkpoints(session_id, user_id=user_id, limit=limit)
+    check_id(session_id, "session_id")
+    check_id(user_id, "user_id")
+    store = open_store_or_fail(store_url)
+    rows = store.list_checkpoints(session_id, user_id=user_id, limit=limit)
+    if not rows and not session_exists(store, session_id, user_id):
+        raise CliError(f"unknown session {session_id!r}" + (f" of user {user_id!r}" if user_id else "")
+                       + f" in {store.describe()}")
     if as_json:
-        _emit_json([_row_dict(r) for r in rows])
+        emit_json([row_dict(r) for r in rows])
         return
     if not rows:
-        err_console.print(f"no checkpoints for session {session_id!r}" + (f" of user {user_id!r}" if user_id else ""))
+        err_console.print(f"session {session_id!r} has no checkpoints (it ran without checkpointing)")
         return
     table = Table(title=f"checkpoints of {session_id}")
     for col in ("checkpoint", "turn", "position", "status", "messages", "tokens", "cost $", "epoch", "created"):
@@ -144,7 +68,7 @@ def checkpoints(session_id: str, store_url: str | None, user_id: str | None, lim
         cost = "-" if r.cost_usd is None else f"{r.cost_usd:.4f}"
         table.add_row(
             r.checkpoint_id, str(r.turn), r.position, r.execution_status, str(r.message_count),
-            str(r.input_tokens + r.output_tokens), cost, str(r.epoch), r.created_at.strftime("%Y-%m-%d %H:%M:%S"),
+            str(r.input_tokens + r.output_tokens), cost, str(r.epoch), short_time(r.created_at),
         )
     console.print(table)
 
@@ -156,16 +80,21 @@ def checkpoints(session_id: str, store_url: str | None, user_id: str | None, lim
 @user_option
 @click.option("--messages/--no-messages", default=True, help="Print the transcript.")
 @json_option
-@_guarded
+@guarded
 def show(session_id: str, checkpoint_id: str, store_url: str | None, user_id: str | None,
          messages: bool, as_json: bool) -> None:
     """Show one checkpoint (default: the latest) with its transcript."""
     from loomray.records import Checkpoint
 
-    raw = _open(store_url).get_checkpoint(session_id, checkpoint_id, user_id=user_id)
+    check_id(session_id, "session_id")
+    check_id(user_id, "user_id")
+    if checkpoint_id != "latest":
+        check_id(checkpoint_id, "checkpoint_id")
+    store = open_store_or_fail(store_url)
+    raw = store.get_checkpoint(session_id, checkpoint_id, user_id=user_id)
     if raw is None:
-        raise CliError(f"no checkpoint {checkpoint_id!r} for session {session_id!r}"
-                       + (f" of user {user_id!r}" if user_id else ""))
+        what = "unknown session" if not session_exists(store, session_id, user_id) else f"no checkpoint {checkpoint_id!r} for session"
+        raise CliError(f"{what} {session_id!r}" + (f" of user {user_id!r}" if user_id else ""))
     ckpt = Checkpoint.from_json(raw)
     if as_json:
         click.echo(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
@@ -196,18 +125,22 @@ def show(session_id: str, checkpoint_id: str, store_url: str | None, user_id: st
 @click.option("--min-cost", type=float, default=None)
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 1_000_000))
 @json_option
-@_guarded
+@guarded
 def query(sql: str | None, store_url: str | None, user_id: str | None, session_id: str | None,
           status: str | None, since: str | None, until: str | None, min_cost: float | None,
           limit: int, as_json: bool) -> None:
     """Query the checkpoint index across sessions.
 
-    With SQL, the filtered rows are the table ``checkpoints`` (DuckDB), e.g.
+    Without SQL, prints the live checkpoint rows matching the filters. With
+    SQL (DuckDB over Arrow), the filtered rows are the table ``checkpoints``
+    and the latest status row of each session is the table ``sessions``, e.g.
     ``loomray query "select session_id, max(turn) from checkpoints group by 1"``.
     """
-    store = _open(store_url)
-    kwargs: dict[str, Any] = dict(session_id=session_id, status=status, since=_parse_time(since),
-                                  until=_parse_time(until), min_cost=min_cost)
+    check_id(session_id, "session_id")
+    check_id(user_id, "user_id")
+    store = open_store_or_fail(store_url)
+    kwargs: dict[str, Any] = dict(session_id=session_id, status=status, since=parse_time(since),
+                                  until=parse_time(until), min_cost=min_cost)
     if user_id is not None:
         kwargs["user_id"] = user_id
     table = store.query(**kwargs)
@@ -218,13 +151,16 @@ def query(sql: str | None, store_url: str | None, user_id: str | None, session_i
             raise CliError("SQL queries need DuckDB: pip install 'loomray[query]'") from e
         con = duckdb.connect()
         con.register("checkpoints", table)
+        con.register("sessions", sessions_table(store, user_id))
         try:
             table = con.execute(sql).fetch_arrow_table()
         except duckdb.Error as e:
-            raise CliError(f"SQL error: {str(e).splitlines()[0]}") from e
+            raise CliError(f"SQL error: {first_line(str(e))}") from e
+        finally:
+            con.close()
     table = table.slice(0, limit)
     if as_json:
-        _emit_json(table.to_pylist())
+        emit_json(table.to_pylist())
         return
     out = Table(title=f"{table.num_rows} rows")
     for name in table.column_names:
@@ -241,15 +177,17 @@ def query(sql: str | None, store_url: str | None, user_id: str | None, session_i
 @click.option("--user", "user_id", default=None)
 @click.option("--yes", is_flag=True, help="Do not ask for confirmation.")
 @json_option
-@_guarded
+@guarded
 def prune(store_url: str | None, before: str | None, session_id: str | None, user_id: str | None,
           yes: bool, as_json: bool) -> None:
     """Delete checkpoints and journal entries matching every given filter, and nothing else."""
+    check_id(session_id, "session_id")
+    check_id(user_id, "user_id")
     if before is None and session_id is None and user_id is None and not yes:
         raise CliError("prune with no filter deletes every session's history; give --before/--session/--user or --yes")
-    report = _open(store_url).prune(before=_parse_time(before), session_id=session_id, user_id=user_id)
+    report = open_store_or_fail(store_url).prune(before=parse_time(before), session_id=session_id, user_id=user_id)
     if as_json:
-        _emit_json(_row_dict(report))
+        emit_json(row_dict(report))
     else:
         console.print(f"pruned {report.checkpoints} checkpoints and {report.journal_entries} journal entries")
 
@@ -257,17 +195,46 @@ def prune(store_url: str | None, before: str | None, session_id: str | None, use
 @main.command()
 @store_option
 @json_option
-@_guarded
+@guarded
 def compact(store_url: str | None, as_json: bool) -> None:
     """Merge small Parquet index files and drop tombstoned rows."""
-    report = _open(store_url).compact()
+    report = open_store_or_fail(store_url).compact()
     if as_json:
-        _emit_json(_row_dict(report))
+        emit_json(row_dict(report))
     else:
         console.print(
             f"index files {report.files_before} -> {report.files_after}, {report.rows} rows kept, "
             f"{report.tombstones_dropped} tombstoned rows dropped"
         )
+
+
+def session_exists(store: Any, session_id: str, user_id: str | None) -> bool:
+    """True when the store knows the session at all (a status row or a journal)."""
+    return store.get_session(session_id, user_id=user_id) is not None or bool(
+        store.journal_runs(session_id, user_id=user_id))
+
+
+def sessions_table(store: Any, user_id: str | None = None) -> Any:
+    """The latest status row of each session (of ``user_id``, or every user) as an Arrow table."""
+    import pyarrow as pa
+
+    from storage import ANY
+    from storage.rows import SESSION_SCHEMA, session_rows_table
+
+    rows = store.list_sessions(user_id=ANY if user_id is None else user_id)
+    return session_rows_table(rows) if rows else SESSION_SCHEMA.empty_table()
+
+
+def _register() -> None:
+    """Attach the cluster commands and the demo (their modules import Ray only when a command runs)."""
+    from loomray import cli_ray, demo
+
+    for command in (cli_ray.submit, cli_ray.status, cli_ray.resume, cli_ray.fork, cli_ray.supervise_cmd,
+                    demo.demo):
+        main.add_command(command)
+
+
+_register()
 
 
 if __name__ == "__main__":  # pragma: no cover
