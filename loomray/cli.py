@@ -26,7 +26,7 @@ from rich.table import Table  # noqa: E402
 
 from loomray.cli_common import (  # noqa: E402
     CliError, check_id, console, emit_json, err_console, first_line, guarded, json_option,
-    open_store_or_fail, parse_time, row_dict, short_time, store_option, user_option,
+    open_store_or_fail, parse_time, row_dict, short_time, sql_to_arrow, store_option, user_option,
 )
 
 
@@ -153,7 +153,7 @@ def query(sql: str | None, store_url: str | None, user_id: str | None, session_i
         con.register("checkpoints", table)
         con.register("sessions", sessions_table(store, user_id))
         try:
-            table = con.execute(sql).fetch_arrow_table()
+            table = sql_to_arrow(con, sql)
         except duckdb.Error as e:
             raise CliError(f"SQL error: {first_line(str(e))}") from e
         finally:

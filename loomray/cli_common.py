@@ -160,3 +160,18 @@ address_option = click.option(
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 user_option = click.option("--user", "user_id", default=None, help="The user the session belongs to.")
+
+
+def sql_to_arrow(con: Any, sql: str) -> Any:
+    """Run ``sql`` on a DuckDB connection and return a pyarrow Table (method names differ across DuckDB 1/2)."""
+    relation = con.sql(sql)
+    if relation is None:  # a statement without a result (e.g. SET)
+        import pyarrow as pa
+
+        return pa.table({})
+    for name in ("to_arrow_table", "fetch_arrow_table", "arrow"):
+        method = getattr(relation, name, None)
+        if method is not None:
+            table = method()
+            return table.read_all() if hasattr(table, "read_all") else table
+    raise RuntimeError("this DuckDB version cannot return Arrow tables")
