@@ -24,7 +24,7 @@ def _put(store, cid="c1"):
                                 position="after_tools", execution_status="active", message_count=1)
 
 
-@pytest.mark.parametrize("kind,failures", [("slowdown", 2), ("unavailable", 2), ("reset", 3), ("timeout", 2)])
+@pytest.mark.parametrize("kind,failures", [("slowdown", 2), ("unavailable", 2), ("reset", 2), ("timeout", 2)])
 def test_transient_failures_are_retried(s3, kind, failures):
     faults = FaultInjector(s3.objects.client, failures=failures, kind=kind, operations={"PutObject"})
     row = _put(s3)
