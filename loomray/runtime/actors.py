@@ -1,4 +1,7 @@
-"""The Ray actors: one ``SessionActor`` per session, one detached ``Supervisor``.
+"""The session actor and what travels to it: config, agent spec, outcome.
+
+One ``SessionActor`` per session; the detached ``Supervisor`` that owns them
+lives in :mod:`loomray.runtime.supervisor`.
 
 How the pieces fit (docs/ray-notes.md has the measurements behind the choices):
 
@@ -32,6 +35,7 @@ import importlib
 import logging
 import os
 import random
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -53,20 +57,52 @@ def session_actor_name(session_id: str, user_id: str | None = None) -> str:
     return f"loomray:{user_id or '_'}:{session_id}"
 
 
-def resolve_ref(ref: str) -> Any:
-    """Import ``module:attribute`` (dots allowed in the attribute path) and return it."""
+_REF = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
+
+
+def check_ref(ref: Any) -> str:
+    """Validate the form of an agent reference ``package.module:attribute``; return it.
+
+    Raises :class:`LoomrayUserError` for anything else (nothing is imported here).
+    """
     from loomray.errors import LoomrayUserError
 
-    module_name, sep, attr = ref.partition(":")
-    if not sep or not module_name or not attr:
+    if not isinstance(ref, str) or not _REF.match(ref):
         raise LoomrayUserError(f"agent reference {ref!r} must look like 'package.module:attribute'")
+    return ref
+
+
+def resolve_ref(ref: str) -> Any:
+    """Import ``module:attribute`` (dots allowed in the attribute path) and return the Agent it names.
+
+    Raises :class:`LoomrayUserError` when the form is wrong, the import fails,
+    or the object is not an agent.
+    """
+    from loomray.errors import LoomrayUserError
+
+    module_name, _, attr = check_ref(ref).partition(":")
     try:
         obj: Any = importlib.import_module(module_name)
         for part in attr.split("."):
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as e:
-        raise LoomrayUserError(f"cannot import agent reference {ref!r}: {e}") from e
+        raise LoomrayUserError(f"cannot import agent reference {ref!r}: {type(e).__name__}: {e}") from e
+    if not all(hasattr(obj, a) for a in ("model", "tools", "tuning", "instructions")):
+        raise LoomrayUserError(f"agent reference {ref!r} names a {type(obj).__name__}, not a loomray Agent")
     return obj
+
+
+def set_agent_ref(agent: Any, ref: str) -> Any:
+    """Register ``ref`` (``"package.module:attribute"``) as the importable name of ``agent``; return ``agent``.
+
+    ``RayRuntime`` ships an agent by value (cloudpickle, in memory) *and* by
+    this reference; the reference is stored in the session row, so a session
+    whose actor and supervisor both die, or whose whole cluster is replaced,
+    can be restarted by importing it. Without one such a session cannot be
+    recovered. The module must be importable on every node.
+    """
+    agent.loomray_ref = check_ref(ref)
+    return agent
 
 
 @dataclass(frozen=True)
@@ -90,6 +126,8 @@ class RuntimeConfig:
     compact_interval_s: float | None = 600.0
     #: A finished session actor nobody collected exits after this long.
     linger_s: float = 300.0
+    #: The supervisor reports a finished session for this long, then forgets it (bounded memory).
+    forget_after_s: float = 600.0
 
     def open_store(self) -> Any:
         """Open the store this config names, in the calling process."""
@@ -112,11 +150,18 @@ class AgentSpec:
 
     @classmethod
     def of(cls, agent: Any, extra_tools: Any = ()) -> "AgentSpec":
-        """Ship ``agent`` by value, without its runtime (clients and connections stay behind)."""
+        """``agent`` as a spec: a ``"module:attr"`` string travels by reference only; an Agent
+        travels by value (without its runtime: clients and connections stay behind), plus
+        its reference if one was registered with :func:`set_agent_ref`."""
         import copy
 
         from ray import cloudpickle
 
+        if isinstance(agent, str):
+            check_ref(agent)
+            if extra_tools:
+                raise TypeError("extra_tools need the agent by value; an agent reference cannot carry them")
+            return cls(ref=agent)
         clone = copy.copy(agent)
         clone.runtime = None
         return cls(ref=getattr(agent, "loomray_ref", None), payload=cloudpickle.dumps((clone, tuple(extra_tools))))
@@ -143,6 +188,8 @@ class Outcome(BaseModel):
     error_type: str | None = None
     epoch: int | None = None
     node_id: str | None = None
+    #: Passes completed when the run ended (its last event's turn).
+    turn: int | None = None
     #: The run's exception, to re-raise in the driver; only when it survives pickling. Never stored.
     exception: Any = Field(default=None, exclude=True)
 
@@ -163,10 +210,13 @@ class SessionActor:
 
     ``request_json`` is a :class:`loomray.session.RunRequest` as JSON. The
     constructor does the cheap, failure-prone parts (store, agent, request) so
-    a bad configuration fails actor creation with a clear error.
+    a bad configuration fails actor creation with a clear error. With
+    ``events_to`` (the supervisor's handle) every event of the run is sent
+    there in ordered batches, for a driver that passed ``emit``; the batches
+    still in flight are flushed before ``run()`` returns.
     """
 
-    def __init__(self, config: RuntimeConfig, agent: AgentSpec, request_json: str) -> None:
+    def __init__(self, config: RuntimeConfig, agent: AgentSpec, request_json: str, events_to: Any = None) -> None:
         from loomray.session import RunRequest
 
         self._config = config
@@ -180,6 +230,14 @@ class SessionActor:
         self._owner = f"ray:{ctx.get_actor_id()}@{self._node_id[:12]}:{os.getpid()}"
         self._task: asyncio.Task | None = None
         self._started = time.time()
+        self._events_to = events_to
+        self._pending: list[str] = []
+        self._flushing: asyncio.Task | None = None
+        self._turn = 0
+        self._checkpoint_turn: int | None = None
+        self._epoch: int | None = None
+        self._epoch_task: asyncio.Task | None = None
+        self._events = 0
 
     async def run(self) -> Outcome:
         """Run (or join the run in flight) and return its outcome. Never raises for a run's failure."""
@@ -191,27 +249,85 @@ class SessionActor:
         from loomray.session import execute_request
         from storage.errors import LeaseLostError
 
+        base = {"node_id": self._node_id}
         try:
             result = await execute_request(
                 self._agent, self._request, self._store,
                 max_checkpoints_per_session=self._config.max_checkpoints_per_session,
-                extra_tools=self._extra_tools, owner=self._owner,
+                extra_tools=self._extra_tools, owner=self._owner, emit=self._on_event,
                 agent_ref=self._agent_spec.ref, node_id=self._node_id,
             )
-            outcome = Outcome(status="completed", result_json=result.model_dump_json(), node_id=self._node_id)
+            outcome = Outcome(status="completed", result_json=result.model_dump_json(), turn=result.turns, **base)
         except LeaseLostError as e:
             # A newer incarnation (or another runtime) owns the session: stop, write nothing more.
             log.warning("session %r fenced on node %s: %s", self._request.session_id, self._node_id, e)
-            outcome = Outcome(status="fenced", error=str(e), error_type=type(e).__name__, node_id=self._node_id,
-                              exception=_portable(e))
+            outcome = Outcome(status="fenced", error=str(e), error_type=type(e).__name__, exception=_portable(e),
+                              **base)
         except asyncio.CancelledError:
-            outcome = Outcome(status="cancelled", node_id=self._node_id)
+            outcome = Outcome(status="cancelled", **base)
         except Exception as e:  # the run's own failure: reported, never retried (it would fail again)
             outcome = Outcome(status="failed", error=f"{type(e).__name__}: {e}", error_type=type(e).__name__,
-                              node_id=self._node_id, exception=_portable(e))
+                              exception=_portable(e), **base)
+        if self._epoch_task is not None:
+            await asyncio.wait([self._epoch_task], timeout=10)
+        outcome.epoch = self._epoch
+        if outcome.turn is None:
+            outcome.turn = self._turn
+        await self._flush_all()
         # Nobody may come to collect (a supervisor mid-restart): do not linger forever as a detached actor.
         asyncio.get_running_loop().call_later(self._config.linger_s, _kill_self)
         return outcome
+
+    # -- events ------------------------------------------------------------------
+    async def _on_event(self, event: Any) -> None:
+        self._events += 1
+        self._turn = event.turn
+        if event.type == "checkpoint" and event.ok:
+            self._checkpoint_turn = event.turn
+        if event.type == "run_start" and self._epoch_task is None:
+            # The lease was taken just before the run started; read its epoch off the loop's path.
+            self._epoch_task = asyncio.get_running_loop().create_task(self._read_epoch())
+        if self._events_to is not None:
+            self._pending.append(event.model_dump_json())
+            if self._flushing is None or self._flushing.done():
+                self._flushing = asyncio.get_running_loop().create_task(self._flush())
+
+    async def _read_epoch(self) -> None:
+        try:
+            self._epoch = await asyncio.to_thread(self._store.current_epoch, self._request.session_id,
+                                                  user_id=self._request.user_id)
+        except Exception as e:  # only for status reports
+            log.debug("could not read the epoch of %r: %s", self._request.session_id, e)
+
+    async def _flush(self) -> None:
+        """Send pending events in order, one batch at a time (the loop never waits for this)."""
+        while self._pending:
+            batch, self._pending = self._pending, []
+            try:
+                await self._events_to.push_events.remote(self._request.session_id, self._request.user_id, batch)
+            except Exception as e:  # the driver's stream is best-effort; the run does not depend on it
+                log.warning("dropped %d event(s) of %r: %s", len(batch), self._request.session_id, e)
+                try:  # a supervisor re-created under its name gets the next batches
+                    self._events_to = ray.get_actor(SUPERVISOR_NAME, namespace=NAMESPACE)
+                except ValueError:
+                    pass
+
+    async def _flush_all(self) -> None:
+        if self._events_to is None:
+            return
+        try:
+            if self._flushing is not None:
+                await asyncio.wait_for(asyncio.shield(self._flushing), timeout=10)
+            await asyncio.wait_for(self._flush(), timeout=10)
+        except asyncio.TimeoutError:
+            log.warning("event stream of %r did not drain in 10 s", self._request.session_id)
+
+    # -- queries -------------------------------------------------------------------
+    async def progress(self) -> dict[str, Any]:
+        """Cheap live status: passes completed, the turn of the latest checkpoint written, epoch, node."""
+        return {"turn": self._turn, "checkpoint_turn": self._checkpoint_turn, "epoch": self._epoch,
+                "node_id": self._node_id, "events": self._events,
+                "finished": self._task is not None and self._task.done()}
 
     async def info(self) -> dict[str, Any]:
         """Where and what this incarnation is (for status and tests)."""
@@ -235,21 +351,6 @@ class SessionActor:
 
 def _kill_self() -> None:
     ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
-
-
-@dataclass
-class _Watched:
-    """The supervisor's view of one session."""
-
-    session_id: str
-    user_id: str | None
-    request_json: str
-    agent: AgentSpec | None
-    handle: Any = None
-    incarnation: int = 0
-    last_node: str | None = None
-    done: asyncio.Future | None = None
-    task: asyncio.Task | None = None
 
 
 def _alive_nodes(exclude: str | None) -> list[str]:
@@ -282,244 +383,10 @@ def session_actor_options(config: RuntimeConfig, session_id: str, user_id: str |
     return options
 
 
-class Supervisor:
-    """Starts, watches, restarts and forks session actors; detached, one per cluster.
+def __getattr__(name: str) -> Any:
+    # The Supervisor moved to loomray.runtime.supervisor; old imports keep working.
+    if name == "Supervisor":
+        from loomray.runtime.supervisor import Supervisor
 
-    Its state is derived: on first use (and every ``reconcile_interval_s``) it
-    adopts every active session row a Ray actor owned, attaching to the live
-    actor by name or restarting it from the store. So a supervisor killed and
-    re-created, or one on a new cluster pointed at the same store, picks up
-    every active session.
-    """
-
-    def __init__(self, config: RuntimeConfig, reconcile_interval_s: float = 30.0) -> None:
-        self._config = config
-        self._store = config.open_store()
-        self._reconcile_interval_s = reconcile_interval_s
-        self._sessions: dict[tuple[str | None, str], _Watched] = {}
-        self._started: asyncio.Task | None = None
-        self._background: list[asyncio.Task] = []
-        self._restarts = 0
-
-    # -- lifecycle -------------------------------------------------------------
-    async def ready(self) -> dict[str, Any]:
-        """Adopt the store's active sessions (once) and start background work; return a summary."""
-        await self._ensure_started()
-        return {"store": self._config.store_url, "sessions": len(self._sessions), "restarts": self._restarts,
-                "node_id": ray.get_runtime_context().get_node_id()}
-
-    async def _ensure_started(self) -> None:
-        # Async actors cannot start tasks from __init__; the first call does it.
-        if self._started is None:
-            self._started = asyncio.get_running_loop().create_task(self._adopt())
-            self._background.append(asyncio.get_running_loop().create_task(self._reconcile_loop()))
-            if self._config.compact_interval_s:
-                self._background.append(asyncio.get_running_loop().create_task(self._compact_loop()))
-        await asyncio.shield(self._started)
-
-    async def _adopt(self) -> list[str]:
-        """Take ownership of every active Ray session in the index that nobody here watches."""
-        rows = []
-        for state in ACTIVE_STATES:
-            rows += await asyncio.to_thread(self._store.list_sessions, status=state, user_id=...)
-        adopted = []
-        for row in rows:
-            key = (row.user_id, row.session_id)
-            # node_id is set only by a Ray session actor: rows of in-process runtimes are not ours.
-            if key in self._sessions or not row.node_id or not row.spec_json:
-                continue
-            # A newer lease than the row's means a live owner elsewhere took over: not ours to restart.
-            if row.epoch < await asyncio.to_thread(self._store.current_epoch, row.session_id, user_id=row.user_id):
-                continue
-            agent = AgentSpec(ref=row.agent_ref) if row.agent_ref else None
-            w = _Watched(row.session_id, row.user_id, row.spec_json, agent, last_node=row.node_id,
-                         done=asyncio.get_running_loop().create_future())
-            self._sessions[key] = w
-            try:
-                w.handle = ray.get_actor(session_actor_name(row.session_id, row.user_id), namespace=NAMESPACE)
-            except ValueError:
-                w.handle = None  # gone: the watcher restarts it
-            w.task = asyncio.get_running_loop().create_task(self._watch(w))
-            adopted.append(row.session_id)
-        if adopted:
-            log.info("supervisor adopted %d session(s) from %s", len(adopted), self._config.store_url)
-        return adopted
-
-    async def _reconcile_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._reconcile_interval_s)
-            try:
-                await self._adopt()
-            except Exception as e:  # the index may be briefly unreadable; try again next round
-                log.warning("supervisor reconcile failed: %s: %s", type(e).__name__, e)
-
-    async def _compact_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self._config.compact_interval_s)
-            try:
-                report = await asyncio.to_thread(self._store.compact)
-                log.info("index compacted: %s", report)
-            except Exception as e:  # compaction is an optimisation; never fatal
-                log.warning("background compaction failed: %s: %s", type(e).__name__, e)
-
-    # -- sessions --------------------------------------------------------------
-    async def submit(self, agent: AgentSpec, request_json: str) -> dict[str, Any]:
-        """Start a session actor for ``request_json`` and watch it; returns at once."""
-        from loomray.errors import LoomrayUserError
-        from loomray.session import RunRequest
-
-        await self._ensure_started()
-        request = RunRequest.model_validate_json(request_json)
-        key = (request.user_id, request.session_id)
-        current = self._sessions.get(key)
-        if current is not None and not current.done.done():
-            raise LoomrayUserError(f"session {request.session_id!r} (user {request.user_id!r}) is already running")
-        w = _Watched(request.session_id, request.user_id, request_json, agent,
-                     done=asyncio.get_running_loop().create_future())
-        self._sessions[key] = w
-        try:
-            w.handle = await self._start(w, avoid_node=None)
-        except BaseException:
-            del self._sessions[key]
-            raise
-        w.task = asyncio.get_running_loop().create_task(self._watch(w))
-        return {"session_id": w.session_id, "user_id": w.user_id, "actor": session_actor_name(w.session_id, w.user_id)}
-
-    async def result(self, session_id: str, user_id: str | None = None) -> Outcome:
-        """Wait for the session's run to end and return its outcome."""
-        from loomray.errors import LoomrayUserError
-
-        await self._ensure_started()
-        w = self._sessions.get((user_id, session_id))
-        if w is None:
-            raise LoomrayUserError(f"session {session_id!r} (user {user_id!r}) is not supervised on this cluster")
-        return await asyncio.shield(w.done)
-
-    async def run_many(self, agent: AgentSpec, request_jsons: list[str]) -> list[Outcome]:
-        """Fan-out: one actor per request, at most ``max_concurrent_forks`` at once; outcomes in order."""
-        gate = asyncio.Semaphore(max(1, self._config.max_concurrent_forks))
-
-        async def one(request_json: str) -> Outcome:
-            from loomray.session import RunRequest
-
-            request = RunRequest.model_validate_json(request_json)
-            async with gate:
-                await self.submit(agent, request_json)
-                return await self.result(request.session_id, request.user_id)
-
-        return list(await asyncio.gather(*(one(r) for r in request_jsons)))
-
-    async def status(self) -> list[dict[str, Any]]:
-        """One dict per supervised session: ids, incarnation, last node, state."""
-        await self._ensure_started()
-        out = []
-        for w in self._sessions.values():
-            state = w.done.result().status if w.done.done() else "running"
-            out.append({"session_id": w.session_id, "user_id": w.user_id, "incarnation": w.incarnation,
-                        "node_id": w.last_node, "state": state})
-        return out
-
-    async def cancel(self, session_id: str, user_id: str | None = None) -> bool:
-        """Cancel a running session (it keeps its checkpoints and can be resumed)."""
-        w = self._sessions.get((user_id, session_id))
-        if w is None or w.done.done() or w.handle is None:
-            return False
-        await w.handle.cancel.remote()
-        return True
-
-    # -- internals -------------------------------------------------------------
-    async def _start(self, w: _Watched, *, avoid_node: str | None) -> Any:
-        if w.agent is None:
-            from loomray.errors import LoomrayRunError
-
-            raise LoomrayRunError(
-                f"session {w.session_id!r} cannot be restarted: its agent was passed by value and its actor is "
-                "gone; give the agent an importable reference (module:attr) to make it recoverable")
-        options = session_actor_options(self._config, w.session_id, w.user_id, avoid_node=avoid_node)
-        actor_cls = ray.remote(SessionActor)
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                handle = actor_cls.options(**options).remote(self._config, w.agent, w.request_json)
-                break
-            except ValueError as e:  # the name is held by another incarnation
-                existing = await self._existing(options["name"], w.request_json)
-                if existing is not None:
-                    return existing
-                if time.monotonic() > deadline:
-                    raise
-                log.info("actor name %s busy (%s); retrying", options["name"], e)
-                await asyncio.sleep(0.2)
-        w.incarnation += 1
-        return handle
-
-    async def _existing(self, name: str, request_json: str) -> Any | None:
-        """An actor already holding ``name``: attach if it runs this very request, else stop it.
-
-        A leftover from an earlier request of the same session (finished, not
-        yet collected) must not answer for this one.
-        """
-        try:
-            handle = ray.get_actor(name, namespace=NAMESPACE)
-            info = await handle.info.remote()
-        except (ValueError, ray.exceptions.RayActorError):
-            return None  # gone meanwhile; the caller retries creation
-        if info.get("request_json") == request_json and not info.get("finished"):
-            return handle
-        ray.kill(handle, no_restart=True)
-        return None
-
-    async def _watch(self, w: _Watched) -> None:
-        """Await the actor's run; restart it on death; resolve ``w.done`` with the outcome."""
-        from loomray.errors import LoomrayRunError
-
-        while True:
-            if w.handle is None:
-                if w.incarnation >= self._config.max_restarts_per_session:
-                    return await self._finish(w, Outcome(status="failed", error="restart limit reached",
-                                                         error_type="RestartLimit"), mark_failed=True)
-                try:
-                    w.handle = await self._start(w, avoid_node=w.last_node)
-                    self._restarts += 1
-                except LoomrayRunError as e:
-                    return await self._finish(w, Outcome(status="failed", error=str(e), error_type=type(e).__name__),
-                                              mark_failed=True)
-            try:
-                outcome = await w.handle.run.remote()
-            except ray.exceptions.ActorUnavailableError:
-                # Not death: the node is unreachable but not yet declared dead. run() is idempotent; rejoin.
-                await asyncio.sleep(0.2)
-                continue
-            except ray.exceptions.RayActorError as e:
-                if e.actor_init_failed:  # the constructor raised (bad store options, broken agent): would recur
-                    return await self._finish(w, Outcome(status="failed", error=str(e), error_type="ActorInitFailed"),
-                                              mark_failed=True)
-                log.warning("session %r lost its actor (%s); restarting", w.session_id, type(e).__name__)
-                w.handle = None
-                continue
-            except Exception as e:  # constructor failure (bad store URL, unimportable agent): do not loop
-                return await self._finish(w, Outcome(status="failed", error=f"{type(e).__name__}: {e}",
-                                                     error_type=type(e).__name__), mark_failed=True)
-            w.last_node = outcome.node_id
-            return await self._finish(w, outcome, mark_failed=False)
-
-    async def _finish(self, w: _Watched, outcome: Outcome, *, mark_failed: bool) -> None:
-        if mark_failed:
-            from storage import SessionRow
-
-            from loomray.records import utcnow
-
-            row = SessionRow(session_id=w.session_id, user_id=w.user_id, status="failed", updated_at=utcnow(),
-                             agent_ref=w.agent.ref if w.agent else None, spec_json=w.request_json,
-                             node_id=w.last_node, error=outcome.error)
-            try:
-                await asyncio.to_thread(self._store.put_session, row)
-            except Exception as e:
-                log.warning("could not mark session %r failed: %s", w.session_id, e)
-        if w.handle is not None:
-            try:
-                await w.handle.stop.remote()
-            except ray.exceptions.RayActorError:
-                pass  # exit_actor ends the call with an actor error; that is the clean path
-        if not w.done.done():
-            w.done.set_result(outcome)
+        return Supervisor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

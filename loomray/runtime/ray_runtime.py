@@ -1,11 +1,16 @@
 """``RayRuntime``: one Ray actor per session, watched by a detached supervisor.
 
-The driver side is thin. ``execute`` ships the agent (by value, or as the
-importable reference in ``agent.loomray_ref``) and the request JSON to the
+The driver side is thin. ``execute`` ships the agent (by value, plus the
+importable reference registered with :func:`set_agent_ref`) and the request JSON to the
 ``loomray:supervisor`` actor, which starts a ``SessionActor`` and restarts it
 from the store if its node dies; the driver then waits for the outcome.
 Checkpoint reads (``list_checkpoints``, ``get_checkpoint``) go straight to the
 store from this process, exactly as with ``LocalRuntime``.
+
+Fire and forget: ``RayRuntime.submit("package.module:agent", prompt,
+session_id=...)`` starts a run by agent reference and returns as soon as its
+actor exists; the run goes on after the driver exits (session actors and the
+supervisor are detached), and ``wait``/``status`` or the store follow it.
 
 The store must be reachable from every node under the same URL: an
 ``s3://`` URL on a real cluster; a local path only works when every node is on
@@ -25,8 +30,11 @@ import ray
 
 from loomray.errors import LoomrayRunError, LoomrayUserError
 from loomray.records import RunResult
-from loomray.runtime.actors import NAMESPACE, SUPERVISOR_NAME, AgentSpec, Outcome, RuntimeConfig, Supervisor
+from loomray.runtime.actors import (  # noqa: F401  (re-exported for callers of this module)
+    NAMESPACE, SUPERVISOR_NAME, AgentSpec, Outcome, RuntimeConfig, check_ref, resolve_ref, set_agent_ref,
+)
 from loomray.runtime.base import Runtime
+from loomray.runtime.supervisor import Supervisor
 
 if TYPE_CHECKING:  # pragma: no cover
     from loomray.agent import Agent
@@ -80,8 +88,11 @@ def supervise(store_url: str, *, address: str | None = None, storage_options: di
               report: Callable[[str], None] = print, **config: Any) -> None:
     """Keep the supervisor alive until ``stop`` is set (what ``loomray supervise`` runs on the head).
 
-    Every ``interval_s`` it checks the supervisor answers; a dead one is
-    re-created and rebuilds its state from the store's session index.
+    On start, and whenever the supervisor had to be re-created, it makes the
+    supervisor adopt every active session of the store's index at once (a
+    whole cluster lost and replaced resumes its sessions here). Every
+    ``interval_s`` it checks the supervisor answers. ``config`` are
+    :class:`RuntimeConfig` fields (``compact_interval_s``, ...).
     """
     connect(address)
     cfg = RuntimeConfig(store_url=store_url, storage_options=dict(storage_options or {}), **config)
@@ -91,7 +102,9 @@ def supervise(store_url: str, *, address: str | None = None, storage_options: di
         try:
             if handle is None:
                 handle = get_supervisor(cfg)
-                report(f"supervisor ready for {store_url}")
+                # Adopt now, not at the next reconcile: a new cluster on an old store resumes at once.
+                info = ray.get(handle.ready.remote(True), timeout=120.0)
+                report(f"supervisor ready for {store_url}: {info['sessions']} session(s) watched")
             ray.get(handle.ready.remote(), timeout=max(30.0, interval_s))
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
             report(f"supervisor lost ({type(e).__name__}); re-creating")
@@ -107,12 +120,20 @@ class RayRuntime(Runtime):
     ``storage_options`` such as ``endpoint_url``, ``key``, ``secret``).
     ``address`` is the cluster (default: ``RAY_ADDRESS``, else a local Ray).
     ``actor_options`` go to each session actor's ``.options()`` (``num_cpus``,
-    ``resources``, ``scheduling_strategy``, ...). Nothing connects to Ray until
-    the first run, so building an Agent with this runtime is cheap anywhere.
+    ``resources``, ``scheduling_strategy``, ...). ``max_concurrent_forks``
+    bounds how many forks of one ``agent.fork`` run at once;
+    ``on_fork_progress`` is called with progress dicts meanwhile. Nothing
+    connects to Ray until the first run, so building an Agent with this
+    runtime is cheap anywhere.
+
+    Besides the ``Agent`` API: :meth:`submit` (fire and forget, by agent
+    reference), :meth:`wait`, :meth:`status`.
     """
 
     def __init__(self, store: Any, address: str | None = None, max_checkpoints_per_session: int = 20,
-                 actor_options: dict[str, Any] | None = None, **storage_options: Any) -> None:
+                 actor_options: dict[str, Any] | None = None, *, max_concurrent_forks: int = 32,
+                 on_fork_progress: Callable[[dict[str, Any]], Any] | None = None,
+                 **storage_options: Any) -> None:
         if not isinstance(store, (str, os.PathLike)):
             raise TypeError("RayRuntime needs a store URL or path (actors on other nodes open it themselves)")
         if actor_options is not None and not isinstance(actor_options, dict):
@@ -126,6 +147,14 @@ class RayRuntime(Runtime):
         self.address = address
         self.config = RuntimeConfig(store_url=url, storage_options=dict(storage_options),
                                     max_checkpoints_per_session=self.keep, actor_options=dict(actor_options or {}))
+        if isinstance(max_concurrent_forks, bool) or not isinstance(max_concurrent_forks, int) \
+                or max_concurrent_forks < 1:
+            raise ValueError(f"max_concurrent_forks must be a positive int, got {max_concurrent_forks!r}")
+        #: Forks of one ``agent.fork`` running at once (the rest queue in the supervisor).
+        self.max_concurrent_forks = max_concurrent_forks
+        #: Called (sync or async) with fan-out progress dicts while ``agent.fork`` runs.
+        self.on_fork_progress = on_fork_progress
+        self.progress_interval_s = 0.2
         self._supervisor: Any = None
 
     def __repr__(self) -> str:
@@ -160,26 +189,145 @@ class RayRuntime(Runtime):
     # -- Runtime ----------------------------------------------------------------
     async def execute(self, agent: "Agent", request: "RunRequest", *, emit: "EmitFn | None" = None,
                       extra_tools: Sequence[Any] = (), output_type: Any = None) -> RunResult:
-        """Run ``request`` in a session actor and return its result (restarts are invisible here)."""
-        if emit is not None:
-            log.warning("RayRuntime does not stream events to the driver yet; emit is ignored")
+        """Run ``request`` in a session actor and return its result (restarts are invisible here).
+
+        With ``emit``, the actor sends each event to the supervisor and this
+        driver polls them, so ``emit`` sees the run's events in order while it
+        runs (a restarted incarnation's replayed steps arrive flagged ``replayed``).
+        """
         spec = AgentSpec.of(agent, extra_tools)
-        await self._call("submit", spec, request.model_dump_json())
-        outcome = await self._call("result", request.session_id, request.user_id)
-        return _result(outcome, request.session_id)
+        await self._call("submit", spec, request.model_dump_json(), emit is not None)
+        return await self._wait(request.session_id, request.user_id, emit)
+
+    async def _wait(self, session_id: str, user_id: str | None, emit: "EmitFn | None") -> RunResult:
+        if emit is None:
+            return _result(await self._call("result", session_id, user_id), session_id)
+        pump = asyncio.create_task(self._pump_events(session_id, user_id, emit))
+        try:
+            outcome = await self._call("result", session_id, user_id)
+        except BaseException:
+            pump.cancel()
+            raise
+        await pump  # the actor flushed every event before its outcome existed: the pump ends with them all
+        return _result(outcome, session_id)
+
+    async def _pump_events(self, session_id: str, user_id: str | None, emit: "EmitFn") -> None:
+        """Deliver the session's events to ``emit`` until the run is over and they are all delivered."""
+        import json
+
+        from loomray.events import deliver, event_from_dict
+
+        cursor = 0
+        while True:
+            handle = self._supervisor
+            try:
+                batch = await self._call("events", session_id, user_id, cursor, 1.0)
+            except Exception as e:  # the stream is best-effort; the result does not depend on it
+                log.warning("event stream of %r broken: %s", session_id, e)
+                return
+            if handle is not None and self._supervisor is not handle:
+                cursor = 0  # a replacement supervisor: its buffer starts afresh
+            if batch["dropped"]:
+                log.warning("%d event(s) of %r were dropped before the driver read them", batch["dropped"], session_id)
+            for raw in batch["events"]:
+                await deliver(emit, event_from_dict(json.loads(raw)))
+            cursor = batch["cursor"]
+            if batch["done"] and not batch["events"]:
+                return
 
     async def execute_many(self, agent: "Agent", requests: Sequence["RunRequest"], *, emit: "EmitFn | None" = None,
                            extra_tools: Sequence[Any] = (), output_type: Any = None) -> list[RunResult]:
-        """Fan-out: one actor per request, run in parallel by the supervisor; results in request order."""
-        if emit is not None:
-            log.warning("RayRuntime does not stream events to the driver yet; emit is ignored")
+        """Fan-out: one actor per request, at most ``max_concurrent_forks`` at once; results in request order.
+
+        ``on_fork_progress`` (if set) is called with the supervisor's progress
+        dict (``total``, ``queued``, ``running``, ``completed``, ``failed``,
+        ``max_running``, ``limit``) whenever it changes.
+        """
+        from loomray.ids import new_id
+
         spec = AgentSpec.of(agent, extra_tools)
-        outcomes = await self._call("run_many", spec, [r.model_dump_json() for r in requests])
+        fanout_id = new_id("fanout")
+        run = asyncio.create_task(self._call("run_many", spec, [r.model_dump_json() for r in requests],
+                                             self.max_concurrent_forks, fanout_id, emit is not None))
+        watchers = []
+        if emit is not None:
+            watchers += [asyncio.create_task(self._pump_events(r.session_id, r.user_id, emit)) for r in requests]
+        if self.on_fork_progress is not None:
+            watchers.append(asyncio.create_task(self._watch_fanout(fanout_id, run)))
+        try:
+            outcomes = await run
+        except BaseException:
+            for w in watchers:
+                w.cancel()
+            await asyncio.gather(*watchers, return_exceptions=True)
+            raise
+        # Both kinds of watcher end by themselves once the fan-out is over: the last progress, every event.
+        await asyncio.gather(*watchers, return_exceptions=True)
         return [_result(o, r.session_id) for o, r in zip(outcomes, requests)]
 
+    async def _watch_fanout(self, fanout_id: str, run: "asyncio.Task") -> None:
+        last = None
+        while True:
+            done = run.done()
+            try:
+                progress = await self._call("fanout", fanout_id)
+            except Exception as e:
+                log.warning("fan-out progress unavailable: %s", e)
+                return
+            if progress is not None and progress != last:
+                last = progress
+                result = self.on_fork_progress(progress)
+                if asyncio.iscoroutine(result):
+                    await result
+            if done:
+                return
+            await asyncio.wait([run], timeout=self.progress_interval_s)
+
+    # -- fire and forget ---------------------------------------------------------
+    async def submit(self, agent: "Agent | str", prompt: str | None = None, *, session_id: str | None = None,
+                     user_id: str | None = None, resume: bool = False, metadata: dict[str, Any] | None = None,
+                     effort: str | None = None) -> str:
+        """Start a run in a session actor and return its session id once the actor exists.
+
+        ``agent`` is an importable reference ``"package.module:attribute"``
+        (what ``loomray submit`` passes; the module must import on every node)
+        or an Agent (by value, plus its :func:`set_agent_ref` reference if any).
+        The run goes on after this process exits; follow it with
+        :meth:`wait`, :meth:`status` or the store. ``resume=True`` continues
+        the session from its latest checkpoint (``prompt=None`` nudges it on).
+        A reference that does not import, or names no Agent, raises
+        :class:`LoomrayUserError` here.
+        """
+        from loomray.ids import new_id
+        from loomray.session import RunRequest
+
+        if not resume and not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+        request = RunRequest(kind="resume" if resume else "run", prompt=prompt,
+                             session_id=session_id or new_id("sess"), user_id=user_id, metadata=metadata,
+                             effort=effort)
+        await self._call("submit", AgentSpec.of(agent), request.model_dump_json(), False)
+        return request.session_id
+
+    def submit_sync(self, agent: "Agent | str", prompt: str | None = None, **kwargs: Any) -> str:
+        """Blocking :meth:`submit` for scripts and the CLI."""
+        return asyncio.run(self.submit(agent, prompt, **kwargs))
+
+    async def wait(self, session_id: str, *, user_id: str | None = None, emit: "EmitFn | None" = None) -> RunResult:
+        """Wait for a supervised session's run to end and return its result (e.g. after :meth:`submit`).
+
+        ``emit`` sees the events still buffered or yet to come only if the run
+        was started with streaming (``execute`` with ``emit``); otherwise none.
+        """
+        return await self._wait(session_id, user_id, emit)
+
     async def status(self) -> list[dict[str, Any]]:
-        """What the supervisor watches: one dict per session."""
+        """What the supervisor watches: one dict per session (see :meth:`Supervisor.status`)."""
         return await self._call("status")
+
+    def status_sync(self) -> list[dict[str, Any]]:
+        """Blocking :meth:`status`."""
+        return asyncio.run(self.status())
 
 
 def _result(outcome: Outcome, session_id: str) -> RunResult:

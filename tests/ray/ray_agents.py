@@ -6,10 +6,16 @@ asked for the tool is journaled by then, so a node killed after a marker
 appears must not cause that model call to be repeated. ``ScriptedModel``
 appends one line per model call to ``model-calls`` (fsynced), so the count
 survives the process that made the call.
+
+A tool step holds while the file ``hold`` exists in the agent's directory
+(writing ``holding-{pid}`` first and ``released-{pid}`` after): the zombie test
+freezes an incarnation mid-step with it, deterministically.
 """
 
 import asyncio
 import os
+import time
+import uuid
 from pathlib import Path
 
 from loomray import Agent, Tuning
@@ -19,18 +25,30 @@ ROOT = Path(os.environ.get("LOOMRAY_RAY_TEST_DIR", "/tmp/loomray-ray-test"))
 TURNS = 8
 
 
-def _slow_agent(name: str, step_s: float) -> Agent:
-    workdir = ROOT / name
+def make(name: str, step_s: float = 0.4, *, counted: bool = True) -> Agent:
+    """The slow agent ``name``: TURNS tool passes of ``step_s`` seconds, then a final answer.
+
+    ``counted=False`` builds the same agent (same transcript) without the call
+    log and with its markers in a separate directory: an uninterrupted reference run.
+    """
+    workdir = ROOT / (name if counted else f"{name}-reference")
     workdir.mkdir(parents=True, exist_ok=True)
 
     async def slow_step(n: int) -> str:
         """One unit of slow work (stands in for a long tool call)."""
-        (workdir / f"step-{n:02d}").write_text(str(os.getpid()))
+        pid = os.getpid()
+        (workdir / f"step-{n:02d}").write_text(str(pid))
+        if (workdir / "hold").exists():
+            (workdir / f"holding-{pid}").write_text(str(n))
+            deadline = time.monotonic() + 120
+            while (workdir / "hold").exists() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            (workdir / f"released-{pid}").write_text(str(n))
         await asyncio.sleep(step_s)
         return f"step {n} done"
 
     script = [{"tool": "slow_step", "args": {"n": i}} for i in range(TURNS)] + [f"{name} finished"]
-    model = ScriptedModel(script, counter_path=workdir / "model-calls")
+    model = ScriptedModel(script, counter_path=(workdir / "model-calls") if counted else None)
     return Agent(f"{name} agent", model=model, tools=[slow_step], tuning=Tuning(checkpoint=True), name=name)
 
 
@@ -44,14 +62,56 @@ def steps_started(name: str) -> int:
     return len(list((ROOT / name).glob("step-*")))
 
 
+def pids_with(name: str, prefix: str) -> set[int]:
+    """Pids that left ``{prefix}-{pid}`` markers (``holding``, ``released``) in agent ``name``'s directory."""
+    return {int(p.name.rsplit("-", 1)[1]) for p in (ROOT / name).glob(f"{prefix}-*")}
+
+
+def fork_agent(name: str, work_s: float) -> Agent:
+    """Answers the source run at once; each fork runs one ``work`` tool call, recording its interval."""
+    workdir = ROOT / name
+    workdir.mkdir(parents=True, exist_ok=True)
+
+    async def work() -> str:
+        """Slow work that records when it ran (start and end, wall clock)."""
+        start = time.time()
+        await asyncio.sleep(work_s)
+        (workdir / f"interval-{uuid.uuid4().hex}").write_text(f"{start} {time.time()}")
+        return "worked"
+
+    model = ScriptedModel(["source ready", {"tool": "work", "args": {}}, "fork done"])
+    return Agent("fork agent", model=model, tools=[work], tuning=Tuning(checkpoint=True), name=name)
+
+
+def max_overlap(name: str) -> int:
+    """The most ``work`` intervals of agent ``name`` that ran at the same instant."""
+    edges = []
+    for p in (ROOT / name).glob("interval-*"):
+        start, end = map(float, p.read_text().split())
+        edges += [(start, 1), (end, -1)]
+    running = peak = 0
+    for _, step in sorted(edges, key=lambda e: (e[0], e[1])):
+        running += step
+        peak = max(peak, running)
+    return peak
+
+
 #: Killed mid-run by removing its node.
-nodekill = _slow_agent("nodekill", 0.4)
+nodekill = make("nodekill")
 #: Outlives a supervisor that is killed mid-run.
-orphaned = _slow_agent("orphaned", 0.4)
+orphaned = make("orphaned")
 #: Loses its actor and its supervisor at once; a new supervisor restarts it by reference.
-adopted = _slow_agent("adopted", 0.4)
+adopted = make("adopted")
 #: Loses its lease to an intruder mid-run.
-fenced = _slow_agent("fenced", 0.4)
+fenced = make("fenced")
+#: Its node is frozen (raylet SIGSTOP) mid-step: the frozen incarnation becomes a zombie.
+zombie = make("zombie", 0.2)
+#: Its whole cluster is shut down mid-run; a new cluster's supervisor finishes it.
+restart = make("restart", 0.5)
+#: Streams its events to the driver.
+streamed = make("streamed", 0.0)
 #: One quick answer per turn: the source and the forks of the fan-out test.
 quick = Agent("quick agent", model=ScriptedModel([f"answer {i}" for i in range(4)]),
               tuning=Tuning(checkpoint=True), name="quick")
+#: Forks whose concurrency the bound test observes.
+bounded = fork_agent("bounded", 1.5)

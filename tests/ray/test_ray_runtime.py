@@ -1,16 +1,23 @@
-"""RayRuntime on a real 3-node cluster: node death, supervisor death, fan-out, fencing.
+"""RayRuntime on a real 3-node cluster: node death, supervisor death, cluster replacement,
+zombies, fan-out, streaming events.
 
-One cluster for the module. Session actors need the ``loomray_session``
+One in-process cluster for the module (plus, for the cluster-replacement test,
+the old cluster in a subprocess). Session actors need the ``loomray_session``
 resource, which only worker nodes have, so removing a worker really takes a
 session down. Agents come from ``ray_agents`` (by value and by reference);
 their ScriptedModel logs every model call to a file, so "no model call
-repeated" is checked across processes and nodes.
+repeated" is checked across processes, nodes and clusters.
 """
 
 import asyncio
 import copy
 import os
+import signal
+import socket
+import subprocess
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -20,9 +27,10 @@ from loomray.testing import local_cluster, wait_for
 
 ray = pytest.importorskip("ray")
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
 HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
 SESSION_RESOURCE = {"loomray_session": 100}
 
 
@@ -47,9 +55,12 @@ def env(tmp_path_factory):
 
 def _driver_agent(agent, ref, runtime):
     """The test's handle on a ``ray_agents`` agent: same config, the Ray runtime, and its reference."""
+    from loomray.runtime.ray_runtime import set_agent_ref
+
     mine = copy.copy(agent)
     mine.runtime = runtime
-    mine.loomray_ref = ref
+    if ref is not None:
+        set_agent_ref(mine, ref)
     return mine
 
 
@@ -61,17 +72,45 @@ async def _until(predicate, timeout, what):
         await asyncio.sleep(0.05)
 
 
+def _checkpoint_turn(store, session_id):
+    rows = store.list_checkpoints(session_id, limit=1)
+    return rows[0].turn if rows else -1
+
+
 async def _actor_info(session_id, user_id=None):
     from loomray.runtime.actors import NAMESPACE, session_actor_name
 
     return await ray.get_actor(session_actor_name(session_id, user_id), namespace=NAMESPACE).info.remote()
 
 
+def _transcript(messages):
+    return [m.model_dump(mode="json") for m in messages]
+
+
+async def _reference(agents, name, session_id):
+    """The same agent's transcript from an uninterrupted in-process run."""
+    from loomray.runtime import InProcRuntime
+
+    ref = agents.make(name, 0.0, counted=False)
+    ref.runtime = InProcRuntime()
+    return _transcript((await ref.run("go", session_id=session_id)).messages)
+
+
+def _pid_alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 async def test_node_death_mid_run_continues_on_another_node(env):
     lc, runtime, agents = env
+    store = runtime.store
     agent = _driver_agent(agents.nodekill, "ray_agents:nodekill", runtime)
     run = asyncio.create_task(agent.run("go", session_id="s-nodekill"))
-    await _until(lambda: agents.steps_started("nodekill") >= 3, 60, "three tool steps")
+    # Mid-run by the store's own account: two passes checkpointed, more to come.
+    await _until(lambda: _checkpoint_turn(store, "s-nodekill") >= 2, 60, "the checkpoint of turn 2")
     first = await _actor_info("s-nodekill")
     victim = lc.node_of(first["node_id"])
     assert victim is not None and victim is not lc.head
@@ -85,12 +124,16 @@ async def test_node_death_mid_run_continues_on_another_node(env):
     assert result.turns == agents.TURNS + 1
     # Every scripted reply was served exactly once, across both incarnations.
     assert sorted(agents.model_calls("nodekill")) == list(range(agents.TURNS + 1))
-    row = runtime.store.get_session("s-nodekill")
+    # The transcript is the one an uninterrupted run produces.
+    assert _transcript(result.messages) == await _reference(agents, "nodekill", "s-nodekill")
+    row = store.get_session("s-nodekill")
     assert row.status == "completed"
     assert row.epoch == 2  # a second incarnation took the lease
     assert row.node_id != victim.node_id
     status = {s["session_id"]: s for s in await runtime.status()}
-    assert status["s-nodekill"]["incarnation"] == 2
+    s = status["s-nodekill"]
+    assert (s["status"], s["incarnation"], s["restarts"], s["epoch"]) == ("completed", 2, 1, 2)
+    assert s["node_id"] == row.node_id and s["turn"] == agents.TURNS + 1
     lc.add_node()  # give later tests two session nodes again
 
 
@@ -100,7 +143,7 @@ async def test_supervisor_killed_mid_run_new_one_adopts_the_session(env):
 
     agent = _driver_agent(agents.orphaned, "ray_agents:orphaned", runtime)
     run = asyncio.create_task(agent.run("go", session_id="s-orphaned"))
-    await _until(lambda: agents.steps_started("orphaned") >= 2, 60, "two tool steps")
+    await _until(lambda: _checkpoint_turn(runtime.store, "s-orphaned") >= 2, 60, "the checkpoint of turn 2")
     old = ray.get_actor(SUPERVISOR_NAME, namespace=NAMESPACE)
     old_id = old._actor_id.hex()
 
@@ -110,11 +153,12 @@ async def test_supervisor_killed_mid_run_new_one_adopts_the_session(env):
     assert result.output == "orphaned finished"
     new = ray.get_actor(SUPERVISOR_NAME, namespace=NAMESPACE)
     assert new._actor_id.hex() != old_id
-    # The detached session actor was never interrupted: one lease, each reply once.
+    # The detached session actor was never interrupted: one lease, each reply once, nothing lost.
     assert runtime.store.get_session("s-orphaned").epoch == 1
     assert sorted(agents.model_calls("orphaned")) == list(range(agents.TURNS + 1))
+    assert _transcript(result.messages) == await _reference(agents, "orphaned", "s-orphaned")
     sessions = {s["session_id"]: s for s in await runtime.status()}
-    assert sessions["s-orphaned"]["state"] == "completed"
+    assert sessions["s-orphaned"]["status"] == "completed"
 
 
 async def test_supervisor_and_actor_both_killed_new_supervisor_restarts_by_reference(env):
@@ -136,20 +180,136 @@ async def test_supervisor_and_actor_both_killed_new_supervisor_restarts_by_refer
     assert sorted(agents.model_calls("adopted")) == list(range(agents.TURNS + 1))
 
 
+async def test_zombie_incarnation_is_fenced_and_never_latest(env):
+    """A node freezes (raylet SIGSTOP: a partition, not a crash) mid tool step. Ray declares it dead,
+    the supervisor starts a new incarnation elsewhere, then the frozen one's step finishes: its
+    writes are refused and nothing it wrote after the takeover is ever "latest"."""
+    lc, runtime, agents = env
+    store, name, sid = runtime.store, "zombie", "s-zombie"
+    workdir = agents.ROOT / name
+    agent = _driver_agent(agents.zombie, "ray_agents:zombie", runtime)
+    run = asyncio.create_task(agent.run("go", session_id=sid))
+    await _until(lambda: _checkpoint_turn(store, sid) >= 2, 60, "the checkpoint of turn 2")
+    (workdir / "hold").write_text("")
+    await _until(lambda: agents.pids_with(name, "holding"), 30, "a tool step to hold")
+    zombie_pid = next(iter(agents.pids_with(name, "holding")))
+    info = await _actor_info(sid)
+    assert info["pid"] == zombie_pid
+    victim = lc.node_of(info["node_id"])
+    raylet = victim.all_processes["raylet"][0].process
+    os.kill(raylet.pid, signal.SIGSTOP)
+    try:
+        # Ray declares the frozen node dead; the supervisor restarts the session on another node.
+        await _until(lambda: store.current_epoch(sid) >= 2, 60, "a new incarnation's lease")
+        takeover_turn = _checkpoint_turn(store, sid)
+        await _until(lambda: agents.pids_with(name, "holding") - {zombie_pid}, 60, "the new incarnation's step")
+        assert _pid_alive(zombie_pid)  # the old incarnation still runs: a zombie
+        (workdir / "hold").unlink()
+        # The zombie's step finishes and it tries to journal it, holding epoch 1.
+        await _until(lambda: zombie_pid in agents.pids_with(name, "released"), 30, "the zombie to wake up")
+        result = await asyncio.wait_for(run, 90)
+    finally:
+        os.kill(raylet.pid, signal.SIGCONT)
+        lc.remove_node(victim)
+    assert result.output == "zombie finished"
+    assert _transcript(result.messages) == await _reference(agents, name, sid)
+    assert sorted(agents.model_calls(name)) == list(range(agents.TURNS + 1))
+    # Its writes were refused: every checkpoint after the takeover, and the latest, carry epoch 2 ...
+    rows = store.list_checkpoints(sid, limit=None)
+    assert rows[0].epoch == 2 and rows[0].execution_status == "completed"
+    assert all(r.epoch == 2 for r in rows if r.turn > takeover_turn)
+    # ... and the journal holds no entry of epoch 1 for any step after the one the zombie was in.
+    run_id = store.get_session(sid).run_id
+    late = [e for e in store.journal_list(sid, run_id) if e.kind == "tool" and e.step_key >= f"t{takeover_turn:04d}"]
+    assert late and all(e.epoch == 2 for e in late)
+    wait_for(lambda: not _pid_alive(zombie_pid), timeout=30, what="the zombie process to exit")
+    lc.add_node()
+
+
 async def test_fan_out_eight_forks_one_actor_each(env):
     lc, runtime, agents = env
     agent = _driver_agent(agents.quick, None, runtime)  # by value only
     source = await agent.run("hi", session_id="s-source")
     assert source.output == "answer 0"
+    before = [r.checkpoint_id for r in runtime.store.list_checkpoints("s-source")]
 
     forks = await agent.fork("s-source", from_checkpoint=source.checkpoint_id, prompts=[f"p{i}" for i in range(8)])
 
     assert len(forks) == 8
     assert len({f.session_id for f in forks}) == 8 and "s-source" not in {f.session_id for f in forks}
     assert all(f.output == "answer 1" for f in forks)
+    from loomray.records import Checkpoint
+
+    for i, f in enumerate(forks):
+        ckpt = Checkpoint.from_json(runtime.store.get_checkpoint(f.session_id))
+        assert ckpt.forked_from == "s-source" and ckpt.session_id == f.session_id
+        assert f.messages[-2].content == f"p{i}"  # results in prompt order
+    # The source session is untouched.
+    assert [r.checkpoint_id for r in runtime.store.list_checkpoints("s-source")] == before
     supervised = {s["session_id"]: s for s in await runtime.status()}
-    assert all(supervised[f.session_id]["state"] == "completed" for f in forks)
-    assert all(supervised[f.session_id]["incarnation"] == 1 for f in forks)
+    assert all(supervised[f.session_id]["status"] == "completed" for f in forks)
+    assert len({supervised[f.session_id]["node_id"] for f in forks}) >= 1
+
+
+async def test_fork_concurrency_bound_holds_and_progress_is_reported(env):
+    lc, runtime, agents = env
+    from loomray.runtime import RayRuntime
+
+    seen = []
+    bounded = RayRuntime(runtime.config.store_url, actor_options={"resources": {"loomray_session": 1}},
+                         max_concurrent_forks=2, on_fork_progress=seen.append)
+    agent = _driver_agent(agents.bounded, None, bounded)
+    source = await agent.run("hi", session_id="s-bounded")
+
+    forks = await agent.fork("s-bounded", from_checkpoint=source.checkpoint_id, prompts=[f"q{i}" for i in range(5)])
+
+    assert [f.output for f in forks] == ["fork done"] * 5
+    # Observed from inside the forks: never more than two worked at once.
+    assert agents.max_overlap("bounded") <= 2
+    assert seen, "no progress reported"
+    assert max(p["running"] for p in seen) <= 2
+    assert any(p["queued"] > 0 for p in seen)  # the rest waited their turn
+    last = seen[-1]
+    assert (last["total"], last["completed"], last["queued"], last["running"], last["done"]) == (5, 5, 0, 0, True)
+    assert last["max_running"] == 2 and last["limit"] == 2
+    bounded.close()
+
+
+async def test_emit_delivers_the_actors_events_to_the_driver(env):
+    lc, runtime, agents = env
+    from loomray.runtime import InProcRuntime
+
+    agent = _driver_agent(agents.streamed, "ray_agents:streamed", runtime)
+    events = []
+    result = await agent.run("go", session_id="s-streamed", emit=events.append)
+
+    reference_events = []
+    ref = agents.make("streamed", 0.0, counted=False)
+    ref.runtime = InProcRuntime()
+    await ref.run("go", session_id="s-streamed", emit=reference_events.append)
+    assert [e.type for e in events] == [e.type for e in reference_events]
+    assert events[0].type == "run_start" and events[-1].type == "run_end"
+    assert all(e.session_id == "s-streamed" for e in events)
+    assert sum(e.type == "model_response" for e in events) == result.turns
+    assert events[-1].output == result.output
+
+
+async def test_submit_by_reference_errors_and_status(env):
+    lc, runtime, agents = env
+    from loomray.errors import LoomrayUserError
+
+    with pytest.raises(LoomrayUserError, match="must look like"):
+        await runtime.submit("not a reference", "go")
+    with pytest.raises(LoomrayUserError, match="cannot import"):
+        await runtime.submit("no_such_module_xyz:agent", "go", session_id="s-badref")
+    with pytest.raises(LoomrayUserError, match="not a loomray Agent"):
+        await runtime.submit("ray_agents:TURNS", "go", session_id="s-notagent")
+    sid = await runtime.submit("ray_agents:quick", "hello", session_id="s-submitted")
+    assert sid == "s-submitted"
+    result = await runtime.wait(sid)
+    assert result.output == "answer 0"
+    s = {x["session_id"]: x for x in await runtime.status()}["s-submitted"]
+    assert s["status"] == "completed" and s["epoch"] == 1 and s["turn"] == 1
 
 
 async def test_fenced_actor_stops_and_reports_lease_lost(env):
@@ -184,20 +344,70 @@ async def test_fenced_actor_stops_and_reports_lease_lost(env):
     # It stopped mid-run: the script was not played to the end.
     assert len(agents.model_calls("fenced")) < agents.TURNS + 1
     status = {s["session_id"]: s for s in await runtime.status()}
-    assert status["s-fenced"]["state"] == "fenced" and status["s-fenced"]["incarnation"] == 1
+    assert status["s-fenced"]["status"] == "fenced" and status["s-fenced"]["incarnation"] == 1
 
 
-def _pid_alive(pid):
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_whole_cluster_lost_new_cluster_resumes_via_supervise(env):
+    """Cluster A (a subprocess) runs a session submitted by a driver that exits at once; A is shut
+    down mid-run; ``supervise(store)`` on this cluster (B) picks the session up and finishes it."""
+    lc, runtime, agents = env
+    from loomray.runtime.ray_runtime import supervise
+
+    store, sid = runtime.store, "s-restart"
+    run_dir = tempfile.mkdtemp(prefix="lr-", dir="/tmp")  # short: Ray's socket paths live under it
+    daemon = subprocess.Popen([sys.executable, str(REPO / "cluster" / "local_daemon.py"), run_dir, "2",
+                               str(_free_port())], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+        address_file = Path(run_dir) / "address"
+        await _until(lambda: address_file.exists() or daemon.poll() is not None, 120, "cluster A")
+        assert daemon.poll() is None, daemon.stdout.read().decode()[-2000:]
+        address = address_file.read_text().strip()
+        code = ("import sys; from loomray.runtime import RayRuntime; "
+                f"rt = RayRuntime({runtime.config.store_url!r}, address={address!r}, "
+                "actor_options={'resources': {'loomray_session': 1}}); "
+                f"print(rt.submit_sync('ray_agents:restart', 'go', session_id={sid!r}))")
+        t0 = time.monotonic()
+        driver = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert driver.returncode == 0, driver.stderr[-2000:]
+        assert driver.stdout.split()[-1] == sid
+        # The driver is gone; the run goes on in cluster A.
+        await _until(lambda: _checkpoint_turn(store, sid) >= 2, 60, "cluster A to checkpoint turn 2")
+        assert store.get_session(sid).status == "running"
+        assert time.monotonic() - t0 < 120
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        out, _ = daemon.communicate(timeout=90)
+    assert "processes killed after the grace period: []" in out.decode(), out.decode()[-2000:]
+    interrupted_at = _checkpoint_turn(store, sid)
+    assert interrupted_at < agents.TURNS + 1 and store.get_session(sid).status == "running"
+
+    stop, reports = threading.Event(), []
+    keeper = threading.Thread(target=supervise, args=(runtime.config.store_url,), daemon=True,
+                              kwargs={"interval_s": 0.5, "stop": stop, "report": reports.append})
+    keeper.start()
+    try:
+        await _until(lambda: store.get_session(sid).status == "completed", 90, "cluster B to finish the session")
+    finally:
+        stop.set()
+        keeper.join(timeout=30)
+    row = store.get_session(sid)
+    assert row.epoch == 2 and row.node_id in lc.alive_node_ids()
+    assert sorted(agents.model_calls("restart")) == list(range(agents.TURNS + 1))
+    final = runtime.store.get_checkpoint(sid)
+    from loomray.records import Checkpoint
+
+    ckpt = Checkpoint.from_json(final)
+    assert ckpt.execution_status == "completed"
+    assert _transcript(ckpt.messages) == await _reference(agents, "restart", sid)
 
 
 def test_supervise_keeper_recreates_a_killed_supervisor(env):
-    import threading
-
     from loomray.runtime.actors import NAMESPACE, SUPERVISOR_NAME
     from loomray.runtime.ray_runtime import supervise
 

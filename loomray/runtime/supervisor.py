@@ -1,0 +1,473 @@
+"""The ``Supervisor``: one detached actor per cluster that owns every session actor.
+
+It starts session actors, watches each by awaiting its ``run()`` ObjectRef,
+restarts a dead one from the store on a live node (a new lease epoch, so a
+partitioned old incarnation is fenced), runs fan-outs with bounded
+concurrency, relays run events to waiting drivers, answers ``status()`` and
+compacts the index in the background.
+
+Its state is derived, never authoritative: on first use, on
+``ready(adopt=True)`` (what ``supervise()`` calls) and every
+``reconcile_interval_s`` it adopts every ``pending``/``running`` session row a
+Ray actor owned (``node_id`` set) whose epoch is still the session's current
+one, attaching to the live actor by name or restarting it by the row's agent
+reference. So a killed supervisor, or one on a new cluster pointed at the same
+store, picks up every active session. Finished sessions are reported for
+``forget_after_s`` and then forgotten, so memory stays bounded however long
+the cluster runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from loomray.runtime.actors import (
+    ACTIVE_STATES, NAMESPACE, AgentSpec, Outcome, RuntimeConfig, SessionActor, session_actor_name,
+    session_actor_options,
+)
+
+log = logging.getLogger("loomray.runtime.supervisor")
+
+#: Events kept per session for drivers that poll them (older ones are dropped and counted).
+EVENT_BUFFER = 10_000
+#: Finished sessions remembered at most, whatever ``forget_after_s`` says.
+MAX_FINISHED = 10_000
+_fanout_ids = itertools.count(1)
+
+
+@dataclass
+class _EventLog:
+    """A bounded, cursor-addressed buffer of one session's events (JSON strings)."""
+
+    items: deque = field(default_factory=lambda: deque(maxlen=EVENT_BUFFER))
+    #: Cursor of ``items[0]``: events before it were dropped.
+    base: int = 0
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def end(self) -> int:
+        return self.base + len(self.items)
+
+    def extend(self, events: list[str]) -> None:
+        for e in events:
+            if len(self.items) == self.items.maxlen:
+                self.base += 1
+            self.items.append(e)
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+    def since(self, cursor: int) -> tuple[list[str], int, int]:
+        """Events from ``cursor`` on, the next cursor, and how many were dropped before ``cursor`` could see them."""
+        start = max(cursor, self.base)
+        return list(itertools.islice(self.items, start - self.base, None)), self.end, start - cursor
+
+
+@dataclass
+class _Watched:
+    """The supervisor's view of one session."""
+
+    session_id: str
+    user_id: str | None
+    request_json: str
+    agent: AgentSpec | None
+    handle: Any = None
+    incarnation: int = 0
+    last_node: str | None = None
+    done: asyncio.Future | None = None
+    task: asyncio.Task | None = None
+    stream_events: bool = False
+    epoch: int | None = None
+    turn: int | None = None
+    finished_at: float | None = None
+    error: str | None = None
+
+
+class Supervisor:
+    """Starts, watches, restarts and forks session actors; detached, one per cluster (see module docstring)."""
+
+    def __init__(self, config: RuntimeConfig, reconcile_interval_s: float = 30.0) -> None:
+        self._config = config
+        self._store = config.open_store()
+        self._reconcile_interval_s = reconcile_interval_s
+        self._sessions: dict[tuple[str | None, str], _Watched] = {}
+        self._events: dict[tuple[str | None, str], _EventLog] = {}
+        self._fanouts: dict[str, dict[str, Any]] = {}
+        self._started: asyncio.Task | None = None
+        self._background: list[asyncio.Task] = []
+        self._restarts = 0
+        self._compactions = 0
+
+    # -- lifecycle -------------------------------------------------------------
+    async def ready(self, adopt: bool = False) -> dict[str, Any]:
+        """Start background work (once); with ``adopt`` also adopt the store's active sessions now.
+
+        Returns a summary: store URL, sessions watched, restarts made, this node.
+        """
+        await self._ensure_started()
+        if adopt:
+            await self._adopt(foreign=True)
+        return {"store": self._config.store_url, "sessions": len(self._sessions), "restarts": self._restarts,
+                "compactions": self._compactions, "node_id": ray.get_runtime_context().get_node_id()}
+
+    async def _ensure_started(self) -> None:
+        # Async actors cannot start tasks from __init__; the first call does it.
+        if self._started is None:
+            loop = asyncio.get_running_loop()
+            self._started = loop.create_task(self._adopt())
+            self._background.append(loop.create_task(self._reconcile_loop()))
+            if self._config.compact_interval_s:
+                self._background.append(loop.create_task(self._compact_loop()))
+        await asyncio.shield(self._started)
+
+    async def _adopt(self, foreign: bool = False) -> list[str]:
+        """Take ownership of every active Ray session in the index that nobody here watches.
+
+        Without ``foreign`` only sessions last run on a node this cluster knows
+        (alive or dead) are taken: another live cluster may share the store,
+        and restarting its sessions here would fence them. ``foreign=True``
+        (``supervise()``, an operator's decision) takes every one: the cluster
+        that ran them is gone.
+        """
+        known = None if foreign else {n["NodeID"] for n in ray.nodes()}
+        rows = []
+        for state in ACTIVE_STATES:
+            rows += await asyncio.to_thread(self._store.list_sessions, status=state, user_id=...)
+        adopted = []
+        for row in rows:
+            key = (row.user_id, row.session_id)
+            current = self._sessions.get(key)
+            # node_id is set only by a Ray session actor: rows of in-process runtimes are not ours.
+            if (current is not None and not current.done.done()) or not row.node_id or not row.spec_json:
+                continue
+            if current is not None and current.request_json == row.spec_json:
+                continue  # we finished this very run; the row is only behind
+            if known is not None and row.node_id not in known:
+                continue  # another cluster's session (see above)
+            # A newer lease than the row's means a live owner elsewhere took over: not ours to restart.
+            if row.epoch < await asyncio.to_thread(self._store.current_epoch, row.session_id, user_id=row.user_id):
+                continue
+            agent = AgentSpec(ref=row.agent_ref) if row.agent_ref else None
+            w = _Watched(row.session_id, row.user_id, row.spec_json, agent, last_node=row.node_id,
+                         done=asyncio.get_running_loop().create_future(), epoch=row.epoch)
+            self._sessions[key] = w
+            try:
+                w.handle = ray.get_actor(session_actor_name(row.session_id, row.user_id), namespace=NAMESPACE)
+                w.incarnation = 1
+            except ValueError:
+                w.handle = None  # gone (its node, or its whole cluster): the watcher restarts it
+            w.task = asyncio.get_running_loop().create_task(self._watch(w))
+            adopted.append(row.session_id)
+        if adopted:
+            log.info("supervisor adopted %d session(s) from %s", len(adopted), self._config.store_url)
+        return adopted
+
+    async def _reconcile_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._reconcile_interval_s)
+            self._forget()
+            try:
+                await self._adopt()
+            except Exception as e:  # the index may be briefly unreadable; try again next round
+                log.warning("supervisor reconcile failed: %s: %s", type(e).__name__, e)
+
+    async def _compact_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self._config.compact_interval_s)
+            await self.compact()
+
+    async def compact(self) -> dict[str, Any] | None:
+        """Compact the store's Parquet index now (also runs every ``compact_interval_s``); None on failure."""
+        try:
+            report = await asyncio.to_thread(self._store.compact)
+        except Exception as e:  # compaction is an optimisation; never fatal
+            log.warning("index compaction failed: %s: %s", type(e).__name__, e)
+            return None
+        self._compactions += 1
+        log.info("index compacted: %s", report)
+        return dict(report.__dict__) if hasattr(report, "__dict__") else {"report": str(report)}
+
+    def _forget(self) -> None:
+        """Drop finished sessions reported for longer than ``forget_after_s`` (and beyond ``MAX_FINISHED``)."""
+        now = time.monotonic()
+        finished = sorted((w.finished_at, k) for k, w in self._sessions.items() if w.finished_at is not None)
+        excess = max(0, len(finished) - MAX_FINISHED)
+        for i, (at, key) in enumerate(finished):
+            if i < excess or now - at >= self._config.forget_after_s:
+                del self._sessions[key]
+                self._events.pop(key, None)
+        for fid in [f for f, p in self._fanouts.items()
+                    if p.get("finished_at") is not None and now - p["finished_at"] >= self._config.forget_after_s]:
+            del self._fanouts[fid]
+
+    # -- sessions --------------------------------------------------------------
+    async def submit(self, agent: AgentSpec, request_json: str, stream_events: bool = False) -> dict[str, Any]:
+        """Start a session actor for ``request_json`` and watch it; returns once the actor is constructed.
+
+        The run itself goes on without the caller. A constructor failure (an
+        unimportable agent reference, an unreachable store) raises
+        :class:`LoomrayUserError` here rather than later.
+        """
+        from loomray.errors import LoomrayUserError
+        from loomray.session import RunRequest
+
+        await self._ensure_started()
+        self._forget()
+        request = RunRequest.model_validate_json(request_json)
+        key = (request.user_id, request.session_id)
+        current = self._sessions.get(key)
+        if current is not None and not current.done.done():
+            raise LoomrayUserError(f"session {request.session_id!r} (user {request.user_id!r}) is already running")
+        w = _Watched(request.session_id, request.user_id, request_json, agent,
+                     done=asyncio.get_running_loop().create_future(), stream_events=stream_events)
+        self._sessions[key] = w
+        if stream_events:
+            self._events[key] = _EventLog()
+        try:
+            w.handle = await self._start(w, avoid_node=None)
+        except BaseException:
+            del self._sessions[key]
+            raise
+        w.task = asyncio.get_running_loop().create_task(self._watch(w))
+        try:
+            info = await w.handle.info.remote()
+            w.last_node = info["node_id"]
+        except ray.exceptions.RayActorError as e:
+            if getattr(e, "actor_init_failed", False):
+                outcome = await asyncio.shield(w.done)
+                raise LoomrayUserError(f"session {request.session_id!r} could not start: {outcome.error}") from None
+            # Died right away (its node?): the watcher restarts it.
+        return {"session_id": w.session_id, "user_id": w.user_id, "actor": session_actor_name(w.session_id, w.user_id),
+                "node_id": w.last_node}
+
+    async def result(self, session_id: str, user_id: str | None = None) -> Outcome:
+        """Wait for the session's run to end and return its outcome."""
+        from loomray.errors import LoomrayUserError
+
+        await self._ensure_started()
+        w = self._sessions.get((user_id, session_id))
+        if w is None:
+            raise LoomrayUserError(f"session {session_id!r} (user {user_id!r}) is not supervised on this cluster")
+        return await asyncio.shield(w.done)
+
+    async def run_many(self, agent: AgentSpec, request_jsons: list[str], max_concurrent: int | None = None,
+                       fanout_id: str | None = None, stream_events: bool = False) -> list[Outcome]:
+        """Fan-out: one actor per request, at most ``max_concurrent`` (default ``max_concurrent_forks``) at once.
+
+        Outcomes come back in request order; ``fanout(fanout_id)`` reports
+        progress meanwhile.
+        """
+        from loomray.session import RunRequest
+
+        limit = max(1, max_concurrent or self._config.max_concurrent_forks)
+        gate = asyncio.Semaphore(limit)
+        requests = [RunRequest.model_validate_json(r) for r in request_jsons]
+        fanout_id = fanout_id or f"fanout-{next(_fanout_ids)}"
+        progress: dict[str, Any] = {"fanout_id": fanout_id, "total": len(requests), "queued": len(requests),
+                                    "running": 0, "completed": 0, "failed": 0, "max_running": 0, "limit": limit,
+                                    "sessions": [r.session_id for r in requests], "finished_at": None}
+        self._fanouts[fanout_id] = progress
+
+        async def one(request_json: str, request: RunRequest) -> Outcome:
+            async with gate:
+                progress["queued"] -= 1
+                progress["running"] += 1
+                progress["max_running"] = max(progress["max_running"], progress["running"])
+                try:
+                    await self.submit(agent, request_json, stream_events)
+                    outcome = await self.result(request.session_id, request.user_id)
+                except Exception as e:
+                    outcome = Outcome(status="failed", error=f"{type(e).__name__}: {e}", error_type=type(e).__name__)
+                finally:
+                    progress["running"] -= 1
+                progress["completed" if outcome.status == "completed" else "failed"] += 1
+                return outcome
+
+        try:
+            return list(await asyncio.gather(*(one(j, r) for j, r in zip(request_jsons, requests))))
+        finally:
+            progress["finished_at"] = time.monotonic()
+
+    async def fanout(self, fanout_id: str) -> dict[str, Any] | None:
+        """Progress of a fan-out: total, queued, running, completed, failed, max_running, limit; None if unknown."""
+        p = self._fanouts.get(fanout_id)
+        return None if p is None else {k: v for k, v in p.items() if k != "finished_at"} | {
+            "done": p["finished_at"] is not None}
+
+    async def status(self) -> list[dict[str, Any]]:
+        """One dict per session this supervisor knows (running, or finished within ``forget_after_s``).
+
+        Keys: ``session_id``, ``user_id``, ``status`` (``running``,
+        ``completed``, ``failed``, ``fenced``, ``cancelled``; ``state`` is the
+        same), ``node_id``, ``epoch``, ``incarnation``, ``restarts``, ``turn``
+        (passes completed as of the latest event or checkpoint; asked of live
+        actors with a short timeout, else the last value seen), ``error``.
+        """
+        await self._ensure_started()
+        self._forget()
+        live = [w for w in self._sessions.values() if not w.done.done() and w.handle is not None]
+
+        async def progress(w: _Watched) -> None:
+            try:
+                p = await asyncio.wait_for(w.handle.progress.remote(), timeout=2.0)
+            except Exception:
+                return  # restarting or unreachable: report what we knew
+            w.turn, w.epoch, w.last_node = p.get("turn", w.turn), p.get("epoch") or w.epoch, p["node_id"]
+
+        await asyncio.gather(*(progress(w) for w in live))
+        out = []
+        for w in self._sessions.values():
+            state = w.done.result().status if w.done.done() else "running"
+            out.append({"session_id": w.session_id, "user_id": w.user_id, "status": state, "state": state,
+                        "node_id": w.last_node, "epoch": w.epoch, "incarnation": w.incarnation,
+                        "restarts": max(0, w.incarnation - 1), "turn": w.turn, "error": w.error})
+        return out
+
+    async def cancel(self, session_id: str, user_id: str | None = None) -> bool:
+        """Cancel a running session (it keeps its checkpoints and can be resumed)."""
+        w = self._sessions.get((user_id, session_id))
+        if w is None or w.done.done() or w.handle is None:
+            return False
+        await w.handle.cancel.remote()
+        return True
+
+    # -- events ------------------------------------------------------------------
+    async def push_events(self, session_id: str, user_id: str | None, events: list[str]) -> None:
+        """Called by a session actor with a batch of its run's events (JSON), in order."""
+        key = (user_id, session_id)
+        log_ = self._events.get(key)
+        if log_ is None:
+            if key not in self._sessions:
+                return  # nobody asked for them (or the session was forgotten)
+            log_ = self._events[key] = _EventLog()
+        log_.extend(events)
+
+    async def events(self, session_id: str, user_id: str | None = None, cursor: int = 0,
+                     wait_s: float = 1.0) -> dict[str, Any]:
+        """Events of a streamed session from ``cursor`` on; waits up to ``wait_s`` for new ones.
+
+        Returns ``{"events": [json, ...], "cursor": next, "dropped": n, "done": bool}``;
+        ``done`` is true once the run ended and every event it sent is included.
+        """
+        key = (user_id, session_id)
+        log_ = self._events.get(key)
+        w = self._sessions.get(key)
+        if log_ is None:
+            return {"events": [], "cursor": cursor, "dropped": 0, "done": w is None or w.done.done()}
+        if log_.end <= cursor and not (w is None or w.done.done()) and wait_s > 0:
+            waiter = asyncio.ensure_future(log_.changed.wait())
+            await asyncio.wait([waiter, w.done], timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+        events, nxt, dropped = log_.since(cursor)
+        return {"events": events, "cursor": nxt, "dropped": dropped, "done": w is None or w.done.done()}
+
+    # -- internals -------------------------------------------------------------
+    async def _start(self, w: _Watched, *, avoid_node: str | None) -> Any:
+        if w.agent is None:
+            from loomray.errors import LoomrayRunError
+
+            raise LoomrayRunError(
+                f"session {w.session_id!r} cannot be restarted: its agent was passed by value and its actor is "
+                "gone; submit it by reference (module:attr) to make it recoverable")
+        options = session_actor_options(self._config, w.session_id, w.user_id, avoid_node=avoid_node)
+        actor_cls = ray.remote(SessionActor)
+        me = ray.get_runtime_context().current_actor
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                handle = actor_cls.options(**options).remote(self._config, w.agent, w.request_json,
+                                                             me if w.stream_events else None)
+                break
+            except ValueError as e:  # the name is held by another incarnation
+                existing = await self._existing(options["name"], w.request_json)
+                if existing is not None:
+                    return existing
+                if time.monotonic() > deadline:
+                    raise
+                log.info("actor name %s busy (%s); retrying", options["name"], e)
+                await asyncio.sleep(0.2)
+        w.incarnation += 1
+        return handle
+
+    async def _existing(self, name: str, request_json: str) -> Any | None:
+        """An actor already holding ``name``: attach if it runs this very request, else stop it.
+
+        A leftover from an earlier request of the same session (finished, not
+        yet collected) must not answer for this one.
+        """
+        try:
+            handle = ray.get_actor(name, namespace=NAMESPACE)
+            info = await handle.info.remote()
+        except (ValueError, ray.exceptions.RayActorError):
+            return None  # gone meanwhile; the caller retries creation
+        if info.get("request_json") == request_json and not info.get("finished"):
+            return handle
+        ray.kill(handle, no_restart=True)
+        return None
+
+    async def _watch(self, w: _Watched) -> None:
+        """Await the actor's run; restart it on death; resolve ``w.done`` with the outcome."""
+        from loomray.errors import LoomrayRunError
+
+        while True:
+            if w.handle is None:
+                if w.incarnation >= self._config.max_restarts_per_session:
+                    return await self._finish(w, Outcome(status="failed", error="restart limit reached",
+                                                         error_type="RestartLimit"), mark_failed=True)
+                try:
+                    w.handle = await self._start(w, avoid_node=w.last_node)
+                    self._restarts += 1
+                except LoomrayRunError as e:
+                    return await self._finish(w, Outcome(status="failed", error=str(e), error_type=type(e).__name__),
+                                              mark_failed=True)
+            try:
+                outcome = await w.handle.run.remote()
+            except ray.exceptions.ActorUnavailableError:
+                # Not death: the node is unreachable but not yet declared dead. run() is idempotent; rejoin.
+                await asyncio.sleep(0.2)
+                continue
+            except ray.exceptions.RayActorError as e:
+                if e.actor_init_failed:  # the constructor raised (bad store options, broken agent): would recur
+                    return await self._finish(w, Outcome(status="failed", error=str(e), error_type="ActorInitFailed"),
+                                              mark_failed=True)
+                log.warning("session %r lost its actor (%s); restarting", w.session_id, type(e).__name__)
+                w.handle = None
+                continue
+            except Exception as e:  # anything else would recur on a restart: report, do not loop
+                return await self._finish(w, Outcome(status="failed", error=f"{type(e).__name__}: {e}",
+                                                     error_type=type(e).__name__), mark_failed=True)
+            w.last_node = outcome.node_id or w.last_node
+            w.epoch = outcome.epoch or w.epoch
+            return await self._finish(w, outcome, mark_failed=False)
+
+    async def _finish(self, w: _Watched, outcome: Outcome, *, mark_failed: bool) -> None:
+        if mark_failed:
+            from storage import SessionRow
+
+            from loomray.records import utcnow
+
+            row = SessionRow(session_id=w.session_id, user_id=w.user_id, status="failed", updated_at=utcnow(),
+                             agent_ref=w.agent.ref if w.agent else None, spec_json=w.request_json,
+                             node_id=w.last_node, error=outcome.error, epoch=w.epoch or 0)
+            try:
+                await asyncio.to_thread(self._store.put_session, row)
+            except Exception as e:
+                log.warning("could not mark session %r failed: %s", w.session_id, e)
+        if w.handle is not None:
+            try:
+                await w.handle.stop.remote()
+            except ray.exceptions.RayActorError:
+                pass  # exit_actor ends the call with an actor error; that is the clean path
+        w.error = outcome.error
+        if outcome.turn is not None:
+            w.turn = outcome.turn
+        w.finished_at = time.monotonic()
+        if not w.done.done():
+            w.done.set_result(outcome)
