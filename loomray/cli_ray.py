@@ -54,12 +54,12 @@ def load_agent(ref: str) -> Any:
         sys.path.insert(0, os.getcwd())
     try:
         obj = resolve_ref(ref)
-    except LoomrayUserError as e:
-        raise CliError(f"unknown agent reference: {first_line(str(e))}") from e
+    except LoomrayUserError as e:  # not importable, malformed, or not an Agent: the message names the reference
+        raise CliError(first_line(str(e))) from e
     except Exception as e:  # the module raised while importing (e.g. a missing API key)
         raise CliError(f"agent reference {ref!r} failed to load: {type(e).__name__}: {first_line(str(e))}") from e
     if not isinstance(obj, Agent):
-        raise CliError(f"agent reference {ref!r} names a {type(obj).__name__}, not a loomray.Agent")
+        raise CliError(f"agent reference {ref!r} names a {type(obj).__name__}, not a loomray Agent")
     return obj
 
 
@@ -155,10 +155,11 @@ def _agent_for(session_id: str, user_id: str | None, store: Any, agent_ref: str 
 
 def _bind(agent: Any, ref: str, runtime: Any) -> Any:
     """A copy of ``agent`` on ``runtime`` that remembers its reference (restartable by the supervisor)."""
+    from loomray.runtime.actors import set_agent_ref
+
     mine = copy.copy(agent)
     mine.runtime = runtime
-    mine.loomray_ref = ref
-    return mine
+    return set_agent_ref(mine, ref)
 
 
 def _progress() -> Progress:
@@ -205,8 +206,7 @@ def submit(agent_ref: str, prompt: str, session_id: str | None, user_id: str | N
     every node of the cluster must be able to import it.
     """
     from loomray.ids import new_id
-    from loomray.runtime.actors import AgentSpec, session_actor_name
-    from loomray.session import RunRequest
+    from loomray.runtime.actors import session_actor_name
 
     session_id = check_id(session_id, "session_id") or new_id("sess")
     check_id(user_id, "user_id")
@@ -220,9 +220,9 @@ def submit(agent_ref: str, prompt: str, session_id: str | None, user_id: str | N
         from loomray.runtime import RayRuntime
 
         runtime = RayRuntime(url, address=address)
-        request = RunRequest(kind="run", prompt=prompt, session_id=session_id, user_id=user_id)
         # By reference only: the row keeps the reference, so any supervisor can restart the session.
-        ray_get(runtime.supervisor().submit.remote(AgentSpec(ref=agent_ref), request.model_dump_json()))
+        # Returns once the actor is constructed (an agent the workers cannot import fails here).
+        runtime.submit_sync(agent_ref, prompt, session_id=session_id, user_id=user_id)
     info = {"session_id": session_id, "user_id": user_id, "agent_ref": agent_ref, "store": url,
             "address": address, "actor": session_actor_name(session_id, user_id),
             "submitted_in_s": round(time.monotonic() - started, 3)}
@@ -287,10 +287,12 @@ def status(store_url: str | None, address: str | None, user_id: str | None, limi
         d = merged.setdefault((s["user_id"], s["session_id"]), {
             "session_id": s["session_id"], "user_id": s["user_id"], "status": None, "updated_at": None,
             "epoch": None, "node_id": None, "agent_ref": None, "error": None, "turn": None})
-        d.update(incarnation=s["incarnation"], supervised=True, live_state=s["state"])
-        d["node_id"] = s.get("node_id") or d["node_id"]
-        if s["state"] == "running":
-            d["status"] = "running"
+        d.update(incarnation=s.get("incarnation"), supervised=True, live_state=s.get("status", s.get("state")))
+        for k in ("node_id", "epoch", "turn", "error"):
+            if s.get(k) is not None:
+                d[k] = s[k]
+        if d["live_state"] == "running" or d["status"] is None:
+            d["status"] = d["live_state"]
     out = sorted(merged.values(), key=lambda d: str(d["updated_at"] or ""), reverse=True)[:limit]
     if as_json:
         emit_json({"source": "supervisor+index" if live is not None else "index", "note": source, "sessions": out})

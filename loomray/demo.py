@@ -208,7 +208,10 @@ def demo(store_url: str | None, model: str, fast: bool, passes: int | None, node
         from storage import open_store
 
         open_store(store_url).close()
-        agent.loomray_ref = REF if model == "demo:research" else None
+        if model == "demo:research":  # later `loomray resume/fork` on this store find the agent by this name
+            from loomray.runtime.actors import set_agent_ref
+
+            set_agent_ref(agent, REF)
         console.print(Panel(
             f"A research session on a {nodes}-node Ray cluster on 127.0.0.1, model [bold]{model}[/].\n"
             f"We will kill the node running it, watch it recover with no model call repeated,\n"

@@ -1,0 +1,179 @@
+"""The store-side command line, end to end, as a new user types it (subprocesses of ``loomray``).
+
+Data comes from real runs of the offline research agent on a ``LocalRuntime``
+in a temporary directory; ``LOOMRAY_STORE`` points at it. No Ray here.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+LOOMRAY = Path(sys.executable).with_name("loomray")
+CMD = [str(LOOMRAY)] if LOOMRAY.exists() else [sys.executable, "-m", "loomray.cli"]
+TURNS = 15  # demo:research with 14 passes + the report
+
+
+def run_cli(*args: str, store: Path | None, timeout: float = 90, **env: str) -> subprocess.CompletedProcess:
+    """``loomray ARGS`` with ``LOOMRAY_STORE`` set (or removed when ``store`` is None)."""
+    e = {k: v for k, v in os.environ.items() if k not in ("LOOMRAY_STORE", "RAY_ADDRESS")}
+    if store is not None:
+        e["LOOMRAY_STORE"] = str(store)
+    e["COLUMNS"] = "200"  # a wide terminal: rich tables are not cut at 80 columns
+    e.update(env)
+    return subprocess.run([*CMD, *args], capture_output=True, text=True, timeout=timeout, env=e, cwd=REPO)
+
+
+def ok_json(out: subprocess.CompletedProcess) -> object:
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """Three finished sessions: s-one and s-two (no user), s-one of user alice."""
+    from loomray.demo import research_agent
+    from loomray.runtime import LocalRuntime
+
+    root = tmp_path_factory.mktemp("cli-store") / "store"
+    agent = copy.copy(research_agent)
+    agent.runtime = LocalRuntime(root)
+    agent.run_sync("Durable agents", session_id="s-one")
+    agent.run_sync("Parquet indexes", session_id="s-two")
+    agent.run_sync("Leases", session_id="s-one", user_id="alice")
+    agent.runtime.close()
+    return root
+
+
+def test_checkpoints_table_and_json(store):
+    table = run_cli("checkpoints", "s-one", store=store)
+    assert table.returncode == 0, table.stderr
+    assert "checkpoints of s-one" in table.stdout and "completed" in table.stdout
+    rows = ok_json(run_cli("checkpoints", "s-one", "--json", store=store))
+    assert [r["turn"] for r in rows] == list(range(TURNS, 0, -1))  # newest first, one per pass
+    assert rows[0]["execution_status"] == "completed" and rows[0]["user_id"] is None
+    alice = ok_json(run_cli("checkpoints", "s-one", "--user", "alice", "--json", store=store))
+    assert {r["user_id"] for r in alice} == {"alice"}
+    assert {r["checkpoint_id"] for r in alice}.isdisjoint(r["checkpoint_id"] for r in rows)
+
+
+def test_show_latest_and_one_checkpoint(store):
+    data = ok_json(run_cli("show", "s-one", "--json", store=store))
+    assert data["session_id"] == "s-one" and data["turn"] == TURNS and data["execution_status"] == "completed"
+    assert data["messages"][-1]["content"].startswith("# Report: Durable agents")
+    text = run_cli("show", "s-one", store=store)
+    assert text.returncode == 0 and f"turn {TURNS}" in text.stdout and "assistant:" in text.stdout
+    older = ok_json(run_cli("checkpoints", "s-one", "--json", store=store))[5]
+    one = ok_json(run_cli("show", "s-one", older["checkpoint_id"], "--json", store=store))
+    assert one["checkpoint_id"] == older["checkpoint_id"] and one["turn"] == older["turn"]
+
+
+def test_query_with_filters(store):
+    rows = ok_json(run_cli("query", "--session", "s-one", "--limit", "1000", "--json", store=store))
+    assert len(rows) == 2 * TURNS and {r["session_id"] for r in rows} == {"s-one"}
+    mine = ok_json(run_cli("query", "--user", "alice", "--json", store=store))
+    assert len(mine) == TURNS and {r["user_id"] for r in mine} == {"alice"}
+    done = ok_json(run_cli("query", "--status", "completed", "--json", store=store))
+    assert sorted((r["user_id"] or "", r["session_id"]) for r in done) == [("", "s-one"), ("", "s-two"), ("alice", "s-one")]
+    assert ok_json(run_cli("query", "--min-cost", "1000000", "--json", store=store)) == []
+    table = run_cli("query", "--status", "completed", store=store)
+    assert table.returncode == 0 and "3 rows" in table.stdout
+
+
+def test_query_sql_over_checkpoints_and_sessions(store):
+    sql = "select session_id, user_id, max(turn) as turns from checkpoints group by all order by user_id nulls first, session_id"
+    rows = ok_json(run_cli("query", sql, "--json", store=store))
+    assert rows == [{"session_id": "s-one", "user_id": None, "turns": TURNS},
+                    {"session_id": "s-two", "user_id": None, "turns": TURNS},
+                    {"session_id": "s-one", "user_id": "alice", "turns": TURNS}]
+    sessions = ok_json(run_cli("query", "select status, count(*) as n from sessions group by 1", "--json", store=store))
+    assert sessions == [{"status": "completed", "n": 3}]
+    filtered = ok_json(run_cli("query", "select count(*) as n from checkpoints", "--user", "alice", "--json", store=store))
+    assert filtered == [{"n": TURNS}]
+
+
+def test_compact_then_prune(store, tmp_path):
+    import shutil
+
+    from storage import open_store
+
+    mine = tmp_path / "store"
+    shutil.copytree(store, mine)
+    def files() -> int:
+        st = open_store(mine)
+        return len(st.index_files("checkpoints")) + len(st.index_files("sessions"))
+
+    before = files()
+    report = ok_json(run_cli("compact", "--json", store=mine))
+    assert report["files_before"] == before and report["files_after"] < before
+    assert files() == report["files_after"]
+    assert len(ok_json(run_cli("query", "--limit", "1000", "--json", store=mine))) == 3 * TURNS
+
+    refused = run_cli("prune", store=mine)
+    assert refused.returncode == 2 and "--yes" in refused.stderr
+    pruned = ok_json(run_cli("prune", "--session", "s-two", "--json", store=mine))
+    assert pruned["checkpoints"] == TURNS and pruned["journal_entries"] > 0
+    assert ok_json(run_cli("checkpoints", "s-two", "--json", store=mine)) == []
+    # Nothing else was touched.
+    assert len(ok_json(run_cli("checkpoints", "s-one", "--json", store=mine))) == TURNS
+    assert len(ok_json(run_cli("checkpoints", "s-one", "--user", "alice", "--json", store=mine))) == TURNS
+
+
+def test_resume_and_fork_in_process_by_agent_reference(store, tmp_path):
+    """Without a cluster, resume and fork run in this process; the reference is stored for next time."""
+    import shutil
+
+    mine = tmp_path / "store"
+    shutil.copytree(store, mine)
+    res = ok_json(run_cli("resume", "s-one", "Add a section on costs.", "--agent", "loomray.demo:research_agent",
+                          "--json", store=mine))
+    assert res["session_id"] == "s-one" and res["resumed_from_checkpoint"] is True
+    assert res["turns"] == TURNS + 4 and res["model_calls"] == 4  # search, fetch, note, revised report
+    assert "costs" in res["output"]
+    base = ok_json(run_cli("checkpoints", "s-one", "--json", store=mine))[-1]  # the oldest kept
+    forks = ok_json(run_cli("fork", "s-one", "--from", base["checkpoint_id"], "--prompt", "A?", "--prompt", "B?",
+                            "--json", store=mine))  # no --agent: the reference stored by resume
+    assert [f["prompt"] for f in forks] == ["A?", "B?"]
+    assert len({f["session_id"] for f in forks}) == 2 and "s-one" not in {f["session_id"] for f in forks}
+    for f in forks:
+        ckpt = ok_json(run_cli("show", f["session_id"], "--json", store=mine))
+        assert ckpt["forked_from"] == "s-one" and ckpt["execution_status"] == "completed"
+        assert f["model_calls"] == TURNS - base["turn"]  # the rest of the plan; nothing before the fork point
+
+
+@pytest.mark.parametrize("args, env, expected", [
+    (["checkpoints", "a/b"], {}, "session_id"),
+    (["checkpoints", "no-such-session"], {}, "unknown session 'no-such-session'"),
+    (["show", "no-such-session"], {}, "unknown session 'no-such-session'"),
+    (["show", "s-one", "ckpt-nope"], {}, "no checkpoint 'ckpt-nope'"),
+    (["checkpoints", "s-one"], {"LOOMRAY_STORE": ""}, "no store given"),
+    (["checkpoints", "s-one", "--store", "/nonexistent/loomray-store"], {}, "no store at"),
+    (["query", "selec nonsense from checkpoints"], {}, "SQL error"),
+    (["query", "select * from no_such_table"], {}, "SQL error"),
+    (["query", "--since", "yesterday"], {}, "not an ISO-8601 time"),
+    (["resume", "no-such-session"], {}, "unknown session"),
+    (["resume", "s-two"], {}, "no stored agent reference"),
+    (["fork", "s-one", "--prompt", "x", "--agent", "no_such_module:agent"], {}, "cannot import agent reference"),
+    (["submit", "no_such_module:agent", "hi", "--session", "s9"], {}, "cannot import agent reference"),
+    (["submit", "loomray.demo:INSTRUCTIONS", "hi"], {}, "not a loomray Agent"),
+    (["submit", "loomray.demo", "hi"], {}, "must look like"),
+    (["submit", "examples.demo_agent:agent", "hi"], {}, "no Ray cluster given"),
+    (["submit", "examples.demo_agent:agent", "hi", "--address", "127.0.0.1:1"], {}, "no Ray cluster answers"),
+    (["demo", "--model", "claude-opus-4-7"], {"ANTHROPIC_API_KEY": "", "ANTHROPIC_AUTH_TOKEN": ""}, "ANTHROPIC"),
+    (["demo", "--model", "nonsense-model"], {}, "cannot tell which provider"),
+])
+def test_user_mistakes_print_one_line_and_exit_nonzero(store, args, env, expected):
+    out = run_cli(*args, store=store, **env)
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr + out.stdout
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith("error:") and expected in lines[0], lines[0]
