@@ -196,7 +196,7 @@ class RayRuntime(Runtime):
         runs (a restarted incarnation's replayed steps arrive flagged ``replayed``).
         """
         spec = AgentSpec.of(agent, extra_tools)
-        await self._call("submit", spec, request.model_dump_json(), emit is not None)
+        await self._call("submit", spec, request.model_dump_json(), emit is not None, self.config)
         return await self._wait(request.session_id, request.user_id, emit)
 
     async def _wait(self, session_id: str, user_id: str | None, emit: "EmitFn | None") -> RunResult:
@@ -248,7 +248,7 @@ class RayRuntime(Runtime):
         spec = AgentSpec.of(agent, extra_tools)
         fanout_id = new_id("fanout")
         run = asyncio.create_task(self._call("run_many", spec, [r.model_dump_json() for r in requests],
-                                             self.max_concurrent_forks, fanout_id, emit is not None))
+                                             self.max_concurrent_forks, fanout_id, emit is not None, self.config))
         watchers = []
         if emit is not None:
             watchers += [asyncio.create_task(self._pump_events(r.session_id, r.user_id, emit)) for r in requests]
@@ -306,7 +306,7 @@ class RayRuntime(Runtime):
         request = RunRequest(kind="resume" if resume else "run", prompt=prompt,
                              session_id=session_id or new_id("sess"), user_id=user_id, metadata=metadata,
                              effort=effort)
-        await self._call("submit", AgentSpec.of(agent), request.model_dump_json(), False)
+        await self._call("submit", AgentSpec.of(agent), request.model_dump_json(), False, self.config)
         return request.session_id
 
     def submit_sync(self, agent: "Agent | str", prompt: str | None = None, **kwargs: Any) -> str:

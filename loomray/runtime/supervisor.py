@@ -86,6 +86,8 @@ class _Watched:
     stream_events: bool = False
     epoch: int | None = None
     turn: int | None = None
+    #: The submitting runtime's config (retention, actor options); None = the supervisor's.
+    config: RuntimeConfig | None = None
     finished_at: float | None = None
     error: str | None = None
 
@@ -208,16 +210,22 @@ class Supervisor:
             del self._fanouts[fid]
 
     # -- sessions --------------------------------------------------------------
-    async def submit(self, agent: AgentSpec, request_json: str, stream_events: bool = False) -> dict[str, Any]:
+    async def submit(self, agent: AgentSpec, request_json: str, stream_events: bool = False,
+                     config: RuntimeConfig | None = None) -> dict[str, Any]:
         """Start a session actor for ``request_json`` and watch it; returns once the actor is constructed.
 
         The run itself goes on without the caller. A constructor failure (an
         unimportable agent reference, an unreachable store) raises
-        :class:`LoomrayUserError` here rather than later.
+        :class:`LoomrayUserError` here rather than later. ``config`` is the
+        submitting runtime's (its retention and actor options apply to this
+        session); it must name this supervisor's store. A session adopted
+        later from the index gets the supervisor's own config.
         """
         from loomray.errors import LoomrayUserError
         from loomray.session import RunRequest
 
+        if config is not None and config.store_url != self._config.store_url:
+            raise LoomrayUserError(f"this supervisor serves store {self._config.store_url!r}, not {config.store_url!r}")
         await self._ensure_started()
         self._forget()
         request = RunRequest.model_validate_json(request_json)
@@ -226,7 +234,7 @@ class Supervisor:
         if current is not None and not current.done.done():
             raise LoomrayUserError(f"session {request.session_id!r} (user {request.user_id!r}) is already running")
         w = _Watched(request.session_id, request.user_id, request_json, agent,
-                     done=asyncio.get_running_loop().create_future(), stream_events=stream_events)
+                     done=asyncio.get_running_loop().create_future(), stream_events=stream_events, config=config)
         self._sessions[key] = w
         if stream_events:
             self._events[key] = _EventLog()
@@ -258,7 +266,8 @@ class Supervisor:
         return await asyncio.shield(w.done)
 
     async def run_many(self, agent: AgentSpec, request_jsons: list[str], max_concurrent: int | None = None,
-                       fanout_id: str | None = None, stream_events: bool = False) -> list[Outcome]:
+                       fanout_id: str | None = None, stream_events: bool = False,
+                       config: RuntimeConfig | None = None) -> list[Outcome]:
         """Fan-out: one actor per request, at most ``max_concurrent`` (default ``max_concurrent_forks``) at once.
 
         Outcomes come back in request order; ``fanout(fanout_id)`` reports
@@ -281,7 +290,7 @@ class Supervisor:
                 progress["running"] += 1
                 progress["max_running"] = max(progress["max_running"], progress["running"])
                 try:
-                    await self.submit(agent, request_json, stream_events)
+                    await self.submit(agent, request_json, stream_events, config)
                     outcome = await self.result(request.session_id, request.user_id)
                 except Exception as e:
                     outcome = Outcome(status="failed", error=f"{type(e).__name__}: {e}", error_type=type(e).__name__)
@@ -376,13 +385,14 @@ class Supervisor:
             raise LoomrayRunError(
                 f"session {w.session_id!r} cannot be restarted: its agent was passed by value and its actor is "
                 "gone; submit it by reference (module:attr) to make it recoverable")
-        options = session_actor_options(self._config, w.session_id, w.user_id, avoid_node=avoid_node)
+        config = w.config or self._config
+        options = session_actor_options(config, w.session_id, w.user_id, avoid_node=avoid_node)
         actor_cls = ray.remote(SessionActor)
         me = ray.get_runtime_context().current_actor
         deadline = time.monotonic() + 30
         while True:
             try:
-                handle = actor_cls.options(**options).remote(self._config, w.agent, w.request_json,
+                handle = actor_cls.options(**options).remote(config, w.agent, w.request_json,
                                                              me if w.stream_events else None)
                 break
             except ValueError as e:  # the name is held by another incarnation

@@ -1,0 +1,59 @@
+"""The supervisor's in-memory bookkeeping, without a cluster: bounded memory and the event buffer.
+
+(Its behaviour on a cluster is in test_ray_runtime.py.)
+"""
+
+import asyncio
+import time
+
+import pytest
+
+pytest.importorskip("ray")
+
+from loomray.errors import LoomrayUserError  # noqa: E402
+from loomray.runtime.actors import AgentSpec, RuntimeConfig, check_ref, set_agent_ref  # noqa: E402
+from loomray.runtime.supervisor import EVENT_BUFFER, Supervisor, _EventLog, _Watched  # noqa: E402
+
+
+def _watched(sid, finished_at=None):
+    w = _Watched(sid, None, "{}", AgentSpec(ref="m:a"), done=asyncio.get_running_loop().create_future())
+    if finished_at is not None:
+        w.finished_at = finished_at
+        w.done.set_result(None)
+    return w
+
+
+async def test_finished_sessions_are_forgotten_after_a_while(tmp_path):
+    sup = Supervisor(RuntimeConfig(store_url=str(tmp_path), forget_after_s=60.0))
+    now = time.monotonic()
+    for sid, at in (("old", now - 61), ("recent", now - 1), ("running", None)):
+        sup._sessions[(None, sid)] = _watched(sid, at)
+        sup._events[(None, sid)] = _EventLog()
+    sup._forget()
+    assert set(k[1] for k in sup._sessions) == {"recent", "running"}
+    assert set(k[1] for k in sup._events) == {"recent", "running"}
+
+
+async def test_event_log_is_bounded_and_reports_what_was_dropped():
+    log = _EventLog()
+    log.extend([str(i) for i in range(EVENT_BUFFER + 5)])
+    events, cursor, dropped = log.since(0)
+    assert dropped == 5 and events[0] == "5" and cursor == EVENT_BUFFER + 5
+    assert log.since(cursor) == ([], cursor, 0)
+
+
+def test_agent_references_are_checked_before_anything_is_imported():
+    assert check_ref("pkg.mod:agent.inner") == "pkg.mod:agent.inner"
+    for bad in ("pkg.mod", ":agent", "pkg/mod:agent", "pkg.mod:agent()", "", None, "a b:c"):
+        with pytest.raises(LoomrayUserError, match="must look like"):
+            check_ref(bad)
+
+    class Thing:
+        pass
+
+    assert set_agent_ref(Thing(), "m:a").loomray_ref == "m:a"
+    with pytest.raises(LoomrayUserError):
+        set_agent_ref(Thing(), "nope")
+    with pytest.raises(TypeError, match="extra_tools"):
+        AgentSpec.of("m:a", extra_tools=[print])
+    assert AgentSpec.of("m:a") == AgentSpec(ref="m:a", payload=None)
