@@ -55,21 +55,32 @@ def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
         except KeyboardInterrupt:
             err_console.print("interrupted")
             sys.exit(130)
-        except LoomrayRunError as e:
+        except Exception as raised:  # noqa: BLE001 - classify, then report the unexpected in one line too
             if os.environ.get("LOOMRAY_DEBUG"):
                 raise
-            err_console.print(f"[bold red]run failed:[/] {e}", highlight=False, soft_wrap=True)
-            sys.exit(EXIT_RUN)
-        except Exception as e:  # noqa: BLE001 - classify, then report the unexpected in one line too
-            if os.environ.get("LOOMRAY_DEBUG"):
-                raise
-            if isinstance(e, _user_error_types()):
-                raise CliError(first_line(str(e)) or type(e).__name__) from e
-            err_console.print(f"[bold red]error:[/] {type(e).__name__}: {first_line(str(e))}", highlight=False,
-                              soft_wrap=True)
-            sys.exit(EXIT_RUN)
+            report(_unwrap(raised))
 
     return wrapper
+
+
+def _unwrap(e: BaseException) -> BaseException:
+    """The error an actor method raised, not Ray's wrapper (whose text is a remote traceback)."""
+    cause = getattr(e, "cause", None)
+    if type(e).__name__.startswith("RayTaskError") and isinstance(cause, Exception):
+        return cause
+    return e
+
+
+def report(e: BaseException) -> None:
+    """Print ``e`` as one line and exit: 2 for a user's mistake, 1 for a failed run or anything else."""
+    if isinstance(e, LoomrayRunError):
+        err_console.print(f"[bold red]run failed:[/] {first_line(str(e))}", highlight=False, soft_wrap=True)
+        sys.exit(EXIT_RUN)
+    if isinstance(e, _user_error_types()):
+        raise CliError(first_line(str(e)) or type(e).__name__) from e
+    err_console.print(f"[bold red]error:[/] {type(e).__name__}: {first_line(str(e))}", highlight=False,
+                      soft_wrap=True)
+    sys.exit(EXIT_RUN)
 
 
 def first_line(text: str) -> str:

@@ -1,0 +1,146 @@
+"""The cluster-side command line against one real local Ray cluster (subprocesses of ``loomray``).
+
+The cluster (head + one worker, 127.0.0.1) lives in this test process; every
+command is a separate ``loomray`` process that joins it with ``--address``, as
+a user's shell would. The agent is ``examples.demo_agent:agent`` (offline
+research model, 8 passes, 0.5 s per model call), imported by reference on the
+workers (``PYTHONPATH`` = the repository, as the README asks of a cluster).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from loomray.testing import local_cluster, wait_for
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
+
+REPO = Path(__file__).resolve().parents[2]
+LOOMRAY = Path(sys.executable).with_name("loomray")
+CMD = [str(LOOMRAY)] if LOOMRAY.exists() else [sys.executable, "-m", "loomray.cli"]
+REF = "examples.demo_agent:agent"
+TURNS = 9  # 8 research passes + the report
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    store = tmp_path_factory.mktemp("cli-ray") / "store"
+    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    with local_cluster(num_nodes=2, connect=False, env={"PYTHONPATH": pythonpath}) as lc:
+        yield lc.address, store
+    assert lc.leftover == []
+
+
+def cli(cluster, *args: str, address: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+    addr, store = cluster
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(LOOMRAY_STORE=str(store), COLUMNS="200")
+    extra = ["--address", addr] if address else []
+    return subprocess.run([*CMD, *args, *extra], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+def ok_json(out: subprocess.CompletedProcess):
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr
+    return json.loads(out.stdout)
+
+
+def store_of(cluster):
+    from storage import open_store
+
+    return open_store(cluster[1])
+
+
+def test_submit_returns_at_once_and_the_run_goes_on_without_it(cluster):
+    t0 = time.monotonic()
+    info = ok_json(cli(cluster, "submit", REF, "Durable agents", "--session", "s-sub", "--json"))
+    returned_after = time.monotonic() - t0
+    assert info["session_id"] == "s-sub" and info["agent_ref"] == REF
+    store = store_of(cluster)
+    # The submitting process has exited; the run (9 model calls x 0.5 s) is still going.
+    latest = store.list_checkpoints("s-sub", limit=1)
+    assert not latest or latest[0].execution_status == "active", (returned_after, latest)
+    wait_for(lambda: (store.get_session("s-sub") or None) and store.get_session("s-sub").status == "completed",
+             timeout=90, interval=0.2, what="the submitted run to complete")
+    rows = store.list_checkpoints("s-sub", limit=50)
+    assert rows[0].turn == TURNS and rows[0].execution_status == "completed"
+    row = store.get_session("s-sub")
+    assert row.agent_ref == REF and row.node_id  # run by a Ray actor, restartable by reference
+
+
+def test_submit_twice_while_running_is_a_one_line_error(cluster):
+    ok_json(cli(cluster, "submit", REF, "Busy", "--session", "s-busy", "--json"))
+    again = cli(cluster, "submit", REF, "Busy", "--session", "s-busy")
+    assert again.returncode == 2 and "Traceback" not in again.stderr
+    lines = [ln for ln in again.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "already running" in lines[0], again.stderr
+
+
+def test_status_from_the_supervisor_and_from_the_index(cluster):
+    live = ok_json(cli(cluster, "status", "--json"))
+    assert live["source"] == "supervisor+index"
+    by_id = {s["session_id"]: s for s in live["sessions"]}
+    assert by_id["s-sub"]["status"] == "completed" and by_id["s-sub"]["supervised"] is True
+    assert by_id["s-sub"]["turn"] == TURNS and by_id["s-sub"]["incarnation"] == 1
+    offline = ok_json(cli(cluster, "status", "--json", address=False))
+    assert offline["source"] == "index"
+    assert {s["session_id"]: s["status"] for s in offline["sessions"]}["s-sub"] == "completed"
+    table = cli(cluster, "status")
+    assert table.returncode == 0 and "s-sub" in table.stdout and "completed" in table.stdout
+
+
+def test_fork_on_the_cluster_shows_progress(cluster):
+    store = store_of(cluster)
+    base = next(r for r in store.list_checkpoints("s-sub", limit=50) if r.turn == 3)
+    out = cli(cluster, "fork", "s-sub", "--from", base.checkpoint_id, "--prompt", "Costs?", "--prompt", "Risks?",
+              "--json")
+    forks = ok_json(out)
+    assert "fork 1: Costs?" in out.stderr and "fork 2: Risks?" in out.stderr  # the progress display
+    assert [f["prompt"] for f in forks] == ["Costs?", "Risks?"]
+    for f in forks:
+        assert f["model_calls"] == TURNS - 3  # only what comes after the fork point
+        row = store.get_session(f["session_id"])
+        assert row.node_id and row.agent_ref == REF  # ran in a Ray actor, by the stored reference
+        assert store.list_checkpoints(f["session_id"], limit=1)[0].forked_from == "s-sub"
+
+
+def test_resume_on_the_cluster_continues_in_place(cluster):
+    res = ok_json(cli(cluster, "resume", "s-sub", "Add a section on costs.", "--json"))
+    assert res["session_id"] == "s-sub" and res["resumed_from_checkpoint"] is True
+    assert res["turns"] == TURNS + 4 and res["model_calls"] == 4
+    row = store_of(cluster).get_session("s-sub")
+    assert row.status == "completed" and row.node_id
+
+
+def test_supervise_runs_in_the_foreground_until_ctrl_c(cluster):
+    addr, store = cluster
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.Popen([*CMD, "supervise", "--store", str(store), "--address", addr, "--interval", "0.5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    try:
+        seen = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+            if "supervisor ready" in line:
+                break
+        assert any("supervisor ready" in ln for ln in seen), seen
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, rest
+    assert "stopped" in rest and "Traceback" not in rest
