@@ -62,14 +62,21 @@ def checkpoints(session_id: str, store_url: str | None, user_id: str | None, lim
         err_console.print(f"session {session_id!r} has no checkpoints (it ran without checkpointing)")
         return
     table = Table(title=f"checkpoints of {session_id}")
-    for col in ("checkpoint", "turn", "position", "status", "messages", "tokens", "cost $", "epoch", "created"):
-        table.add_column(col)
+    # A narrow terminal gets the columns that matter most (--json has everything).
+    wide = console.width >= 110
+    cols = ["checkpoint", "turn"] + (["after"] if wide else []) + ["status"] + (["messages"] if wide else [])
+    cols += ["tokens", "cost $", "epoch"] + (["created"] if wide else [])
+    for col in cols:
+        # The id is what people copy into the next command: never cut it.
+        table.add_column(col, no_wrap=col == "checkpoint",
+                         min_width=max(len(r.checkpoint_id) for r in rows) if col == "checkpoint" else None)
     for r in rows:
-        cost = "-" if r.cost_usd is None else f"{r.cost_usd:.4f}"
-        table.add_row(
-            r.checkpoint_id, str(r.turn), r.position, r.execution_status, str(r.message_count),
-            str(r.input_tokens + r.output_tokens), cost, str(r.epoch), short_time(r.created_at),
-        )
+        cells = {"checkpoint": r.checkpoint_id, "turn": str(r.turn), "after": r.position.removeprefix("after_"),
+                 "status": r.execution_status, "messages": str(r.message_count),
+                 "tokens": str(r.input_tokens + r.output_tokens),
+                 "cost $": "-" if r.cost_usd is None else f"{r.cost_usd:.4f}", "epoch": str(r.epoch),
+                 "created": short_time(r.created_at)}
+        table.add_row(*(cells[c] for c in cols))
     console.print(table)
 
 

@@ -304,15 +304,24 @@ def status(store_url: str | None, address: str | None, user_id: str | None, limi
         console.print("no sessions")
         return
     table = Table()
-    for col in ("session", "user", "status", "turn", "epoch", "restarts", "node", "updated", "agent"):
-        table.add_column(col)
+    # Only the columns that say something here; the agent only on a wide terminal (--json has everything).
+    cols = ["session"] + (["user"] if any(d["user_id"] for d in out) else []) + ["status", "turn", "epoch"]
+    cols += (["restarts"] if live is not None else []) + ["node", "updated"]
+    cols += ["agent"] if console.width >= 130 else []
+    for col in cols:
+        # The id is what people copy into the next command: never cut it.
+        table.add_column(col, no_wrap=col == "session", min_width=max(len(d["session_id"]) for d in out)
+                         if col == "session" else None)
     colors = {"running": "cyan", "completed": "green", "failed": "red", "pending": "yellow"}
     for d in out:
         st = d["status"] or "-"
-        restarts = "-" if d.get("incarnation") is None else str(max(0, d["incarnation"] - 1))
-        table.add_row(d["session_id"], d["user_id"] or "-", f"[{colors.get(st, 'white')}]{st}[/]",
-                      "-" if d["turn"] is None else str(d["turn"]), "-" if d["epoch"] is None else str(d["epoch"]),
-                      restarts, (d["node_id"] or "-")[:12], short_time(d["updated_at"]), d["agent_ref"] or "-")
+        cells = {"session": d["session_id"], "user": d["user_id"] or "-", "status": f"[{colors.get(st, 'white')}]{st}[/]",
+                 "turn": "-" if d["turn"] is None else str(d["turn"]),
+                 "epoch": "-" if d["epoch"] is None else str(d["epoch"]),
+                 "restarts": "-" if d.get("incarnation") is None else str(max(0, d["incarnation"] - 1)),
+                 "node": (d["node_id"] or "-")[:8], "updated": short_time(d["updated_at"])[11:] or "-",
+                 "agent": d["agent_ref"] or "-"}
+        table.add_row(*(cells[c] for c in cols))
     console.print(table)
     for d in out:
         if d["status"] == "failed" and d["error"]:
