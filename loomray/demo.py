@@ -29,6 +29,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 import asyncio  # noqa: E402
+import dataclasses  # noqa: E402
 import shutil  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -199,6 +200,8 @@ def demo(store_url: str | None, model: str, fast: bool, passes: int | None, node
     workdir = tempfile.mkdtemp(prefix="loomray-demo-")
     log_path = os.path.join(workdir, "model-calls.log")
     try:
+        if not model.startswith("demo:"):  # a real model picks its own number of passes: kill early
+            pace = dataclasses.replace(pace, kill_after=2)
         agent = build_agent(model, pace=pace, log_path=log_path)  # a missing key fails here, before Ray
         if store_url is None:
             stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
@@ -286,6 +289,7 @@ def run_demo(agent: Agent, store_url: str, log_path: str, *, pace: Pace, nodes: 
     from loomray.testing import local_cluster
 
     t0 = time.monotonic()
+    logging.getLogger("ray").setLevel(logging.WARNING)  # Ray's INFO lines would interleave with the story
     with console.status(f"starting a {nodes}-node Ray cluster on 127.0.0.1 ..."):
         cluster = local_cluster(num_nodes=nodes, worker_resources={"loomray_session": 100},
                                 init_kwargs={"log_to_driver": False, "logging_level": logging.WARNING})
