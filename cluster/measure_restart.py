@@ -40,10 +40,12 @@ async def _one(lc, runtime, agents, i: int) -> dict:
     import ray
 
     from loomray.runtime.actors import NAMESPACE, session_actor_name
+    from loomray.runtime.ray_runtime import set_agent_ref
 
     sid = f"measure-{i}"
     agent = copy.copy(agents.nodekill)
-    agent.runtime, agent.loomray_ref = runtime, "ray_agents:nodekill"
+    agent.runtime = runtime
+    set_agent_ref(agent, "ray_agents:nodekill")
     for f in (agents.ROOT / "nodekill").glob("*"):
         f.unlink()
     t0 = time.perf_counter()

@@ -238,6 +238,18 @@ class SessionActor:
         self._epoch: int | None = None
         self._epoch_task: asyncio.Task | None = None
         self._events = 0
+        #: The session's latest checkpoint, read and validated here so an unreadable one fails the
+        #: constructor (typed error, no restart loop) and status knows the turn before the run starts.
+        #: ``run()`` restores it into the loop (after taking the lease) through ``execute_request``.
+        self._restored_turn: int | None = None
+        self._restored_checkpoint_id: str | None = None
+        raw = self._store.get_checkpoint(self._request.session_id, "latest", user_id=self._request.user_id)
+        if raw is not None:
+            from loomray.records import Checkpoint
+
+            ckpt = Checkpoint.from_json(raw)
+            self._restored_turn, self._restored_checkpoint_id = ckpt.turn, ckpt.checkpoint_id
+            self._turn = ckpt.turn
 
     async def run(self) -> Outcome:
         """Run (or join the run in flight) and return its outcome. Never raises for a run's failure."""
@@ -326,6 +338,7 @@ class SessionActor:
     async def progress(self) -> dict[str, Any]:
         """Cheap live status: passes completed, the turn of the latest checkpoint written, epoch, node."""
         return {"turn": self._turn, "checkpoint_turn": self._checkpoint_turn, "epoch": self._epoch,
+                "restored_turn": self._restored_turn, "restored_checkpoint_id": self._restored_checkpoint_id,
                 "node_id": self._node_id, "events": self._events,
                 "finished": self._task is not None and self._task.done()}
 

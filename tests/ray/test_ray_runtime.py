@@ -112,6 +112,9 @@ async def test_node_death_mid_run_continues_on_another_node(env):
     # Mid-run by the store's own account: two passes checkpointed, more to come.
     await _until(lambda: _checkpoint_turn(store, "s-nodekill") >= 2, 60, "the checkpoint of turn 2")
     first = await _actor_info("s-nodekill")
+    live = {s["session_id"]: s for s in await runtime.status()}["s-nodekill"]
+    assert (live["status"], live["epoch"], live["restarts"]) == ("running", 1, 0)
+    assert live["turn"] >= 2 and live["node_id"] == first["node_id"]
     victim = lc.node_of(first["node_id"])
     assert victim is not None and victim is not lc.head
 
@@ -310,6 +313,10 @@ async def test_submit_by_reference_errors_and_status(env):
     assert result.output == "answer 0"
     s = {x["session_id"]: x for x in await runtime.status()}["s-submitted"]
     assert s["status"] == "completed" and s["epoch"] == 1 and s["turn"] == 1
+    # The supervisor's index compaction (it also runs in the background) merges the small files.
+    before = len(runtime.store.index_files())
+    report = await runtime._call("compact")
+    assert report["files_after"] < report["files_before"] and len(runtime.store.index_files()) < before
 
 
 async def test_fenced_actor_stops_and_reports_lease_lost(env):

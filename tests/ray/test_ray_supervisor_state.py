@@ -57,3 +57,15 @@ def test_agent_references_are_checked_before_anything_is_imported():
     with pytest.raises(TypeError, match="extra_tools"):
         AgentSpec.of("m:a", extra_tools=[print])
     assert AgentSpec.of("m:a") == AgentSpec(ref="m:a", payload=None)
+
+
+def test_session_actor_options_default_to_zero_cpus_and_a_name_with_the_session():
+    from loomray.runtime.actors import session_actor_options
+
+    cfg = RuntimeConfig(store_url="/tmp/x")
+    opts = session_actor_options(cfg, "sess-42", "alice")
+    assert "sess-42" in opts["name"] and "alice" in opts["name"]
+    assert (opts["num_cpus"], opts["lifetime"], opts["max_restarts"], opts["namespace"]) == (0, "detached", 0, "loomray")
+    custom = RuntimeConfig(store_url="/tmp/x", actor_options={"num_cpus": 1, "resources": {"gpu_box": 1}})
+    opts = session_actor_options(custom, "sess-42", None)
+    assert opts["num_cpus"] == 1 and opts["resources"] == {"gpu_box": 1} and opts["name"] == "loomray:_:sess-42"
