@@ -108,7 +108,8 @@ async def test_node_death_mid_run_continues_on_another_node(env):
     lc, runtime, agents = env
     store = runtime.store
     agent = _driver_agent(agents.nodekill, "ray_agents:nodekill", runtime)
-    run = asyncio.create_task(agent.run("go", session_id="s-nodekill"))
+    events = []
+    run = asyncio.create_task(agent.run("go", session_id="s-nodekill", emit=events.append))
     # Mid-run by the store's own account: two passes checkpointed, more to come.
     await _until(lambda: _checkpoint_turn(store, "s-nodekill") >= 2, 60, "the checkpoint of turn 2")
     first = await _actor_info("s-nodekill")
@@ -137,6 +138,10 @@ async def test_node_death_mid_run_continues_on_another_node(env):
     s = status["s-nodekill"]
     assert (s["status"], s["incarnation"], s["restarts"], s["epoch"]) == ("completed", 2, 1, 2)
     assert s["node_id"] == row.node_id and s["turn"] == agents.TURNS + 1
+    # The driver's emit saw both incarnations: the second one starts again and replays journaled steps.
+    assert [e.type for e in events].count("run_start") == 2 and events[-1].type == "run_end"
+    assert any(e.type == "replayed_step" or getattr(e, "replayed", False) for e in events)
+    assert events[-1].model_calls == result.model_calls
     lc.add_node()  # give later tests two session nodes again
 
 
