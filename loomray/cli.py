@@ -223,8 +223,6 @@ def session_exists(store: Any, session_id: str, user_id: str | None) -> bool:
 
 def sessions_table(store: Any, user_id: str | None = None) -> Any:
     """The latest status row of each session (of ``user_id``, or every user) as an Arrow table."""
-    import pyarrow as pa
-
     from storage import ANY
     from storage.rows import SESSION_SCHEMA, session_rows_table
 

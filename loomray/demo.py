@@ -285,7 +285,6 @@ def run_demo(agent: Agent, store_url: str, log_path: str, *, pace: Pace, nodes: 
     """Steps 1-6 of the module docstring; returns the main session id. The cluster is gone on return."""
     import logging
 
-    from loomray.cli_ray import ray_get
     from loomray.testing import local_cluster
 
     t0 = time.monotonic()

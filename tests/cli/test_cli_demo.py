@@ -30,7 +30,7 @@ def test_demo_fast_kills_a_node_recovers_forks_and_queries(tmp_path):
     assert "killing worker-" in text and "recovered: a new incarnation took the lease (epoch 2)" in text
     assert "each served exactly once" in text
     assert "had to be killed" not in text  # every cluster process exited on its own
-    assert f"loomray checkpoints sess" in text and f"--store {store}" in text
+    assert "loomray checkpoints sess" in text and f"--store {store}" in text
 
     # What the demo says happened is what the store holds.
     from storage import open_store
