@@ -171,6 +171,7 @@ class RayRuntime(Runtime):
     async def _call(self, method: str, *args: Any) -> Any:
         """Call a supervisor method; if the supervisor died, use its replacement (which adopts our sessions)."""
         deadline = time.monotonic() + _READOPT_TIMEOUT_S
+        replaced = False
         while True:
             try:
                 handle = await asyncio.to_thread(self.supervisor)
@@ -178,9 +179,10 @@ class RayRuntime(Runtime):
             except ray.exceptions.RayActorError:
                 # Killed or its node died: the next handle is a replacement that re-adopts from the index.
                 self._supervisor = None
+                replaced = True
             except LoomrayUserError as e:
-                # A fresh supervisor adopts a session only once its row is in the index.
-                if "not supervised" not in str(e) or time.monotonic() > deadline:
+                # Only a replacement may briefly not know a session we started (its row may lag).
+                if not replaced or "not supervised" not in str(e) or time.monotonic() > deadline:
                     raise
             if time.monotonic() > deadline:
                 raise LoomrayRunError(f"the loomray supervisor kept failing while calling {method}")

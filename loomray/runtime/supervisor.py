@@ -262,7 +262,14 @@ class Supervisor:
         await self._ensure_started()
         w = self._sessions.get((user_id, session_id))
         if w is None:
-            raise LoomrayUserError(f"session {session_id!r} (user {user_id!r}) is not supervised on this cluster")
+            # Its row may have appeared since the last reconcile (e.g. a replacement supervisor): look now.
+            await self._adopt()
+            w = self._sessions.get((user_id, session_id))
+        if w is None:
+            row = await asyncio.to_thread(self._store.get_session, session_id, user_id=user_id)
+            state = f"its last status in the store is {row.status!r}" if row else "the store does not know it"
+            raise LoomrayUserError(
+                f"session {session_id!r} (user {user_id!r}) is not supervised on this cluster; {state}")
         return await asyncio.shield(w.done)
 
     async def run_many(self, agent: AgentSpec, request_jsons: list[str], max_concurrent: int | None = None,

@@ -312,6 +312,10 @@ async def test_submit_by_reference_errors_and_status(env):
         await runtime.submit("no_such_module_xyz:agent", "go", session_id="s-badref")
     with pytest.raises(LoomrayUserError, match="not a loomray Agent"):
         await runtime.submit("ray_agents:TURNS", "go", session_id="s-notagent")
+    t0 = time.monotonic()
+    with pytest.raises(LoomrayUserError, match="not supervised.*does not know it"):
+        await runtime.wait("s-never-submitted")
+    assert time.monotonic() - t0 < 10  # a clear answer, not a long retry
     sid = await runtime.submit("ray_agents:quick", "hello", session_id="s-submitted")
     assert sid == "s-submitted"
     result = await runtime.wait(sid)
@@ -319,9 +323,14 @@ async def test_submit_by_reference_errors_and_status(env):
     s = {x["session_id"]: x for x in await runtime.status()}["s-submitted"]
     assert s["status"] == "completed" and s["epoch"] == 1 and s["turn"] == 1
     # The supervisor's index compaction (it also runs in the background) merges the small files.
-    before = len(runtime.store.index_files())
+    store = runtime.store
+
+    def index_files():
+        return len(store.index_files("checkpoints")) + len(store.index_files("sessions"))
+
+    before = index_files()
     report = await runtime._call("compact")
-    assert report["files_after"] < report["files_before"] and len(runtime.store.index_files()) < before
+    assert report["files_before"] == before and report["files_after"] == index_files() < before
 
 
 async def test_fenced_actor_stops_and_reports_lease_lost(env):
