@@ -106,6 +106,7 @@ class Supervisor:
         self._background: list[asyncio.Task] = []
         self._restarts = 0
         self._compactions = 0
+        self._adopting: asyncio.Lock | None = None
 
     # -- lifecycle -------------------------------------------------------------
     async def ready(self, adopt: bool = False) -> dict[str, Any]:
@@ -138,6 +139,12 @@ class Supervisor:
         (``supervise()``, an operator's decision) takes every one: the cluster
         that ran them is gone.
         """
+        if self._adopting is None:
+            self._adopting = asyncio.Lock()
+        async with self._adopting:  # two passes at once could both restart one session
+            return await self._adopt_locked(foreign)
+
+    async def _adopt_locked(self, foreign: bool) -> list[str]:
         known = None if foreign else {n["NodeID"] for n in ray.nodes()}
         rows = []
         for state in ACTIVE_STATES:
