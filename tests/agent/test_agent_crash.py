@@ -25,7 +25,7 @@ CHILD = Path(__file__).with_name("crash_child.py")
 REPO = Path(__file__).resolve().parents[2]
 TURNS = 6  # 5 tool passes + the final answer
 
-# (kill spec, checkpoint position, extra model calls expected, extra full tool effects expected)
+# (kill spec, checkpoint position, extra model calls expected (None: 0 or 1), extra full tool effects expected)
 POINTS = [
     *[(f"store:journal_append:after:{n}", "both", 0, 0) for n in range(1, 13)],
     ("store:journal_append:before:2", "both", 1, 0),   # model answered, journal write never happened
@@ -46,7 +46,9 @@ POINTS = [
     ("store:journal_append:after:8", "off", 0, 0),
     ("event:model_response:5", "off", 0, 0),
     ("tool:3", "off", 0, 0),
-    ("store:put_checkpoint:after:3", "after_tools/async", 0, 0),  # uploads overlapping the next model call
+    # Async durability overlaps the upload with the next model call, so a kill right after an upload
+    # may land after that call answered and before its journal write: the inherent window, at most once.
+    ("store:put_checkpoint:after:3", "after_tools/async", None, 0),
     ("event:model_response:4", "both/async", 0, 0),
 ]
 
@@ -109,7 +111,10 @@ def test_sigkill_then_resume_in_a_new_process(outcomes, point):
     assert result["output"] == "report: done" and result["turns"] == TURNS
     assert result["usage"] == reference["usage"]
     # Every model reply was served exactly once across both processes (plus the one unavoidable window).
-    assert len(o["calls"]) == TURNS + extra_model, o["calls"]
+    if extra_model is None:  # the window may or may not be hit: never more than one reply served twice
+        assert len(o["calls"]) - TURNS in (0, 1), o["calls"]
+    else:
+        assert len(o["calls"]) == TURNS + extra_model, o["calls"]
     assert sorted(set(o["calls"])) == list(range(TURNS))
     full = [e for e in o["effects"] if not e.endswith("-partial")]
     assert sorted(set(full)) == [f"ray-{i}" for i in range(5)]
