@@ -53,3 +53,31 @@ def test_pyarrow_reads_the_index_straight_from_the_bucket(s3_server):
     assert data.num_rows == 4 and not any(data["tombstone"].to_pylist())
     assert sorted(data.filter(ds.field("user") == "alice")["checkpoint_id"].to_pylist()) == ["c1", "c2"]
     assert fs.cat(f"{root}/sessions/alice/sess-a/checkpoints/c2.json") == b"{}"
+
+
+def test_polars_reads_the_index_straight_from_the_bucket(s3_server):
+    pl = pytest.importorskip("polars")
+    store = s3_server.open_store()
+    _fill(store)
+    store.compact()
+    bucket = store.url.split("/")[2]
+    frame = pl.scan_parquet(
+        f"s3://{bucket}/root/index/checkpoints/**/*.parquet", hive_partitioning=True,
+        storage_options={"aws_endpoint_url": s3_server.endpoint_url, "aws_access_key_id": "testing",
+                         "aws_secret_access_key": "testing", "aws_region": "us-east-1", "aws_allow_http": "true"},
+    ).filter(pl.col("user") == "alice").collect()
+    assert sorted(frame["checkpoint_id"].to_list()) == ["c1", "c2"]
+
+
+def test_duckdb_queries_the_bucket_through_arrow(s3_server):
+    # DuckDB's own S3 reader (httpfs) is an extension it downloads; over an Arrow dataset it needs nothing more.
+    duckdb = pytest.importorskip("duckdb")
+    store = s3_server.open_store()
+    _fill(store)
+    fs, root = store.fsspec()
+    index = ds.dataset(f"{root}/index/checkpoints", filesystem=fs, format="parquet", partitioning="hive")
+    con = duckdb.connect()
+    con.register("idx", index)
+    rows = con.execute("select checkpoint_id, cost_usd from idx where user = 'alice' and not tombstone "
+                       "order by checkpoint_id").fetchall()
+    assert [r[0] for r in rows] == ["c0", "c1", "c2"] and rows[2][1] == 0.5
