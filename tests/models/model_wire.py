@@ -37,6 +37,17 @@ class Scripted:
     hold: threading.Event | None = None
 
 
+class _QuietServer(ThreadingHTTPServer):
+    """Does not print a traceback when a client hangs up mid-reply (the timeout tests do that on purpose)."""
+
+    def handle_error(self, request, client_address):
+        import sys
+
+        if isinstance(sys.exc_info()[1], (BrokenPipeError, ConnectionResetError)):
+            return
+        super().handle_error(request, client_address)
+
+
 class WireServer:
     """A ThreadingHTTPServer on 127.0.0.1:0 answering scripted replies in the provider's format."""
 
@@ -46,7 +57,7 @@ class WireServer:
         self.requests: list[dict[str, Any]] = []
         self.gates_passed: list[bool] = []
         self._holds: list[threading.Event] = []
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
+        self._httpd = _QuietServer(("127.0.0.1", 0), self._handler_class())
         self._httpd.daemon_threads = True
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.02}, name=f"fake-{provider}", daemon=True)
         self._thread.start()
