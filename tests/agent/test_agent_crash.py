@@ -25,7 +25,7 @@ CHILD = Path(__file__).with_name("crash_child.py")
 REPO = Path(__file__).resolve().parents[2]
 TURNS = 6  # 5 tool passes + the final answer
 
-# (kill spec, checkpoint position, extra model calls expected (None: 0 or 1), extra full tool effects expected)
+# (kill spec, checkpoint position, extra model calls expected, extra full tool effects expected; None: 0 or 1)
 POINTS = [
     *[(f"store:journal_append:after:{n}", "both", 0, 0) for n in range(1, 13)],
     ("store:journal_append:before:2", "both", 1, 0),   # model answered, journal write never happened
@@ -46,9 +46,10 @@ POINTS = [
     ("store:journal_append:after:8", "off", 0, 0),
     ("event:model_response:5", "off", 0, 0),
     ("tool:3", "off", 0, 0),
-    # Async durability overlaps the upload with the next model call, so a kill right after an upload
-    # may land after that call answered and before its journal write: the inherent window, at most once.
-    ("store:put_checkpoint:after:3", "after_tools/async", None, 0),
+    # Async durability overlaps the upload with the next pass, so a kill right after an upload may land
+    # anywhere in that pass, including the inherent windows (a model answer or a tool effect made but
+    # not yet journaled): at most one extra of each, never more.
+    ("store:put_checkpoint:after:3", "after_tools/async", None, None),
     ("event:model_response:4", "both/async", 0, 0),
 ]
 
@@ -118,7 +119,10 @@ def test_sigkill_then_resume_in_a_new_process(outcomes, point):
     assert sorted(set(o["calls"])) == list(range(TURNS))
     full = [e for e in o["effects"] if not e.endswith("-partial")]
     assert sorted(set(full)) == [f"ray-{i}" for i in range(5)]
-    assert len(full) == 5 + extra_tool, o["effects"]
+    if extra_tool is None:
+        assert len(full) - 5 in (0, 1), o["effects"]
+    else:
+        assert len(full) == 5 + extra_tool, o["effects"]
     if not position.startswith("off"):
         assert o["latest"]["execution_status"] == "completed"
         assert o["latest"]["messages"] == reference["messages"]
