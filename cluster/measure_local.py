@@ -17,7 +17,7 @@ import statistics
 import time
 from pathlib import Path
 
-from loomray.testing import FAST_FAILURE_DETECTION, local_cluster, wait_for, wait_until_dead
+from loomray.testing import FAST_FAILURE_DETECTION, local_cluster, pid_alive, wait_for, wait_until_dead
 
 import ray  # noqa: E402  (after loomray.testing, which pins Ray to loopback)
 
@@ -28,12 +28,6 @@ class Probe:
         return os.getpid(), ray.get_runtime_context().get_node_id()
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def _removal(lc, *, graceful: bool) -> dict:
@@ -48,7 +42,7 @@ def _removal(lc, *, graceful: bool) -> dict:
     remove_call = time.perf_counter() - t1
     wait_until_dead(actor, timeout=60)
     died = time.perf_counter() - t1
-    wait_for(lambda: not _pid_alive(pid), timeout=60, interval=0.02, what="actor process exit")
+    wait_for(lambda: not pid_alive(pid), timeout=60, interval=0.02, what="actor process exit")
     pid_gone = time.perf_counter() - t1
     wait_for(lambda: node.node_id not in lc.alive_node_ids(), timeout=60, interval=0.02, what="node marked dead")
     node_dead = time.perf_counter() - t1

@@ -82,6 +82,15 @@ def node_resource(index: int) -> str:
     return f"loomray_node_{index}"
 
 
+def pid_alive(pid: int) -> bool:
+    """True while a process with ``pid`` exists (signal 0 probes without touching it)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def wait_for(predicate: Callable[[], T], *, timeout: float, interval: float = 0.05, what: str = "condition") -> T:
     """Poll ``predicate`` until it returns a truthy value; return that value.
 

@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-from loomray.testing import local_cluster, node_resource, wait_for, wait_until_dead
+from loomray.testing import local_cluster, node_resource, pid_alive, wait_for, wait_until_dead
 
 ray = pytest.importorskip("ray")
 
@@ -40,12 +40,6 @@ def lc():
     assert not [w for w in caught if "leftover" in str(w.message)]
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_three_nodes_on_loopback(lc):
@@ -69,7 +63,7 @@ def test_killed_node_takes_its_actor_down(lc):
     assert isinstance(err, ray.exceptions.ActorDiedError)
     with pytest.raises(ray.exceptions.ActorDiedError):
         ray.get(in_flight, timeout=15)
-    wait_for(lambda: not _pid_alive(pid), timeout=15, what=f"actor process {pid} to exit")
+    wait_for(lambda: not pid_alive(pid), timeout=15, what=f"actor process {pid} to exit")
     wait_for(lambda: victim.node_id not in lc.alive_node_ids(), timeout=15, what="GCS to mark the node dead")
 
 
@@ -84,7 +78,7 @@ def test_custom_resource_pin_and_graceful_removal(lc):
 
     # A draining raylet reports its actors dead at once and takes their processes down.
     wait_until_dead(actor, timeout=10)
-    wait_for(lambda: not _pid_alive(pid), timeout=10, what=f"actor process {pid} to exit")
+    wait_for(lambda: not pid_alive(pid), timeout=10, what=f"actor process {pid} to exit")
 
 
 def test_head_node_cannot_be_removed(lc):

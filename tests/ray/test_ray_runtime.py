@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from loomray.testing import local_cluster, wait_for
+from loomray.testing import local_cluster, pid_alive, wait_for
 
 ray = pytest.importorskip("ray")
 
@@ -96,12 +96,6 @@ async def _reference(agents, name, session_id):
     return _transcript((await ref.run("go", session_id=session_id)).messages)
 
 
-def _pid_alive(pid):
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 async def test_node_death_mid_run_continues_on_another_node(env):
@@ -211,7 +205,7 @@ async def test_zombie_incarnation_is_fenced_and_never_latest(env):
         await _until(lambda: store.current_epoch(sid) >= 2, 60, "a new incarnation's lease")
         takeover_turn = _checkpoint_turn(store, sid)
         await _until(lambda: agents.pids_with(name, "holding") - {zombie_pid}, 60, "the new incarnation's step")
-        assert _pid_alive(zombie_pid)  # the old incarnation still runs: a zombie
+        assert pid_alive(zombie_pid)  # the old incarnation still runs: a zombie
         (workdir / "hold").unlink()
         # The zombie's step finishes and it tries to journal it, holding epoch 1.
         await _until(lambda: zombie_pid in agents.pids_with(name, "released"), 30, "the zombie to wake up")
@@ -230,7 +224,7 @@ async def test_zombie_incarnation_is_fenced_and_never_latest(env):
     run_id = store.get_session(sid).run_id
     late = [e for e in store.journal_list(sid, run_id) if e.kind == "tool" and e.step_key >= f"t{takeover_turn:04d}"]
     assert late and all(e.epoch == 2 for e in late)
-    wait_for(lambda: not _pid_alive(zombie_pid), timeout=30, what="the zombie process to exit")
+    wait_for(lambda: not pid_alive(zombie_pid), timeout=30, what="the zombie process to exit")
     lc.add_node()
 
 
@@ -360,7 +354,7 @@ async def test_fenced_actor_stops_and_reports_lease_lost(env):
         return False
 
     wait_for(gone, timeout=30, what=f"actor {name} to exit")
-    wait_for(lambda: not _pid_alive(info["pid"]), timeout=30, what="the fenced actor's process to exit")
+    wait_for(lambda: not pid_alive(info["pid"]), timeout=30, what="the fenced actor's process to exit")
     assert runtime.store.current_epoch("s-fenced") == 2
     # It stopped mid-run: the script was not played to the end.
     assert len(agents.model_calls("fenced")) < agents.TURNS + 1
