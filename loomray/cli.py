@@ -1,7 +1,7 @@
 """The ``loomray`` command line.
 
-Store-side commands (``checkpoints``, ``show``, ``query``, ``prune``,
-``compact``) live here; cluster commands (``submit``, ``status``, ``resume``,
+Store-side commands (``checkpoints`` [``quarantine``], ``show``, ``query``,
+``prune``, ``compact``, ``lease repair``) live here; cluster commands (``submit``, ``status``, ``resume``,
 ``fork``, ``supervise``) in :mod:`loomray.cli_ray`; ``demo`` in
 :mod:`loomray.demo`. Every command takes ``--store URL`` (or
 ``LOOMRAY_STORE``) and, where a cluster is involved, ``--address`` (or
@@ -39,14 +39,37 @@ def main() -> None:
 # --------------------------------------------------------------------- store-only commands
 
 
-@main.command()
+class _ListByDefault(click.Group):
+    """A group whose first argument, unless it names a subcommand, goes to its ``list`` subcommand.
+
+    So ``loomray checkpoints SESSION`` keeps listing, and ``loomray checkpoints
+    quarantine SESSION CKPT`` runs the subcommand (``loomray checkpoints list
+    quarantine`` lists a session named "quarantine").
+    """
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if not args or (args[0] not in self.commands and args[0] not in ctx.help_option_names):
+            args = ["list", *args]
+        return super().parse_args(ctx, args)
+
+
+@main.group(cls=_ListByDefault)
+def checkpoints() -> None:
+    """A session's checkpoints: list (the default) or quarantine.
+
+    ``loomray checkpoints SESSION`` lists them, newest first;
+    ``loomray checkpoints quarantine SESSION CKPT`` moves a bad one aside.
+    """
+
+
+@checkpoints.command("list")
 @click.argument("session_id")
 @store_option
 @user_option
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 10_000))
 @json_option
 @guarded
-def checkpoints(session_id: str, store_url: str | None, user_id: str | None, limit: int, as_json: bool) -> None:
+def checkpoints_list(session_id: str, store_url: str | None, user_id: str | None, limit: int, as_json: bool) -> None:
     """List a session's checkpoints, newest first."""
     check_id(session_id, "session_id")
     check_id(user_id, "user_id")
@@ -80,6 +103,33 @@ def checkpoints(session_id: str, store_url: str | None, user_id: str | None, lim
     console.print(table)
 
 
+@checkpoints.command("quarantine")
+@click.argument("session_id")
+@click.argument("checkpoint_id")
+@store_option
+@user_option
+@json_option
+@guarded
+def checkpoints_quarantine(session_id: str, checkpoint_id: str, store_url: str | None, user_id: str | None,
+                           as_json: bool) -> None:
+    """Move a bad checkpoint aside (to the session's quarantine/) and retire its index row.
+
+    "latest" and listings no longer see it; the bytes stay for inspection.
+    """
+    check_id(session_id, "session_id")
+    check_id(user_id, "user_id")
+    check_id(checkpoint_id, "checkpoint_id")
+    store = open_store_or_fail(store_url)
+    moved = store.quarantine_checkpoint(session_id, checkpoint_id, user_id=user_id)
+    if as_json:
+        emit_json({"session_id": session_id, "user_id": user_id, "checkpoint_id": checkpoint_id,
+                   "quarantine_key": moved})
+        return
+    where = f"bytes moved to {store.describe(moved)}" if moved else "its object was already gone"
+    console.print(f"checkpoint {checkpoint_id} of session {session_id} quarantined: {where}; "
+                  "its index row is retired", highlight=False, soft_wrap=True)
+
+
 @main.command()
 @click.argument("session_id")
 @click.argument("checkpoint_id", default="latest")
@@ -91,14 +141,22 @@ def checkpoints(session_id: str, store_url: str | None, user_id: str | None, lim
 def show(session_id: str, checkpoint_id: str, store_url: str | None, user_id: str | None,
          messages: bool, as_json: bool) -> None:
     """Show one checkpoint (default: the latest) with its transcript."""
+    from loomray.errors import CheckpointException
     from loomray.records import Checkpoint
+    from storage.errors import InvalidIdError, StorageError
 
     check_id(session_id, "session_id")
     check_id(user_id, "user_id")
     if checkpoint_id != "latest":
         check_id(checkpoint_id, "checkpoint_id")
     store = open_store_or_fail(store_url)
-    raw = store.get_checkpoint(session_id, checkpoint_id, user_id=user_id)
+    try:
+        raw = store.get_checkpoint(session_id, checkpoint_id, user_id=user_id)
+    except InvalidIdError:
+        raise
+    except StorageError as e:  # what the API raises for any failed load, with the storage error as its cause
+        raise CheckpointException(f"checkpoint {checkpoint_id!r} of session {session_id!r} could not be loaded: "
+                                  f"{type(e).__name__}: {e}") from e
     if raw is None:
         what = "unknown session" if not session_exists(store, session_id, user_id) else f"no checkpoint {checkpoint_id!r} for session"
         raise CliError(f"{what} {session_id!r}" + (f" of user {user_id!r}" if user_id else ""))
@@ -213,6 +271,55 @@ def compact(store_url: str | None, as_json: bool) -> None:
             f"index files {report.files_before} -> {report.files_after}, {report.rows} rows kept, "
             f"{report.tombstones_dropped} tombstoned rows dropped"
         )
+
+
+@main.group()
+def lease() -> None:
+    """Repair a session's lease (lease.json)."""
+
+
+@lease.command("repair")
+@click.argument("session_id")
+@store_option
+@user_option
+@json_option
+@guarded
+def lease_repair(session_id: str, store_url: str | None, user_id: str | None, as_json: bool) -> None:
+    """Rewrite an unreadable or missing lease.json above every epoch the session used.
+
+    The new epoch fences every holder: a running writer stops at its next lease
+    check, and the session's next incarnation takes the epoch after it. A
+    healthy lease is left alone.
+    """
+    from storage.errors import LeaseCorruptError
+    from storage.layout import lease_key
+
+    check_id(session_id, "session_id")
+    check_id(user_id, "user_id")
+    store = open_store_or_fail(store_url)
+    key = lease_key(session_id, user_id)
+    try:
+        epoch, state, problem = store.current_epoch(session_id, user_id=user_id), "ok", None
+        if store.objects.get(key=key) is None:
+            state = "missing"
+    except LeaseCorruptError as e:
+        epoch, state, problem = None, "corrupt", first_line(str(e))
+    if state == "missing" and not epoch and not session_exists(store, session_id, user_id):
+        raise CliError(f"unknown session {session_id!r}" + (f" of user {user_id!r}" if user_id else "")
+                       + f" in {store.describe()}")
+    repaired = state != "ok"
+    if repaired:
+        epoch = store.repair_lease(session_id, user_id=user_id, owner="loomray lease repair").epoch
+    if as_json:
+        emit_json({"session_id": session_id, "user_id": user_id, "state": state, "repaired": repaired,
+                   "epoch": epoch, "problem": problem})
+    elif not repaired:
+        console.print(f"the lease of session {session_id} is healthy (epoch {epoch}): nothing to repair",
+                      highlight=False, soft_wrap=True)
+    else:
+        console.print(f"{store.describe(key)} was {state}" + (f" ({problem})" if problem else "")
+                      + f"; rewritten at epoch {epoch}, above every epoch the session used", highlight=False,
+                      soft_wrap=True)
 
 
 def session_exists(store: Any, session_id: str, user_id: str | None) -> bool:

@@ -27,6 +27,14 @@ class CorruptObjectError(StorageError):
     """Stored bytes are unreadable, truncated or do not match their recorded size/sha256."""
 
 
+class LeaseCorruptError(CorruptObjectError):
+    """A session's ``lease.json`` (or an epoch marker) is unreadable or holds an epoch outside [0, 2**53).
+
+    Raised before anything is written. Repair: ``Store.repair_lease`` (CLI:
+    ``loomray lease repair SESSION``) rewrites it above every epoch the session used.
+    """
+
+
 class LeaseLostError(StorageError):
     """Fencing: the writer holds an older epoch than the session's current lease."""
 
@@ -37,3 +45,10 @@ class InvalidIdError(StorageError, ValueError):
 
 class TransientStorageError(StorageError):
     """A transient backend failure (503 SlowDown, timeout, connection reset) outlived its retries."""
+
+
+class IndexChangedError(TransientStorageError):
+    """Index files listed for a read kept vanishing before their GET (a compaction merging them) after re-LISTs.
+
+    Never read as "no rows": the caller retries later or fails.
+    """

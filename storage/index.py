@@ -5,7 +5,10 @@ partition (``index/{kind}/user={u}/session={s}/{written_ns}-{rand}.parquet``);
 retention, prune and delete append tombstone files. Files are never modified,
 so a parsed file can be cached by key forever (until LIST stops showing it).
 Readers deduplicate identical rows, which makes a compaction interrupted
-between "write merged file" and "delete sources" harmless.
+between "write merged file" and "delete sources" harmless. A listed file
+that is gone at GET time was merged by a compaction into a file that LIST
+predates: readers LIST again (:meth:`ParquetIndex.read_listed`) and never
+read a vanished file as "no rows".
 """
 
 from __future__ import annotations
@@ -13,23 +16,30 @@ from __future__ import annotations
 import io
 import logging
 import os
+import random
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Collection, Iterable
+from datetime import datetime
+from typing import TypeVar
 from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from storage.errors import CorruptObjectError
-from storage.objects import ObjectStore
+from storage.errors import CorruptObjectError, IndexChangedError
+from storage.objects import ObjectInfo, ObjectStore
 
 log = logging.getLogger("storage.index")
+T = TypeVar("T")
 
 _CACHE_FILES = 8192
 _READ_THREADS = 16
+#: LISTs a read makes when listed files keep vanishing (concurrent compactions) before giving up.
+_RELIST_ATTEMPTS = 6
+_sleep = time.sleep  # module-level so tests can record the backoff instead of waiting
 
 
 def new_file_name(suffix: str = "") -> str:
@@ -53,14 +63,27 @@ def encode(table: pa.Table) -> bytes:
     return sink.getvalue()
 
 
+class _SerialPool:
+    """The ``map``/``shutdown`` of a thread pool, run on the caller's thread."""
+
+    def map(self, fn, *iterables):
+        return list(map(fn, *iterables))
+
+    def shutdown(self, wait: bool = True) -> None:
+        pass
+
+
 class ParquetIndex:
     """Reads and writes index files through an :class:`ObjectStore` (one code path for every backend)."""
 
-    def __init__(self, objects: ObjectStore) -> None:
+    def __init__(self, objects: ObjectStore, *, serial_reads: bool = False) -> None:
         self.objects = objects
         self._cache: OrderedDict[str, pa.Table] = OrderedDict()
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=_READ_THREADS, thread_name_prefix="storage-index")
+        # serial_reads: every read runs on the caller's thread, one at a time (deterministic
+        # fault-injection tests attribute each storage call to the actor that made it).
+        self._pool = _SerialPool() if serial_reads else ThreadPoolExecutor(
+            max_workers=_READ_THREADS, thread_name_prefix="storage-index")
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
@@ -84,17 +107,26 @@ class ParquetIndex:
     # -- read ------------------------------------------------------------
     def list_files(self, prefix: str) -> list[str]:
         """Index file keys under ``prefix``, in name (write) order within a partition."""
-        return [o.key for o in self.objects.list(prefix=prefix) if o.key.endswith(".parquet")]
+        return [o.key for o in self.list_infos(prefix)]
 
-    def read_file(self, key: str, *, cache: bool = True) -> pa.Table | None:
-        """One file's table; ``None`` (with a warning) if it vanished or is unreadable."""
+    def list_infos(self, prefix: str) -> list[ObjectInfo]:
+        """The listing of the index files under ``prefix`` (with the store's ``modified`` times), in key order."""
+        return [o for o in self.objects.list(prefix=prefix) if o.key.endswith(".parquet")]
+
+    def read_file(self, key: str, *, cache: bool = True, vanished: list[str] | None = None) -> pa.Table | None:
+        """One file's table; ``None`` (with a warning) if it vanished or is unreadable.
+
+        A vanished key is appended to ``vanished``: the caller's LIST is stale.
+        """
         with self._lock:
             hit = self._cache.get(key)
         if hit is not None:
             return hit
         obj = self.objects.get(key=key)
         if obj is None:
-            return None  # compacted away between LIST and GET
+            if vanished is not None:
+                vanished.append(key)  # compacted away between LIST and GET
+            return None
         try:
             # ParquetFile.read without inner threads is ~4x cheaper than read_table for small files;
             # parallelism comes from reading many files at once.
@@ -106,22 +138,65 @@ class ParquetIndex:
             self._remember(key, table)
         return table
 
-    def read_files(self, keys: Iterable[str], *, cache: bool = True) -> list[tuple[str, pa.Table]]:
-        """Tables of ``keys`` (read in parallel), skipping vanished and unreadable files."""
+    def read_files(self, keys: Iterable[str], *, cache: bool = True,
+                   vanished: list[str] | None = None) -> list[tuple[str, pa.Table]]:
+        """Tables of ``keys`` (read in parallel), skipping vanished (noted in ``vanished``) and unreadable files."""
         keys = list(keys)
         if len(keys) <= 2:
-            tables = [self.read_file(k, cache=cache) for k in keys]
+            tables = [self.read_file(k, cache=cache, vanished=vanished) for k in keys]
         else:
-            tables = list(self._pool.map(lambda k: self.read_file(k, cache=cache), keys))
+            tables = list(self._pool.map(lambda k: self.read_file(k, cache=cache, vanished=vanished), keys))
         return [(k, t) for k, t in zip(keys, tables) if t is not None]
 
-    def read_prefix(self, prefix: str, schema: pa.Schema, *, cache: bool = True) -> tuple[list[str], pa.Table]:
-        """All files under ``prefix`` as one table (schema-aligned), and the keys read."""
-        return self.read_keys(self.list_files(prefix), schema, cache=cache)
+    def read_listed(self, prefix: str, read: Callable[[list[str], list[str]], T], *,
+                    key_filter: Callable[[str], bool] | None = None) -> tuple[list[str], T]:
+        """LIST ``prefix`` and call ``read(keys, vanished)``; return the keys of the LIST whose reads all held
+        and what ``read`` returned for them.
+
+        ``read`` notes in ``vanished`` every listed file that was gone at GET
+        time. That means a compaction merged it into a file this LIST predates,
+        so the LIST is stale: LIST again (with a short jittered backoff) and let
+        ``read`` fetch what it has not read yet. After ``_RELIST_ATTEMPTS``
+        stale LISTs, :class:`IndexChangedError`: a vanished file is never read
+        as "no rows".
+        """
+        for attempt in range(_RELIST_ATTEMPTS):
+            keys = self.list_files(prefix)
+            if key_filter is not None:
+                keys = [k for k in keys if key_filter(k)]
+            vanished: list[str] = []
+            result = read(keys, vanished)
+            if not vanished:
+                return keys, result
+            log.info("index files vanished between LIST and GET (compacted meanwhile), listing again: %s",
+                     self.objects.describe(vanished[0]))
+            if attempt + 1 < _RELIST_ATTEMPTS:
+                _sleep(random.uniform(0, min(0.5, 0.01 * 2 ** attempt)))  # full jitter
+        raise IndexChangedError(
+            f"{self.objects.describe(prefix)}: index files kept vanishing between LIST and GET after "
+            f"{_RELIST_ATTEMPTS} listings (compactions running); try again")
+
+    def read_prefix(self, prefix: str, schema: pa.Schema, *, cache: bool = True,
+                    key_filter: Callable[[str], bool] | None = None) -> tuple[list[str], pa.Table]:
+        """All files under ``prefix`` (passing ``key_filter``) as one table (schema-aligned), and the keys read.
+
+        Consistent with one LIST: see :meth:`read_listed`.
+        """
+        tables: dict[str, pa.Table] = {}
+
+        def read(keys: list[str], vanished: list[str]) -> None:
+            # Files are immutable: what an earlier LIST's round read stays valid while it is listed.
+            for key, table in self.read_files([k for k in keys if k not in tables], cache=cache, vanished=vanished):
+                tables[key] = table
+
+        keys, _ = self.read_listed(prefix, read, key_filter=key_filter)
+        return self._concat([(k, tables[k]) for k in keys if k in tables], schema)
 
     def read_keys(self, keys: list[str], schema: pa.Schema, *, cache: bool = True) -> tuple[list[str], pa.Table]:
         """Files ``keys`` as one table in ``schema``; files of a foreign schema are skipped with a warning."""
-        pairs = self.read_files(keys, cache=cache)
+        return self._concat(self.read_files(keys, cache=cache), schema)
+
+    def _concat(self, pairs: list[tuple[str, pa.Table]], schema: pa.Schema) -> tuple[list[str], pa.Table]:
         tables = []
         for key, t in pairs:
             try:
@@ -174,19 +249,31 @@ def live_checkpoints(table: pa.Table) -> pa.Table:
     return live.drop_columns(["__u"])
 
 
-def compact_checkpoint_partition(table: pa.Table) -> tuple[pa.Table, int]:
-    """Merged rows of one partition and the number of tombstones applied.
+def compact_checkpoint_partition(table: pa.Table, *, keep_tombstones_since: datetime | None = None,
+                                 young_ids: Collection[str] = ()) -> tuple[pa.Table, int]:
+    """Merged rows of one partition and the number of rows tombstones retired.
 
-    A tombstone whose target row is in the merged set is dropped together with
-    it; a tombstone whose target is elsewhere (not yet seen) is kept.
+    Retired rows are dropped. A tombstone written at or after
+    ``keep_tombstones_since`` stays in the merged set, applied or not: another
+    compactor may have read its target row before the tombstone existed and not
+    have written its merged file yet, and only this tombstone keeps that copy
+    dead (see :func:`storage.maintenance.compact`). So does a tombstone of a
+    checkpoint id in ``young_ids`` (its file is young by the store's clock: the
+    writer's ``written_at`` may be skewed). Older tombstones go, since their
+    targets are gone or are dropped here; ``None`` keeps none.
     """
     live, tombs = _split(table)
     applied = 0
     if tombs.num_rows:
-        targets = live.select(_JOIN)
-        applied = tombs.join(targets, keys=_JOIN, join_type="left semi", use_threads=False).num_rows
-        orphans = tombs.join(targets, keys=_JOIN, join_type="left anti", use_threads=False)
+        applied = live.join(tombs.select(_JOIN), keys=_JOIN, join_type="left semi", use_threads=False).num_rows
         live = live.join(tombs.select(_JOIN), keys=_JOIN, join_type="left anti", use_threads=False)
-        live = pa.concat_tables([live, orphans.select(live.column_names)])
+        if keep_tombstones_since is not None:
+            since = pa.scalar(keep_tombstones_since, tombs["written_at"].type)
+            keep = pc.fill_null(pc.greater_equal(tombs["written_at"], since), True)
+            if young_ids:
+                ids = pa.array(sorted(young_ids), pa.string())
+                keep = pc.or_(keep, pc.is_in(tombs["checkpoint_id"], value_set=ids))
+            young = tombs.filter(keep)
+            live = pa.concat_tables([live, young.select(live.column_names)])
     merged = live.drop_columns(["__u"])
     return merged.sort_by([("epoch", "ascending"), ("checkpoint_id", "ascending")]), applied

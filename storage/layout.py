@@ -1,4 +1,4 @@
-"""Object keys, built only from validated ids (see DESIGN.md "Object layout")."""
+"""Object keys, built only from validated ids (the object layout is in docs/design.md)."""
 
 from __future__ import annotations
 
@@ -28,8 +28,41 @@ def journal_key(session_id: str, user_id: str | None, run_id: str, seq: int, ste
     return f"{journal_prefix(session_id, user_id, run_id)}{seq:08d}-{validate_id(step_key, 'step_key')}.json"
 
 
+def run_prefix(session_id: str, user_id: str | None) -> str:
+    """``sessions/{user or _}/{session_id}/runs/``: the session's run records."""
+    return f"{session_prefix(session_id, user_id)}runs/"
+
+
+def run_key(session_id: str, user_id: str | None, n: int) -> str:
+    """The run record of the session's ``n``-th run (create-only; ``n`` is its store-sequenced position)."""
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0 or n > 99_999_999:
+        raise ValueError(f"run record number must be an int in [0, 99999999], got {n!r}")
+    return f"{run_prefix(session_id, user_id)}{n:08d}.json"
+
+
 def lease_key(session_id: str, user_id: str | None) -> str:
     return f"{session_prefix(session_id, user_id)}lease.json"
+
+
+#: Epochs are JSON-safe integers (exact in a double), so every reader agrees on them.
+MAX_EPOCH = 2**53 - 1
+
+
+def epoch_prefix(session_id: str, user_id: str | None) -> str:
+    """``sessions/{user or _}/{session_id}/epochs/``: one create-only marker per epoch ever acquired."""
+    return f"{session_prefix(session_id, user_id)}epochs/"
+
+
+def epoch_marker_key(session_id: str, user_id: str | None, epoch: int) -> str:
+    """The marker of ``epoch`` (zero-padded, so key order is epoch order)."""
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch <= MAX_EPOCH:
+        raise ValueError(f"epoch must be an int in [0, 2**53), got {epoch!r}")
+    return f"{epoch_prefix(session_id, user_id)}{epoch:020d}"
+
+
+def quarantine_key(session_id: str, user_id: str | None, checkpoint_id: str) -> str:
+    """Where a quarantined checkpoint's bytes are kept: ``sessions/{u}/{s}/quarantine/{checkpoint_id}.json``."""
+    return f"{session_prefix(session_id, user_id)}quarantine/{validate_id(checkpoint_id, 'checkpoint_id')}.json"
 
 
 def index_partition(kind_prefix: str, session_id: str, user_id: str | None) -> str:

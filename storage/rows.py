@@ -1,9 +1,10 @@
-"""The records storage hands back: index rows, journal entries, leases, reports.
+"""The records storage hands back: index rows, journal entries, run records, leases, reports.
 
 Rows are frozen dataclasses mirrored one-to-one by Arrow schemas
 (``CHECKPOINT_SCHEMA``, ``SESSION_SCHEMA``), so the Parquet index is the
-same data a caller sees. Journal entries are pydantic models stored as tagged
-JSON (``"type": "journal_entry", "v": 1``); nothing is ever pickled.
+same data a caller sees. Journal entries and run records are pydantic models
+stored as tagged JSON (``"type": "journal_entry", "v": 1``; ``"type":
+"run_record", "v": 1``); nothing is ever pickled.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ class PruneReport:
 
     checkpoints: int
     journal_entries: int
+    run_records: int = 0
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,40 @@ class JournalEntry(BaseModel):
     @classmethod
     def _aware(cls, value: datetime) -> datetime:
         # A naive time is ambiguous and would break prune(before=...) comparisons later.
+        return as_utc(value)
+
+
+class RunRecord(BaseModel):
+    """One run of a session, stored create-only as ``runs/{n:08d}.json`` under the session's prefix.
+
+    ``n`` is the next free slot when the run started: the store, not a node's
+    clock, sequences a session's runs, so "the last run" is the highest ``n``.
+    ``request`` is the run request as JSON; it may hold secrets (``context``,
+    ``metadata``), so it lives beside the session's own objects and never in
+    the Parquet index. ``base_session_id``/``base_checkpoint_id`` name the
+    checkpoint the run started from and ``replay_from`` the run whose journal it
+    replays (what recovery of the run needs besides its own journal).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    type: str = "run_record"
+    v: int = 1
+    session_id: str
+    user_id: str | None = None
+    n: int = Field(ge=0)
+    run_id: str
+    spec_hash: str = ""
+    request: dict[str, Any] | None = None
+    base_session_id: str | None = None
+    base_checkpoint_id: str | None = None
+    replay_from: str | None = None
+    epoch: int = 0
+    created_at: datetime = Field(default_factory=utcnow)
+
+    @field_validator("created_at")
+    @classmethod
+    def _aware(cls, value: datetime) -> datetime:
         return as_utc(value)
 
 

@@ -21,6 +21,18 @@ from storage.objects import ObjectInfo, ObjectStore, StoredObject
 _TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
                     "ThrottlingException", "RequestTimeTooSkewed", "503", "500", "502", "504"}
 _PRECONDITION_CODES = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
+_SSE_MODES = {None, "AES256", "aws:kms"}
+
+
+def _is_missing(e: Exception) -> bool:
+    """True for S3's "no such key" answer (404 / NoSuchKey)."""
+    from botocore.exceptions import ClientError
+
+    if not isinstance(e, ClientError):
+        return False
+    code = str(e.response.get("Error", {}).get("Code", ""))
+    status = str(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
+    return code in ("NoSuchKey", "404", "NotFound") or status == "404"
 
 
 class S3ObjectStore(ObjectStore):
@@ -31,6 +43,12 @@ class S3ObjectStore(ObjectStore):
     ``retry_mode`` ("standard" | "adaptive"), ``max_attempts`` (default 5),
     ``connect_timeout`` / ``read_timeout`` in seconds, ``client`` (a ready
     boto3 S3 client, e.g. with fault-injection hooks registered).
+
+    Server-side encryption: ``sse="AES256"`` (SSE-S3) or ``sse="aws:kms"``
+    (SSE-KMS, with ``sse_kms_key_id`` naming the key, else the bucket's AWS
+    managed key) is sent with every PUT, so every object the store writes
+    (checkpoints, journal, run records, leases, index files) is encrypted
+    at rest that way whatever the bucket's default. Reads need no option.
     """
 
     backend = "s3"
@@ -39,7 +57,20 @@ class S3ObjectStore(ObjectStore):
                  key: str | None = None, secret: str | None = None, token: str | None = None,
                  region: str | None = None, retry_mode: str = "standard", max_attempts: int = 5,
                  connect_timeout: float = 5.0, read_timeout: float = 30.0, client: Any = None,
-                 aws_access_key_id: str | None = None, aws_secret_access_key: str | None = None) -> None:
+                 aws_access_key_id: str | None = None, aws_secret_access_key: str | None = None,
+                 sse: str | None = None, sse_kms_key_id: str | None = None) -> None:
+        if sse not in _SSE_MODES:
+            raise ValueError(f"sse must be one of {sorted(m for m in _SSE_MODES if m)} or None, got {sse!r}")
+        if sse_kms_key_id is not None and sse != "aws:kms":
+            raise ValueError(f"sse_kms_key_id needs sse='aws:kms' (got sse={sse!r})")
+        if sse_kms_key_id is not None and (not isinstance(sse_kms_key_id, str) or not sse_kms_key_id):
+            raise ValueError(f"sse_kms_key_id must be a non-empty str, got {sse_kms_key_id!r}")
+        #: Extra PUT arguments: the server-side encryption every write asks for.
+        self._put_extra: dict[str, str] = {}
+        if sse is not None:
+            self._put_extra["ServerSideEncryption"] = sse
+        if sse_kms_key_id is not None:
+            self._put_extra["SSEKMSKeyId"] = sse_kms_key_id
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.endpoint_url = endpoint_url
@@ -94,7 +125,7 @@ class S3ObjectStore(ObjectStore):
 
     # -- interface -------------------------------------------------------
     def put(self, *, key: str, data: bytes, if_none_match: bool = False, if_match: str | None = None) -> str:
-        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self._key(key), "Body": data}
+        kwargs: dict[str, Any] = {"Bucket": self.bucket, "Key": self._key(key), "Body": data, **self._put_extra}
         if if_none_match:
             kwargs["IfNoneMatch"] = "*"
         if if_match is not None:
@@ -102,6 +133,11 @@ class S3ObjectStore(ObjectStore):
         try:
             return self.client.put_object(**kwargs)["ETag"]
         except Exception as e:
+            if if_match is not None and _is_missing(e):
+                # S3 answers an If-Match PUT on a key deleted meanwhile with 404, not 412: the
+                # compare-and-swap lost all the same (the caller reads again and decides).
+                raise PreconditionFailed(f"{self.describe(key)}: PUT If-Match {if_match} precondition failed "
+                                         "(the object no longer exists)") from e
             raise self._fail(e, key, "PUT") from e
 
     def get(self, *, key: str) -> StoredObject | None:

@@ -177,3 +177,74 @@ def test_user_mistakes_print_one_line_and_exit_nonzero(store, args, env, expecte
     lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, out.stderr
     assert lines[0].startswith("error:") and expected in lines[0], lines[0]
+
+
+def _one_error_line(out: subprocess.CompletedProcess) -> str:
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    assert "Traceback" not in out.stderr + out.stdout
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), out.stderr
+    return lines[0]
+
+
+def test_path04_lease_repair_rewrites_a_corrupt_or_missing_lease(store, tmp_path):
+    import shutil
+
+    mine = tmp_path / "store"
+    shutil.copytree(store, mine)
+    lease = mine / "sessions" / "_" / "s-one" / "lease.json"
+    epoch = json.loads(lease.read_text())["epoch"]
+    healthy = ok_json(run_cli("lease", "repair", "s-one", "--json", store=mine))
+    assert (healthy["state"], healthy["repaired"], healthy["epoch"]) == ("ok", False, epoch)
+    assert json.loads(lease.read_text())["epoch"] == epoch  # a healthy lease is left alone
+
+    lease.write_bytes(b'{"epoch": 1e300}')
+    fixed = ok_json(run_cli("lease", "repair", "s-one", "--json", store=mine))
+    assert (fixed["state"], fixed["repaired"], fixed["epoch"]) == ("corrupt", True, epoch + 1)
+    assert "lease.json" in fixed["problem"]
+    assert json.loads(lease.read_text())["epoch"] == epoch + 1
+
+    lease.unlink()
+    text = run_cli("lease", "repair", "s-one", store=mine)
+    assert text.returncode == 0 and "missing" in text.stdout and f"epoch {epoch + 2}" in text.stdout, text
+    assert json.loads(lease.read_text())["epoch"] == epoch + 2
+    again = run_cli("lease", "repair", "s-one", store=mine)
+    assert again.returncode == 0 and "nothing to repair" in again.stdout
+
+    assert "unknown session 'nobody'" in _one_error_line(run_cli("lease", "repair", "nobody", store=mine))
+    assert "session_id" in _one_error_line(run_cli("lease", "repair", "a=b", store=mine))
+
+
+def test_path10_checkpoints_quarantine_moves_a_bad_checkpoint_aside(store, tmp_path):
+    import shutil
+
+    mine = tmp_path / "store"
+    shutil.copytree(store, mine)
+    rows = ok_json(run_cli("checkpoints", "s-two", "--json", store=mine))
+    newest = rows[0]
+    path = mine / newest["key"]
+    truncated = path.read_bytes()[:100]
+    path.write_bytes(truncated)
+
+    # "latest" falls back to the newest readable checkpoint, with a warning naming the bad one.
+    shown = run_cli("show", "s-two", "--json", store=mine)
+    assert json.loads(ok_json_text(shown))["checkpoint_id"] == rows[1]["checkpoint_id"]
+    assert newest["checkpoint_id"] in shown.stderr
+
+    moved = ok_json(run_cli("checkpoints", "quarantine", "s-two", newest["checkpoint_id"], "--json", store=mine))
+    assert moved["quarantine_key"] == f"sessions/_/s-two/quarantine/{newest['checkpoint_id']}.json"
+    assert (mine / moved["quarantine_key"]).read_bytes() == truncated and not path.exists()
+    after = ok_json(run_cli("checkpoints", "s-two", "--json", store=mine))  # the plain listing still works
+    assert [r["checkpoint_id"] for r in after] == [r["checkpoint_id"] for r in rows[1:]]
+    shown = run_cli("show", "s-two", "--json", store=mine)
+    assert json.loads(ok_json_text(shown))["checkpoint_id"] == rows[1]["checkpoint_id"] and not shown.stderr.strip()
+
+    text = run_cli("checkpoints", "quarantine", "s-two", rows[1]["checkpoint_id"], store=mine)
+    assert text.returncode == 0 and "quarantined" in text.stdout, text
+    assert "ckpt-nope" in _one_error_line(run_cli("checkpoints", "quarantine", "s-two", "ckpt-nope", store=mine))
+
+
+def ok_json_text(out: subprocess.CompletedProcess) -> str:
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr
+    return out.stdout

@@ -350,8 +350,11 @@ def test_truncated_object_raises_and_listing_skips_it(store, caplog):
     store.objects.put(key=row.key, data=b'{"messages": ["a lo')
     with pytest.raises(CorruptObjectError, match="c2.json"):
         store.get_checkpoint("s1", "c2")
-    with pytest.raises(CorruptObjectError):
-        store.get_checkpoint("s1")  # a restore fails loudly, never falls back silently
+    with caplog.at_level("WARNING"):
+        # "latest" falls back to the newest readable checkpoint, never silently: it warns naming the bad one.
+        assert store.get_checkpoint("s1") == store.get_checkpoint("s1", "c1")
+    assert "c2.json" in caplog.text
+    caplog.clear()
     with caplog.at_level("WARNING"):
         assert [r.checkpoint_id for r in store.list_checkpoints("s1")] == ["c1"]
     assert "c2.json" in caplog.text
