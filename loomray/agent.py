@@ -11,7 +11,7 @@ import asyncio
 from typing import Any, Sequence
 
 from loomray.config import Tuning
-from loomray.errors import LoomrayUserError
+from loomray.errors import InvalidIdError, LoomrayUserError
 from loomray.events import EmitFn
 from loomray.ids import new_id
 from loomray.models.base import Model
@@ -19,6 +19,8 @@ from loomray.models.resolve import resolve_model
 from loomray.records import Checkpoint, CheckpointMeta, RunResult
 from loomray.session import CheckpointNotFound, RunRequest
 from loomray.tools import as_tools
+from storage.errors import InvalidIdError as StorageInvalidIdError
+from storage.ids import user_segment, validate_id
 
 
 def _run_sync(coro: Any) -> Any:
@@ -38,7 +40,13 @@ class Agent:
     ``tools`` are plain functions (sync or async) or ``@tool`` objects.
     ``runtime`` defaults to a fresh :class:`~loomray.runtime.InProcRuntime`.
     ``tuning`` must be a :class:`Tuning`; a wrong ``Tuning.checkpoint`` type is a
-    ``TypeError`` here, not later.
+    ``TypeError`` here, not later. ``name`` (default ``"agent"``) is stored with
+    every checkpoint, so it must be a valid id; an invalid one raises
+    :class:`~loomray.errors.InvalidIdError` here.
+
+    Ids passed to the methods follow the storage id rules; an invalid one (the
+    empty string included) raises :class:`~loomray.errors.InvalidIdError`, a
+    ``ValueError``. ``session_id=None`` in :meth:`run` means a new id.
     """
 
     def __init__(
@@ -58,6 +66,7 @@ class Agent:
         if not isinstance(tuning, Tuning):
             raise TypeError(f"tuning must be a loomray.Tuning, got {type(tuning).__name__}")
         tuning.checkpoint_config()  # raises TypeError for a wrong checkpoint type
+        name = "agent" if name is None else _check_id(name, "Agent name")
         if runtime is None:
             from loomray.runtime.inproc import InProcRuntime
 
@@ -67,7 +76,7 @@ class Agent:
         self.tools = as_tools(tools)
         self.runtime = runtime
         self.tuning = tuning
-        self.name = name or "agent"
+        self.name = name
 
     def __getstate__(self) -> dict[str, Any]:
         # The runtime holds live clients; a copy shipped to a worker (a Ray actor) gets its
@@ -98,7 +107,9 @@ class Agent:
         """
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
-        request = RunRequest(kind="run", prompt=prompt, session_id=session_id or new_id("sess"), user_id=user_id,
+        session_id = new_id("sess") if session_id is None else _check_id(session_id, "session_id")
+        _check_user(user_id)
+        request = RunRequest(kind="run", prompt=prompt, session_id=session_id, user_id=user_id,
                              metadata=metadata, context=context, output_schema=_schema(output_schema), effort=effort)
         return await self._execute(request, emit=emit, extra_tools=extra_tools, output_schema=output_schema)
 
@@ -120,13 +131,14 @@ class Agent:
         replaying its journaled steps.
         """
         emit, extra_tools, output_schema, fields = _split_kwargs(run_kwargs)
+        _check_ids(session_id, user_id, from_checkpoint)
         fork_of = None
         target = session_id
         if from_checkpoint != "latest":
+            # The newest readable checkpoint continues in place, still by its id: "latest" may name a newer,
+            # unreadable one, and an explicit valid id must always work.
             rows = await asyncio.to_thread(self.runtime.store.list_checkpoints, session_id, user_id=user_id, limit=1)
-            if rows and rows[0].checkpoint_id == from_checkpoint:
-                from_checkpoint = "latest"
-            else:
+            if not (rows and rows[0].checkpoint_id == from_checkpoint):
                 await self._require_checkpoint(session_id, from_checkpoint, user_id)
                 fork_of, target = session_id, new_id("sess")
         request = RunRequest(kind="resume", prompt=prompt, session_id=target, user_id=user_id,
@@ -150,6 +162,7 @@ class Agent:
         if isinstance(prompts, str):
             raise TypeError("prompts must be a list of prompts, not one string")
         emit, extra_tools, output_schema, fields = _split_kwargs(run_kwargs)
+        _check_ids(session_id, user_id, from_checkpoint)
         if from_checkpoint == "latest":
             rows = await asyncio.to_thread(self.runtime.store.list_checkpoints, session_id, user_id=user_id, limit=1)
             if not rows:
@@ -179,12 +192,18 @@ class Agent:
     # -- checkpoints ---------------------------------------------------------
     async def list_checkpoints(self, session_id: str, *, limit: int = 50, user_id: str | None = None) -> list[CheckpointMeta]:
         """Checkpoints of ``session_id`` for ``user_id``, newest first, without messages."""
+        _check_ids(session_id, user_id)
         lister = getattr(self.runtime, "list_checkpoints", None)
         return [] if lister is None else await lister(session_id, limit=limit, user_id=user_id)
 
     async def get_checkpoint(self, session_id: str, checkpoint_id: str = "latest", *,
                              user_id: str | None = None) -> Checkpoint | None:
-        """One checkpoint (``"latest"`` by default) or None; corrupt data raises ``CheckpointException``."""
+        """One checkpoint (``"latest"`` by default) or None.
+
+        Any failure to load it (corrupt or truncated data, an unknown schema, a
+        storage error) raises ``CheckpointException``.
+        """
+        _check_ids(session_id, user_id, checkpoint_id)
         getter = getattr(self.runtime, "get_checkpoint", None)
         return None if getter is None else await getter(session_id, checkpoint_id, user_id=user_id)
 
@@ -208,6 +227,30 @@ class Agent:
     def get_checkpoint_sync(self, session_id: str, checkpoint_id: str = "latest", **kwargs: Any) -> Checkpoint | None:
         """Blocking :meth:`get_checkpoint` for scripts."""
         return _run_sync(self.get_checkpoint(session_id, checkpoint_id, **kwargs))
+
+
+def _check_id(value: Any, what: str) -> str:
+    """``value`` if it is a valid id, else :class:`InvalidIdError` (also a ``ValueError``)."""
+    try:
+        return validate_id(value, what)
+    except StorageInvalidIdError as e:
+        raise InvalidIdError(str(e)) from e
+
+
+def _check_user(user_id: Any) -> None:
+    if user_id is not None:
+        try:
+            user_segment(user_id)
+        except StorageInvalidIdError as e:
+            raise InvalidIdError(str(e)) from e
+
+
+def _check_ids(session_id: Any, user_id: Any, checkpoint_id: str = "latest") -> None:
+    """Refuse invalid ids before anything runs (``""`` is not "no id": only None is)."""
+    _check_id(session_id, "session_id")
+    _check_user(user_id)
+    if checkpoint_id != "latest":
+        _check_id(checkpoint_id, "checkpoint_id")
 
 
 _RUN_FIELDS = ("metadata", "context", "effort")

@@ -2,7 +2,7 @@
 
 Both are plain frozen dataclasses. ``Tuning`` accepts anything for
 ``checkpoint`` so that a wrong type is reported by the :class:`~loomray.Agent`
-constructor as a ``TypeError`` naming the field (the seed's contract), not as a
+constructor as a ``TypeError`` naming the field (our configuration contract), not as a
 pydantic validation error from deep inside a run.
 """
 

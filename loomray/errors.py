@@ -7,6 +7,8 @@ cleanly so they can cross a Ray actor boundary.
 
 from __future__ import annotations
 
+from storage.errors import InvalidIdError as _StorageInvalidIdError
+
 
 class LoomrayError(Exception):
     """Base of every loomray exception."""
@@ -18,6 +20,23 @@ class LoomrayUserError(LoomrayError, ValueError):
 
 class LoomrayRunError(LoomrayError, RuntimeError):
     """A run failed while executing."""
+
+
+class InvalidIdError(LoomrayUserError, _StorageInvalidIdError):
+    """An id given to loomray (session, user, checkpoint, agent name) cannot be a storage key segment.
+
+    Also a :class:`storage.errors.InvalidIdError`, so code that catches the storage error still does.
+    """
+
+
+class DurabilityLost(LoomrayRunError):
+    """The run stopped because it could no longer prove that it owns its session.
+
+    A write failed and the session's lease could not be read afterwards (the
+    store is unreachable, or the lease object is unreadable), so nothing the
+    run did from then on could be made durable or fenced. The run stops before
+    its next step; the session is recoverable from its last durable state.
+    """
 
 
 class CheckpointException(LoomrayError):

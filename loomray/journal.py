@@ -80,7 +80,11 @@ class StepRunner:
     """Runs model and tool steps, journaling them when a sink is given.
 
     ``prior`` are the records a replay may answer from; ``next_seq`` is where
-    this run's own records continue.
+    this run's own records continue. ``before_model_call``, when given, is
+    awaited right before every model call that is not answered from the
+    journal (the session reads its lease there when nothing else proved it
+    since the previous call); whatever it raises stops the run before the
+    call is billed.
     """
 
     def __init__(
@@ -95,8 +99,10 @@ class StepRunner:
         session_id: str = "",
         run_id: str | None = None,
         stream: bool = False,
+        before_model_call: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.model = model
+        self.before_model_call = before_model_call
         #: Stream text deltas as events when the model can (only worth it when someone listens).
         self.stream = stream
         self.tools = tools
@@ -183,6 +189,8 @@ class StepRunner:
             async def on_delta(text: str) -> None:
                 await self._notify(TextDelta(session_id=self.session_id, run_id=self.run_id, turn=turn,
                                              step_key=step_key, text=text))
+        if self.before_model_call is not None:
+            await self.before_model_call()
         # Streamed when the model can stream and someone listens; the journal keeps only the final answer.
         response = await complete_with_stream(self.model, request, on_delta)
         self.model_calls += 1

@@ -13,8 +13,14 @@ Invariants the loop keeps:
   never sent to a model: the missing tool calls run (or replay) first;
 - compaction happens at pass boundaries, before the checkpoint of that
   boundary, so a snapshot holds the compacted transcript;
-- a failed checkpoint write logs a warning and the run goes on; only a
-  fencing error (``is_fatal``) stops the run.
+- a failed checkpoint write logs a warning and the run goes on; an error
+  the writer's ``is_fatal`` accepts (fencing, lost ownership, a non-transient
+  error) stops the run before its next model or tool call once the write has
+  reported it (with ``durability="async"`` an upload still in flight reports
+  later: at the latest at the next checkpoint). ``LoopOptions.check_writes``
+  covers writes the loop does not see, such as journal appends;
+- repairing a transcript puts the results of dangling tool calls right after
+  the assistant message that made the calls, before any later message.
 """
 
 from __future__ import annotations
@@ -170,6 +176,22 @@ def dangling_tool_calls(messages: list[Message]) -> list[ToolCall]:
     return []
 
 
+def tool_results_slot(messages: list[Message]) -> int:
+    """Where results for the last assistant message's tool calls belong.
+
+    Right after that message and the tool results already following it, so a
+    repaired transcript (a dangling call followed by a later user message)
+    keeps every result next to its call, the order provider APIs require.
+    """
+    for i in range(len(messages) - 1, -1, -1):
+        if messages[i].role == "assistant":
+            j = i + 1
+            while j < len(messages) and messages[j].role == "tool":
+                j += 1
+            return j
+    return len(messages)
+
+
 @dataclass
 class LoopOptions:
     """Per-run inputs that are not state."""
@@ -185,6 +207,8 @@ class LoopOptions:
     context: Any = None
     resumed_from_checkpoint: bool = False
     resume_position: str | None = None
+    #: Raises when a write outside the loop (the journal) failed in a way that must stop the run.
+    check_writes: Callable[[], None] | None = None
 
 
 async def run_loop(
@@ -219,6 +243,13 @@ class _Loop:
     def _ev(self) -> dict[str, Any]:
         return {"session_id": self.s.session_id, "run_id": self.s.run_id, "turn": self.turn}
 
+    def check_writes(self) -> None:
+        """Stop before the next step if a write failed in a way that must stop the run (see the module docstring)."""
+        if self.writer is not None:
+            self.writer.check()
+        if self.o.check_writes is not None:
+            self.o.check_writes()
+
     async def checkpoint(self, position: str, status: str = "active") -> None:
         if self.writer is None:
             return
@@ -246,7 +277,8 @@ class _Loop:
                                         messages_before=n_before, messages_after=len(new)))
 
     async def run_tools(self, calls: list[ToolCall]) -> None:
-        """Run (or replay) ``calls`` concurrently; append their results in call order."""
+        """Run (or replay) ``calls`` concurrently; put their results, in call order, right after the calls."""
+        self.check_writes()
 
         async def one(call: ToolCall) -> Message:
             await self.emit(ToolCallEvent(**self._ev(), tool_call=call))
@@ -258,7 +290,8 @@ class _Loop:
             return msg
 
         results = await asyncio.gather(*(one(c) for c in calls))
-        self.msgs.extend(results)
+        at = tool_results_slot(self.msgs)
+        self.msgs[at:at] = results
 
     async def finish_pass_with_tools(self, calls: list[ToolCall]) -> None:
         await self.run_tools(calls)
@@ -307,6 +340,7 @@ class _Loop:
                     "stopped; resume() continues it")
             await self.maybe_compact()
             assert not dangling_tool_calls(self.msgs), "never send dangling tool calls to a model"
+            self.check_writes()
             request = ModelRequest(messages=self.msgs, tools=self.o.tool_schemas,
                                    output_schema=self.o.output_schema, effort=self.o.effort)
             await self.emit(ModelCall(**self._ev(), message_count=len(self.msgs), step_key=model_step_key(self.turn)))

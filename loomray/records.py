@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from loomray.errors import CheckpointException
 from loomray.ids import new_id
+from storage.errors import InvalidIdError, StorageError
 
 SCHEMA_VERSION = "1.0"
 #: Checkpoint schema versions this release can read.
@@ -196,6 +197,32 @@ class Checkpoint(BaseModel):
             message_count=self.message_count if self.message_count is not None else len(self.messages),
             epoch=self.epoch,
         )
+
+
+def load_checkpoint(store: Any, session_id: str, checkpoint_id: str = "latest", *,
+                    user_id: str | None = None) -> Checkpoint | None:
+    """Read and validate one checkpoint from ``store`` (a :class:`storage.Store`); None when it does not exist.
+
+    Every place that loads a checkpoint goes through here, so every failure to
+    load one is a :class:`CheckpointException`: corrupt or truncated bytes, an
+    unknown schema version, invalid data, or a storage error (kept as
+    ``__cause__``). An invalid id is the caller's mistake and stays a
+    ``ValueError`` (``InvalidIdError``).
+    """
+    try:
+        raw = store.get_checkpoint(session_id, checkpoint_id, user_id=user_id)
+    except InvalidIdError:
+        raise
+    except (StorageError, OSError) as e:
+        raise CheckpointException(
+            f"checkpoint {checkpoint_id!r} of session {session_id!r} (user {user_id!r}) could not be loaded: "
+            f"{type(e).__name__}: {e}") from e
+    if raw is None:
+        return None
+    try:
+        return Checkpoint.from_json(raw)
+    except CheckpointException as e:  # say which checkpoint: the parser only sees bytes
+        raise CheckpointException(f"checkpoint {checkpoint_id!r} of session {session_id!r} (user {user_id!r}): {e}") from e
 
 
 class RunResult(BaseModel):

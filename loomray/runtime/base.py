@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any, Sequence
 
-from loomray.records import Checkpoint, CheckpointMeta, RunResult
+from loomray.records import Checkpoint, CheckpointMeta, RunResult, load_checkpoint
 
 if TYPE_CHECKING:  # pragma: no cover
     from loomray.agent import Agent
@@ -81,11 +81,10 @@ class Runtime:
 
     async def get_checkpoint(self, session_id: str, checkpoint_id: str = "latest", *,
                              user_id: str | None = None) -> Checkpoint | None:
-        """The checkpoint, or None when it does not exist for this user; corrupt data raises."""
+        """The checkpoint, or None when it does not exist for this user; a failed load raises CheckpointException."""
         if self.store is None:
             return None
-        raw = await asyncio.to_thread(self.store.get_checkpoint, session_id, checkpoint_id, user_id=user_id)
-        return None if raw is None else Checkpoint.from_json(raw)
+        return await asyncio.to_thread(load_checkpoint, self.store, session_id, checkpoint_id, user_id=user_id)
 
     def close(self) -> None:
         """Release the store's clients."""

@@ -7,7 +7,8 @@ KILL_SPEC picks a deterministic point (no timing):
   ``store:<method>:<before|after>:<n>``  die just before / just after the n-th call of a store method
   ``tool:<n>``                        die inside the n-th tool execution (its effect half done)
 
-The model is a ScriptedModel with a file-backed call counter (``DATA_DIR/model_calls``);
+With ``CRASH_RESUME=1`` the child calls ``resume(session_id=...)`` (no prompt)
+instead of ``run``. The model is a ScriptedModel with a file-backed call counter (``DATA_DIR/model_calls``);
 the tool appends each effect to ``DATA_DIR/effects``. The result (transcript etc.)
 goes to OUT_JSON when the run completes.
 """
@@ -90,7 +91,10 @@ async def main() -> None:
     kill = sys.argv[4] if len(sys.argv) > 4 and sys.argv[4] else None
     position = os.environ.get("CRASH_POSITION", "both")
     agent, emit = build(data_dir, kill, position)
-    result = await agent.run("research ray for me", session_id=session_id, emit=emit)
+    if os.environ.get("CRASH_RESUME"):  # the second process resumes instead of re-issuing the run
+        result = await agent.resume(session_id=session_id, emit=emit)
+    else:
+        result = await agent.run("research ray for me", session_id=session_id, emit=emit)
     with open(out, "w") as f:
         json.dump({"messages": [m.model_dump(mode="json") for m in result.messages], "turns": result.turns,
                    "model_calls": result.model_calls, "output": result.output,

@@ -77,9 +77,9 @@ async def test_restored_turns_are_not_rebilled(runtime):
 
 
 async def test_prompt_none_appends_the_continuation_nudge(runtime):
+    # The nudge is for a session whose last run finished; an unfinished one is continued as it was (path 15).
     agent = agent_for(runtime)
-    with pytest.raises(Crash):
-        await agent.run("task", session_id="s1", emit=crash_at("model_call", 2))
+    await agent.run("task", session_id="s1")
     result = await agent.resume(session_id="s1")
     nudges = [m for m in result.messages if m.role == "user" and m.content == "Continue the interrupted task."]
     assert len(nudges) == 1 and result.resumed_from_checkpoint
