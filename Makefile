@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: demo test bench install clean
+.PHONY: demo test soak bench install clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -20,6 +20,12 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# Fault-injection soak: `make soak SEEDS=2000` runs seeds 0..1999 over memory, local and S3 (moto) stores;
+# a failing seed prints the one command that replays it, e.g. `make soak SEED=1234 SCENARIO=zombie BACKEND=local`.
+SEEDS ?= 200
+soak: $(VENV)/.installed
+	PYTHONHASHSEED=0 $(PY) tests/durability/soak.py $(if $(SEED),--seed $(SEED),--seeds $(SEEDS))$(if $(SCENARIO), --scenario $(SCENARIO))$(if $(BACKEND), --backend $(BACKEND))$(if $(JOBS), --jobs $(JOBS))
 
 bench: $(VENV)/.installed
 	$(PY) bench/storage_bench.py

@@ -1,0 +1,272 @@
+"""Durability scenarios: which actors, which faults, derived from a seed; running one and checking it.
+
+A scenario is ``(seed, kind, backend)``. The kind fixes the cast, the seed
+everything else (crash points, fault rates, when a taker starts, retention,
+checkpoint position), so ``run_scenario(seed, kind, backend)`` replays
+exactly. Kinds:
+
+- ``crash-restart``: the holder is crash-stopped at a storage call; a taker
+  re-issues the run (or ``resume()``), may crash too, and a second one finishes;
+- ``zombie``: a taker re-issues the run while the holder is still running;
+- ``compaction``: one or two compactors and cold readers run beside the holder
+  (small retention, so many tombstones);
+- ``prune``: a pruner cuts the session at a checkpoint's time while the run is
+  unfinished; a taker then re-issues the run;
+- ``lease-loss``: a lifecycle rule deletes ``lease.json`` mid-run; a taker follows;
+- ``outage``: the holder cannot read its lease (or reach the store) for a while;
+- ``chaos``: all of the above at once, with more faults;
+- ``clock-skew``: after the first run finished, a writer whose clock is an
+  hour behind starts the next run and crashes; a third re-issues it;
+- ``lease-storm``: five writers re-issue the same run at once (each fences
+  the one before), sometimes while a lifecycle rule deletes ``lease.json``.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from storage.faults import Fault, FaultPlan, Rule
+
+from durability_checks import Violation, check_all, check_index
+from durability_world import Spec, World
+
+KINDS = ("crash-restart", "zombie", "compaction", "prune", "lease-loss", "outage", "chaos", "clock-skew",
+         "lease-storm")
+BACKENDS = ("memory", "local", "s3")
+
+
+def done(*names: str):
+    return lambda s: all(s.done(n) for n in names)
+
+
+def at_step(k: int):
+    return lambda s: s.steps >= k
+
+
+def either(*preds):
+    return lambda s: any(p(s) for p in preds)
+
+
+def acks_at_least(j: int):
+    return lambda s: sum(len(i.acks) for i in s.world.incarnations) >= j
+
+
+def _noise(rng: random.Random, level: str) -> list[Rule]:
+    fail, drop, delay = {"none": (0, 0, 0), "low": (0.01, 0.01, 0.05), "mid": (0.03, 0.03, 0.08)}[level]
+    rules = []
+    if fail:
+        rules.append(Rule(Fault("fail"), p=fail))
+    if drop:
+        rules.append(Rule(Fault("drop"), p=drop, ops=frozenset({"put", "delete", "get"})))
+    if delay:
+        rules.append(Rule(Fault("delay", hold=rng.randint(1, 6)), p=delay))
+    return rules
+
+
+def build_spec(seed: int, kind: str, backend: str) -> Spec:
+    """The scenario of ``(seed, kind)`` on ``backend``."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown scenario kind {kind!r}; one of {KINDS}")
+    rng = random.Random(f"{kind}/{seed}")
+    spec = Spec(seed=seed, kind=kind, backend=backend, passes=rng.choice([3, 4, 5]),
+                position=rng.choice(["after_tools", "both"]), keep=rng.choice([1, 2, 3, 20]),
+                user_id=rng.choice([None, "u1"]))
+    plan = FaultPlan(seed=seed)
+    actors = spec.actors
+    resume_or_run = lambda: rng.choice(["run", "run", "resume"])  # noqa: E731
+
+    def crash(actor: str, lo: int, hi: int, p: float = 1.0) -> None:
+        if rng.random() < p:
+            k = rng.randint(lo, hi)
+            plan.by_actor[(actor, k)] = Fault("crash")
+            spec.notes.append(f"{actor} crashes at its call {k}")
+
+    if kind == "crash-restart":
+        plan.rules = _noise(rng, "low")
+        crash("holder", 1, 90, p=0.9)
+        actors.append(("holder", "writer", {"kind": "run", "attempts": 2}))
+        actors.append(("taker", "writer", {"kind": resume_or_run(), "start_when": done("holder")}))
+        crash("taker", 1, 70, p=0.3)
+        actors.append(("taker2", "writer", {"kind": "run", "start_when": done("taker")}))
+    elif kind == "zombie":
+        plan.rules = _noise(rng, "low")
+        crash("holder", 30, 120, p=0.2)
+        actors.append(("holder", "writer", {"kind": "run", "attempts": 1}))
+        actors.append(("taker", "writer", {"kind": resume_or_run(), "start_when": at_step(rng.randint(2, 60))}))
+        if rng.random() < 0.5:
+            actors.append(("taker2", "writer", {"kind": "run", "start_when": done("holder", "taker")}))
+    elif kind == "compaction":
+        # keep=20: no retention, so a reader that misses rows can only blame compaction.
+        spec.keep = rng.choice([1, 2, 3, 20, 20])
+        plan.rules = _noise(rng, rng.choice(["none", "low"]))
+        actors.append(("holder", "writer", {"kind": "run"}))
+        actors.append(("compactor", "compactor", {"rounds": rng.randint(3, 6)}))
+        if rng.random() < 0.6:
+            actors.append(("compactor2", "compactor", {"rounds": rng.randint(2, 5)}))
+        actors.append(("reader", "reader", {"rounds": rng.randint(3, 5)}))
+        if rng.random() < 0.7:
+            actors.append(("reader2", "reader", {"rounds": 3, "start_when": at_step(rng.randint(5, 80))}))
+        if rng.random() < 0.3:
+            crash("holder", 20, 90)
+            actors.append(("taker", "writer", {"kind": "run", "start_when": done("holder")}))
+    elif kind == "prune":
+        plan.rules = _noise(rng, rng.choice(["none", "low"]))
+        crash("holder", 25, 100, p=0.85)
+        j = rng.randint(1, 3)
+        actors.append(("holder", "writer", {"kind": "run", "attempts": 1}))
+        actors.append(("pruner", "pruner", {"after_acks": j,
+                                             "start_when": either(acks_at_least(j + rng.randint(0, 2)), done("holder"))}))
+        actors.append(("taker", "writer", {"kind": resume_or_run(), "start_when": done("holder", "pruner")}))
+        if rng.random() < 0.5:
+            actors.append(("reader", "reader", {"rounds": 1, "start_when": done("pruner")}))
+    elif kind == "lease-loss":
+        plan.rules = _noise(rng, rng.choice(["none", "low"]))
+        actors.append(("holder", "writer", {"kind": "run", "attempts": 1}))
+        actors.append(("vandal", "vandal", {"start_when": at_step(rng.randint(3, 50))}))
+        crash("holder", 20, 100, p=0.5)
+        if rng.random() < 0.5:
+            actors.append(("taker", "writer", {"kind": resume_or_run(), "start_when": done("holder", "vandal")}))
+        else:
+            actors.append(("taker", "writer", {"kind": resume_or_run(),
+                                               "start_when": either(at_step(rng.randint(30, 90)), done("holder"))}))
+        actors.append(("reader", "reader", {"rounds": 1, "start_when": done("holder", "taker")}))
+    elif kind == "outage":
+        mode = rng.choice(["lease-reads", "all"])
+        first = rng.randint(8, 40)
+        last = first + rng.choice([6, 12, 100000])
+        spec.notes.append(f"holder outage ({mode}) from its call {first} to {last}")
+        plan.rules = [Rule(Fault("fail"), p=1.0, actors=frozenset({"holder"}), first=first, last=last,
+                           ops=frozenset({"get"}) if mode == "lease-reads" else None,
+                           key_contains="lease.json" if mode == "lease-reads" else None)]
+        actors.append(("holder", "writer", {"kind": "run", "attempts": 1}))
+        actors.append(("taker", "writer", {"kind": resume_or_run(), "start_when": done("holder")}))
+    elif kind == "chaos":
+        plan.rules = _noise(rng, "mid")
+        crash("holder", 10, 100, p=0.5)
+        actors.append(("holder", "writer", {"kind": "run", "attempts": 2}))
+        if rng.random() < 0.5:
+            actors.append(("taker", "writer", {"kind": resume_or_run(), "start_when": at_step(rng.randint(5, 80))}))
+        else:
+            actors.append(("taker", "writer", {"kind": resume_or_run(), "start_when": done("holder")}))
+        crash("taker", 10, 80, p=0.3)
+        actors.append(("taker2", "writer", {"kind": "run", "start_when": done("holder", "taker")}))
+        actors.append(("compactor", "compactor", {"rounds": 3}))
+        if rng.random() < 0.5:
+            actors.append(("compactor2", "compactor", {"rounds": 3, "start_when": at_step(rng.randint(1, 40))}))
+        actors.append(("reader", "reader", {"rounds": 2, "start_when": at_step(rng.randint(1, 60))}))
+        if rng.random() < 0.5:
+            actors.append(("pruner", "pruner", {"after_acks": 1, "start_when": acks_at_least(rng.randint(1, 4))}))
+        if rng.random() < 0.3:
+            actors.append(("vandal", "vandal", {"start_when": at_step(rng.randint(5, 80))}))
+    elif kind == "clock-skew":
+        plan.rules = _noise(rng, rng.choice(["none", "low"]))
+        spec.skews = {"taker": -rng.choice([60.0, 3600.0, 86400.0])}
+        spec.notes.append(f"taker's clock is {-spec.skews['taker']:.0f}s behind")
+        actors.append(("holder", "writer", {"kind": "run"}))
+        actors.append(("taker", "writer", {"kind": "run", "attempts": 1, "start_when": done("holder")}))
+        crash("taker", 15, 70)
+        actors.append(("taker2", "writer", {"kind": resume_or_run(), "start_when": done("taker")}))
+    elif kind == "lease-storm":
+        plan.rules = _noise(rng, rng.choice(["none", "low"]))
+        for i in range(5):
+            actors.append((f"w{i}", "writer", {"kind": resume_or_run(), "attempts": 2}))
+            crash(f"w{i}", 5, 60, p=0.2)
+        if rng.random() < 0.5:
+            actors.append(("vandal", "vandal", {"start_when": at_step(rng.randint(3, 40))}))
+        actors.append(("last", "writer", {"kind": "run", "start_when": done(*(f"w{i}" for i in range(5)))}))
+    spec.plan = plan
+    return spec
+
+
+def pick(seed: int, backends: tuple[str, ...] = ("memory", "local")) -> tuple[str, str]:
+    """The (kind, backend) a soak seed runs: kinds in turn, the backend drawn from ``backends``."""
+    kind = KINDS[seed % len(KINDS)]
+    rng = random.Random(f"backend/{seed}")
+    weights = {"memory": 6, "local": 4, "s3": 1}
+    choices = [b for b in backends for _ in range(weights[b])]
+    return kind, rng.choice(choices)
+
+
+@dataclass
+class Result:
+    seed: int
+    kind: str
+    backend: str
+    violations: list[Violation] = field(default_factory=list)
+    calls: int = 0
+    injected: Counter = field(default_factory=Counter)
+    seconds: float = 0.0
+    summary: list[str] = field(default_factory=list)
+    trace: list[str] = field(default_factory=list)
+    #: Re-executions the invariants allow by design (a step journaled inside a takeover's listing window).
+    excused: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def command(self) -> str:
+        return f"make soak SEED={self.seed} SCENARIO={self.kind} BACKEND={self.backend}"
+
+    def report(self, verbose: bool = False) -> str:
+        lines = [f"seed {self.seed} scenario {self.kind} backend {self.backend}: {len(self.violations)} violation(s), "
+                 f"{self.calls} storage calls, faults {dict(self.injected)}, {self.seconds:.2f}s"]
+        lines += [f"  {v}" for v in self.violations]
+        if verbose:
+            lines += ["  " + s for s in self.summary]
+            lines += ["  " + t for t in self.trace]
+        lines.append(f"  replay: {self.command()}")
+        return "\n".join(lines)
+
+
+def run_scenario(seed: int, kind: str, backend: str = "memory", *, s3_server: Any = None,
+                 stall_timeout: float = 60.0, wrap_inner: Any = None) -> Result:
+    """Run one scenario and check every invariant (``wrap_inner``: see :class:`World`)."""
+    spec = build_spec(seed, kind, backend)
+    t0 = time.monotonic()
+    world = World(spec, s3_server=s3_server, stall_timeout=stall_timeout, wrap_inner=wrap_inner)
+    result = Result(seed, kind, backend)
+    quiet = logging.getLogger("loomray"), logging.getLogger("storage")
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.CRITICAL)  # warn-and-go-on messages are expected by the thousand here
+    try:
+        world.run()
+        final = world.new_store(world.inner)
+        result.violations += check_all(world, final)
+        result.excused = list(world.excused)
+        try:
+            final.compact()
+        except Exception as e:  # the final, fault-free compaction must work
+            result.violations.append(Violation("index-objects", f"final compaction failed: {type(e).__name__}: {e}"))
+        else:
+            result.violations += check_index(world, final)
+            seen = {str(v) for v in result.violations}
+            for v in check_all(world, final):
+                if v.invariant in ("acked-readable", "latest-epoch", "latest-fenced") and str(v) not in seen:
+                    result.violations.append(Violation(v.invariant, f"after the final compaction: {v.detail}"))
+        final.index.close()
+        result.calls = world.faulty.call_count
+        result.injected = Counter(world.faulty.injected)
+        result.summary = [f"note: {n}" for n in spec.notes] + [f"excused: {x}" for x in result.excused] + [
+            f"{i.id} ({i.kind}): calls {i.start}-{i.end} epoch {i.epoch} run {i.run_id} "
+            f"outcome {i.outcome}{': ' + (i.error or '')[:200] if i.error else ''}; model calls "
+            f"{[(p, t) for p, t, _ in i.model_calls]}; tools {[(p, s) for p, _, s, _ in i.tool_runs]}; "
+            f"replays {[(p, s) for p, _, _, s, _ in i.replays]}; acks {[(p, c[-10:]) for p, c, _, _ in i.acks]}"
+            for i in world.incarnations]
+        result.summary += [f"compaction {c}" for c in world.compactions]
+        result.summary += [f"prune {p}" for p in world.prunes]
+        result.summary += [f"reader {o}" for o in world.readers]
+        result.trace = [f"#{c.n} {c.actor} {c.op} {c.key or ''}{' ' + str(len(c.keys)) + ' keys' if len(c.keys) > 1 else ''}"
+                        f" -> {c.outcome}{' [' + c.fault + ']' if c.fault else ''}" for c in world.faulty.calls]
+    finally:
+        for q, lvl in zip(quiet, levels):
+            q.setLevel(lvl)
+        world.close()
+    result.seconds = time.monotonic() - t0
+    return result

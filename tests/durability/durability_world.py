@@ -1,0 +1,450 @@
+"""The actors of a durability scenario and the shared ledger they write to.
+
+A :class:`World` is one scenario: one inner object store (memory, a local
+directory or an S3 bucket), one :class:`~storage.faults.FaultyObjectStore`
+over it (so every call by every actor is numbered in one sequence), a
+:class:`~durability_sched.Scheduler`, and a ledger of what the agent did:
+every real model call and tool effect, every replayed step, every checkpoint
+acknowledged, with the storage call number at which it happened.
+
+Actors (each a thread, each with its own ``Store`` as if it were a process):
+
+- writers (the lease holder, a taking-over writer, a zombie): a real
+  ``loomray`` agent loop through :func:`loomray.session.execute_request`,
+  with a scripted model and a tool whose effects are counted; a writer that
+  fails with a storage error is restarted (a new incarnation, a new epoch);
+- compactors (``store.compact()``), a pruner (``store.prune(before=...)``),
+  a lease vandal (a bucket lifecycle rule deleting ``lease.json``), and cold
+  readers (a fresh ``Store`` listing and reading "latest").
+
+Time positions are storage call numbers: since exactly one actor runs at a
+time, "the ledger event happened after call n" is exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import random
+import shutil
+import tempfile
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from loomray import Agent, Tuning
+from loomray.config import CheckpointConfig
+from loomray.errors import LoomrayError
+from loomray.journal import tool_step_key
+from loomray.models.scripted import ScriptedModel
+from loomray.records import Checkpoint
+from loomray.session import RunRequest, execute_request
+from loomray.tools import ToolContext
+
+from storage.errors import CorruptObjectError, LeaseLostError, ObjectNotFound, StorageError, TransientStorageError
+from storage.faults import ActorCrashed, FaultPlan, FaultyObjectStore
+from storage.store import Store
+
+from durability_sched import Scheduler
+
+#: The incarnation whose asyncio tasks are running (set before ``asyncio.run``; tasks copy it).
+current_inc: contextvars.ContextVar["Incarnation | None"] = contextvars.ContextVar("durability_inc", default=None)
+
+
+class _SerialPool:
+    def map(self, fn, *iterables):
+        return list(map(fn, *iterables))
+
+    def shutdown(self, wait: bool = True) -> None:
+        pass
+
+
+def _untyped_storage_error(e: BaseException) -> BaseException | None:
+    """A storage error in ``e``'s cause chain that no injected fault explains (a bare StorageError, a corrupt
+    object, a missing key). Injected faults surface as TransientStorageError; fencing as LeaseLostError."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if type(cur) is StorageError or isinstance(cur, (CorruptObjectError, ObjectNotFound)):
+            return cur
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
+@dataclass
+class Incarnation:
+    """One execution of a run request by one writer actor (one process lifetime)."""
+
+    id: str
+    actor: str
+    kind: str
+    start: int
+    store: Any = None
+    end: int | None = None
+    run_id: str | None = None
+    turn: int = 0
+    outcome: str = "running"
+    error: str | None = None
+    #: The epoch it was granted and the call that granted it (filled in by the checks, from the call log).
+    epoch: int | None = None
+    acquired: int | None = None
+    #: (position, turn, stamp) of every real model call.
+    model_calls: list[tuple[int, int, int]] = field(default_factory=list)
+    #: (position, run_id, step_key, n) of every real tool execution.
+    tool_runs: list[tuple[int, str | None, str, int]] = field(default_factory=list)
+    #: (position, kind, run_id, step_key, stamp) of every step answered from the journal.
+    replays: list[tuple[int, str, str | None, str, int | None]] = field(default_factory=list)
+    #: (position, checkpoint_id, execution_status, wall time) of every acknowledged checkpoint.
+    acks: list[tuple[int, str, str, datetime]] = field(default_factory=list)
+    ckpt_failures: list[tuple[int, str, str]] = field(default_factory=list)
+
+
+@dataclass
+class ReaderObs:
+    """What one cold read saw: "latest", the head of the listing, between calls ``start`` and ``end``."""
+
+    actor: str
+    start: int
+    end: int = 0
+    latest_id: str | None = None
+    latest_epoch: int | None = None
+    head_id: str | None = None
+    listed: list[str] = field(default_factory=list)
+    explicit_ok: bool | None = None
+    error: str | None = None
+    transient: bool = False
+
+
+@dataclass
+class Spec:
+    """Everything a scenario is made of, derived from (seed, kind)."""
+
+    seed: int
+    kind: str
+    backend: str
+    passes: int = 4
+    position: str = "after_tools"
+    keep: int = 20
+    user_id: str | None = None
+    plan: FaultPlan = field(default_factory=FaultPlan)
+    #: (name, role, options) of every actor.
+    actors: list[tuple[str, str, dict[str, Any]]] = field(default_factory=list)
+    #: Clock skew in seconds per actor, as seen by the ids it makes (run and checkpoint ids are time-sortable).
+    skews: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def session_id(self) -> str:
+        return f"sess-{self.kind}-{self.seed}"
+
+    @property
+    def prompt(self) -> str:
+        return f"do the {self.passes} effects of task {self.seed}"
+
+
+class World:
+    """One scenario's store, scheduler, actors and ledger."""
+
+    def __init__(self, spec: Spec, *, s3_server: Any = None, stall_timeout: float = 60.0,
+                 wrap_inner: Any = None) -> None:
+        self.spec = spec
+        self.sched = Scheduler(spec.seed, stall_timeout=stall_timeout)
+        self.tmp: Path | None = None
+        self.bucket: str | None = None
+        self.s3_server = s3_server
+        self.inner = self._make_inner(spec.backend)
+        # wrap_inner: a deliberately broken backend between the log and the bytes (to test the checker itself).
+        below = wrap_inner(self.inner) if wrap_inner is not None else self.inner
+        self.faulty = FaultyObjectStore(below, spec.plan, gate=self.sched.gate, actor=self.sched.actor_of_call)
+        self.sched.on_stall = self.faulty.kill
+        self.sched.world = self  # start conditions may look at the ledger
+        self.url = f"{spec.backend}://durability-{spec.seed}"
+        self.incarnations: list[Incarnation] = []
+        self.readers: list[ReaderObs] = []
+        self.compactions: list[tuple[str, int, int, str]] = []
+        self.prunes: list[tuple[str, int, int, datetime, str]] = []
+        self.vandalism: list[tuple[str, int]] = []
+        self.unexpected: list[tuple[str, str]] = []
+        #: Re-executions the billing invariant allowed (filled in by the checks).
+        self.excused: list[str] = []
+        self._stamp = 0
+        self._clocks: dict[str | None, tuple[int, int]] = {}
+        self.agent = self._make_agent()
+
+    # -- backends ------------------------------------------------------------
+    def _make_inner(self, backend: str):
+        if backend == "memory":
+            from storage.memory import MemoryObjectStore
+
+            return MemoryObjectStore(f"durability-{self.spec.seed}-{uuid.uuid4().hex[:6]}")
+        if backend == "local":
+            from storage.localdir import LocalObjectStore
+
+            self.tmp = Path(tempfile.mkdtemp(prefix="loomray-durability-"))
+            return LocalObjectStore(self.tmp / "store")
+        if backend == "s3":
+            from storage.s3 import S3ObjectStore
+
+            if self.s3_server is None:
+                raise RuntimeError("the s3 backend needs a running MotoS3Server")
+            self.bucket = self.s3_server.new_bucket("durability")
+            opts = self.s3_server.options
+            return S3ObjectStore(self.bucket, "root", endpoint_url=opts["endpoint_url"], key=opts["key"],
+                                 secret=opts["secret"], region=opts["region"], max_attempts=2)
+        raise ValueError(f"unknown backend {backend!r}")
+
+    def new_store(self, objects: Any = None) -> Store:
+        """A fresh ``Store`` (a new process's view) over the faulty store, reads on the calling thread."""
+        objects = self.faulty if objects is None else objects
+        try:
+            return Store(objects, self.url, serial_reads=True)
+        except TypeError:  # a tree without the serial_reads keyword: same effect
+            store = Store(objects, self.url)
+            store.index._pool = _SerialPool()
+            return store
+
+    def close(self) -> None:
+        try:
+            self.inner.close()
+        finally:
+            if self.tmp is not None:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+
+    # -- the agent -----------------------------------------------------------
+    def _make_agent(self) -> Agent:
+        world = self
+        replies: list[Any] = [{"tool": "effect", "args": {"n": i}} for i in range(self.spec.passes)]
+        replies.append(f"all {self.spec.passes} effects done")
+
+        class LedgerModel:
+            """The scripted model; every real call is counted and stamped (in usage, outside any hash)."""
+
+            name = "scripted-ledger"
+
+            def __init__(self) -> None:
+                self.inner = ScriptedModel(replies)
+
+            async def complete(self, request):
+                inc = current_inc.get()
+                world.faulty.check_alive(inc.actor if inc else None)
+                stamp = world.next_stamp()
+                if inc is not None:
+                    inc.model_calls.append((world.faulty.call_count, inc.turn, stamp))
+                response = await self.inner.complete(request)
+                usage = response.usage.model_copy(update={"cache_read_tokens": stamp})
+                return response.model_copy(update={"usage": usage})
+
+        def effect(n: int, ctx: ToolContext) -> str:
+            """Perform side effect number n (counted in the shared ledger)."""
+            inc = current_inc.get()
+            world.faulty.check_alive(inc.actor if inc else None)
+            if inc is not None:
+                inc.tool_runs.append((world.faulty.call_count, ctx.run_id, tool_step_key(ctx.turn, ctx.tool_call_id), n))
+            return f"effect {n} done"
+
+        tuning = Tuning(checkpoint=CheckpointConfig(position=self.spec.position), durability="sync", journal=True,
+                        max_turns=self.spec.passes + 5)
+        return Agent("Do the effects one by one.", model=LedgerModel(), tools=[effect], tuning=tuning,
+                     name="durability-agent")
+
+    def next_stamp(self) -> int:
+        self._stamp += 1
+        return self._stamp
+
+    def request(self, kind: str) -> RunRequest:
+        sid, uid = self.spec.session_id, self.spec.user_id
+        if kind == "resume":
+            return RunRequest(kind="resume", prompt=None, session_id=sid, user_id=uid)
+        return RunRequest(kind="run", prompt=self.spec.prompt, session_id=sid, user_id=uid)
+
+    # -- actors ----------------------------------------------------------------
+    def writer(self, name: str, kind: str = "run", attempts: int = 3):
+        world = self
+
+        def emit(inc: Incarnation):
+            def on_event(event) -> None:
+                pos = world.faulty.call_count
+                t = event.type
+                if t in ("run_start", "model_call"):
+                    inc.run_id = event.run_id
+                    inc.turn = event.turn
+                elif t == "model_response" and event.replayed:
+                    inc.replays.append((pos, "model", event.run_id, f"t{event.turn:04d}-model",
+                                        event.usage.cache_read_tokens))
+                elif t == "tool_result" and event.replayed:
+                    inc.replays.append((pos, "tool", event.run_id, tool_step_key(event.turn, event.tool_call_id), None))
+                elif t == "checkpoint":
+                    if event.ok:
+                        inc.acks.append((pos, event.checkpoint_id, event.execution_status, datetime.now(timezone.utc)))
+                    else:
+                        inc.ckpt_failures.append((pos, event.checkpoint_id, event.error or ""))
+            return on_event
+
+        def fn() -> None:
+            for attempt in range(attempts):
+                inc = Incarnation(f"{name}#{attempt + 1}", name, kind, start=world.faulty.call_count)
+                inc.store = world.new_store()
+                world.incarnations.append(inc)
+                token = current_inc.set(inc)
+                try:
+                    asyncio.run(execute_request(world.agent, world.request(kind), inc.store,
+                                                max_checkpoints_per_session=world.spec.keep, emit=emit(inc),
+                                                owner=inc.id))
+                    inc.outcome = "ok"
+                    return
+                except ActorCrashed:
+                    inc.outcome = "crashed"
+                    raise
+                except LeaseLostError as e:
+                    inc.outcome, inc.error = "fenced", str(e)
+                    return
+                except (StorageError, LoomrayError) as e:
+                    inc.outcome, inc.error = type(e).__name__, str(e)
+                    untyped = _untyped_storage_error(e)
+                    if untyped is not None:
+                        world.unexpected.append((inc.id, f"{type(untyped).__name__} escaped the run untyped: "
+                                                         f"{untyped}\n{traceback.format_exc()}"))
+                        return
+                    if type(e).__name__ == "CheckpointNotFound":
+                        return
+                except Exception as e:
+                    inc.outcome, inc.error = type(e).__name__, str(e)
+                    world.unexpected.append((inc.id, traceback.format_exc()))
+                    return
+                finally:
+                    current_inc.reset(token)
+                    inc.end = world.faulty.call_count
+                    inc.store.index.close()
+        return fn
+
+    def compactor(self, name: str, rounds: int = 3):
+        world = self
+
+        def fn() -> None:
+            rng = random.Random(f"{world.spec.seed}/{name}")
+            store = world.new_store()
+            for _ in range(rounds):
+                world.sched.pause(rng.randint(0, 30))
+                start = world.faulty.call_count
+                try:
+                    report = store.compact()
+                    outcome = f"ok {report}"
+                except (StorageError, LoomrayError) as e:
+                    outcome = f"{type(e).__name__}: {e}"
+                except Exception as e:
+                    outcome = f"{type(e).__name__}: {e}"
+                    world.unexpected.append((name, traceback.format_exc()))
+                world.compactions.append((name, start, world.faulty.call_count, outcome))
+            store.index.close()
+        return fn
+
+    def pruner(self, name: str, after_acks: int = 1):
+        world = self
+
+        def fn() -> None:
+            acks = sorted((a for inc in world.incarnations for a in inc.acks), key=lambda a: a[0])
+            before = acks[min(after_acks, len(acks)) - 1][3] if acks else datetime.now(timezone.utc)
+            store = world.new_store()
+            start = world.faulty.call_count
+            try:
+                report = store.prune(before=before, session_id=world.spec.session_id, user_id=world.spec.user_id)
+                outcome = f"ok {report}"
+            except (StorageError, LoomrayError) as e:
+                outcome = f"{type(e).__name__}: {e}"
+            except Exception as e:
+                outcome = f"{type(e).__name__}: {e}"
+                world.unexpected.append((name, traceback.format_exc()))
+            world.prunes.append((name, start, world.faulty.call_count, before, outcome))
+            store.index.close()
+        return fn
+
+    def vandal(self, name: str):
+        """A bucket lifecycle rule or an operator's cleanup: deletes the session's lease.json."""
+        world = self
+
+        def fn() -> None:
+            from storage import layout
+
+            key = layout.lease_key(world.spec.session_id, world.spec.user_id)
+            try:
+                world.faulty.delete(keys=[key])
+                world.vandalism.append((name, world.faulty.call_count))
+            except TransientStorageError:
+                pass
+        return fn
+
+    def reader(self, name: str, rounds: int = 2):
+        world = self
+        sid, uid = self.spec.session_id, self.spec.user_id
+
+        def fn() -> None:
+            rng = random.Random(f"{world.spec.seed}/{name}")
+            for _ in range(rounds):
+                world.sched.pause(rng.randint(0, 30))
+                obs = ReaderObs(name, start=world.faulty.call_count)
+                store = world.new_store()
+                try:
+                    rows = store.list_checkpoints(sid, user_id=uid, limit=None)
+                    obs.listed = [r.checkpoint_id for r in rows]
+                    obs.head_id = rows[0].checkpoint_id if rows else None
+                    raw = store.get_checkpoint(sid, "latest", user_id=uid)
+                    if raw is not None:
+                        ckpt = Checkpoint.from_json(raw)
+                        obs.latest_id, obs.latest_epoch = ckpt.checkpoint_id, ckpt.epoch
+                    if rows:
+                        obs.explicit_ok = store.get_checkpoint(sid, rows[0].checkpoint_id, user_id=uid) is not None
+                    # Planning a resume also reads the journal of the last run.
+                    runs = store.journal_runs(sid, user_id=uid)
+                    if runs:
+                        store.journal_list(sid, runs[-1], user_id=uid)
+                except TransientStorageError as e:
+                    obs.transient, obs.error = True, str(e)
+                except ActorCrashed:
+                    raise
+                except Exception as e:
+                    obs.error = f"{type(e).__name__}: {e}"
+                obs.end = world.faulty.call_count
+                world.readers.append(obs)
+                store.index.close()
+        return fn
+
+    # -- running -----------------------------------------------------------------
+    def add_actors(self) -> None:
+        for name, role, opts in self.spec.actors:
+            opts = dict(opts)
+            start_when = opts.pop("start_when", None)
+            factory = {"writer": self.writer, "compactor": self.compactor, "pruner": self.pruner,
+                       "vandal": self.vandal, "reader": self.reader}[role]
+            self.sched.add(name, factory(name, **opts), start_when=start_when)
+
+    def run(self) -> None:
+        self.add_actors()
+        if not self.spec.skews:
+            self.sched.run()
+            return
+        import loomray.records
+        import loomray.session
+
+        saved = loomray.session.new_id, loomray.records.new_id
+        loomray.session.new_id = loomray.records.new_id = self._skewed_new_id
+        try:
+            self.sched.run()
+        finally:
+            loomray.session.new_id, loomray.records.new_id = saved
+
+    def _skewed_new_id(self, prefix: str) -> str:
+        """``loomray.ids.new_id`` on the calling actor's own (skewed) clock, each actor monotonic on its own."""
+        import os
+        import time
+
+        actor = self.sched.actor_of_call()
+        ms = time.time_ns() // 1_000_000 + int(self.spec.skews.get(actor or "", 0) * 1000)
+        last = self._clocks.get(actor, (0, 0))
+        counter = last[1] + 1 if ms <= last[0] else 0
+        ms = max(ms, last[0])
+        self._clocks[actor] = (ms, counter)
+        return f"{prefix}{ms:012x}{counter:04x}{os.urandom(5).hex()}"
