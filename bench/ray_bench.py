@@ -1,31 +1,38 @@
-"""Ray runtime benchmark: node-loss recovery, fan-out, aggregate checkpoint throughput.
+"""Ray runtime benchmark, both placements side by side: node loss, fan-out, throughput, scale, memory.
 
-    .venv/bin/python bench/ray_bench.py            # full (a few minutes)
-    .venv/bin/python bench/ray_bench.py --quick    # smoke run (1 node loss, 8 forks, 10 sessions)
+    .venv/bin/python bench/ray_bench.py            # full (about ten minutes on 2 cores)
+    .venv/bin/python bench/ray_bench.py --quick    # smoke run (small numbers, both placements)
 
-One local cluster (``loomray.testing.local_cluster``: a head plus worker
-raylets on 127.0.0.1, tuned failure detection) and a local-directory store.
-Session actors need the ``loomray_session`` resource only workers carry.
+For each placement (``actor``: one Ray actor per session; ``dense``: sessions
+hosted many per host actor) a fresh local cluster
+(``loomray.testing.local_cluster``: a head plus two worker raylets on
+127.0.0.1 with 2 CPUs each, tuned failure detection) and a local-directory
+store (dense first; before each, the 1-minute load is let fall below the core
+count, at most 90 s, 5 s with ``--quick``). Sessions need the ``loomray_session`` resource only
+workers carry. While a cluster runs, a sampler sums the RSS of every process it started
+(GCS, raylets, workers, hosts; not this driver) every 0.2 s: each phase
+reports its peak.
 
-1. **Node loss**: a session (scripted model, 0.3 s tool steps) runs on a
-   worker; once turn 3 is checkpointed, the worker's raylet is SIGKILLed.
-   Timed from the kill: Ray declaring the node dead (GCS view, polled), the new
-   incarnation holding the lease (epoch 2), and the session's next model call
-   (wall-clock timestamps written by the model itself). *Ray detection* is
-   kill -> node dead; *loomray restore* is node dead -> next model call
-   (supervisor notices, new actor and worker process, store, lease, restore,
-   journal replay).
+1. **Node loss**: sessions (scripted model answering in 1 s, like a model
+   API; 0.3 s tool steps; 12 passes) run on both workers; once each was
+   served its fourth reply, the worker hosting the most of them is
+   SIGKILLed. Timed from the kill: Ray declaring the node dead (GCS view,
+   polled every 10 ms), each lost session's new lease (its ``acquired_at``)
+   and the start of its next model call by a new incarnation (timestamps the
+   model writes; a call by the old process does not count). *restore* is node
+   dead -> next model call. Every session must complete with each scripted
+   reply served exactly once (a call cut short by the kill was never served).
+   Actor: one session, three runs. Dense: 200 sessions, ~100 on the victim.
 2. **Fan-out** of 8 and 32 forks from one checkpoint: time until every fork
-   made its first model call (all started) and until all returned, and the
-   objects each fork wrote (checkpoints, journal, lease, index files).
-3. **Throughput**: N sessions (100 in the full run) start and wait at a
-   barrier, then each runs 20 passes on a scripted model (no latency), one
-   checkpoint per pass. Aggregate checkpoints per second from the barrier to
-   the last completion.
+   made its first model call (all started) and until all returned.
+3. **Throughput**: N sessions (100) start and wait at a barrier, then each
+   runs 20 passes on a scripted model (no latency), one checkpoint per pass.
+   Aggregate checkpoints per second from the barrier to the last completion.
+4. **Scale** (dense): 1,000 concurrent sessions, scripted model with 200 ms
+   latency per call, 20 passes each, a checkpoint per pass; all must complete.
 
-Machines here are shared and have 2 cores: absolute numbers are noisy; every
-worker process (one per session actor) competes for the same two cores.
-Prints a table and writes ``bench/results/ray.json``.
+Machines here are shared and have 2 cores: absolute numbers are noisy. Prints
+a table and writes ``bench/results/ray.json``.
 """
 
 from __future__ import annotations
@@ -38,12 +45,13 @@ import platform
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from loomray.testing import local_cluster  # noqa: E402  (first: pins Ray to 127.0.0.1)
+from loomray.testing import _descendants, local_cluster  # noqa: E402  (first: pins Ray to 127.0.0.1)
 
 import ray  # noqa: E402
 
@@ -51,10 +59,16 @@ from loomray import Agent, Tuning  # noqa: E402
 from loomray.models import ScriptedModel  # noqa: E402
 from loomray.runtime import RayRuntime  # noqa: E402
 
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
 
 def _log_call(path: str, tag: str) -> None:
-    with open(path, "a") as f:
-        f.write(f"{tag} {time.time():.6f} {os.getpid()}\n")
+    # One short O_APPEND write per line: lines from many sessions and processes never interleave.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, f"{tag} {time.time():.6f} {os.getpid()}\n".encode())
+    finally:
+        os.close(fd)
 
 
 def _calls(path: str) -> list[tuple[str, float, int]]:
@@ -65,22 +79,6 @@ def _calls(path: str) -> list[tuple[str, float, int]]:
         tag, t, pid = line.split()
         out.append((tag, float(t), int(pid)))
     return out
-
-
-def _slow_agent(log: str, passes: int, step_s: float) -> Agent:
-    def reply(i: int):
-        def answer(request):
-            _log_call(log, f"r{i}")
-            return {"tool": "step", "args": {"n": i}} if i < passes else "done"
-        return answer
-
-    async def step(n: int) -> str:
-        """Stands in for a slow tool."""
-        await asyncio.sleep(step_s)
-        return f"step {n} done"
-
-    return Agent("bench", model=ScriptedModel([reply(i) for i in range(passes + 1)]), tools=[step],
-                 tuning=Tuning(checkpoint=True), name="bench-slow")
 
 
 async def _poll(predicate, timeout: float, interval: float = 0.01):
@@ -94,47 +92,159 @@ async def _poll(predicate, timeout: float, interval: float = 0.01):
         await asyncio.sleep(interval)
 
 
-async def node_loss(lc, runtime: RayRuntime, work: Path, i: int) -> dict:
-    sid, log = f"loss-{i}", str(work / f"loss-{i}.log")
-    agent = _slow_agent(log, passes=10, step_s=0.3)
+class MemorySampler:
+    """Sums the RSS of every process this driver's cluster started, every ``interval`` s, in a thread."""
+
+    def __init__(self, interval: float = 0.2) -> None:
+        self.interval = interval
+        self.peak = self.phase_peak = 0
+        self.processes = self.phase_processes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "MemorySampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    @staticmethod
+    def sample() -> tuple[int, int]:
+        """(bytes of RSS summed, processes) over the descendants of this process."""
+        total = n = 0
+        for pid, _ in _descendants(os.getpid()):
+            try:
+                with open(f"/proc/{pid}/statm") as f:
+                    total += int(f.read().split()[1]) * PAGE
+                n += 1
+            except (OSError, IndexError, ValueError):
+                continue  # exited meanwhile
+        return total, n
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            rss, n = self.sample()
+            self.peak, self.phase_peak = max(self.peak, rss), max(self.phase_peak, rss)
+            self.processes, self.phase_processes = max(self.processes, n), max(self.phase_processes, n)
+            self._stop.wait(self.interval)
+
+    def phase(self) -> dict:
+        """The peak since the previous call (then reset), in MB, and the most processes seen."""
+        out = {"peak_mb": round(self.phase_peak / 2**20), "max_processes": self.phase_processes}
+        self.phase_peak, self.phase_processes = self.sample()
+        return out
+
+
+# -- 1. node loss ------------------------------------------------------------------------------------
+def _session_of(request) -> str:
+    """The session a scripted reply serves: the benches pass the session id as the prompt."""
+    return next(m.content for m in request.messages if m.role == "user")
+
+
+def _slow_agent(log: str, passes: int, step_s: float, latency_s: float = 0.0) -> Agent:
+    """``passes`` tool passes of ``step_s`` s each; every model call takes ``latency_s`` and logs
+    ``S|{session}:r{i}`` when it starts and ``D|...`` when it is served (a call cut short never is)."""
+    def reply(i: int):
+        async def answer(request):
+            tag = f"{_session_of(request)}:r{i}"
+            _log_call(log, f"S|{tag}")
+            if latency_s:
+                await asyncio.sleep(latency_s)
+            _log_call(log, f"D|{tag}")
+            return {"tool": "step", "args": {"n": i}} if i < passes else "done"
+        return answer
+
+    async def step(n: int) -> str:
+        """Stands in for a slow tool."""
+        await asyncio.sleep(step_s)
+        return f"step {n} done"
+
+    return Agent("bench", model=ScriptedModel([reply(i) for i in range(passes + 1)]), tools=[step],
+                 tuning=Tuning(checkpoint=True), name="bench-slow")
+
+
+def _lines(calls: list[tuple[str, float, int]], kind: str, sid: str | None = None) -> list[tuple[str, float, int]]:
+    """The ``S`` (started) or ``D`` (served) model calls of the log, of one session if given."""
+    prefix = f"{kind}|" + ("" if sid is None else f"{sid}:")
+    return [(tag[2:], t, pid) for tag, t, pid in calls if tag.startswith(prefix)]
+
+
+def _lease_time(root: Path, sid: str) -> tuple[int, float] | None:
+    from datetime import datetime
+
+    try:
+        lease = json.loads((root / "sessions" / "_" / sid / "lease.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return int(lease["epoch"]), datetime.fromisoformat(lease["acquired_at"]).timestamp()
+
+
+async def node_loss(lc, runtime: RayRuntime, work: Path, run: int, sessions: int, latency_s: float) -> dict:
+    log = str(work / f"loss-{run}.log")
+    passes = 12
+    agent = _slow_agent(log, passes=passes, step_s=0.3, latency_s=latency_s)
     agent.runtime = runtime
-    run = asyncio.create_task(agent.run("go", session_id=sid))
-    store = runtime.store
-    await _poll(lambda: (r := store.list_checkpoints(sid, limit=1)) and r[0].turn >= 3, 120)
-    node_id = {s["session_id"]: s for s in await runtime.status()}[sid]["node_id"]
-    victim = lc.node_of(node_id)
-    old_pids = {pid for _, _, pid in _calls(log)}
+    sids = [f"loss-{run}-{i:03d}" for i in range(sessions)]
+    tasks = [asyncio.create_task(agent.run(s, session_id=s)) for s in sids]
+
+    def all_past_turn_3():
+        seen: dict[str, int] = {}
+        for tag, _, _ in _lines(_calls(log), "D"):
+            sid, _, r = tag.partition(":r")
+            seen[sid] = max(seen.get(sid, -1), int(r))
+        return len(seen) == sessions and min(seen.values()) >= 3
+
+    await _poll(all_past_turn_3, 300, 0.1)
+    where = {s["session_id"]: s["node_id"] for s in await runtime.status() if s["session_id"] in sids}
+    by_node: dict[str, list[str]] = {}
+    for sid, node in where.items():
+        by_node.setdefault(node, []).append(sid)
+    node_id = max((n for n in by_node if n != lc.head.node_id), key=lambda n: len(by_node[n]))
+    lost = by_node[node_id]
+    before = _calls(log)
+    old_pids = {sid: {pid for _, _, pid in _lines(before, "S", sid)} for sid in lost}
     t_kill = time.time()
-    lc.remove_node(victim)
-    dead = lease = nxt = None
-    deadline = time.monotonic() + 120
-    while None in (dead, lease, nxt) and time.monotonic() < deadline:
-        now = time.time()
-        if dead is None and node_id not in lc.alive_node_ids():
-            dead = now - t_kill
-        if lease is None and store.current_epoch(sid) >= 2:
-            lease = now - t_kill
-        if nxt is None:
-            # The old worker process outlives its raylet by ~2 s and may still call the model (that call is
-            # journaled and replayed, not repeated): the next call that counts is the new incarnation's.
-            after = [t for _, t, pid in _calls(log) if pid not in old_pids]
-            if after:
-                nxt = min(after) - t_kill
-        await asyncio.sleep(0.01)
-    result = await asyncio.wait_for(run, 120)
-    tags = [tag for tag, _, _ in _calls(log)]
+    lc.remove_node(lc.node_of(node_id))
+    await _poll(lambda: node_id not in lc.alive_node_ids(), 120)
+    dead = time.time() - t_kill
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 600)
+    calls = _calls(log)
+    root = Path(runtime.config.store_url.removeprefix("file://"))
+    nxt, lease, repeated, repeats = [], [], 0, []
+    for sid in lost:
+        # The next call that counts is the new incarnation's: the old process outlives its raylet briefly.
+        after = [t for _, t, pid in _lines(calls, "S", sid) if pid not in old_pids[sid] and t > t_kill]
+        nxt.append(min(after) - t_kill if after else None)
+        lt = _lease_time(root, sid)
+        lease.append(lt[1] - t_kill if lt and lt[0] >= 2 else None)
+    for sid, r in zip(sids, results):
+        served = [tag for tag, _, _ in _lines(calls, "D", sid)]
+        repeated += len(served) - len(set(served))
+        assert len(set(served)) == r.turns == passes + 1, f"{sid}: {served}"
+        for tag in {t for t in served if served.count(t) > 1}:
+            # When each call was served (s after the kill) and whether by the lost process.
+            repeats.append([tag] + [(round(t - t_kill, 3), pid in old_pids.get(sid, ()))
+                                    for g, t, pid in _lines(calls, "D", sid) if g == tag])
     lc.add_node()
-    assert len(tags) == len(set(tags)) == result.turns, f"a model call was repeated: {tags}"
-    return {"kill_to_node_dead_s": dead, "kill_to_new_lease_s": lease, "kill_to_next_model_call_s": nxt,
-            "restore_s": None if nxt is None or dead is None else nxt - dead,
-            "model_calls": len(tags), "distinct_replies": len(set(tags)), "turns": result.turns}
+    valid = [x for x in nxt if x is not None]
+    restore = [x - dead for x in valid]
+    return {"sessions": sessions, "lost_sessions": len(lost), "model_latency_s": latency_s,
+            "completed": sum(r.output == "done" for r in results),
+            "model_calls_repeated": repeated, "kill_to_node_dead_s": dead,
+            "kill_to_new_lease_s_median": _median([x for x in lease if x is not None]),
+            "kill_to_next_model_call_s_median": _median(valid),
+            "kill_to_next_model_call_s_max": max(valid) if valid else None,
+            "restore_s_median": _median(restore), "restore_s_max": max(restore) if restore else None,
+            "recovered": len(valid), "repeats": repeats}
 
 
-def _objects_of(root: Path, sid: str) -> int:
-    n = sum(1 for p in (root / "sessions" / "_" / sid).rglob("*") if p.is_file())
-    return n + sum(1 for p in (root / "index").glob(f"*/user=_/session={sid}/*") if p.is_file())
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
+# -- 2. fan-out ----------------------------------------------------------------------------------------
 async def fan_out(runtime: RayRuntime, work: Path, n: int) -> dict:
     log = str(work / f"fanout-{n}.log")
 
@@ -149,23 +259,22 @@ async def fan_out(runtime: RayRuntime, work: Path, n: int) -> dict:
     t0 = time.time()
     forks = await agent.fork(source.session_id, from_checkpoint=source.checkpoint_id, prompts=prompts)
     done = time.time() - t0
-    first = {}
+    first: dict[str, float] = {}
     for tag, t, _ in _calls(log):
         first.setdefault(tag, t)
-    root = Path(runtime.config.store_url.removeprefix("file://"))
-    objects = [_objects_of(root, f.session_id) for f in forks]
     return {"forks": n, "all_started_s": max(first.values()) - t0 if len(first) == n else None,
             "first_started_s": min(first.values()) - t0, "all_done_s": done,
-            "objects_per_fork": statistics.mean(objects), "completed": sum(f.output == "fork answer" for f in forks)}
+            "completed": sum(f.output == "fork answer" for f in forks)}
 
 
+# -- 3. throughput ---------------------------------------------------------------------------------------
 async def throughput(runtime: RayRuntime, work: Path, sessions: int, passes: int) -> dict:
     gate = work / "go"
     waiting = work / "waiting"
     waiting.mkdir()
 
     async def hold(request):
-        (waiting / f"{os.getpid()}-{time.time_ns()}").write_text("")
+        (waiting / _session_of(request)).write_text("")
         while not gate.exists():
             await asyncio.sleep(0.02)
         return {"tool": "noop", "args": {}}
@@ -176,71 +285,175 @@ async def throughput(runtime: RayRuntime, work: Path, sessions: int, passes: int
 
     agent = Agent("bench", model=ScriptedModel([hold] + [{"tool": "noop", "args": {}}] * (passes - 1) + ["done"]),
                   tools=[noop], tuning=Tuning(checkpoint=True), runtime=runtime, name="bench-tp")
-    sids = [f"tp-{i:03d}" for i in range(sessions)]
+    sids = [f"tp-{i:04d}" for i in range(sessions)]
     t_submit = time.monotonic()
     for chunk in range(0, sessions, 10):
-        await asyncio.gather(*(runtime.submit(agent, "go", session_id=s) for s in sids[chunk:chunk + 10]))
-    await _poll(lambda: len(list(waiting.iterdir())) >= sessions, 600, 0.1)
+        await asyncio.gather(*(runtime.submit(agent, s, session_id=s) for s in sids[chunk:chunk + 10]))
+    await _poll(lambda: len(list(waiting.iterdir())) >= sessions, 900, 0.1)
     started = time.monotonic() - t_submit
     t0 = time.monotonic()
     gate.write_text("")
     results = await asyncio.gather(*(runtime.wait(s) for s in sids))
     wall = time.monotonic() - t0
-    checkpoints = runtime.store.query(columns=["session_id"])
-    written = sum(1 for s in checkpoints["session_id"].to_pylist() if s.startswith("tp-"))
-    return {"sessions": sessions, "passes": passes, "all_actors_up_s": started, "wall_s": wall,
+    written = sum(r.turns for r in results)  # one checkpoint per pass, the last one included
+    return {"sessions": sessions, "passes": passes, "all_up_s": started, "wall_s": wall,
             "checkpoints": written, "checkpoints_per_s": written / wall,
             "completed": sum(r.output == "done" for r in results)}
 
 
-async def main_async(args) -> dict:
-    out: dict = {"bench": "ray", "quick": args.quick, "ray": ray.__version__, "python": platform.python_version(),
-                 "cpus": os.cpu_count(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    with tempfile.TemporaryDirectory(prefix="loomray-raybench-") as tmp, \
-            local_cluster(num_nodes=3, num_cpus_per_node=2, worker_resources={"loomray_session": 1000}) as lc:
+# -- 4. scale ------------------------------------------------------------------------------------------
+async def scale(runtime: RayRuntime, sessions: int, passes: int, latency_s: float) -> dict:
+    def noop() -> str:
+        """Does nothing."""
+        return "ok"
+
+    agent = Agent("bench", model=ScriptedModel([{"tool": "noop", "args": {}}] * passes + ["done"], delay=latency_s),
+                  tools=[noop], tuning=Tuning(checkpoint=True), runtime=runtime, name="bench-scale")
+    sids = [f"scale-{i:05d}" for i in range(sessions)]
+    t0 = time.monotonic()
+    for chunk in range(0, sessions, 50):
+        await asyncio.gather(*(runtime.submit(agent, "go", session_id=s) for s in sids[chunk:chunk + 50]))
+    submitted = time.monotonic() - t0
+    results = await asyncio.gather(*(runtime.wait(s) for s in sids), return_exceptions=True)
+    wall = time.monotonic() - t0
+    ok = [r for r in results if not isinstance(r, BaseException)]
+    hosts = {s.get("host") for s in await runtime.status() if s["session_id"].startswith("scale-")}
+    return {"sessions": sessions, "passes": passes, "latency_s": latency_s, "submitted_s": submitted,
+            "wall_s": wall, "completed": sum(r.output == "done" for r in ok), "failed": len(results) - len(ok),
+            "checkpoints_per_s": sum(r.turns for r in ok) / wall, "hosts": len(hosts)}
+
+
+# -- driver ---------------------------------------------------------------------------------------------
+async def _settle(timeout: float = 90.0) -> float:
+    """Wait (polling, at most ``timeout``) until the 1-minute load is below the core count; return it.
+
+    The previous placement's cluster leaves a burst of exiting processes behind; measuring
+    the next one during it would charge that to the wrong placement.
+    """
+    deadline = time.monotonic() + timeout
+    while os.getloadavg()[0] >= (os.cpu_count() or 1) and time.monotonic() < deadline:
+        await asyncio.sleep(1.0)
+    return os.getloadavg()[0]
+
+
+async def one_placement(placement: str, args) -> dict:
+    out: dict = {"placement": placement, "load_at_start": await _settle(5.0 if args.quick else 90.0)}
+    with tempfile.TemporaryDirectory(prefix=f"loomray-raybench-{placement}-") as tmp, \
+            MemorySampler() as mem, \
+            local_cluster(num_nodes=3, num_cpus_per_node=2, worker_resources={"loomray_session": 10_000}) as lc:
         work = Path(tmp)
-        # Keep every checkpoint (no retention) so the store itself counts what was written.
-        runtime = RayRuntime(work / "store", max_checkpoints_per_session=0,
+        out["cluster_idle"] = mem.phase()
+        # Keep every checkpoint (no retention) so the store itself holds what was written.
+        runtime = RayRuntime(work / "store", max_checkpoints_per_session=0, placement=placement,
                              actor_options={"resources": {"loomray_session": 1}})
-        print("node loss ...", flush=True)
-        out["node_loss"] = [await node_loss(lc, runtime, work, i) for i in range(1 if args.quick else 3)]
-        print("fan-out ...", flush=True)
+        print(f"[{placement}] node loss ...", flush=True)
+        latency = 0.2 if args.quick else args.loss_latency
+        if placement == "actor":
+            loss = [await node_loss(lc, runtime, work, i, 1, latency) for i in range(1 if args.quick else 3)]
+        else:
+            loss = [await node_loss(lc, runtime, work, 0, 20 if args.quick else args.loss_sessions, latency)]
+        out["node_loss"] = loss
+        out["node_loss_memory"] = mem.phase()
+        print(f"[{placement}] fan-out ...", flush=True)
         out["fan_out"] = [await fan_out(runtime, work, n) for n in ((8,) if args.quick else (8, 32))]
-        print("throughput ...", flush=True)
-        out["throughput"] = await throughput(runtime, work, 10 if args.quick else args.sessions, 20)
+        out["fan_out_memory"] = mem.phase()
+        print(f"[{placement}] throughput ...", flush=True)
+        n = 10 if args.quick else (args.sessions if placement == "dense" else args.actor_sessions)
+        out["throughput"] = await throughput(runtime, work, n, 20)
+        out["throughput_memory"] = mem.phase()
+        if placement == "dense":
+            print(f"[{placement}] scale ...", flush=True)
+            out["scale"] = await scale(runtime, 50 if args.quick else args.scale_sessions, 5 if args.quick else 20,
+                                       0.05 if args.quick else 0.2)
+            out["scale_memory"] = mem.phase()
         runtime.close()
+    out["peak_memory_mb"] = round(mem.peak / 2**20)
+    out["max_processes"] = mem.processes
     out["leftover_processes"] = lc.leftover
     return out
 
 
-def _med(rows: list[dict], key: str) -> float:
-    vals = [r[key] for r in rows if r[key] is not None]
-    return statistics.median(vals) if vals else float("nan")
+async def main_async(args) -> dict:
+    out: dict = {"bench": "ray", "quick": args.quick, "ray": ray.__version__, "python": platform.python_version(),
+                 "cpus": os.cpu_count(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                 "load_before": os.getloadavg()}
+    for placement in args.placements.split(","):
+        out[placement] = await one_placement(placement, args)
+    out["load_after"] = os.getloadavg()
+    return out
+
+
+def _f(value, fmt: str = "6.2f") -> str:
+    return "-" if value is None else format(value, fmt)
 
 
 def report(out: dict) -> None:
-    loss = out["node_loss"]
-    print(f"\nnode loss ({len(loss)} run(s), medians)            seconds")
-    for key, label in (("kill_to_node_dead_s", "SIGKILL -> Ray declares node dead (Ray detection)"),
-                       ("restore_s", "node dead -> next model call (loomray restore)"),
-                       ("kill_to_new_lease_s", "SIGKILL -> new incarnation holds lease"),
-                       ("kill_to_next_model_call_s", "SIGKILL -> next model call (total)")):
-        print(f"  {label:<52} {_med(loss, key):6.2f}")
-    print(f"  model calls per run: {[r['model_calls'] for r in loss]} for turns {[r['turns'] for r in loss]}")
-    print("\nfan-out           all started   all done   objects/fork   completed")
-    for r in out["fan_out"]:
-        print(f"  {r['forks']:>3} forks     {r['all_started_s']:>9.2f}s {r['all_done_s']:>9.2f}s "
-              f"{r['objects_per_fork']:>12.1f}   {r['completed']}/{r['forks']}")
-    t = out["throughput"]
-    print(f"\nthroughput: {t['sessions']} sessions x {t['passes']} passes: {t['checkpoints']} checkpoints in "
-          f"{t['wall_s']:.2f}s = {t['checkpoints_per_s']:.0f} checkpoints/s "
-          f"(actors up after {t['all_actors_up_s']:.1f}s; {t['completed']} completed)")
+    placements = [p for p in ("actor", "dense") if p in out]
+    print(f"\nload average (1 min) before / after: {out['load_before'][0]:.1f} / {out['load_after'][0]:.1f}; at "
+          + ", ".join(f"{p} start {out[p]['load_at_start']:.1f}" for p in placements))
+    print(f"\n{'':<58}" + "".join(f"{p:>12}" for p in placements))
+
+    def row(label: str, get) -> None:
+        cells = []
+        for p in placements:
+            try:
+                cells.append(get(out[p]))
+            except (KeyError, IndexError, TypeError):
+                cells.append("-")
+        print(f"  {label:<56}" + "".join(f"{c:>12}" for c in cells))
+
+    def loss(key: str, agg=statistics.median):
+        def get(d):
+            vals = [r[key] for r in d["node_loss"] if r.get(key) is not None]
+            return _f(agg(vals)) if vals else "-"
+        return get
+
+    print("node loss")
+    row("sessions lost with the node / in the run", lambda d: f"{sum(r['lost_sessions'] for r in d['node_loss'])}/"
+        f"{sum(r['sessions'] for r in d['node_loss'])}")
+    row("SIGKILL -> Ray declares node dead (Ray detection), s", loss("kill_to_node_dead_s"))
+    row("node dead -> next model call, median, s", loss("restore_s_median"))
+    row("node dead -> next model call, max over sessions, s", loss("restore_s_max", max))
+    row("SIGKILL -> new lease, median, s", loss("kill_to_new_lease_s_median"))
+    row("SIGKILL -> next model call, max, s", loss("kill_to_next_model_call_s_max", max))
+    row("model calls repeated", lambda d: str(sum(r["model_calls_repeated"] for r in d["node_loss"])))
+    row("completed", lambda d: f"{sum(r['completed'] for r in d['node_loss'])}/"
+        f"{sum(r['sessions'] for r in d['node_loss'])}")
+    row("peak cluster memory, MB", lambda d: str(d["node_loss_memory"]["peak_mb"]))
+    print("fan-out from one checkpoint")
+    for i, f in enumerate(out[placements[0]]["fan_out"]):
+        n = f["forks"]
+        row(f"{n} forks: all started, s", lambda d, i=i: _f(d["fan_out"][i]["all_started_s"]))
+        row(f"{n} forks: all done, s", lambda d, i=i: _f(d["fan_out"][i]["all_done_s"]))
+    row("peak cluster memory, MB", lambda d: str(d["fan_out_memory"]["peak_mb"]))
+    print("throughput (sessions x 20 passes, no model latency, a checkpoint per pass)")
+    row("sessions", lambda d: str(d["throughput"]["sessions"]))
+    row("all sessions up, s", lambda d: _f(d["throughput"]["all_up_s"], "6.1f"))
+    row("checkpoints/s, aggregate", lambda d: _f(d["throughput"]["checkpoints_per_s"], "6.0f"))
+    row("completed", lambda d: f"{d['throughput']['completed']}/{d['throughput']['sessions']}")
+    row("peak cluster memory, MB", lambda d: str(d["throughput_memory"]["peak_mb"]))
+    row("processes of the cluster, most", lambda d: str(d["throughput_memory"]["max_processes"]))
+    if "dense" in out and "scale" in out["dense"]:
+        s = out["dense"]["scale"]
+        print(f"scale (dense): {s['sessions']} sessions x {s['passes']} passes, {s['latency_s'] * 1000:.0f} ms "
+              f"model latency")
+        print(f"  completed {s['completed']}/{s['sessions']} in {s['wall_s']:.1f} s (submitted in "
+              f"{s['submitted_s']:.1f} s) on {s['hosts']} hosts, {s['checkpoints_per_s']:.0f} checkpoints/s; "
+              f"peak cluster memory {out['dense']['scale_memory']['peak_mb']} MB "
+              f"({out['dense']['scale_memory']['max_processes']} processes)")
+    row("peak cluster memory, whole run, MB", lambda d: str(d["peak_memory_mb"]))
+    row("cluster memory idle (no session yet), MB", lambda d: str(d["cluster_idle"]["peak_mb"]))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="smoke run: 1 node loss, 8 forks, 10 sessions")
-    ap.add_argument("--sessions", type=int, default=100)
+    ap.add_argument("--quick", action="store_true", help="smoke run: small numbers, both placements")
+    ap.add_argument("--placements", default="dense,actor", help="comma-separated, in run order: actor, dense")
+    ap.add_argument("--sessions", type=int, default=100, help="dense throughput sessions")
+    ap.add_argument("--actor-sessions", type=int, default=100, help="actor throughput sessions (a process each)")
+    ap.add_argument("--loss-sessions", type=int, default=200, help="dense node-loss sessions (about half are lost)")
+    ap.add_argument("--loss-latency", type=float, default=1.0, help="model latency (s) in the node-loss runs")
+    ap.add_argument("--scale-sessions", type=int, default=1000, help="dense scale sessions")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     out = asyncio.run(main_async(args))

@@ -129,13 +129,20 @@ class RefLocalRuntime:
         return _Runtime(store_url)
 
 
-def _runtime_for(store_url: str, address: str | None) -> Any:
+#: ``--placement``: how the cluster hosts the sessions a command starts (see RayRuntime).
+placement_option = click.option(
+    "--placement", type=click.Choice(["actor", "dense"]), default="actor", show_default=True,
+    envvar="LOOMRAY_PLACEMENT",
+    help="actor: one Ray actor (process) per session; dense: many sessions per host actor. Env: LOOMRAY_PLACEMENT.")
+
+
+def _runtime_for(store_url: str, address: str | None, placement: str = "actor") -> Any:
     if address:
         require_address(address)
         connect(address)
         from loomray.runtime import RayRuntime
 
-        return RayRuntime(normalize_store_url(store_url), address=address)
+        return RayRuntime(normalize_store_url(store_url), address=address, placement=placement)
     return RefLocalRuntime.create(store_url)
 
 
@@ -196,10 +203,11 @@ def _excerpt(text: str, n: int = 160) -> str:
 @user_option
 @store_option
 @address_option
+@placement_option
 @json_option
 @guarded
 def submit(agent_ref: str, prompt: str, session_id: str | None, user_id: str | None, store_url: str | None,
-           address: str | None, as_json: bool) -> None:
+           address: str | None, placement: str, as_json: bool) -> None:
     """Start a run on the cluster and return at once; the supervisor owns it from here.
 
     MODULE:AGENT is an importable loomray.Agent (e.g. examples.demo_agent:agent);
@@ -219,12 +227,13 @@ def submit(agent_ref: str, prompt: str, session_id: str | None, user_id: str | N
         connect(address)
         from loomray.runtime import RayRuntime
 
-        runtime = RayRuntime(url, address=address)
+        runtime = RayRuntime(url, address=address, placement=placement)
         # By reference only: the row keeps the reference, so any supervisor can restart the session.
         # Returns once the actor is constructed (an agent the workers cannot import fails here).
         runtime.submit_sync(agent_ref, prompt, session_id=session_id, user_id=user_id)
     info = {"session_id": session_id, "user_id": user_id, "agent_ref": agent_ref, "store": url,
-            "address": address, "actor": session_actor_name(session_id, user_id),
+            "address": address, "placement": placement,
+            "actor": session_actor_name(session_id, user_id) if placement == "actor" else None,
             "submitted_in_s": round(time.monotonic() - started, 3)}
     if as_json:
         emit_json(info)
@@ -280,7 +289,8 @@ def status(store_url: str | None, address: str | None, user_id: str | None, limi
         merged[(r.user_id, r.session_id)] = {
             "session_id": r.session_id, "user_id": r.user_id, "status": r.status, "updated_at": r.updated_at,
             "epoch": r.epoch, "node_id": r.node_id, "agent_ref": r.agent_ref, "error": r.error,
-            "turn": turns.get((r.user_id, r.session_id)), "incarnation": None, "supervised": False}
+            "turn": turns.get((r.user_id, r.session_id)), "incarnation": None, "supervised": False,
+            "host": None, "placement": None}
     for s in live or []:
         if user_id is not None and s["user_id"] != user_id:
             continue
@@ -288,7 +298,7 @@ def status(store_url: str | None, address: str | None, user_id: str | None, limi
             "session_id": s["session_id"], "user_id": s["user_id"], "status": None, "updated_at": None,
             "epoch": None, "node_id": None, "agent_ref": None, "error": None, "turn": None})
         d.update(incarnation=s.get("incarnation"), supervised=True, live_state=s.get("status", s.get("state")))
-        for k in ("node_id", "epoch", "turn", "error"):
+        for k in ("node_id", "host", "placement", "epoch", "turn", "error"):
             if s.get(k) is not None:
                 d[k] = s[k]
         if d["live_state"] == "running" or d["status"] is None:
@@ -306,7 +316,8 @@ def status(store_url: str | None, address: str | None, user_id: str | None, limi
     table = Table()
     # Only the columns that say something here; the agent only on a wide terminal (--json has everything).
     cols = ["session"] + (["user"] if any(d["user_id"] for d in out) else []) + ["status", "turn", "epoch"]
-    cols += (["restarts"] if live is not None else []) + ["node", "updated"]
+    cols += (["restarts"] if live is not None else []) + ["node"]
+    cols += (["host"] if any(d.get("host") for d in out) else []) + ["updated"]
     cols += ["agent"] if console.width >= 130 else []
     for col in cols:
         # The id is what people copy into the next command: never cut it.
@@ -319,13 +330,21 @@ def status(store_url: str | None, address: str | None, user_id: str | None, limi
                  "turn": "-" if d["turn"] is None else str(d["turn"]),
                  "epoch": "-" if d["epoch"] is None else str(d["epoch"]),
                  "restarts": "-" if d.get("incarnation") is None else str(max(0, d["incarnation"] - 1)),
-                 "node": (d["node_id"] or "-")[:8], "updated": short_time(d["updated_at"])[11:] or "-",
+                 "node": (d["node_id"] or "-")[:8], "host": _short_host(d.get("host")),
+                 "updated": short_time(d["updated_at"])[11:] or "-",
                  "agent": d["agent_ref"] or "-"}
         table.add_row(*(cells[c] for c in cols))
     console.print(table)
     for d in out:
         if d["status"] == "failed" and d["error"]:
             err_console.print(f"  {d['session_id']}: {first_line(d['error'])}", highlight=False)
+
+
+def _short_host(host: str | None) -> str:
+    """A dense host as ``host/{id}``; a session actor (its own host) as ``actor``."""
+    if not host:
+        return "-"
+    return host.removeprefix("loomray/") if host.startswith("loomray/host/") else "actor"
 
 
 def _turns(store: Any, user_id: str | None) -> dict[tuple[Any, str], int]:
@@ -406,10 +425,11 @@ def resume(session_id: str, prompt: str | None, from_checkpoint: str, agent_ref:
 @user_option
 @store_option
 @address_option
+@placement_option
 @json_option
 @guarded
 def fork(session_id: str, from_checkpoint: str, prompts: tuple[str, ...], agent_ref: str | None,
-         user_id: str | None, store_url: str | None, address: str | None, as_json: bool) -> None:
+         user_id: str | None, store_url: str | None, address: str | None, placement: str, as_json: bool) -> None:
     """Fan out: one new session per --prompt, all from one checkpoint, running at once."""
     from loomray.ids import new_id
     from loomray.session import RunRequest
@@ -425,13 +445,13 @@ def fork(session_id: str, from_checkpoint: str, prompts: tuple[str, ...], agent_
         from_checkpoint, base_turn = rows[0].checkpoint_id, rows[0].turn
     else:
         check_id(from_checkpoint, "checkpoint_id")
-        raw = store.get_checkpoint(session_id, from_checkpoint, user_id=user_id)
-        if raw is None:
-            raise CliError(f"session {session_id!r} has no checkpoint {from_checkpoint!r}")
-        from loomray.records import Checkpoint
+        from loomray.records import load_checkpoint
 
-        base_turn = Checkpoint.from_json(raw).turn
-    runtime = _runtime_for(store_url_or_fail(store_url), address)
+        base = load_checkpoint(store, session_id, from_checkpoint, user_id=user_id)
+        if base is None:
+            raise CliError(f"session {session_id!r} has no checkpoint {from_checkpoint!r}")
+        base_turn = base.turn
+    runtime = _runtime_for(store_url_or_fail(store_url), address, placement)
     bound = _bind(agent, ref, runtime)
     # Built here (as Agent.fork does) so the new session ids are known and their progress can be shown.
     requests = [RunRequest(kind="resume", prompt=p, session_id=new_id("sess"), user_id=user_id,
@@ -458,9 +478,27 @@ def fork(session_id: str, from_checkpoint: str, prompts: tuple[str, ...], agent_
 @address_option
 @click.option("--interval", default=5.0, show_default=True, type=click.FloatRange(0.1, 3600),
               help="Seconds between liveness checks of the supervisor actor.")
+@click.option("--allow-agent", "allowed_agents", multiple=True, metavar="MODULE:AGENT",
+              envvar="LOOMRAY_ALLOW_AGENTS",
+              help="An agent reference (glob wildcards allowed, e.g. 'examples.*:agent') that sessions read from "
+                   "the store may run; repeatable. Sessions with any other stored reference are refused "
+                   "(marked failed). Env: LOOMRAY_ALLOW_AGENTS, space-separated.")
 @guarded
-def supervise_cmd(store_url: str | None, address: str | None, interval: float) -> None:
-    """Keep the cluster's supervisor alive (re-create it if it dies) until Ctrl-C; run it on the head."""
+def supervise_cmd(store_url: str | None, address: str | None, interval: float,
+                  allowed_agents: tuple[str, ...]) -> None:
+    """Keep the cluster's supervisor alive (re-create it if it dies) until Ctrl-C; run it on the head.
+
+    Only agent references given with --allow-agent, or submitted to this
+    supervisor, are imported for sessions it adopts from the store.
+    """
+    from loomray.errors import LoomrayUserError
+    from loomray.runtime.actors import check_pattern
+
+    for pattern in allowed_agents:
+        try:
+            check_pattern(pattern)
+        except LoomrayUserError as e:
+            raise CliError(str(e)) from e
     url = normalize_store_url(store_url_or_fail(store_url))
     open_store_or_fail(url, create=True).close()
     address = require_address(address)
@@ -473,7 +511,8 @@ def supervise_cmd(store_url: str | None, address: str | None, interval: float) -
         err_console.print(f"[dim]{time.strftime('%H:%M:%S')}[/] {line}", highlight=False)
 
     try:
-        supervise(url, address=address, interval_s=interval, stop=stop, report=report)
+        supervise(url, address=address, interval_s=interval, stop=stop, report=report,
+                  allowed_agents=tuple(allowed_agents))
     except KeyboardInterrupt:
         stop.set()
         report("stopped; the supervisor actor keeps running on the cluster")

@@ -31,6 +31,7 @@ Only JSON and ids cross into storage; agents travel by value in memory only.
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import importlib
 import logging
 import os
@@ -92,6 +93,30 @@ def resolve_ref(ref: str) -> Any:
     return obj
 
 
+def check_pattern(pattern: Any) -> str:
+    """Validate an allowed-agent pattern: an agent reference, optionally with glob wildcards (``examples.*:agent``)."""
+    from loomray.errors import LoomrayUserError
+
+    if not isinstance(pattern, str) or pattern.count(":") != 1 or not all(pattern.partition(":")[::2]) \
+            or any(ch.isspace() for ch in pattern):
+        raise LoomrayUserError(f"allowed agent pattern {pattern!r} must look like 'package.module:attribute' "
+                               "(glob wildcards * ? [] allowed)")
+    return pattern
+
+
+def agent_ref_allowed(ref: Any, patterns: Any) -> bool:
+    """Whether agent reference ``ref`` is well formed and matches one of ``patterns`` (globs, case-sensitive).
+
+    What the supervisor asks before importing a reference it read from the
+    store: whoever can write to the bucket must not choose what it runs.
+    """
+    try:
+        check_ref(ref)
+    except Exception:
+        return False
+    return any(fnmatch.fnmatchcase(ref, p) for p in patterns)
+
+
 def set_agent_ref(agent: Any, ref: str) -> Any:
     """Register ``ref`` (``"package.module:attribute"``) as the importable name of ``agent``; return ``agent``.
 
@@ -128,6 +153,23 @@ class RuntimeConfig:
     linger_s: float = 300.0
     #: The supervisor reports a finished session for this long, then forgets it (bounded memory).
     forget_after_s: float = 600.0
+    #: Agent references (``module:attr``, glob wildcards allowed) the supervisor may import for a session
+    #: it adopts from the store. References submitted to it are allowed as well; nothing else is.
+    allowed_agents: tuple[str, ...] = ()
+    #: ``"actor"``: one Ray actor (one worker process) per session. ``"dense"``: sessions are
+    #: activations hosted many per host actor (:mod:`loomray.runtime.hosts`).
+    placement: str = "actor"
+    #: Dense: host actors per node that can run them; None = one per CPU of the node (at least one).
+    hosts_per_node: int | None = None
+    #: Dense: sessions one host holds before placement opens another host.
+    sessions_per_host: int = 1000
+    #: Dense: a host without sessions for this long exits, so an autoscaler may release its node.
+    host_idle_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.allowed_agents, str):
+            raise TypeError("allowed_agents must be a list of patterns, not one string")
+        object.__setattr__(self, "allowed_agents", tuple(check_pattern(p) for p in self.allowed_agents))
 
     def open_store(self) -> Any:
         """Open the store this config names, in the calling process."""
@@ -216,7 +258,8 @@ class SessionActor:
     still in flight are flushed before ``run()`` returns.
     """
 
-    def __init__(self, config: RuntimeConfig, agent: AgentSpec, request_json: str, events_to: Any = None) -> None:
+    def __init__(self, config: RuntimeConfig, agent: AgentSpec, request_json: str, events_to: Any = None,
+                 store: Any = None) -> None:
         from loomray.session import RunRequest
 
         self._config = config
@@ -224,7 +267,8 @@ class SessionActor:
         self._agent, self._extra_tools = agent.load()
         self._request = RunRequest.model_validate_json(request_json)
         self._request_json = request_json
-        self._store = config.open_store()
+        # A dense host passes the store it shares among its sessions (loomray.runtime.hosts).
+        self._store = config.open_store() if store is None else store
         ctx = ray.get_runtime_context()
         self._node_id = ctx.get_node_id()
         self._owner = f"ray:{ctx.get_actor_id()}@{self._node_id[:12]}:{os.getpid()}"
@@ -243,19 +287,31 @@ class SessionActor:
         #: ``run()`` restores it into the loop (after taking the lease) through ``execute_request``.
         self._restored_turn: int | None = None
         self._restored_checkpoint_id: str | None = None
-        raw = self._store.get_checkpoint(self._request.session_id, "latest", user_id=self._request.user_id)
-        if raw is not None:
-            from loomray.records import Checkpoint
+        from loomray.records import load_checkpoint
 
-            ckpt = Checkpoint.from_json(raw)
+        ckpt = load_checkpoint(self._store, self._request.session_id, "latest", user_id=self._request.user_id)
+        if ckpt is not None:
             self._restored_turn, self._restored_checkpoint_id = ckpt.turn, ckpt.checkpoint_id
             self._turn = ckpt.turn
 
     async def run(self) -> Outcome:
         """Run (or join the run in flight) and return its outcome. Never raises for a run's failure."""
         if self._task is None:
+            from loomray.runtime.hosts import watch_raylet
+
+            # Stop and exit as soon as this node's raylet dies rather than run on for ~2 s as a zombie
+            # (created first: it installs the executor the run's writes go through).
+            self._watchdog = asyncio.get_running_loop().create_task(watch_raylet(lambda: [self._task]))
             self._task = asyncio.get_running_loop().create_task(self._execute())
-        return await asyncio.shield(self._task)
+        outcome = await asyncio.shield(self._task)
+        from loomray.runtime.hosts import node_lost
+
+        if node_lost():  # stopped because this node is lost: never answer; the caller sees this actor die
+            await asyncio.Event().wait()
+        watchdog = getattr(self, "_watchdog", None)
+        if watchdog is not None:
+            watchdog.cancel()  # the run is over: nothing left to stop
+        return outcome
 
     async def _execute(self) -> Outcome:
         from loomray.session import execute_request
@@ -287,8 +343,12 @@ class SessionActor:
             outcome.turn = self._turn
         await self._flush_all()
         # Nobody may come to collect (a supervisor mid-restart): do not linger forever as a detached actor.
-        asyncio.get_running_loop().call_later(self._config.linger_s, _kill_self)
+        self._schedule_linger()
         return outcome
+
+    def _schedule_linger(self) -> None:
+        """After the outcome: exit in ``linger_s`` unless collected first (a host overrides this)."""
+        asyncio.get_running_loop().call_later(self._config.linger_s, _kill_self)
 
     # -- events ------------------------------------------------------------------
     async def _on_event(self, event: Any) -> None:

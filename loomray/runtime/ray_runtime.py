@@ -20,6 +20,7 @@ this machine (tests, ``cluster/local.sh``).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import threading
@@ -31,7 +32,8 @@ import ray
 from loomray.errors import LoomrayRunError, LoomrayUserError
 from loomray.records import RunResult
 from loomray.runtime.actors import (  # noqa: F401  (re-exported for callers of this module)
-    NAMESPACE, SUPERVISOR_NAME, AgentSpec, Outcome, RuntimeConfig, check_ref, resolve_ref, set_agent_ref,
+    NAMESPACE, SUPERVISOR_NAME, AgentSpec, Outcome, RuntimeConfig, agent_ref_allowed, check_ref, resolve_ref,
+    set_agent_ref,
 )
 from loomray.runtime.base import Runtime
 from loomray.runtime.supervisor import Supervisor
@@ -47,10 +49,20 @@ log = logging.getLogger("loomray.runtime.ray")
 _READOPT_TIMEOUT_S = 60.0
 
 
+#: Serialises connecting: runs gathered on a fresh runtime reach ``connect`` from several threads at once.
+_CONNECT_LOCK = threading.Lock()
+
+
 def connect(address: str | None = None) -> None:
-    """Connect this process to Ray (``address``, else ``RAY_ADDRESS``, else a local instance) if not yet."""
-    if not ray.is_initialized():
-        ray.init(address=address or os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE, log_to_driver=False)
+    """Connect this process to Ray (``address``, else ``RAY_ADDRESS``, else a local instance) if not yet.
+
+    Safe to call from several threads at once: exactly one of them calls ``ray.init``.
+    """
+    if ray.is_initialized():
+        return
+    with _CONNECT_LOCK:
+        if not ray.is_initialized():
+            ray.init(address=address or os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE, log_to_driver=False)
 
 
 def _head_node_id() -> str | None:
@@ -67,7 +79,8 @@ def get_supervisor(config: RuntimeConfig, *, timeout: float = 120.0) -> Any:
     """
     options: dict[str, Any] = {
         "name": SUPERVISOR_NAME, "namespace": NAMESPACE, "lifetime": "detached", "get_if_exists": True,
-        "num_cpus": 0, "max_restarts": -1, "max_concurrency": 1000,
+        # Every session has a watcher here and every waiting driver a result() call in flight.
+        "num_cpus": 0, "max_restarts": -1, "max_concurrency": 100_000,
     }
     if _head_node_id() is not None:
         # Worker nodes come and go; the head lives as long as the cluster. A resource,
@@ -92,10 +105,13 @@ def supervise(store_url: str, *, address: str | None = None, storage_options: di
     supervisor adopt every active session of the store's index at once (a
     whole cluster lost and replaced resumes its sessions here). Every
     ``interval_s`` it checks the supervisor answers. ``config`` are
-    :class:`RuntimeConfig` fields (``compact_interval_s``, ...).
+    :class:`RuntimeConfig` fields (``compact_interval_s``, ...); its
+    ``allowed_agents`` (the agent references an adopted session may use) are
+    also given to a supervisor that already runs.
     """
     connect(address)
     cfg = RuntimeConfig(store_url=store_url, storage_options=dict(storage_options or {}), **config)
+    allow = list(cfg.allowed_agents)
     stop = stop or threading.Event()
     handle = None
     while not stop.is_set():
@@ -103,7 +119,7 @@ def supervise(store_url: str, *, address: str | None = None, storage_options: di
             if handle is None:
                 handle = get_supervisor(cfg)
                 # Adopt now, not at the next reconcile: a new cluster on an old store resumes at once.
-                info = ray.get(handle.ready.remote(True), timeout=120.0)
+                info = ray.get(handle.ready.remote(True, allow), timeout=120.0)
                 report(f"supervisor ready for {store_url}: {info['sessions']} session(s) watched")
             ray.get(handle.ready.remote(), timeout=max(30.0, interval_s))
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
@@ -126,14 +142,30 @@ class RayRuntime(Runtime):
     connects to Ray until the first run, so building an Agent with this
     runtime is cheap anywhere.
 
+    ``placement="actor"`` (the default) runs each session in its own actor,
+    i.e. its own worker process. ``placement="dense"`` hosts sessions as
+    activations, many per host actor (:mod:`loomray.runtime.hosts`): same
+    identity, lease, journal, checkpoints, events and recovery, no process per
+    session; ``hosts_per_node`` (default one per CPU) and
+    ``sessions_per_host`` size the pool, and ``actor_options`` then apply to
+    each host actor.
+
+    ``allowed_agents`` are agent references (``module:attr``, glob wildcards
+    allowed) a supervisor this runtime creates may import when it adopts a
+    session from the store; the references this runtime submits are added
+    (``self.config``), and nothing else is ever imported from the store.
+    ``storage_options`` include S3 server-side encryption (``sse``,
+    ``sse_kms_key_id``).
+
     Besides the ``Agent`` API: :meth:`submit` (fire and forget, by agent
-    reference), :meth:`wait`, :meth:`status`.
+    reference), :meth:`wait`, :meth:`status`, :meth:`session`.
     """
 
     def __init__(self, store: Any, address: str | None = None, max_checkpoints_per_session: int = 20,
                  actor_options: dict[str, Any] | None = None, *, max_concurrent_forks: int = 32,
                  on_fork_progress: Callable[[dict[str, Any]], Any] | None = None,
-                 **storage_options: Any) -> None:
+                 placement: str = "actor", hosts_per_node: int | None = None, sessions_per_host: int = 1000,
+                 allowed_agents: Sequence[str] = (), **storage_options: Any) -> None:
         if not isinstance(store, (str, os.PathLike)):
             raise TypeError("RayRuntime needs a store URL or path (actors on other nodes open it themselves)")
         if actor_options is not None and not isinstance(actor_options, dict):
@@ -145,8 +177,11 @@ class RayRuntime(Runtime):
             url = os.path.abspath(url)  # actors do not share the driver's working directory
         super().__init__(open_store(url, **storage_options), max_checkpoints_per_session=max_checkpoints_per_session)
         self.address = address
+        check_placement(placement, hosts_per_node, sessions_per_host)
         self.config = RuntimeConfig(store_url=url, storage_options=dict(storage_options),
-                                    max_checkpoints_per_session=self.keep, actor_options=dict(actor_options or {}))
+                                    max_checkpoints_per_session=self.keep, actor_options=dict(actor_options or {}),
+                                    placement=placement, hosts_per_node=hosts_per_node,
+                                    sessions_per_host=sessions_per_host, allowed_agents=tuple(allowed_agents))
         if isinstance(max_concurrent_forks, bool) or not isinstance(max_concurrent_forks, int) \
                 or max_concurrent_forks < 1:
             raise ValueError(f"max_concurrent_forks must be a positive int, got {max_concurrent_forks!r}")
@@ -156,17 +191,28 @@ class RayRuntime(Runtime):
         self.on_fork_progress = on_fork_progress
         self.progress_interval_s = 0.2
         self._supervisor: Any = None
+        self._supervisor_lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"RayRuntime({self.config.store_url!r}, address={self.address!r})"
+        return f"RayRuntime({self.config.store_url!r}, address={self.address!r}, placement={self.config.placement!r})"
 
     # -- the supervisor ---------------------------------------------------------
+    def _allow(self, spec: AgentSpec) -> None:
+        """Add a submitted agent reference to this runtime's allowed list (a replacement supervisor gets it)."""
+        if spec.ref and not agent_ref_allowed(spec.ref, self.config.allowed_agents):
+            self.config = dataclasses.replace(self.config,
+                                              allowed_agents=(*self.config.allowed_agents, spec.ref))
+
     def supervisor(self) -> Any:
-        """The supervisor handle (connecting and creating it on first use)."""
-        if self._supervisor is None:
-            connect(self.address)
-            self._supervisor = get_supervisor(self.config)
-        return self._supervisor
+        """The supervisor handle (connecting and creating it on first use; thread-safe)."""
+        handle = self._supervisor
+        if handle is None:
+            with self._supervisor_lock:  # gathered first runs: one connect, one get_supervisor
+                if self._supervisor is None:
+                    connect(self.address)
+                    self._supervisor = get_supervisor(self.config)
+                handle = self._supervisor
+        return handle
 
     async def _call(self, method: str, *args: Any) -> Any:
         """Call a supervisor method; if the supervisor died, use its replacement (which adopts our sessions)."""
@@ -198,6 +244,7 @@ class RayRuntime(Runtime):
         runs (a restarted incarnation's replayed steps arrive flagged ``replayed``).
         """
         spec = AgentSpec.of(agent, extra_tools)
+        self._allow(spec)
         await self._call("submit", spec, request.model_dump_json(), emit is not None, self.config)
         return await self._wait(request.session_id, request.user_id, emit)
 
@@ -248,6 +295,7 @@ class RayRuntime(Runtime):
         from loomray.ids import new_id
 
         spec = AgentSpec.of(agent, extra_tools)
+        self._allow(spec)
         fanout_id = new_id("fanout")
         run = asyncio.create_task(self._call("run_many", spec, [r.model_dump_json() for r in requests],
                                              self.max_concurrent_forks, fanout_id, emit is not None, self.config))
@@ -308,7 +356,9 @@ class RayRuntime(Runtime):
         request = RunRequest(kind="resume" if resume else "run", prompt=prompt,
                              session_id=session_id or new_id("sess"), user_id=user_id, metadata=metadata,
                              effort=effort)
-        await self._call("submit", AgentSpec.of(agent), request.model_dump_json(), False, self.config)
+        spec = AgentSpec.of(agent)
+        self._allow(spec)
+        await self._call("submit", spec, request.model_dump_json(), False, self.config)
         return request.session_id
 
     def submit_sync(self, agent: "Agent | str", prompt: str | None = None, **kwargs: Any) -> str:
@@ -330,6 +380,22 @@ class RayRuntime(Runtime):
     def status_sync(self) -> list[dict[str, Any]]:
         """Blocking :meth:`status`."""
         return asyncio.run(self.status())
+
+    async def session(self, session_id: str, *, user_id: str | None = None) -> dict[str, Any] | None:
+        """One supervised session by id: its :meth:`status` entry (``host``, ``node_id``, ``epoch``, ...)
+        plus ``pid`` and lease ``owner`` while it runs; None when the supervisor does not know it."""
+        return await self._call("session", session_id, user_id)
+
+
+def check_placement(placement: Any, hosts_per_node: Any = None, sessions_per_host: Any = 1000) -> None:
+    """Validate the placement options of :class:`RayRuntime` (``ValueError`` naming the bad one)."""
+    if placement not in ("actor", "dense"):
+        raise ValueError(f"placement must be 'actor' or 'dense', got {placement!r}")
+    if hosts_per_node is not None and (isinstance(hosts_per_node, bool) or not isinstance(hosts_per_node, int)
+                                       or hosts_per_node < 1):
+        raise ValueError(f"hosts_per_node must be a positive int or None, got {hosts_per_node!r}")
+    if isinstance(sessions_per_host, bool) or not isinstance(sessions_per_host, int) or sessions_per_host < 1:
+        raise ValueError(f"sessions_per_host must be a positive int, got {sessions_per_host!r}")
 
 
 def _result(outcome: Outcome, session_id: str) -> RunResult:

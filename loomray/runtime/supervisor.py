@@ -1,17 +1,19 @@
 """The ``Supervisor``: one detached actor per cluster that owns every session actor.
 
-It starts session actors, watches each by awaiting its ``run()`` ObjectRef,
-restarts a dead one from the store on a live node (a new lease epoch, so a
-partitioned old incarnation is fenced), runs fan-outs with bounded
-concurrency, relays run events to waiting drivers, answers ``status()`` and
-compacts the index in the background.
+It starts session actors (or, with ``placement="dense"``, activations on
+session hosts: :mod:`loomray.runtime.placement`), watches each by awaiting its
+``run()`` ObjectRef, restarts a dead one from the store on a live node (a new
+lease epoch, so a partitioned old incarnation is fenced), runs fan-outs with
+bounded concurrency, relays run events to waiting drivers, answers
+``status()`` and compacts the index in the background.
 
 Its state is derived, never authoritative: on first use, on
 ``ready(adopt=True)`` (what ``supervise()`` calls) and every
-``reconcile_interval_s`` it adopts every ``pending``/``running`` session row a
-Ray actor owned (``node_id`` set) whose epoch is still the session's current
-one, attaching to the live actor by name or restarting it by the row's agent
-reference. So a killed supervisor, or one on a new cluster pointed at the same
+``reconcile_interval_s`` it adopts every session marked active in the store
+(:mod:`loomray.runtime.active`; so a pass costs O(active sessions)) whose
+``pending``/``running`` row a Ray actor owned (``node_id`` set) and whose epoch
+is still the session's current one, attaching to the live actor or activation
+or restarting it, in the placement it ran in, by the row's agent reference. So a killed supervisor, or one on a new cluster pointed at the same
 store, picks up every active session. Finished sessions are reported for
 ``forget_after_s`` and then forgotten, so memory stays bounded however long
 the cluster runs.
@@ -20,7 +22,9 @@ the cluster runs.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import json
 import logging
 import time
 from collections import deque
@@ -29,8 +33,9 @@ from typing import Any
 
 import ray
 
+from loomray.runtime import active
 from loomray.runtime.actors import (
-    ACTIVE_STATES, NAMESPACE, AgentSpec, Outcome, RuntimeConfig, SessionActor, session_actor_name,
+    NAMESPACE, AgentSpec, Outcome, RuntimeConfig, SessionActor, agent_ref_allowed, check_pattern, session_actor_name,
     session_actor_options,
 )
 
@@ -41,6 +46,14 @@ EVENT_BUFFER = 10_000
 #: Finished sessions remembered at most, whatever ``forget_after_s`` says.
 MAX_FINISHED = 10_000
 _fanout_ids = itertools.count(1)
+
+
+def _same_request(a: str, b: str) -> bool:
+    """Two run requests as JSON are the same request (whatever their key order or spacing)."""
+    try:
+        return json.loads(a) == json.loads(b)
+    except ValueError:
+        return a == b
 
 
 @dataclass
@@ -90,6 +103,8 @@ class _Watched:
     config: RuntimeConfig | None = None
     finished_at: float | None = None
     error: str | None = None
+    #: The actor hosting it: its own session actor, or (dense placement) a session host.
+    host: str | None = None
 
 
 class Supervisor:
@@ -107,13 +122,22 @@ class Supervisor:
         self._restarts = 0
         self._compactions = 0
         self._adopting: asyncio.Lock | None = None
+        #: Agent reference patterns adopted sessions may use: the config's, the operator's, and every
+        #: reference submitted here (see :meth:`_refusal`).
+        self._allowed: set[str] = set(config.allowed_agents)
+        #: Session hosts for dense placement (loomray.runtime.placement), made on first use.
+        self._hosts: Any = None
 
     # -- lifecycle -------------------------------------------------------------
-    async def ready(self, adopt: bool = False) -> dict[str, Any]:
+    async def ready(self, adopt: bool = False, allow: Any = ()) -> dict[str, Any]:
         """Start background work (once); with ``adopt`` also adopt the store's active sessions now.
+
+        ``allow`` adds allowed agent reference patterns first (what ``supervise``
+        passes, so a supervisor that already existed learns the operator's list).
 
         Returns a summary: store URL, sessions watched, restarts made, this node.
         """
+        self.allow(allow)
         await self._ensure_started()
         if adopt:
             await self._adopt(foreign=True)
@@ -146,37 +170,130 @@ class Supervisor:
 
     async def _adopt_locked(self, foreign: bool) -> list[str]:
         known = None if foreign else {n["NodeID"] for n in ray.nodes()}
-        rows = []
-        for state in ACTIVE_STATES:
-            rows += await asyncio.to_thread(self._store.list_sessions, status=state, user_id=...)
+        # Only marked sessions nobody here watches, not the whole index: O(active sessions).
+        marked = await active.candidates(self._store, self._watching, foreign)
+        rows = [row for row, _ in marked]
+        placements = {(row.user_id, row.session_id): mark.get("placement") for row, mark in marked}
         adopted = []
         for row in rows:
             key = (row.user_id, row.session_id)
             current = self._sessions.get(key)
             # node_id is set only by a Ray session actor: rows of in-process runtimes are not ours.
-            if (current is not None and not current.done.done()) or not row.node_id or not row.spec_json:
+            if (current is not None and not current.done.done()) or not row.node_id:
                 continue
-            if current is not None and current.request_json == row.spec_json:
-                continue  # we finished this very run; the row is only behind
             if known is not None and row.node_id not in known:
                 continue  # another cluster's session (see above)
+            # The request lives in the run's record, beside the session's objects (never in the index).
+            request_json = await asyncio.to_thread(self._request_of, row)
+            if request_json is None:
+                continue
+            if current is not None and _same_request(current.request_json, request_json):
+                continue  # we finished this very run; the row is only behind
             # A newer lease than the row's means a live owner elsewhere took over: not ours to restart.
             if row.epoch < await asyncio.to_thread(self._store.current_epoch, row.session_id, user_id=row.user_id):
                 continue
+            refusal = self._refusal(row, request_json)
+            if refusal is not None:
+                await self._refuse(row, refusal)
+                continue
             agent = AgentSpec(ref=row.agent_ref) if row.agent_ref else None
-            w = _Watched(row.session_id, row.user_id, row.spec_json, agent, last_node=row.node_id,
+            w = _Watched(row.session_id, row.user_id, request_json, agent, last_node=row.node_id,
                          done=asyncio.get_running_loop().create_future(), epoch=row.epoch)
+            placement = placements.get(key) or self._config.placement
+            if placement != self._config.placement:
+                w.config = dataclasses.replace(self._config, placement=placement)  # restart it the way it ran
             self._sessions[key] = w
-            try:
-                w.handle = ray.get_actor(session_actor_name(row.session_id, row.user_id), namespace=NAMESPACE)
-                w.incarnation = 1
-            except ValueError:
-                w.handle = None  # gone (its node, or its whole cluster): the watcher restarts it
+            # None: gone (its node, or its whole cluster): the watcher restarts it.
+            w.handle = await self._live_handle(w)
+            w.incarnation = 1 if w.handle is not None else 0
             w.task = asyncio.get_running_loop().create_task(self._watch(w))
             adopted.append(row.session_id)
         if adopted:
             log.info("supervisor adopted %d session(s) from %s", len(adopted), self._config.store_url)
         return adopted
+
+    def _request_of(self, row: Any) -> str | None:
+        """The JSON run request of the run ``row`` reports, or None (not known yet: try next pass).
+
+        It is the request in the session's last run record when that record is
+        the row's run; a session written before run records keeps it in the row.
+        """
+        record = self._store.last_run(row.session_id, user_id=row.user_id)
+        if record is not None:
+            if record.run_id != row.run_id or not record.request:
+                return None  # a newer run started and its row is not written yet, or nothing to re-run
+            return json.dumps(record.request)
+        return row.spec_json or None
+
+    def _allows(self, ref: str) -> bool:
+        return agent_ref_allowed(ref, self._allowed)
+
+    def allow(self, patterns: Any) -> None:
+        """Allow more agent references (patterns as in ``RuntimeConfig.allowed_agents``) for adopted sessions."""
+        self._allowed.update(check_pattern(p) for p in patterns)
+
+    def _refusal(self, row: Any, request_json: str) -> str | None:
+        """Why a session read from the store must not be restarted here, or None.
+
+        The store is not trusted to choose code or targets: the agent reference
+        must be allowed by the operator (or have been submitted here), and the
+        request must be for the very session and user whose partition it came from.
+        """
+        from loomray.session import RunRequest
+
+        try:
+            request = RunRequest.model_validate_json(request_json)
+        except ValueError as e:
+            return f"its stored run request is unreadable: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        if (request.session_id, request.user_id) != (row.session_id, row.user_id):
+            return (f"its stored run request is for session {request.session_id!r} (user {request.user_id!r}), "
+                    f"not for the session it is stored under")
+        if row.agent_ref and not self._allows(row.agent_ref):
+            return (f"agent reference {row.agent_ref!r} is not allowed on this supervisor "
+                    "(allow it with `loomray supervise --allow-agent` or RayRuntime(allowed_agents=...))")
+        return None
+
+    async def _refuse(self, row: Any, reason: str) -> None:
+        """Log the refusal and mark the session failed with it (it is not adopted, and not retried)."""
+        from storage import SessionRow
+
+        from loomray.records import utcnow
+
+        log.warning("supervisor refuses to restart session %r (user %r): %s", row.session_id, row.user_id, reason)
+        failed = SessionRow(session_id=row.session_id, user_id=row.user_id, status="failed", updated_at=utcnow(),
+                            run_id=row.run_id, agent_ref=row.agent_ref, epoch=row.epoch, node_id=row.node_id,
+                            error=f"refused by the supervisor: {reason}")
+        try:
+            await asyncio.to_thread(self._store.put_session, failed)
+        except Exception as e:
+            log.warning("could not mark session %r failed: %s", row.session_id, e)
+        await active.clear(self._store, row.session_id, row.user_id)
+
+    def _watching(self, key: tuple[str | None, str]) -> bool:
+        w = self._sessions.get(key)
+        return w is not None and not w.done.done()
+
+    async def _live_handle(self, w: _Watched) -> Any | None:
+        """The running session actor or activation of an adopted session, or None."""
+        name = session_actor_name(w.session_id, w.user_id)
+        try:
+            handle = ray.get_actor(name, namespace=NAMESPACE)
+            w.host = name
+            return handle
+        except ValueError:
+            pass
+        handle = await self._pool().find(w.session_id, w.user_id)
+        if handle is not None:
+            w.host = handle.host_name
+        return handle
+
+    def _pool(self) -> Any:
+        """The dense placement's host pool (created on first use)."""
+        if self._hosts is None:
+            from loomray.runtime.placement import HostPool
+
+            self._hosts = HostPool(ray.get_runtime_context().current_actor)
+        return self._hosts
 
     async def _reconcile_loop(self) -> None:
         while True:
@@ -233,6 +350,11 @@ class Supervisor:
 
         if config is not None and config.store_url != self._config.store_url:
             raise LoomrayUserError(f"this supervisor serves store {self._config.store_url!r}, not {config.store_url!r}")
+        # Whoever submits runs code here already: its reference (and its runtime's list) may be adopted later.
+        if agent.ref:
+            self._allowed.add(agent.ref)
+        if config is not None:
+            self.allow(config.allowed_agents)
         await self._ensure_started()
         self._forget()
         request = RunRequest.model_validate_json(request_json)
@@ -245,10 +367,13 @@ class Supervisor:
         self._sessions[key] = w
         if stream_events:
             self._events[key] = _EventLog()
+        # Marked before it starts, so a supervisor that dies in between still leaves it findable.
+        await active.mark(self._store, w.session_id, w.user_id, (config or self._config).placement)
         try:
             w.handle = await self._start(w, avoid_node=None)
         except BaseException:
             del self._sessions[key]
+            await active.clear(self._store, w.session_id, w.user_id)
             raise
         w.task = asyncio.get_running_loop().create_task(self._watch(w))
         try:
@@ -345,12 +470,29 @@ class Supervisor:
             w.turn, w.epoch, w.last_node = p.get("turn", w.turn), p.get("epoch") or w.epoch, p["node_id"]
 
         await asyncio.gather(*(progress(w) for w in live))
-        out = []
-        for w in self._sessions.values():
-            state = w.done.result().status if w.done.done() else "running"
-            out.append({"session_id": w.session_id, "user_id": w.user_id, "status": state, "state": state,
-                        "node_id": w.last_node, "epoch": w.epoch, "incarnation": w.incarnation,
-                        "restarts": max(0, w.incarnation - 1), "turn": w.turn, "error": w.error})
+        return [self._describe(w) for w in self._sessions.values()]
+
+    def _describe(self, w: _Watched) -> dict[str, Any]:
+        state = w.done.result().status if w.done.done() else "running"
+        return {"session_id": w.session_id, "user_id": w.user_id, "status": state, "state": state,
+                "node_id": w.last_node, "host": w.host, "placement": (w.config or self._config).placement,
+                "epoch": w.epoch, "incarnation": w.incarnation, "restarts": max(0, w.incarnation - 1),
+                "turn": w.turn, "error": w.error}
+
+    async def session(self, session_id: str, user_id: str | None = None) -> dict[str, Any] | None:
+        """One supervised session as in :meth:`status`, plus ``pid`` and ``owner`` while it runs; None if unknown."""
+        await self._ensure_started()
+        w = self._sessions.get((user_id, session_id))
+        if w is None:
+            return None
+        out = self._describe(w)
+        if not w.done.done() and w.handle is not None:
+            try:
+                info = await asyncio.wait_for(w.handle.info.remote(), timeout=5.0)
+                out.update(pid=info.get("pid"), owner=info.get("owner"), node_id=info.get("node_id"),
+                           host=info.get("host", w.host))
+            except Exception:
+                pass  # restarting or unreachable: what we knew
         return out
 
     async def cancel(self, session_id: str, user_id: str | None = None) -> bool:
@@ -400,7 +542,14 @@ class Supervisor:
                 f"session {w.session_id!r} cannot be restarted: its agent was passed by value and its actor is "
                 "gone; submit it by reference (module:attr) to make it recoverable")
         config = w.config or self._config
+        if config.placement == "dense":  # an activation on a session host: no process start
+            handle = await self._pool().activate(config, w.agent, w.request_json, w.session_id, w.user_id,
+                                                 avoid_node=avoid_node, stream_events=w.stream_events)
+            w.incarnation += 1
+            w.host = handle.host_name
+            return handle
         options = session_actor_options(config, w.session_id, w.user_id, avoid_node=avoid_node)
+        w.host = options["name"]
         actor_cls = ray.remote(SessionActor)
         me = ray.get_runtime_context().current_actor
         deadline = time.monotonic() + 30
@@ -472,13 +621,15 @@ class Supervisor:
             return await self._finish(w, outcome, mark_failed=False)
 
     async def _finish(self, w: _Watched, outcome: Outcome, *, mark_failed: bool) -> None:
+        if outcome.status != "fenced":  # fenced: a newer owner holds the session, and the mark is its
+            await active.clear(self._store, w.session_id, w.user_id)
         if mark_failed:
             from storage import SessionRow
 
             from loomray.records import utcnow
 
             row = SessionRow(session_id=w.session_id, user_id=w.user_id, status="failed", updated_at=utcnow(),
-                             agent_ref=w.agent.ref if w.agent else None, spec_json=w.request_json,
+                             agent_ref=w.agent.ref if w.agent else None,
                              node_id=w.last_node, error=outcome.error, epoch=w.epoch or 0)
             try:
                 await asyncio.to_thread(self._store.put_session, row)

@@ -114,6 +114,20 @@ def test_fork_on_the_cluster_shows_progress(cluster):
         assert store.list_checkpoints(f["session_id"], limit=1)[0].forked_from == "s-sub"
 
 
+def test_dense_placement_from_the_cli_and_status_shows_the_host(cluster):
+    store = store_of(cluster)
+    base = next(r for r in store.list_checkpoints("s-sub", limit=50) if r.turn == 6)
+    forks = ok_json(cli(cluster, "fork", "s-sub", "--from", base.checkpoint_id, "--prompt", "Dense?",
+                        "--placement", "dense", "--json"))
+    sid = forks[0]["session_id"]
+    live = {s["session_id"]: s for s in ok_json(cli(cluster, "status", "--json"))["sessions"]}
+    assert live[sid]["placement"] == "dense" and live[sid]["host"].startswith("loomray/host/")
+    assert live[sid]["node_id"] == store.get_session(sid).node_id
+    assert live["s-sub"]["placement"] == "actor" and live["s-sub"]["host"] == "loomray:_:s-sub"
+    table = cli(cluster, "status")
+    assert table.returncode == 0 and "host/" in table.stdout
+
+
 def test_resume_on_the_cluster_continues_in_place(cluster):
     res = ok_json(cli(cluster, "resume", "s-sub", "Add a section on costs.", "--json"))
     assert res["session_id"] == "s-sub" and res["resumed_from_checkpoint"] is True

@@ -115,3 +115,46 @@ quick = Agent("quick agent", model=ScriptedModel([f"answer {i}" for i in range(4
               tuning=Tuning(checkpoint=True), name="quick")
 #: Forks whose concurrency the bound test observes.
 bounded = fork_agent("bounded", 1.5)
+
+#: The same agents for the dense-placement runs of the same tests, each with its own call log.
+nodekill_dense = make("nodekill_dense")
+orphaned_dense = make("orphaned_dense")
+adopted_dense = make("adopted_dense")
+fenced_dense = make("fenced_dense")
+zombie_dense = make("zombie_dense", 0.2)
+restart_dense = make("restart_dense", 0.5)
+streamed_dense = make("streamed_dense", 0.0)
+
+
+def isolation_agent(kind: str) -> Agent:
+    """Sessions that share one dense host in the isolation test.
+
+    ``blocking`` holds a thread in a sync tool until the file ``release``
+    exists (leaving a ``blocked-*`` marker first); ``failing``'s model raises
+    on its second call; ``quick`` runs five quick tool passes.
+    """
+    workdir = ROOT / "isolation"
+    workdir.mkdir(parents=True, exist_ok=True)
+
+    def block() -> str:
+        """Blocks its thread (a sync tool, so it runs off the host's event loop)."""
+        (workdir / f"blocked-{uuid.uuid4().hex}").write_text(str(os.getpid()))
+        deadline = time.monotonic() + 60
+        while not (workdir / "release").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return "unblocked"
+
+    def noop() -> str:
+        """Returns at once."""
+        return "ok"
+
+    def boom(request):
+        raise RuntimeError("boom: this session's own failure")
+
+    script: list = {
+        "blocking": [{"tool": "block", "args": {}}, "blocking done"],
+        "failing": [{"tool": "noop", "args": {}}, boom],
+        "quick": [{"tool": "noop", "args": {}}] * 5 + ["quick done"],
+    }[kind]
+    return Agent(f"{kind} agent", model=ScriptedModel(script), tools=[block, noop], tuning=Tuning(checkpoint=True),
+                 name=f"iso-{kind}")

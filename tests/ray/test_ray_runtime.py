@@ -1,5 +1,6 @@
 """RayRuntime on a real 3-node cluster: node death, supervisor death, cluster replacement,
-zombies, fan-out, streaming events.
+zombies, fan-out, streaming events; the recovery tests run in both placements (``actor``: one
+actor per session; ``dense``: sessions hosted many per host actor).
 
 One in-process cluster for the module (plus, for the cluster-replacement test,
 the old cluster in a subprocess). Session actors need the ``loomray_session``
@@ -17,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -53,6 +55,27 @@ def env(tmp_path_factory):
     assert lc.leftover == []
 
 
+@pytest.fixture(scope="module")
+def dense_runtime(env):
+    """The same store and session resource, with sessions hosted densely (hosts only on workers)."""
+    lc, runtime, agents = env
+    from loomray.runtime import RayRuntime
+
+    dense = RayRuntime(runtime.config.store_url, actor_options={"resources": {"loomray_session": 1}},
+                       placement="dense")
+    yield dense
+    dense.close()
+
+
+@pytest.fixture(params=["actor", "dense"])
+def placed(request, env):
+    """``(lc, runtime, agents, suffix)`` for one placement: the dense runs use the ``*_dense`` agents."""
+    lc, runtime, agents = env
+    if request.param == "dense":
+        return lc, request.getfixturevalue("dense_runtime"), agents, "_dense"
+    return lc, runtime, agents, ""
+
+
 def _driver_agent(agent, ref, runtime):
     """The test's handle on a ``ray_agents`` agent: same config, the Ray runtime, and its reference."""
     from loomray.runtime.ray_runtime import set_agent_ref
@@ -77,10 +100,11 @@ def _checkpoint_turn(store, session_id):
     return rows[0].turn if rows else -1
 
 
-async def _actor_info(session_id, user_id=None):
-    from loomray.runtime.actors import NAMESPACE, session_actor_name
-
-    return await ray.get_actor(session_actor_name(session_id, user_id), namespace=NAMESPACE).info.remote()
+async def _session_info(runtime, session_id):
+    """Where the session runs now, by its id: node_id, pid, host (its own actor, or its dense host)."""
+    info = await runtime.session(session_id)
+    assert info is not None and info.get("pid") is not None, info
+    return info
 
 
 def _transcript(messages):
@@ -98,18 +122,20 @@ async def _reference(agents, name, session_id):
 
 
 
-async def test_node_death_mid_run_continues_on_another_node(env):
-    lc, runtime, agents = env
-    store = runtime.store
-    agent = _driver_agent(agents.nodekill, "ray_agents:nodekill", runtime)
+async def test_node_death_mid_run_continues_on_another_node(placed):
+    lc, runtime, agents, suffix = placed
+    store, name = runtime.store, "nodekill" + suffix
+    sid = f"s-{name}"
+    agent = _driver_agent(getattr(agents, name), f"ray_agents:{name}", runtime)
     events = []
-    run = asyncio.create_task(agent.run("go", session_id="s-nodekill", emit=events.append))
+    run = asyncio.create_task(agent.run("go", session_id=sid, emit=events.append))
     # Mid-run by the store's own account: two passes checkpointed, more to come.
-    await _until(lambda: _checkpoint_turn(store, "s-nodekill") >= 2, 60, "the checkpoint of turn 2")
-    first = await _actor_info("s-nodekill")
-    live = {s["session_id"]: s for s in await runtime.status()}["s-nodekill"]
+    await _until(lambda: _checkpoint_turn(store, sid) >= 2, 60, "the checkpoint of turn 2")
+    first = await _session_info(runtime, sid)
+    live = {s["session_id"]: s for s in await runtime.status()}[sid]
     assert (live["status"], live["epoch"], live["restarts"]) == ("running", 1, 0)
     assert live["turn"] >= 2 and live["node_id"] == first["node_id"]
+    assert live["host"] == first["host"] and live["placement"] == runtime.config.placement
     victim = lc.node_of(first["node_id"])
     assert victim is not None and victim is not lc.head
 
@@ -118,18 +144,18 @@ async def test_node_death_mid_run_continues_on_another_node(env):
     lc.remove_node(victim)  # SIGKILL: the actor dies with its node
 
     result = await asyncio.wait_for(run, 90)
-    assert result.output == "nodekill finished"
+    assert result.output == f"{name} finished"
     assert result.turns == agents.TURNS + 1
     # Every scripted reply was served exactly once, across both incarnations.
-    assert sorted(agents.model_calls("nodekill")) == list(range(agents.TURNS + 1))
+    assert sorted(agents.model_calls(name)) == list(range(agents.TURNS + 1))
     # The transcript is the one an uninterrupted run produces.
-    assert _transcript(result.messages) == await _reference(agents, "nodekill", "s-nodekill")
-    row = store.get_session("s-nodekill")
+    assert _transcript(result.messages) == await _reference(agents, name, sid)
+    row = store.get_session(sid)
     assert row.status == "completed"
     assert row.epoch == 2  # a second incarnation took the lease
     assert row.node_id != victim.node_id
     status = {s["session_id"]: s for s in await runtime.status()}
-    s = status["s-nodekill"]
+    s = status[sid]
     assert (s["status"], s["incarnation"], s["restarts"], s["epoch"]) == ("completed", 2, 1, 2)
     assert s["node_id"] == row.node_id and s["turn"] == agents.TURNS + 1
     # The driver's emit saw both incarnations: the second one starts again and replays journaled steps.
@@ -139,63 +165,74 @@ async def test_node_death_mid_run_continues_on_another_node(env):
     lc.add_node()  # give later tests two session nodes again
 
 
-async def test_supervisor_killed_mid_run_new_one_adopts_the_session(env):
-    lc, runtime, agents = env
+async def test_supervisor_killed_mid_run_new_one_adopts_the_session(placed):
+    lc, runtime, agents, suffix = placed
     from loomray.runtime.actors import NAMESPACE, SUPERVISOR_NAME
 
-    agent = _driver_agent(agents.orphaned, "ray_agents:orphaned", runtime)
-    run = asyncio.create_task(agent.run("go", session_id="s-orphaned"))
-    await _until(lambda: _checkpoint_turn(runtime.store, "s-orphaned") >= 2, 60, "the checkpoint of turn 2")
+    name = "orphaned" + suffix
+    sid = f"s-{name}"
+    agent = _driver_agent(getattr(agents, name), f"ray_agents:{name}", runtime)
+    run = asyncio.create_task(agent.run("go", session_id=sid))
+    await _until(lambda: _checkpoint_turn(runtime.store, sid) >= 2, 60, "the checkpoint of turn 2")
+    host = (await _session_info(runtime, sid))["host"]
     old = ray.get_actor(SUPERVISOR_NAME, namespace=NAMESPACE)
     old_id = old._actor_id.hex()
 
     ray.kill(old)  # no restart: the driver's next call creates a replacement
 
     result = await asyncio.wait_for(run, 90)
-    assert result.output == "orphaned finished"
+    assert result.output == f"{name} finished"
     new = ray.get_actor(SUPERVISOR_NAME, namespace=NAMESPACE)
     assert new._actor_id.hex() != old_id
-    # The detached session actor was never interrupted: one lease, each reply once, nothing lost.
-    assert runtime.store.get_session("s-orphaned").epoch == 1
-    assert sorted(agents.model_calls("orphaned")) == list(range(agents.TURNS + 1))
-    assert _transcript(result.messages) == await _reference(agents, "orphaned", "s-orphaned")
+    # The detached session actor (or host) was never interrupted: one lease, each reply once, nothing lost.
+    assert runtime.store.get_session(sid).epoch == 1
+    assert sorted(agents.model_calls(name)) == list(range(agents.TURNS + 1))
+    assert _transcript(result.messages) == await _reference(agents, name, sid)
     sessions = {s["session_id"]: s for s in await runtime.status()}
-    assert sessions["s-orphaned"]["status"] == "completed"
+    assert sessions[sid]["status"] == "completed"
+    assert sessions[sid]["host"] == host and sessions[sid]["incarnation"] == 1  # attached, not restarted
 
 
-async def test_supervisor_and_actor_both_killed_new_supervisor_restarts_by_reference(env):
-    lc, runtime, agents = env
-    from loomray.runtime.actors import NAMESPACE, SUPERVISOR_NAME, session_actor_name
+async def test_supervisor_and_actor_both_killed_new_supervisor_restarts_by_reference(placed):
+    lc, runtime, agents, suffix = placed
+    from loomray.runtime.actors import NAMESPACE, SUPERVISOR_NAME
 
-    agent = _driver_agent(agents.adopted, "ray_agents:adopted", runtime)
-    run = asyncio.create_task(agent.run("go", session_id="s-adopted"))
-    await _until(lambda: agents.steps_started("adopted") >= 2, 60, "two tool steps")
+    name = "adopted" + suffix
+    sid = f"s-{name}"
+    agent = _driver_agent(getattr(agents, name), f"ray_agents:{name}", runtime)
+    run = asyncio.create_task(agent.run("go", session_id=sid))
+    await _until(lambda: agents.steps_started(name) >= 2, 60, "two tool steps")
+    host = (await _session_info(runtime, sid))["host"]  # its actor; or, dense, the host of it and others
 
     # Nothing in memory survives: the only way back is the session row (agent_ref + spec) and the store.
     ray.kill(ray.get_actor(SUPERVISOR_NAME, namespace=NAMESPACE))
-    ray.kill(ray.get_actor(session_actor_name("s-adopted"), namespace=NAMESPACE))
+    ray.kill(ray.get_actor(host, namespace=NAMESPACE))
 
     result = await asyncio.wait_for(run, 90)
-    assert result.output == "adopted finished"
-    row = runtime.store.get_session("s-adopted")
-    assert row.status == "completed" and row.epoch == 2 and row.agent_ref == "ray_agents:adopted"
-    assert sorted(agents.model_calls("adopted")) == list(range(agents.TURNS + 1))
+    assert result.output == f"{name} finished"
+    row = runtime.store.get_session(sid)
+    assert row.status == "completed" and row.epoch == 2 and row.agent_ref == f"ray_agents:{name}"
+    assert sorted(agents.model_calls(name)) == list(range(agents.TURNS + 1))
+    s = {x["session_id"]: x for x in await runtime.status()}[sid]
+    assert s["placement"] == runtime.config.placement and s["epoch"] == 2  # restarted the way it ran
+    assert runtime.config.placement == "actor" or s["host"] != host  # dense: on a host that is alive
 
 
-async def test_zombie_incarnation_is_fenced_and_never_latest(env):
+async def test_zombie_incarnation_is_fenced_and_never_latest(placed):
     """A node freezes (raylet SIGSTOP: a partition, not a crash) mid tool step. Ray declares it dead,
     the supervisor starts a new incarnation elsewhere, then the frozen one's step finishes: its
     writes are refused and nothing it wrote after the takeover is ever "latest"."""
-    lc, runtime, agents = env
-    store, name, sid = runtime.store, "zombie", "s-zombie"
+    lc, runtime, agents, suffix = placed
+    name = "zombie" + suffix
+    store, sid = runtime.store, f"s-{name}"
     workdir = agents.ROOT / name
-    agent = _driver_agent(agents.zombie, "ray_agents:zombie", runtime)
+    agent = _driver_agent(getattr(agents, name), f"ray_agents:{name}", runtime)
     run = asyncio.create_task(agent.run("go", session_id=sid))
     await _until(lambda: _checkpoint_turn(store, sid) >= 2, 60, "the checkpoint of turn 2")
     (workdir / "hold").write_text("")
     await _until(lambda: agents.pids_with(name, "holding"), 30, "a tool step to hold")
     zombie_pid = next(iter(agents.pids_with(name, "holding")))
-    info = await _actor_info(sid)
+    info = await _session_info(runtime, sid)
     assert info["pid"] == zombie_pid
     victim = lc.node_of(info["node_id"])
     raylet = victim.all_processes["raylet"][0].process
@@ -213,7 +250,7 @@ async def test_zombie_incarnation_is_fenced_and_never_latest(env):
     finally:
         os.kill(raylet.pid, signal.SIGCONT)
         lc.remove_node(victim)
-    assert result.output == "zombie finished"
+    assert result.output == f"{name} finished"
     assert _transcript(result.messages) == await _reference(agents, name, sid)
     assert sorted(agents.model_calls(name)) == list(range(agents.TURNS + 1))
     # Its writes were refused: every checkpoint after the takeover, and the latest, carry epoch 2 ...
@@ -228,29 +265,45 @@ async def test_zombie_incarnation_is_fenced_and_never_latest(env):
     lc.add_node()
 
 
-async def test_fan_out_eight_forks_one_actor_each(env):
-    lc, runtime, agents = env
+async def test_fan_out_eight_forks_one_actor_each(placed):
+    lc, runtime, agents, suffix = placed
     agent = _driver_agent(agents.quick, None, runtime)  # by value only
-    source = await agent.run("hi", session_id="s-source")
+    src = "s-source" + suffix
+    source = await agent.run("hi", session_id=src)
     assert source.output == "answer 0"
-    before = [r.checkpoint_id for r in runtime.store.list_checkpoints("s-source")]
+    if runtime.config.placement == "dense":
+        # A worker added by an earlier test got its host on the pool's first use since (just now);
+        # a fork prefers a warm host to waiting for one to start, so let it come up first.
+        def warm_nodes():
+            names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                     if a["name"].startswith("loomray/host/")]
+            return {ray.get(ray.get_actor(n, namespace="loomray").ready.remote(), timeout=60)["node_id"]
+                    for n in names}
 
-    forks = await agent.fork("s-source", from_checkpoint=source.checkpoint_id, prompts=[f"p{i}" for i in range(8)])
+        wait_for(lambda: {n.node_id for n in lc.workers} <= warm_nodes(), timeout=60, what="a warm host per worker")
+    before = [r.checkpoint_id for r in runtime.store.list_checkpoints(src)]
+
+    forks = await agent.fork(src, from_checkpoint=source.checkpoint_id, prompts=[f"p{i}" for i in range(8)])
 
     assert len(forks) == 8
-    assert len({f.session_id for f in forks}) == 8 and "s-source" not in {f.session_id for f in forks}
+    assert len({f.session_id for f in forks}) == 8 and src not in {f.session_id for f in forks}
     assert all(f.output == "answer 1" for f in forks)
     from loomray.records import Checkpoint
 
     for i, f in enumerate(forks):
         ckpt = Checkpoint.from_json(runtime.store.get_checkpoint(f.session_id))
-        assert ckpt.forked_from == "s-source" and ckpt.session_id == f.session_id
+        assert ckpt.forked_from == src and ckpt.session_id == f.session_id
         assert f.messages[-2].content == f"p{i}"  # results in prompt order
     # The source session is untouched.
-    assert [r.checkpoint_id for r in runtime.store.list_checkpoints("s-source")] == before
+    assert [r.checkpoint_id for r in runtime.store.list_checkpoints(src)] == before
     supervised = {s["session_id"]: s for s in await runtime.status()}
     assert all(supervised[f.session_id]["status"] == "completed" for f in forks)
-    assert len({supervised[f.session_id]["node_id"] for f in forks}) >= 1
+    nodes = {supervised[f.session_id]["node_id"] for f in forks}
+    assert len(nodes) >= 1
+    if runtime.config.placement == "dense":
+        # Spread by load over both workers' hosts; never the head (the hosts need loomray_session).
+        assert len(nodes) == 2 and lc.head.node_id not in nodes
+        assert all(supervised[f.session_id]["host"].startswith("loomray/host/") for f in forks)
 
 
 async def test_fork_concurrency_bound_holds_and_progress_is_reported(env):
@@ -277,45 +330,49 @@ async def test_fork_concurrency_bound_holds_and_progress_is_reported(env):
     bounded.close()
 
 
-async def test_emit_delivers_the_actors_events_to_the_driver(env):
-    lc, runtime, agents = env
+async def test_emit_delivers_the_actors_events_to_the_driver(placed):
+    lc, runtime, agents, suffix = placed
     from loomray.runtime import InProcRuntime
 
-    agent = _driver_agent(agents.streamed, "ray_agents:streamed", runtime)
+    name = "streamed" + suffix
+    sid = f"s-{name}"
+    agent = _driver_agent(getattr(agents, name), f"ray_agents:{name}", runtime)
     events = []
-    result = await agent.run("go", session_id="s-streamed", emit=events.append)
+    result = await agent.run("go", session_id=sid, emit=events.append)
 
     reference_events = []
-    ref = agents.make("streamed", 0.0, counted=False)
+    ref = agents.make(name, 0.0, counted=False)
     ref.runtime = InProcRuntime()
-    await ref.run("go", session_id="s-streamed", emit=reference_events.append)
+    await ref.run("go", session_id=sid, emit=reference_events.append)
     assert [e.type for e in events] == [e.type for e in reference_events]
     assert events[0].type == "run_start" and events[-1].type == "run_end"
-    assert all(e.session_id == "s-streamed" for e in events)
+    assert all(e.session_id == sid for e in events)
     assert sum(e.type == "model_response" for e in events) == result.turns
     assert events[-1].output == result.output
 
 
-async def test_submit_by_reference_errors_and_status(env):
-    lc, runtime, agents = env
+async def test_submit_by_reference_errors_and_status(placed):
+    lc, runtime, agents, suffix = placed
     from loomray.errors import LoomrayUserError
 
     with pytest.raises(LoomrayUserError, match="must look like"):
         await runtime.submit("not a reference", "go")
     with pytest.raises(LoomrayUserError, match="cannot import"):
-        await runtime.submit("no_such_module_xyz:agent", "go", session_id="s-badref")
+        await runtime.submit("no_such_module_xyz:agent", "go", session_id="s-badref" + suffix)
     with pytest.raises(LoomrayUserError, match="not a loomray Agent"):
-        await runtime.submit("ray_agents:TURNS", "go", session_id="s-notagent")
+        await runtime.submit("ray_agents:TURNS", "go", session_id="s-notagent" + suffix)
     t0 = time.monotonic()
     with pytest.raises(LoomrayUserError, match="not supervised.*does not know it"):
         await runtime.wait("s-never-submitted")
     assert time.monotonic() - t0 < 10  # a clear answer, not a long retry
-    sid = await runtime.submit("ray_agents:quick", "hello", session_id="s-submitted")
-    assert sid == "s-submitted"
+    sid = await runtime.submit("ray_agents:quick", "hello", session_id="s-submitted" + suffix)
+    assert sid == "s-submitted" + suffix
     result = await runtime.wait(sid)
     assert result.output == "answer 0"
-    s = {x["session_id"]: x for x in await runtime.status()}["s-submitted"]
+    s = {x["session_id"]: x for x in await runtime.status()}[sid]
     assert s["status"] == "completed" and s["epoch"] == 1 and s["turn"] == 1
+    # Nothing of it is left marked active: the supervisor's periodic pass will not look at it again.
+    assert (None, sid) not in runtime.store.list_active()
     # The supervisor's index compaction (it also runs in the background) merges the small files.
     store = runtime.store
 
@@ -327,39 +384,108 @@ async def test_submit_by_reference_errors_and_status(env):
     assert report["files_before"] == before and report["files_after"] == index_files() < before
 
 
-async def test_fenced_actor_stops_and_reports_lease_lost(env):
-    lc, runtime, agents = env
+async def test_fenced_actor_stops_and_reports_lease_lost(placed):
+    lc, runtime, agents, suffix = placed
     from storage.errors import LeaseLostError
 
     from loomray.runtime.actors import NAMESPACE, session_actor_name
 
-    agent = _driver_agent(agents.fenced, "ray_agents:fenced", runtime)
-    run = asyncio.create_task(agent.run("go", session_id="s-fenced"))
-    await _until(lambda: agents.steps_started("fenced") >= 2, 60, "two tool steps")
-    info = await _actor_info("s-fenced")
+    agent_name = "fenced" + suffix
+    sid = f"s-{agent_name}"
+    agent = _driver_agent(getattr(agents, agent_name), f"ray_agents:{agent_name}", runtime)
+    run = asyncio.create_task(agent.run("go", session_id=sid))
+    await _until(lambda: agents.steps_started(agent_name) >= 2, 60, "two tool steps")
+    info = await _session_info(runtime, sid)
 
-    intruder = runtime.store.acquire_lease("s-fenced", owner="intruder")  # takes over: epoch 2
+    intruder = runtime.store.acquire_lease(sid, owner="intruder")  # takes over: epoch 2
 
     with pytest.raises(LeaseLostError):
         await asyncio.wait_for(run, 60)
     assert intruder.epoch == 2
-    # The fenced incarnation exits and frees its name; the supervisor does not restart it.
-    name = session_actor_name("s-fenced")
+    if runtime.config.placement == "actor":
+        # The fenced incarnation exits and frees its name; the supervisor does not restart it.
+        name = session_actor_name(sid)
 
-    def gone():
-        try:
-            ray.get_actor(name, namespace=NAMESPACE)
-        except ValueError:
-            return True
-        return False
+        def gone():
+            try:
+                ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:
+                return True
+            return False
 
-    wait_for(gone, timeout=30, what=f"actor {name} to exit")
-    wait_for(lambda: not pid_alive(info["pid"]), timeout=30, what="the fenced actor's process to exit")
-    assert runtime.store.current_epoch("s-fenced") == 2
+        wait_for(gone, timeout=30, what=f"actor {name} to exit")
+        wait_for(lambda: not pid_alive(info["pid"]), timeout=30, what="the fenced actor's process to exit")
+    else:
+        # The host drops the fenced activation and goes on hosting the others; nothing restarts it.
+        host = ray.get_actor(info["host"], namespace=NAMESPACE)
+        hosted = await host.sessions.remote()
+        assert sid not in {h["session_id"] for h in hosted} and pid_alive(info["pid"])
+    assert runtime.store.current_epoch(sid) == 2
     # It stopped mid-run: the script was not played to the end.
-    assert len(agents.model_calls("fenced")) < agents.TURNS + 1
+    assert len(agents.model_calls(agent_name)) < agents.TURNS + 1
     status = {s["session_id"]: s for s in await runtime.status()}
-    assert status["s-fenced"]["status"] == "fenced" and status["s-fenced"]["incarnation"] == 1
+    assert status[sid]["status"] == "fenced" and status[sid]["incarnation"] == 1
+
+
+async def test_dense_sessions_on_one_host_neither_block_nor_kill_each_other(env):
+    """One host, ten sessions: eight hold a thread each in a blocking sync tool, one's model raises,
+    one runs quick passes. The quick one finishes while the eight still block (they run off the
+    host's event loop, and the host has threads to spare); the failure stays its own session's."""
+    lc, runtime, agents = env
+    from loomray.runtime import RayRuntime
+
+    # A pool of its own, pinned to one worker by that node's resource: one host holds them all.
+    worker = lc.workers[0]
+    rt = RayRuntime(runtime.config.store_url, placement="dense", hosts_per_node=1,
+                    actor_options={"resources": {"loomray_session": 1, lc.resource_of(worker): 0.001}})
+    workdir = agents.ROOT / "isolation"
+    blocked = [asyncio.create_task(_driver_agent(agents.isolation_agent("blocking"), None, rt)
+                                   .run("go", session_id=f"s-iso-block-{i}")) for i in range(8)]
+    await _until(lambda: len(list(workdir.glob("blocked-*"))) >= 8, 60, "eight blocked tool threads")
+    failing = asyncio.create_task(_driver_agent(agents.isolation_agent("failing"), None, rt)
+                                  .run("go", session_id="s-iso-fail"))
+
+    quick = await asyncio.wait_for(_driver_agent(agents.isolation_agent("quick"), None, rt)
+                                   .run("go", session_id="s-iso-quick"), 60)
+
+    assert quick.output == "quick done" and quick.turns == 6
+    with pytest.raises(Exception, match="boom"):
+        await failing
+    assert not any(t.done() for t in blocked)  # still blocked, and nobody else waited for them
+    (workdir / "release").write_text("")
+    assert [r.output for r in await asyncio.gather(*blocked)] == ["blocking done"] * 8
+    status = {s["session_id"]: s for s in await rt.status()}
+    sids = [f"s-iso-block-{i}" for i in range(8)] + ["s-iso-fail", "s-iso-quick"]
+    assert len({status[sid]["host"] for sid in sids}) == 1
+    assert {status[sid]["node_id"] for sid in sids} == {worker.node_id}
+    assert status["s-iso-fail"]["status"] == "failed" and status["s-iso-quick"]["status"] == "completed"
+    rt.close()
+
+
+def test_concurrent_first_use_of_a_fresh_runtime_connects_once(env):
+    """Runs gathered on a fresh RayRuntime in a process not yet connected to Ray: exactly one
+    ``ray.init`` (it used to be called once per run: "Perhaps you called ray.init twice"), all complete."""
+    lc, runtime, agents = env
+    code = textwrap.dedent(f"""
+        import asyncio, copy
+        import ray_agents
+        from loomray.runtime import RayRuntime
+
+        rt = RayRuntime({runtime.config.store_url!r}, address={lc.address!r}, placement="dense",
+                        actor_options={{"resources": {{"loomray_session": 1}}}})
+
+        async def main():
+            mine = [copy.copy(ray_agents.quick) for _ in range(6)]
+            for a in mine:
+                a.runtime = rt
+            results = await asyncio.gather(*(a.run("hi", session_id=f"s-gathered-{{i}}") for i, a in enumerate(mine)))
+            print(" ".join(r.output.replace(" ", "_") for r in results))
+
+        asyncio.run(main())
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-6:] == ["answer_0"] * 6
 
 
 def _free_port():
@@ -368,13 +494,17 @@ def _free_port():
         return s.getsockname()[1]
 
 
-async def test_whole_cluster_lost_new_cluster_resumes_via_supervise(env):
+# Actor placement only, to keep the suite fast: adopting a dense session the way it ran is covered by the
+# both-killed test above and by test_ray_placement (a supervisor configured for actors restarts dense ones dense).
+@pytest.mark.parametrize("placed", ["actor"], indirect=True)
+async def test_whole_cluster_lost_new_cluster_resumes_via_supervise(placed):
     """Cluster A (a subprocess) runs a session submitted by a driver that exits at once; A is shut
     down mid-run; ``supervise(store)`` on this cluster (B) picks the session up and finishes it."""
-    lc, runtime, agents = env
+    lc, runtime, agents, suffix = placed
     from loomray.runtime.ray_runtime import supervise
 
-    store, sid = runtime.store, "s-restart"
+    name = "restart" + suffix
+    store, sid = runtime.store, f"s-{name}"
     run_dir = tempfile.mkdtemp(prefix="lr-", dir="/tmp")  # short: Ray's socket paths live under it
     daemon = subprocess.Popen([sys.executable, str(REPO / "cluster" / "local_daemon.py"), run_dir, "2",
                                str(_free_port())], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -385,8 +515,8 @@ async def test_whole_cluster_lost_new_cluster_resumes_via_supervise(env):
         address = address_file.read_text().strip()
         code = ("import sys; from loomray.runtime import RayRuntime; "
                 f"rt = RayRuntime({runtime.config.store_url!r}, address={address!r}, "
-                "actor_options={'resources': {'loomray_session': 1}}); "
-                f"print(rt.submit_sync('ray_agents:restart', 'go', session_id={sid!r}))")
+                f"actor_options={{'resources': {{'loomray_session': 1}}}}, placement={runtime.config.placement!r}); "
+                f"print(rt.submit_sync('ray_agents:{name}', 'go', session_id={sid!r}))")
         t0 = time.monotonic()
         driver = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
         assert driver.returncode == 0, driver.stderr[-2000:]
@@ -403,8 +533,10 @@ async def test_whole_cluster_lost_new_cluster_resumes_via_supervise(env):
     assert interrupted_at < agents.TURNS + 1 and store.get_session(sid).status == "running"
 
     stop, reports = threading.Event(), []
+    # The session's agent was submitted to cluster A's supervisor: here the operator allows it.
     keeper = threading.Thread(target=supervise, args=(runtime.config.store_url,), daemon=True,
-                              kwargs={"interval_s": 0.5, "stop": stop, "report": reports.append})
+                              kwargs={"interval_s": 0.5, "stop": stop, "report": reports.append,
+                                      "allowed_agents": (f"ray_agents:{name}",)})
     keeper.start()
     try:
         await _until(lambda: store.get_session(sid).status == "completed", 90, "cluster B to finish the session")
@@ -413,13 +545,17 @@ async def test_whole_cluster_lost_new_cluster_resumes_via_supervise(env):
         keeper.join(timeout=30)
     row = store.get_session(sid)
     assert row.epoch == 2 and row.node_id in lc.alive_node_ids()
-    assert sorted(agents.model_calls("restart")) == list(range(agents.TURNS + 1))
+    assert sorted(agents.model_calls(name)) == list(range(agents.TURNS + 1))
     final = runtime.store.get_checkpoint(sid)
     from loomray.records import Checkpoint
 
     ckpt = Checkpoint.from_json(final)
     assert ckpt.execution_status == "completed"
-    assert _transcript(ckpt.messages) == await _reference(agents, "restart", sid)
+    assert _transcript(ckpt.messages) == await _reference(agents, name, sid)
+    # Restarted the way it ran (the active mark carries the placement), and its mark is gone.
+    s = await runtime.session(sid)
+    assert s is not None and s["placement"] == runtime.config.placement
+    assert (None, sid) not in store.list_active()
 
 
 def test_supervise_keeper_recreates_a_killed_supervisor(env):

@@ -1,0 +1,107 @@
+"""Active-session marks: the supervisor's worklist in the store.
+
+The session index keeps every session's history, so reading it costs one GET
+per session ever run. The supervisor's periodic pass only needs the sessions
+that may still need an owner, so the supervisor marks a session active
+(``Store.put_active``) before it starts it and removes the mark once it has
+its outcome. A pass is then one LIST of the marks plus, for each marked
+session nobody here watches, a handful of reads (its mark, its session row,
+its lease): O(active sessions), independent of how many sessions ever ran.
+
+A mark carries the session's placement (``actor`` or ``dense``), so an
+adopted session is restarted the way it ran. A mark whose session row is
+finished and newer than the mark is stale (a supervisor died between the
+outcome and the cleanup) and is removed by the pass that finds it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+from loomray.runtime.actors import ACTIVE_STATES
+
+log = logging.getLogger("loomray.runtime.active")
+
+#: A mark older than this whose session never wrote a row is abandoned (its start failed unseen).
+_ORPHAN_AFTER_S = 3600.0
+
+
+def note(placement: str) -> bytes:
+    """The mark's body: placement and when the session was marked."""
+    return json.dumps({"v": 1, "placement": placement, "since": datetime.now(timezone.utc).isoformat()}).encode()
+
+
+def parse(raw: bytes | None) -> dict[str, Any]:
+    """A mark's body as a dict (``{}`` when absent or unreadable: a mark is only a hint)."""
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+async def mark(store: Any, session_id: str, user_id: str | None, placement: str) -> None:
+    """Mark the session active; a failure is logged (the session then is only adoptable by a full scan)."""
+    try:
+        await asyncio.to_thread(store.put_active, session_id, user_id=user_id, data=note(placement))
+    except Exception as e:
+        log.warning("could not mark session %r active: %s: %s", session_id, type(e).__name__, e)
+
+
+async def clear(store: Any, session_id: str, user_id: str | None) -> None:
+    """Remove the session's mark; a failure is logged (a later pass removes the stale mark)."""
+    try:
+        await asyncio.to_thread(store.delete_active, session_id, user_id=user_id)
+    except Exception as e:
+        log.warning("could not clear the active mark of session %r: %s: %s", session_id, type(e).__name__, e)
+
+
+async def candidates(store: Any, watched: Callable[[tuple[str | None, str]], bool],
+                     foreign: bool = False) -> list[tuple[Any, dict[str, Any]]]:
+    """``(session row, mark)`` of every marked, still active session for which ``watched(key)`` is false.
+
+    With ``foreign`` (an operator's ``supervise``: the cluster that ran the
+    sessions is gone) the whole session index is read as well, once, so
+    active sessions without a mark (a store written before marks existed, a
+    lost mark) are found too.
+    """
+    keys = [k for k in await asyncio.to_thread(store.list_active) if not watched(k)]
+
+    async def one(key: tuple[str | None, str]) -> tuple[Any, dict[str, Any]] | None:
+        user_id, session_id = key
+        raw, row = await asyncio.gather(asyncio.to_thread(store.get_active, session_id, user_id=user_id),
+                                        asyncio.to_thread(store.get_session, session_id, user_id=user_id))
+        info = parse(raw)
+        if row is not None and row.status in ACTIVE_STATES:
+            return row, info
+        if _stale(row, info):
+            await clear(store, session_id, user_id)
+        return None
+
+    found = [c for c in await asyncio.gather(*(one(k) for k in keys)) if c is not None]
+    if foreign:
+        seen = {(r.user_id, r.session_id) for r, _ in found}
+        for state in ACTIVE_STATES:
+            for row in await asyncio.to_thread(store.list_sessions, status=state, user_id=...):
+                key = (row.user_id, row.session_id)
+                if key not in seen and not watched(key):
+                    seen.add(key)
+                    found.append((row, {}))
+    return found
+
+
+def _stale(row: Any, info: dict[str, Any]) -> bool:
+    """A mark nobody needs: its session finished after it was marked, or never started at all."""
+    try:
+        since = datetime.fromisoformat(info["since"])
+    except (KeyError, TypeError, ValueError):
+        return row is not None  # an unreadable mark of a finished session
+    if row is None:
+        return (datetime.now(timezone.utc) - since).total_seconds() > _ORPHAN_AFTER_S
+    return row.updated_at >= since

@@ -1,0 +1,417 @@
+"""Dense placement: sessions as virtual actors, many per Ray host actor.
+
+With ``RayRuntime(..., placement="dense")`` a session is not a Ray actor of
+its own but an *activation* inside a ``SessionHost``: an async, detached Ray
+actor that holds many sessions at once. An activation is exactly what a
+``SessionActor`` holds (it *is* one, minus the process): the agent, the
+request, its own asyncio task running :func:`loomray.session.execute_request`
+(lease, epoch, journal, checkpoints, events), its progress and outcome. So a
+session keeps its identity (session id and user), its lease and fencing, and
+its recovery rule; only the process is shared.
+
+Why: a session spends nearly all of its life waiting on a model API, and a
+Ray actor per session costs a worker process (~60 MB unique, ~0.5 s to
+start). A host pays that once for hundreds of sessions, and a fork becomes an
+activation on a warm host: no process start on its critical path.
+
+Isolation inside a host:
+
+- every activation runs in its own task; a failure in one (its tool raised,
+  its model failed, its lease was lost) ends that activation's outcome only;
+- sync tools and every store call run in threads (``asyncio.to_thread``),
+  and a host gives its event loop a large thread pool (:data:`HOST_THREADS`)
+  so a few slow blocking tools do not starve the others' I/O. CPU-heavy
+  tools still share the host's cores (and the GIL): give them their own
+  process (a Ray task from the tool, or ``placement="actor"``);
+- a host process that dies (its node, OOM) takes its sessions with it; the
+  supervisor reactivates each on surviving hosts from the store with a new
+  lease epoch, exactly as it restarts a session actor;
+- a host whose raylet dies stops its sessions at once, lets the writes under
+  way land and exits (:func:`watch_raylet`) instead of running them on for the
+  ~2 s a worker outlives its raylet: a model call such a zombie makes and
+  cannot journal before the takeover would be made twice.
+
+An agent passed by value is unpickled once per activation (its own copy, as
+in a session actor); an agent reference is imported once per host and the
+object is shared by the host's sessions of that agent, as one Agent object is
+shared by concurrent runs in a process: keep per-session state out of it.
+
+The supervisor talks to an activation through an :class:`ActivationHandle`,
+which answers the same calls as a session actor's handle (``run``,
+``progress``, ``info``, ``cancel``, ``stop``); placement (which host, creating
+hosts) lives in :mod:`loomray.runtime.placement`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Callable
+
+import ray
+
+from loomray.errors import LoomrayRunError, LoomrayUserError
+from loomray.runtime.actors import AgentSpec, RuntimeConfig, SessionActor
+
+if TYPE_CHECKING:  # pragma: no cover
+    from loomray.runtime.placement import HostPool, HostRecord
+
+log = logging.getLogger("loomray.runtime.hosts")
+
+#: Name prefix of host actors (namespace ``loomray``). A ``/`` can never occur in a session
+#: actor's name (ids refuse it), so host and session actor names cannot collide.
+HOST_PREFIX = "loomray/host/"
+#: Threads of a host's default executor: store calls and sync tools of all its sessions.
+#: Threads start on demand, so an idle host holds few.
+HOST_THREADS = 256
+
+
+#: Set once this process's raylet is gone: its runs were stopped and it is exiting.
+_node_lost = False
+
+
+def node_lost() -> bool:
+    """True once :func:`watch_raylet` found this process's raylet gone.
+
+    A run stopped for that reason ends "cancelled", and that outcome must
+    never reach the supervisor (it would finish the session instead of
+    restarting it elsewhere): ``run()`` then never answers, and the caller
+    sees the actor die.
+    """
+    return _node_lost
+
+
+def raylet_pid() -> int | None:
+    """The pid of the raylet that started this worker process (its parent), or None if the parent is not one."""
+    ppid = os.getppid()
+    try:
+        with open(f"/proc/{ppid}/comm") as f:
+            return ppid if f.read().strip() == "raylet" else None
+    except OSError:
+        return None  # no /proc (not Linux): rely on Ray's own detection
+
+
+class DrainableExecutor(ThreadPoolExecutor):
+    """The default executor of a host or session actor; on node loss it takes no more work and drains.
+
+    Every store write and sync tool of the process runs here (``asyncio.to_thread``).
+    After :meth:`freeze`, a new submission gets a future that never completes (its
+    caller is being stopped anyway) while the work already submitted runs to the end.
+    """
+
+    def __init__(self, max_workers: int | None = None, thread_name_prefix: str = "loomray") -> None:
+        super().__init__(max_workers=max_workers, thread_name_prefix=thread_name_prefix)
+        self._frozen = False
+        self._inflight: set[Future] = set()
+        self._inflight_lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
+        if self._frozen:
+            return Future()
+        future = super().submit(fn, *args, **kwargs)
+        with self._inflight_lock:
+            self._inflight.add(future)
+        future.add_done_callback(self._settled)
+        return future
+
+    def _settled(self, future: Future) -> None:
+        with self._inflight_lock:
+            self._inflight.discard(future)
+
+    def freeze(self) -> list[Future]:
+        """Take no more work; return the work already submitted (to wait for)."""
+        self._frozen = True
+        with self._inflight_lock:
+            return list(self._inflight)
+
+
+async def watch_raylet(tasks: Callable[[], list[asyncio.Task]], executor: DrainableExecutor | None = None,
+                       interval: float = 0.05, drain_s: float = 1.0) -> None:
+    """Stop the runs of this process and exit as soon as its raylet is gone (its node is lost).
+
+    A worker outlives a killed raylet by ~2 s and would keep calling models
+    and tools meanwhile; once the node is declared dead, a new incarnation
+    repeats whatever such a zombie did and had not journaled. The parent pid
+    changes the moment the raylet dies, about a second before the node is
+    declared dead (tuned detection; far more by default), so: freeze the
+    process's executor (``executor``, else a :class:`DrainableExecutor`
+    installed here as the loop's default) so no new write or tool starts;
+    cancel every run (``tasks()``) so none starts another model call; let the
+    writes already submitted land, for up to ``drain_s`` (a step whose model
+    call returned is journaled, and the new incarnation replays it); exit. A
+    raylet that is only frozen or partitioned is not detected here; fencing
+    covers that case.
+    """
+    global _node_lost
+    pid = raylet_pid()
+    if pid is None:
+        return
+    if executor is None:
+        executor = DrainableExecutor()
+        asyncio.get_running_loop().set_default_executor(executor)
+    while os.getppid() == pid:
+        await asyncio.sleep(interval)
+    _node_lost = True
+    log.warning("raylet %d is gone; stopping every session here and exiting (no zombie runs)", pid)
+    pending = executor.freeze()
+    for t in tasks():
+        if not t.done():
+            t.cancel()
+    deadline = time.monotonic() + drain_s
+    while any(not f.done() for f in pending) and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    os._exit(1)
+
+
+def host_actor_name() -> str:
+    """A fresh, unique host actor name (``loomray/host/{12 hex}``)."""
+    return f"{HOST_PREFIX}{uuid.uuid4().hex[:12]}"
+
+
+class SessionNotHosted(LoomrayRunError):
+    """The host holds no activation of this session (it finished and was collected, or never came)."""
+
+
+class SessionStartError(LoomrayUserError, LoomrayRunError):
+    """A session could not be activated: its agent, request or store is unusable.
+
+    A user error for the caller of ``submit`` and a run error for a restart
+    (the supervisor marks the session failed instead of retrying).
+    """
+
+
+class Activation(SessionActor):
+    """One session inside a host: a :class:`SessionActor` that shares the host's process and store."""
+
+    def __init__(self, host: "SessionHost", config: RuntimeConfig, agent: AgentSpec, request_json: str,
+                 events_to: Any, store: Any) -> None:
+        super().__init__(config, agent, request_json, events_to, store=store)
+        self._host = host
+        # The lease owner names the host (several activations share its actor id and pid).
+        self._owner = f"ray-host:{host.name}@{self._node_id[:12]}:{os.getpid()}"
+
+    @property
+    def key(self) -> tuple[str | None, str]:
+        return (self._request.user_id, self._request.session_id)
+
+    def _schedule_linger(self) -> None:
+        # Collected by the supervisor (deactivate) as a rule; if nobody comes, drop it later.
+        asyncio.get_running_loop().call_later(self._config.linger_s, self._host._expire, self)
+
+    def finished(self) -> bool:
+        return self._task is not None and self._task.done()
+
+
+class SessionHost:
+    """An async Ray actor hosting many session activations (see the module docstring).
+
+    Created detached by the supervisor's host pool, ``max_restarts=0`` (the
+    supervisor reactivates its sessions elsewhere), named ``loomray/host/...``
+    in namespace ``loomray``. Every per-session method takes
+    ``(session_id, user_id)``: that pair is the session's address here too.
+    A host with no session for ``idle_s`` exits by itself.
+    """
+
+    def __init__(self, name: str, pool_key: str, idle_s: float = 600.0) -> None:
+        self.name = name
+        self._pool_key = pool_key
+        self._idle_s = idle_s
+        self._activations: dict[tuple[str | None, str], Activation] = {}
+        self._stores: dict[str, Any] = {}
+        self._stores_lock = threading.Lock()
+        ctx = ray.get_runtime_context()
+        self._node_id = ctx.get_node_id()
+        self._pid = os.getpid()
+        self._started = False
+        self._activating = 0
+        self._last_busy = time.monotonic()
+        self._activated_total = 0
+
+    def _start(self) -> None:
+        # Async actors cannot touch their event loop in __init__; the first call does it.
+        if self._started:
+            return
+        self._started = True
+        loop = asyncio.get_running_loop()
+        executor = DrainableExecutor(max_workers=HOST_THREADS, thread_name_prefix="loomray-host")
+        loop.set_default_executor(executor)
+        self._watchdog = loop.create_task(watch_raylet(
+            lambda: [a._task for a in self._activations.values() if a._task is not None], executor))
+        if self._idle_s and self._idle_s > 0:
+            loop.create_task(self._idle_watch())
+
+    async def ready(self) -> dict[str, Any]:
+        """Where this host runs and how loaded it is: name, pool, node_id, pid, sessions."""
+        self._start()
+        return {"name": self.name, "pool": self._pool_key, "node_id": self._node_id, "pid": self._pid,
+                "sessions": len(self._activations), "activated": self._activated_total}
+
+    # -- activations -------------------------------------------------------------
+    def _store_for(self, config: RuntimeConfig) -> Any:
+        """The store of ``config``, opened once per host and shared by its sessions (thread-safe)."""
+        key = json.dumps([config.store_url, config.storage_options], sort_keys=True, default=repr)
+        with self._stores_lock:
+            store = self._stores.get(key)
+            if store is None:
+                store = self._stores[key] = config.open_store()
+            return store
+
+    def _build(self, config: RuntimeConfig, agent: AgentSpec, request_json: str, events_to: Any) -> Activation:
+        return Activation(self, config, agent, request_json, events_to, self._store_for(config))
+
+    async def activate(self, config: RuntimeConfig, agent: AgentSpec, request_json: str,
+                       events_to: Any = None) -> dict[str, Any]:
+        """Activate a session here (load its agent, read its latest checkpoint) and start its run.
+
+        Idempotent for the same request (a retried call returns the running
+        activation). Raises :class:`SessionStartError` when the agent, the
+        request or the store is unusable, like a session actor's constructor.
+        """
+        from loomray.session import RunRequest
+
+        self._start()
+        request = RunRequest.model_validate_json(request_json)
+        key = (request.user_id, request.session_id)
+        current = self._activations.get(key)
+        if current is not None:
+            if current._request_json == request_json and not current.finished():
+                return await self._info(current)
+            # A leftover of an earlier run of this session; if it still runs, the new lease fences it anyway.
+            self._activations.pop(key, None)
+            if not current.finished() and current._task is not None:
+                current._task.cancel()
+        self._activating += 1
+        try:
+            # Off the loop: unpickling the agent and reading the checkpoint block.
+            act = await asyncio.to_thread(self._build, config, agent, request_json, events_to)
+        except Exception as e:
+            raise SessionStartError(f"session {request.session_id!r} could not start: {type(e).__name__}: {e}") \
+                from None
+        finally:
+            self._activating -= 1
+            self._last_busy = time.monotonic()
+        if key in self._activations and self._activations[key]._request_json == request_json:
+            return await self._info(self._activations[key])  # a concurrent identical activate won
+        self._activations[key] = act
+        self._activated_total += 1
+        # Start at once (a fork's clock runs from here); run() joins the task.
+        act._task = asyncio.get_running_loop().create_task(act._execute())
+        return await self._info(act)
+
+    def _get(self, session_id: str, user_id: str | None) -> Activation:
+        act = self._activations.get((user_id, session_id))
+        if act is None:
+            raise SessionNotHosted(f"host {self.name} holds no session {session_id!r} (user {user_id!r})")
+        return act
+
+    async def run(self, session_id: str, user_id: str | None = None) -> Any:
+        """The session's :class:`~loomray.runtime.actors.Outcome` once its run ends (joins the run in flight)."""
+        return await self._get(session_id, user_id).run()
+
+    async def progress(self, session_id: str, user_id: str | None = None) -> dict[str, Any]:
+        """The activation's cheap live status (as ``SessionActor.progress``) plus this host's name."""
+        return {**await self._get(session_id, user_id).progress(), "host": self.name}
+
+    async def info(self, session_id: str, user_id: str | None = None) -> dict[str, Any]:
+        """Where and what the activation is (as ``SessionActor.info``) plus this host's name."""
+        return await self._info(self._get(session_id, user_id))
+
+    async def _info(self, act: Activation) -> dict[str, Any]:
+        return {**await act.info(), "host": self.name}
+
+    async def cancel(self, session_id: str, user_id: str | None = None) -> None:
+        """Cancel the session's run in flight (its checkpoints stay; it can be resumed)."""
+        await self._get(session_id, user_id).cancel()
+
+    async def deactivate(self, session_id: str, user_id: str | None = None) -> bool:
+        """Forget the session's activation (its outcome was collected); False if none was here."""
+        act = self._activations.pop((user_id, session_id), None)
+        if act is None:
+            return False
+        if not act.finished() and act._task is not None:
+            act._task.cancel()
+        self._last_busy = time.monotonic()
+        return True
+
+    def _expire(self, act: Activation) -> None:
+        if self._activations.get(act.key) is act:
+            log.info("dropping uncollected session %r after linger_s", act.key[1])
+            del self._activations[act.key]
+            self._last_busy = time.monotonic()
+
+    async def sessions(self) -> list[dict[str, Any]]:
+        """Every activation here: session_id, user_id, request_json, finished (the supervisor's directory)."""
+        return [{"session_id": a._request.session_id, "user_id": a._request.user_id,
+                 "request_json": a._request_json, "finished": a.finished()} for a in self._activations.values()]
+
+    async def _idle_watch(self) -> None:
+        period = max(0.5, min(30.0, self._idle_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            if self._activations or self._activating:
+                self._last_busy = time.monotonic()
+            elif time.monotonic() - self._last_busy >= self._idle_s:
+                log.info("host %s idle for %.0f s; exiting", self.name, self._idle_s)
+                ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+                return
+
+
+class _Method:
+    """``handle.run.remote()`` for an activation: one host call, addressed by session."""
+
+    def __init__(self, handle: "ActivationHandle", method: str) -> None:
+        self._handle, self._method = handle, method
+
+    def remote(self, *args: Any) -> Any:
+        return self._handle._call(self._method, *args)
+
+
+class ActivationHandle:
+    """The supervisor's handle on one activation; answers like a session actor's handle.
+
+    ``await h.run.remote()`` and friends call the host with the session's
+    address. A host found dead is reported to the pool (so placement skips
+    it) before the error reaches the caller, and a host that no longer holds
+    the session raises ``ActorDiedError`` too: either way the session is gone
+    from that process and the supervisor reactivates it.
+    """
+
+    def __init__(self, pool: "HostPool", host: "HostRecord", session_id: str, user_id: str | None) -> None:
+        self._pool = pool
+        self.host = host
+        self.session_id = session_id
+        self.user_id = user_id
+        self._released = False
+        self.run = _Method(self, "run")
+        self.progress = _Method(self, "progress")
+        self.info = _Method(self, "info")
+        self.cancel = _Method(self, "cancel")
+        self.stop = _Method(self, "deactivate")
+
+    @property
+    def host_name(self) -> str:
+        return self.host.name
+
+    def __repr__(self) -> str:
+        return f"ActivationHandle({self.session_id!r} on {self.host.name})"
+
+    async def _call(self, method: str, *args: Any) -> Any:
+        try:
+            return await getattr(self.host.handle, method).remote(self.session_id, self.user_id, *args)
+        except ray.exceptions.ActorDiedError:
+            self._pool.host_lost(self.host)
+            raise
+        except SessionNotHosted as e:
+            if method == "deactivate":
+                return False
+            raise ray.exceptions.ActorDiedError() from e
+        finally:
+            if method == "deactivate" and not self._released:
+                self._released = True
+                self._pool.release(self.host)

@@ -1,0 +1,347 @@
+"""Where dense sessions run: the supervisor's pool of host actors and its placement rule.
+
+The pool lives in the supervisor. For each distinct set of host options (the
+runtime's ``actor_options``: resources, CPUs, scheduling strategy, runtime
+env) it keeps hosts on every node that can run them:
+
+- **Which nodes.** A node is eligible when its total resources cover what one
+  host asks for (``actor_options`` ``num_cpus``/``num_gpus``/``memory``/
+  ``resources``). Each eligible node gets ``hosts_per_node`` hosts (default:
+  one per CPU of the node, at least one), pinned with hard node affinity, so
+  sessions spread over nodes by construction. With a user
+  ``scheduling_strategy`` Ray places the hosts instead.
+- **Which host.** The least-loaded live host (sessions placed and not yet
+  collected), ties broken by the load of its node; a host still starting
+  counts :data:`STARTING_PENALTY` sessions busier, so a fork lands on a warm
+  host rather than wait for a process to start. A restarted session avoids
+  the node it was lost on when another node can take it. A reservation is
+  counted at once, so a burst of activations spreads instead of piling onto
+  the first host.
+- **Autoscaling.** Hosts are ordinary Ray actors with ordinary resource
+  requests: when every host is full (``sessions_per_host``) or no node is
+  eligible, the pool creates one more host without pinning it, which is a
+  pending resource demand the autoscaler acts on; a host left without
+  sessions for ``host_idle_s`` exits, so its node can be released. Nothing
+  here starts or stops nodes.
+- **Loss.** A host whose call fails with ``ActorDiedError``, or whose node the
+  GCS reports dead, is dropped from the pool; its sessions' watchers
+  reactivate them elsewhere.
+
+After a supervisor restart the pool finds the hosts (named ``loomray/host/...``,
+detached) and their activations again, so live sessions are attached, not
+restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from loomray.runtime.actors import NAMESPACE, RuntimeConfig
+from loomray.runtime.hosts import (
+    HOST_PREFIX, ActivationHandle, SessionHost, SessionStartError, host_actor_name,
+)
+
+log = logging.getLogger("loomray.runtime.placement")
+
+#: Options of a session actor that mean nothing for a host (a host has its own name and lifetime).
+_NOT_FOR_HOSTS = {"name", "namespace", "lifetime", "get_if_exists", "max_restarts", "max_task_retries",
+                  "max_concurrency"}
+#: How long the node list is trusted before ``ray.nodes()`` is asked again.
+_NODES_TTL_S = 1.0
+#: How long the directory of activations (for adoption) is reused.
+_DIRECTORY_TTL_S = 1.0
+#: A host that is not up after this long is given up (its activations go elsewhere).
+_HOST_START_TIMEOUT_S = 120.0
+#: A host still starting counts as this many sessions busier: a session placed there waits for a
+#: process start (~1 s), so a warm host takes it unless it is already that much busier. Starting
+#: hosts are all equal, so a burst at cluster start still spreads evenly.
+STARTING_PENALTY = 16
+
+
+@dataclass(eq=False)
+class HostRecord:
+    """The pool's view of one host actor."""
+
+    name: str
+    pool_key: str
+    handle: Any
+    #: Known at creation when pinned to a node, else once the host answers.
+    node_id: str | None = None
+    pid: int | None = None
+    #: Sessions placed here and not yet collected (reservations included).
+    load: int = 0
+    alive: bool = True
+    ready: asyncio.Future | None = field(default=None, repr=False)
+
+
+def host_options(config: RuntimeConfig) -> tuple[str, dict[str, Any]]:
+    """``(pool key, options)``: the Ray options of a host for ``config``'s ``actor_options``.
+
+    The key groups hosts that may run the same sessions (same resources,
+    strategy, runtime env); it is the options' JSON (non-JSON values by repr).
+    """
+    user = {k: v for k, v in (config.actor_options or {}).items() if k not in _NOT_FOR_HOSTS}
+    options: dict[str, Any] = {"num_cpus": 0, **user}
+    key = json.dumps(options, sort_keys=True, default=repr)
+    return key, options
+
+
+def demand_of(options: dict[str, Any]) -> dict[str, float]:
+    """The resources one host asks for, in ``ray.nodes()`` names (CPU, GPU, memory, custom)."""
+    demand = {"CPU": options.get("num_cpus") or 0, "GPU": options.get("num_gpus") or 0,
+              "memory": options.get("memory") or 0, **(options.get("resources") or {})}
+    return {k: float(v) for k, v in demand.items() if v}
+
+
+def eligible(node: dict[str, Any], demand: dict[str, float]) -> bool:
+    """True when ``node`` (a ``ray.nodes()`` entry) is alive and its totals cover ``demand``."""
+    have = node.get("Resources") or {}
+    return bool(node.get("Alive")) and all(have.get(k, 0.0) >= v for k, v in demand.items())
+
+
+def hosts_wanted(node: dict[str, Any], config: RuntimeConfig) -> int:
+    """Hosts per eligible node: ``hosts_per_node``, else one per CPU of the node (at least one)."""
+    if config.hosts_per_node is not None:
+        return max(1, int(config.hosts_per_node))
+    return max(1, int((node.get("Resources") or {}).get("CPU", 1)))
+
+
+def pick(hosts: list[HostRecord], *, capacity: int, avoid_node: str | None = None,
+         exclude: set[str] = frozenset()) -> HostRecord | None:
+    """The host a new activation goes to, or None when every live host is full (pure; see the module doc)."""
+    live = [h for h in hosts if h.alive and h.name not in exclude and h.load < capacity]
+    if not live:
+        return None
+    elsewhere = [h for h in live if h.node_id is None or h.node_id != avoid_node]
+    candidates = elsewhere or live
+    node_load: dict[str | None, int] = {}
+    for h in hosts:
+        if h.alive:
+            node_load[h.node_id] = node_load.get(h.node_id, 0) + h.load
+
+    def starting(h: HostRecord) -> bool:
+        return h.ready is not None and not h.ready.done()
+
+    return min(candidates, key=lambda h: (h.load + (STARTING_PENALTY if starting(h) else 0),
+                                          node_load.get(h.node_id, 0)))
+
+
+class HostPool:
+    """The supervisor's hosts, grouped by host options; see the module docstring."""
+
+    def __init__(self, supervisor: Any = None) -> None:
+        #: The supervisor's own handle, passed to activations that stream events.
+        self._supervisor = supervisor
+        self._hosts: dict[str, HostRecord] = {}
+        self._nodes: list[dict[str, Any]] = []
+        self._nodes_at = 0.0
+        self._discovered = False
+        self._lock = asyncio.Lock()
+        self._directory: dict[tuple[str | None, str], tuple[HostRecord, dict[str, Any]]] = {}
+        self._directory_at = 0.0
+        self.created = 0
+
+    # -- views -------------------------------------------------------------------
+    def hosts(self, pool_key: str | None = None) -> list[HostRecord]:
+        """Live hosts (of one pool, or all)."""
+        return [h for h in self._hosts.values() if h.alive and (pool_key is None or h.pool_key == pool_key)]
+
+    def summary(self) -> list[dict[str, Any]]:
+        """One dict per live host: name, node_id, pid, load."""
+        return [{"name": h.name, "node_id": h.node_id, "pid": h.pid, "sessions": h.load}
+                for h in self.hosts()]
+
+    # -- events from watchers ------------------------------------------------------
+    def host_lost(self, host: HostRecord) -> None:
+        """``host`` died: no more placement there (its sessions are reactivated by their watchers)."""
+        if host.alive:
+            log.warning("session host %s on node %s is gone", host.name, (host.node_id or "?")[:12])
+        host.alive = False
+        host.load = 0
+
+    def release(self, host: HostRecord) -> None:
+        """One activation on ``host`` was collected."""
+        host.load = max(0, host.load - 1)
+
+    # -- placement -----------------------------------------------------------------
+    async def activate(self, config: RuntimeConfig, agent: Any, request_json: str, session_id: str,
+                       user_id: str | None, *, avoid_node: str | None = None, stream_events: bool = False,
+                       timeout: float = _HOST_START_TIMEOUT_S) -> ActivationHandle:
+        """Place the session on a host and activate it there; return its handle.
+
+        A host that turns out dead is skipped and another one tried; an
+        unusable agent, request or store raises :class:`SessionStartError`.
+        """
+        pool_key, options = host_options(config)
+        deadline = time.monotonic() + timeout
+        tried: set[str] = set()
+        events_to = self._supervisor if stream_events else None
+        while True:
+            host = await self._reserve(pool_key, options, config, avoid_node, tried)
+            try:
+                await asyncio.wait_for(asyncio.shield(host.ready), max(0.1, deadline - time.monotonic()))
+                await host.handle.activate.remote(config, agent, request_json, events_to)
+            except (ray.exceptions.RayActorError, asyncio.TimeoutError) as e:
+                # The host died, never came up, or is unreachable right now: place elsewhere.
+                if isinstance(e, ray.exceptions.ActorUnavailableError):
+                    self.release(host)  # maybe only slow; keep it for others
+                else:
+                    self.host_lost(host)
+                tried.add(host.name)
+                if time.monotonic() > deadline:
+                    raise SessionStartError(f"session {session_id!r}: no session host came up in {timeout:.0f} s "
+                                            f"(last: {type(e).__name__}: {e})") from None
+                continue
+            except SessionStartError:
+                self.release(host)
+                raise
+            except Exception as e:  # anything else the host raised: the session cannot start
+                self.release(host)
+                raise SessionStartError(f"session {session_id!r} could not start: {type(e).__name__}: {e}") \
+                    from None
+            return ActivationHandle(self, host, session_id, user_id)
+
+    async def _reserve(self, pool_key: str, options: dict[str, Any], config: RuntimeConfig,
+                       avoid_node: str | None, tried: set[str]) -> HostRecord:
+        async with self._lock:  # creation decisions must see each other's reservations
+            await self._refresh(pool_key, options, config)
+            host = pick(self.hosts(pool_key), capacity=max(1, config.sessions_per_host), avoid_node=avoid_node,
+                        exclude=tried)
+            if host is None:
+                # Every host is full (or failed): one more, unpinned unless a node has room for it.
+                host = self._create(pool_key, options, config, node_id=self._roomiest(options, avoid_node))
+            host.load += 1
+            return host
+
+    async def _refresh(self, pool_key: str, options: dict[str, Any], config: RuntimeConfig) -> None:
+        """Re-read the nodes (at most every ``_NODES_TTL_S``); drop hosts of dead nodes; fill eligible nodes."""
+        if not self._discovered:
+            await self.discover()
+        now = time.monotonic()
+        if now - self._nodes_at < _NODES_TTL_S and self.hosts(pool_key):
+            return
+        self._nodes = await asyncio.to_thread(ray.nodes)
+        self._nodes_at = now
+        alive = {n["NodeID"] for n in self._nodes if n.get("Alive")}
+        for h in self._hosts.values():
+            if h.alive and h.node_id is not None and h.node_id not in alive:
+                self.host_lost(h)
+        if "scheduling_strategy" in options:
+            # Ray places these hosts: keep as many as pinned placement would, wherever Ray puts them.
+            demand = demand_of(options)
+            want = sum(hosts_wanted(n, config) for n in self._nodes if eligible(n, demand)) or 1
+            for _ in range(want - len(self.hosts(pool_key))):
+                self._create(pool_key, options, config, node_id=None)
+            return
+        demand = demand_of(options)
+        for node in self._nodes:
+            if not eligible(node, demand):
+                continue
+            have = sum(1 for h in self.hosts(pool_key) if h.node_id == node["NodeID"])
+            for _ in range(hosts_wanted(node, config) - have):
+                self._create(pool_key, options, config, node_id=node["NodeID"])
+        if not self.hosts(pool_key):
+            # No node can run a host now: ask anyway; the pending demand is the autoscaler's signal.
+            self._create(pool_key, options, config, node_id=None)
+
+    def _roomiest(self, options: dict[str, Any], avoid_node: str | None) -> str | None:
+        demand = demand_of(options)
+        nodes = [n["NodeID"] for n in self._nodes if eligible(n, demand)]
+        if not nodes or "scheduling_strategy" in options:
+            return None
+        load = {n: 0 for n in nodes}
+        for h in self.hosts():
+            if h.node_id in load:
+                load[h.node_id] += h.load
+        return min(nodes, key=lambda n: (n == avoid_node, load[n]))
+
+    def _create(self, pool_key: str, options: dict[str, Any], config: RuntimeConfig, *,
+                node_id: str | None) -> HostRecord:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        name = host_actor_name()
+        opts = {**options, "name": name, "namespace": NAMESPACE, "lifetime": "detached", "max_restarts": 0,
+                "max_task_retries": 0,
+                # Every hosted session keeps a run() call open here, plus progress and activation calls.
+                "max_concurrency": max(10_000, 4 * config.sessions_per_host)}
+        if node_id is not None:
+            # Hard affinity: the node was chosen because its totals fit; spreading is the point.
+            opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
+        handle = ray.remote(SessionHost).options(**opts).remote(name, pool_key, config.host_idle_s)
+        host = HostRecord(name=name, pool_key=pool_key, handle=handle, node_id=node_id)
+        host.ready = asyncio.ensure_future(self._await_ready(host))
+        # Its failure is handled where it is awaited; do not also log it as "never retrieved".
+        host.ready.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._hosts[name] = host
+        self.created += 1
+        log.info("session host %s created (node %s)", name, (node_id or "any")[:12])
+        return host
+
+    async def _await_ready(self, host: HostRecord) -> None:
+        try:
+            info = await host.handle.ready.remote()
+        except Exception:
+            self.host_lost(host)
+            raise
+        host.node_id, host.pid = info["node_id"], info["pid"]
+
+    # -- after a supervisor restart --------------------------------------------------
+    async def discover(self) -> int:
+        """Find hosts an earlier supervisor created (named, detached); return how many were added."""
+        self._discovered = True
+        try:
+            named = await asyncio.to_thread(ray.util.list_named_actors, True)
+        except Exception as e:  # discovery is an optimisation: without it sessions are restarted instead
+            log.warning("could not list named actors: %s", e)
+            return 0
+        found = [a["name"] for a in named if a.get("namespace") == NAMESPACE
+                 and str(a.get("name", "")).startswith(HOST_PREFIX) and a["name"] not in self._hosts]
+
+        async def one(name: str) -> None:
+            try:
+                handle = ray.get_actor(name, namespace=NAMESPACE)
+                info = await asyncio.wait_for(handle.ready.remote(), 10)
+            except Exception:
+                return  # gone meanwhile
+            host = HostRecord(name=name, pool_key=info["pool"], handle=handle, node_id=info["node_id"],
+                              pid=info["pid"], load=info["sessions"])
+            host.ready = asyncio.get_running_loop().create_future()
+            host.ready.set_result(None)
+            self._hosts[name] = host
+
+        await asyncio.gather(*(one(n) for n in found))
+        return len(found)
+
+    async def find(self, session_id: str, user_id: str | None) -> ActivationHandle | None:
+        """A live activation of the session on one of the hosts, or None (for adoption)."""
+        if time.monotonic() - self._directory_at > _DIRECTORY_TTL_S:
+            await self._load_directory()
+        hit = self._directory.get((user_id, session_id))
+        if hit is None or not hit[0].alive:
+            return None
+        return ActivationHandle(self, hit[0], session_id, user_id)
+
+    async def _load_directory(self) -> None:
+        await self.discover()
+        directory: dict[tuple[str | None, str], tuple[HostRecord, dict[str, Any]]] = {}
+
+        async def one(host: HostRecord) -> None:
+            try:
+                sessions = await asyncio.wait_for(host.handle.sessions.remote(), 10)
+            except ray.exceptions.ActorDiedError:
+                self.host_lost(host)
+                return
+            except Exception:
+                return
+            for s in sessions:
+                directory[(s["user_id"], s["session_id"])] = (host, s)
+
+        await asyncio.gather(*(one(h) for h in self.hosts()))
+        self._directory, self._directory_at = directory, time.monotonic()
