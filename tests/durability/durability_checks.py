@@ -467,15 +467,16 @@ def _ambiguous(world, h: History, e: JEntry, seals: list[Seal]) -> Any:
     - ``e`` was written by a writer that was not fenced then (``e.valid``), of
       an epoch below ``j``'s, after ``j``'s last listing that could have shown
       it and before ``j``'s swap;
-    - that writer was still alive at ``j``'s swap (a live zombie; never a
-      writer that crashed, or ended, before it) and never crashed later;
+    - that writer was still alive at ``j``'s swap: a live zombie (a writer
+      that crashed, or ended, before the swap is none; one that crashes
+      after it was a zombie until then);
     - a seal of ``j``'s epoch (``j``'s own, or one a later owner wrote for it
       from the lease note) really fences ``e``.
     """
     if not e.valid:
         return None
     writer = _writer_of(world, e)
-    if writer is None or writer.outcome == "crashed":
+    if writer is None:
         return None
     for j in world.incarnations:
         acquired = j.acquired

@@ -117,6 +117,8 @@ def _log(case: str):
     entry("new", 3 if case == "seal_does_not_fence_it" else 2, "seal-e2", "seal", 2, excluded=[], missing=[])
     calls.append(Call(len(calls) + 1, "old", 0, "get", f"{s}/lease.json", outcome="ok"))
     old.end = old.end if old.end is not None else len(calls)
+    if case == "zombie_crashed_after_the_swap":
+        old.outcome = "crashed"
     new.end = len(calls)
     nxt = Incarnation("next#1", "next", "run", start=len(calls), run_id="run-a", outcome="ok")
     lease("next", 3)
@@ -126,13 +128,14 @@ def _log(case: str):
 
 
 @pytest.mark.parametrize("case, excused", [("live_zombie_inside_the_window", True),
+                                           ("zombie_crashed_after_the_swap", True),
                                            ("listed_before_the_step", False),
                                            ("writer_crashed", False),
                                            ("seal_does_not_fence_it", False)])
 def test_review_r3_rerun_is_excused_only_for_a_live_zombie_inside_a_takeover_listing_window(case, excused):
     """Re-running a journaled step is excused only when a writer that still held the lease journaled it
-    after the takeover's last listing and before its swap, was still alive (a zombie) at the swap, and a
-    seal of the takeover's epoch fences it; anything else is a ``rerun-tool`` violation."""
+    after the takeover's last listing and before its swap, was still alive (a zombie) at the swap (it may
+    crash later), and a seal of the takeover's epoch fences it; anything else is a ``rerun-tool`` violation."""
     from durability_checks import History, _billing
 
     world = _log(case)
