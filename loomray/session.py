@@ -472,6 +472,8 @@ class _WriteGuard:
         self.store, self.lease = store, lease
         #: The first error that stopped the run (raised again by :meth:`check`).
         self.fatal: BaseException | None = None
+        #: Writes that failed (as warnings) since the last checkpoint written: the run's end is not durable.
+        self.undurable = 0
 
     def failed(self, what: str, error: BaseException) -> None:
         """Classify ``error`` raised by writing ``what``: return if it is only a warning, else raise.
@@ -493,6 +495,11 @@ class _WriteGuard:
         if isinstance(error, CorruptObjectError):
             self.fatal = error
             raise error
+        self.undurable += 1  # only a warning: the run goes on, but what it did since its last checkpoint is at risk
+
+    def durable(self) -> None:
+        """A checkpoint was written: everything the run did so far is durable again."""
+        self.undurable = 0
 
     def lease_unreadable(self, error: BaseException, *, after: str = "") -> None:
         """Reading the lease failed with ``error`` (not fencing): ownership is unprovable; raise DurabilityLost."""
@@ -636,6 +643,7 @@ async def execute_request(
                 except Exception as e:
                     await t(guard.failed, f"checkpoint {ckpt.checkpoint_id}", e)  # raises unless only a warning
                     raise
+                guard.durable()
 
             writer = CheckpointWriter(put, durability=tuning.durability, emit=on_event, is_fatal=guard.is_fatal)
             options = LoopOptions(
@@ -646,6 +654,14 @@ async def execute_request(
                 resume_position=plan.resume_position, check_writes=guard.check)
             result = await run_loop(plan.state, steps, options, writer=writer, emit=on_event)
             guard.check()  # a write that failed after the last step: the status must not claim durability
+        if guard.undurable:
+            # Writes failed after the last checkpoint (warnings while the lease was provable): the run's end is
+            # not durable, so neither "completed" nor run_end may claim it. The session stays "running" and a
+            # re-issued run continues it from what is durable.
+            log.warning("session %r: run %s finished, but %d write(s) since its last checkpoint failed; it is not "
+                        "recorded as completed (re-issue the run to record its end)", sid, plan.run_id,
+                        guard.undurable)
+            return result
         # Status first, run_end last: a crash between them re-enters this run and finds it finished.
         await status("completed")
         if sink is not None:

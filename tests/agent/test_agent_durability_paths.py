@@ -212,6 +212,25 @@ async def test_path6_transient_write_failures_with_a_proven_lease_warn_and_go_on
     rt.close()
 
 
+async def test_path6_a_run_whose_end_is_not_durable_is_never_reported_completed(tmp_path):
+    rt, objects = faulty_runtime(tmp_path)
+
+    def checkpoints_fail_once_every_tool_ran(op, key):
+        return op == "put" and "/checkpoints/" in key and len(calls) == 4
+
+    objects.should_fail = checkpoints_fail_once_every_tool_ran
+    agent = make_agent(rt)
+    result = await agent.run("task", session_id="s6end")
+    assert result.output == "done"
+    # The final checkpoint failed (a warning while the lease was provable): nothing durable records the end.
+    assert rt.store.get_session("s6end").status != "completed"
+    objects.should_fail = lambda op, key: False
+    again = await agent.run("task", session_id="s6end")  # re-issued: continues the run, replays the answer
+    assert again.output == "done" and again.model_calls == 0 and calls == ["k0", "k1", "k2", "k3"]
+    assert rt.store.get_session("s6end").status == "completed"
+    rt.close()
+
+
 # -- path 10: an explicit checkpoint id is never rewritten to "latest" ----------------------------------------------
 
 async def test_path10_resume_from_an_explicit_older_checkpoint_when_the_newest_is_truncated(runtime):
