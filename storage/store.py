@@ -371,9 +371,11 @@ class Store:
     def _fence_checkpoints(self, lease: Lease, seen: set[str], fence: dict[str, Any]) -> Lease:
         """Right after ``lease`` was taken: retire the checkpoint rows fenced writers landed; returns ``lease``.
 
-        A writer checks the lease before a checkpoint write and again after
-        its row landed, retiring the row itself when a takeover came in
-        between; a writer that dies (or cannot read its lease) between its row
+        A writer checks the lease before a checkpoint write and, after its
+        row landed, the epoch markers (:meth:`_confirm_lease`), retiring the
+        row itself when a takeover had claimed its epoch by then. The claim
+        precedes this acquire's listing, so every acknowledged row is listed
+        and spared. A writer that dies (or cannot read its lease) between its row
         and that re-check leaves a fenced row that could be "latest", and what
         the new owner resumes from. So a new owner retires every live row of
         an older epoch that it did not list right before its swap (its own
@@ -391,12 +393,19 @@ class Store:
         def fenced(r: CheckpointRow) -> bool:
             return 0 < r.epoch < lease.epoch and (r.checkpoint_id not in seen or earlier(r))
 
-        doomed = [r for r in self._live_rows(lease.session_id, lease.user_id).values() if fenced(r)]
-        if doomed:
-            log.warning("session %r: retiring %d checkpoint(s) written by a fenced writer after epoch %d was "
-                        "taken: %s", lease.session_id, len(doomed), lease.epoch,
-                        ", ".join(sorted(r.checkpoint_id for r in doomed)))
-            self._retire(lease.session_id, lease.user_id, doomed)
+        try:
+            doomed = [r for r in self._live_rows(lease.session_id, lease.user_id).values() if fenced(r)]
+            if doomed:
+                log.warning("session %r: retiring %d checkpoint(s) written by a fenced writer after epoch %d was "
+                            "taken: %s", lease.session_id, len(doomed), lease.epoch,
+                            ", ".join(sorted(r.checkpoint_id for r in doomed)))
+                self._retire(lease.session_id, lease.user_id, doomed)
+        except StorageError as e:
+            # The lease is taken and readers skip such rows already (the fence the swap recorded, see
+            # _unfenced): the next takeover retires them. Raising would leave the new owner not knowing it
+            # holds the lease.
+            log.warning("session %r: checkpoints a fenced writer may have written before epoch %d was taken are "
+                        "not retired yet (%s)", lease.session_id, lease.epoch, e)
         return lease
 
     def _unfenced(self, session_id: str, user_id: str | None,
@@ -440,6 +449,27 @@ class Store:
             raise LeaseLostError(
                 f"{self.describe(layout.lease_key(lease.session_id, lease.user_id))}: session {lease.session_id!r} "
                 f"is at epoch {current}; this writer ({lease.owner}) holds epoch {lease.epoch}")
+
+    def _confirm_lease(self, lease: Lease) -> None:
+        """The re-check after a fenced write landed: :class:`LeaseLostError` if an acquire has claimed an epoch
+        above ``lease``'s, even one that has not swapped ``lease.json`` yet (one LIST of the epoch markers).
+
+        An acquire claims its epoch marker before it lists the checkpoint
+        index for its fence (see :meth:`_fence_checkpoints`), so a write this
+        re-check acknowledges landed before that listing and is spared by the
+        takeover; a write the listing may have missed is never acknowledged
+        (its writer retires it). With no marker for ``lease``'s epoch (a
+        session whose markers were removed), ``lease.json`` decides (one GET).
+        """
+        prefix = layout.epoch_prefix(lease.session_id, lease.user_id)
+        epochs = {self._marker_epoch(o.key, prefix) for o in self.objects.list(prefix=prefix)}
+        top = max((e for e in epochs if e is not None), default=0)
+        if top > lease.epoch:
+            raise LeaseLostError(
+                f"{self.describe(layout.epoch_marker_key(lease.session_id, lease.user_id, top))}: session "
+                f"{lease.session_id!r} has claimed epoch {top}; this writer ({lease.owner}) holds epoch {lease.epoch}")
+        if lease.epoch not in epochs:
+            self.check_lease(lease)
 
     def _fence(self, lease: Lease | None, session_id: str, user_id: str | None) -> int:
         if lease is None:
@@ -485,7 +515,7 @@ class Store:
             raise
         if lease is not None:
             try:
-                self.check_lease(lease)
+                self._confirm_lease(lease)
             except LeaseLostError:
                 # A takeover raced this write: retire it so it can never be "latest".
                 self._retire(session_id, user_id, [row])
@@ -501,7 +531,7 @@ class Store:
         the next owner's takeover retires it (see :meth:`_fence_checkpoints`).
         """
         try:
-            self.check_lease(lease)
+            self._confirm_lease(lease)
         except LeaseLostError:
             try:
                 self._retire(row.session_id, row.user_id, [row])

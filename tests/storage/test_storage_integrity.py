@@ -1014,3 +1014,39 @@ def test_review_r6_a_run_recorded_after_prune_checked_again_stops_before_its_fir
     assert report.checkpoints == 1
     with pytest.raises(errors.ObjectNotFound, match="c-old"):
         _resume_from_old(store)
+
+
+def test_review_r7_a_checkpoint_acknowledged_inside_a_takeovers_listing_window_is_never_retired(store):
+    """The taker claims its epoch and lists the checkpoint index; before its swap the holder's c2 lands and the
+    holder re-checks its lease (still epoch 1 in lease.json); then the taker swaps and fences what it did not list.
+
+    A write its writer was told is durable must stay readable: the holder's re-check sees the taker's claimed
+    epoch and refuses c2 (retiring it), or c2 was listed and is spared. Before the re-check looked at the epoch
+    claims, c2 was acknowledged and then retired by the takeover.
+    """
+    holder_lease = store.acquire_lease("s1", owner="holder")
+    put(store, "s1", "c1", turn=1, lease=holder_lease)
+    holder = Store(store.objects, "holder")
+    relay = FaultyObjectStore(store.objects)
+    real_list = relay.list
+    outcome: dict[str, object] = {}
+
+    def list_then_let_the_holder_write(*, prefix, **kw):
+        listed = list(real_list(prefix=prefix, **kw))
+        claimed = store.objects.get(key=layout.epoch_marker_key("s1", None, holder_lease.epoch + 1)) is not None
+        if prefix.startswith("index/checkpoints/") and claimed and not outcome:
+            try:
+                outcome["row"] = put(holder, "s1", "c2", turn=2, lease=holder_lease)  # lands after this LIST
+            except LeaseLostError as e:
+                outcome["lost"] = e
+        return iter(listed)
+
+    relay.list = list_then_let_the_holder_write
+    taker = Store(relay, "taker").acquire_lease("s1", owner="taker")
+    assert taker.epoch == holder_lease.epoch + 1 and outcome
+    latest = json.loads(store.get_checkpoint("s1"))["checkpoint_id"]
+    if "row" in outcome:  # acknowledged: it must survive the takeover
+        assert "c2" in ids(store.list_checkpoints("s1")) and latest == "c2"
+    else:  # refused: it is never "latest" nor listed
+        assert ids(store.list_checkpoints("s1")) == ["c1"] and latest == "c1"
+    assert "lost" in outcome  # this interleaving is decided by the claim: the holder learns it was fenced
