@@ -467,9 +467,10 @@ def _ambiguous(world, h: History, e: JEntry, seals: list[Seal]) -> Any:
     - ``e`` was written by a writer that was not fenced then (``e.valid``), of
       an epoch below ``j``'s, after ``j``'s last listing that could have shown
       it and before ``j``'s swap;
-    - that writer was still alive at ``j``'s swap: a live zombie (a writer
-      that crashed, or ended, before the swap is none; one that crashes
-      after it was a zombie until then);
+    - that writer was alive inside the window (it wrote ``e`` after ``j``'s
+      listing, a takeover of a live owner, whether it then learned of ``j``'s
+      claim, crashed or kept going); a writer that crashed before the listing
+      wrote nothing inside the window;
     - a seal of ``j``'s epoch (``j``'s own, or one a later owner wrote for it
       from the lease note) really fences ``e``.
     """
@@ -485,8 +486,6 @@ def _ambiguous(world, h: History, e: JEntry, seals: list[Seal]) -> Any:
         listed = _last_listing(h, j, e.run_id)
         if listed is None or not listed < e.n:
             continue
-        if writer.end is not None and writer.end <= acquired:
-            continue  # the writer was gone before the swap: no zombie
         if any(s.epoch == j.epoch and s.fences(e) for s in seals):
             return j
     return None

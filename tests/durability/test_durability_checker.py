@@ -130,12 +130,13 @@ def _log(case: str):
 @pytest.mark.parametrize("case, excused", [("live_zombie_inside_the_window", True),
                                            ("zombie_crashed_after_the_swap", True),
                                            ("listed_before_the_step", False),
-                                           ("writer_crashed", False),
+                                           ("writer_crashed", True),
                                            ("seal_does_not_fence_it", False)])
 def test_review_r3_rerun_is_excused_only_for_a_live_zombie_inside_a_takeover_listing_window(case, excused):
     """Re-running a journaled step is excused only when a writer that still held the lease journaled it
-    after the takeover's last listing and before its swap, was still alive (a zombie) at the swap (it may
-    crash later), and a seal of the takeover's epoch fences it; anything else is a ``rerun-tool`` violation."""
+    after the takeover's last listing and before its swap (so it was alive during the takeover, whether it
+    crashed before the swap or later) and a seal of the takeover's epoch fences it; anything else is a
+    ``rerun-tool`` violation."""
     from durability_checks import History, _billing
 
     world = _log(case)

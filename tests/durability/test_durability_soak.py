@@ -21,7 +21,8 @@ BOUNDED = ([(s, KINDS[s % len(KINDS)], "memory") for s in range(42)]
            + [(s, KINDS[s % len(KINDS)], "s3") for s in range(63, 72)])
 
 #: Soak finds pinned as regression cases (replay any with ``make soak SEED=.. SCENARIO=.. BACKEND=..``).
-PINNED = [(89, "lease-storm", "local"), (146, "compaction", "local"), (627, "chaos", "memory"), (88, "chaos", "memory")]
+PINNED = [(89, "lease-storm", "local"), (146, "compaction", "local"), (627, "chaos", "memory"), (88, "chaos", "memory"),
+          (532, "zombie", "memory"), (1021, "lease-loss", "memory")]
 
 #: Cases that show a known, still-open violation: (seed, kind, backend) -> why. Strict: once the bug is
 #: fixed the case passes, the xfail turns into a failure, and its line here must go (the case stays).
