@@ -100,10 +100,27 @@ class Agent:
         output_schema: Any = None,
         effort: str | None = None,
     ) -> RunResult:
-        """Run ``prompt`` to completion in ``session_id`` (a new ``sess...`` id when omitted).
+        """Run ``prompt`` in ``session_id`` (a new ``sess...`` id when omitted) until the model answers.
 
-        Re-issuing the same call after a crash continues the unfinished run:
-        journaled steps replay instead of calling the model or tools again.
+        Sessions remember: when the session's latest checkpoint ended a run
+        (its last run finished, with checkpointing on), ``prompt`` is appended
+        to that checkpoint's transcript, so the model sees the earlier
+        conversation (and the session's spend carries on). Otherwise the run
+        starts from an empty transcript (plus ``instructions``). Without
+        checkpoints there is no transcript to continue from.
+
+        Re-issuing the same call while the session's last run is unfinished
+        (a crash, a budget stop) continues that run instead: journaled steps
+        replay instead of calling the model or tools again. A different prompt
+        on such a session starts a new run (from an empty transcript unless
+        the latest checkpoint ended a run); ``resume(prompt, ...)`` appends it
+        to the latest checkpoint instead.
+
+        ``RunResult.stop_reason`` says why the call returned: "completed", or
+        e.g. "budget_exceeded" (``Tuning.max_cost_usd``/``max_tokens``: the
+        run checkpointed and stopped before the model call that would exceed
+        the limit; ``resume(None, session_id=...)`` with a raised limit
+        continues it without repeating a model call).
         """
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
@@ -126,9 +143,11 @@ class Agent:
 
         ``"latest"`` or the latest checkpoint's id continues in place; an older
         id forks into a new ``sess...`` session (the original stays untouched).
-        ``prompt=None`` appends "Continue the interrupted task.". With no
-        checkpoint this falls back to ``run`` against the session's last run,
-        replaying its journaled steps.
+        ``prompt=None`` appends "Continue the interrupted task.", except when
+        the session's last run is unfinished (a crash, a budget stop): then
+        ``resume(None)`` continues that very run (nothing appended, journaled
+        steps replayed). With no checkpoint this falls back to ``run`` against
+        the session's last run, replaying its journaled steps.
         """
         emit, extra_tools, output_schema, fields = _split_kwargs(run_kwargs)
         _check_ids(session_id, user_id, from_checkpoint)

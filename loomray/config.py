@@ -8,6 +8,7 @@ pydantic validation error from deep inside a run.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -59,6 +60,22 @@ class Tuning:
     - ``compact_keep_last``: how many recent messages compaction keeps verbatim.
     - ``output_retries``: how often the model is asked again when its final
       answer does not validate against ``output_schema``.
+    - ``max_cost_usd`` / ``max_tokens``: spend limits (``None``: no limit).
+      Spend is the session's cumulative usage (``cost_usd`` and
+      ``input_tokens + output_tokens``) as the run's starting checkpoint
+      carried it plus this run's calls, so it counts across resumes (and a
+      fork starts with its parent's spend up to the fork point). Before every
+      model call the loop checks "would the next call exceed a limit?" with
+      the rule *the spend so far already reached the limit* (no estimate of
+      the next call: a call made just below the limit may end above it). Then
+      the run writes an ``after_tools`` checkpoint (when checkpointing is on
+      and the transcript changed since the last one) and returns with
+      ``RunResult.stop_reason == "budget_exceeded"``; the run stays
+      unfinished, so ``resume(None, session_id=...)`` on an agent with a
+      raised limit continues it without repeating a model call. An unknown
+      cost (a call without a price) is never guessed as zero: with
+      ``max_cost_usd`` set, the run stops as over budget. Negative or NaN
+      limits raise ``ValueError`` here.
     """
 
     checkpoint: Any = False
@@ -68,8 +85,17 @@ class Tuning:
     compact_after_tokens: int | None = None
     compact_keep_last: int = 8
     output_retries: int = 1
+    max_cost_usd: float | None = None
+    max_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        cost = self.max_cost_usd
+        if cost is not None and (isinstance(cost, bool) or not isinstance(cost, (int, float))
+                                 or math.isnan(cost) or cost < 0):
+            raise ValueError(f"Tuning.max_cost_usd must be a non-negative number or None, got {cost!r}")
+        tokens = self.max_tokens
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0):
+            raise ValueError(f"Tuning.max_tokens must be a non-negative int or None, got {tokens!r}")
         if isinstance(self.max_turns, bool) or not isinstance(self.max_turns, int) or self.max_turns < 1:
             raise ValueError(f"Tuning.max_turns must be a positive int, got {self.max_turns!r}")
         if self.durability not in _DURABILITY:
@@ -78,6 +104,20 @@ class Tuning:
             raise ValueError("Tuning.compact_after_tokens must be positive or None")
         if self.compact_keep_last < 2:
             raise ValueError("Tuning.compact_keep_last must be at least 2")
+
+    def over_budget(self, usage: Any) -> str | None:
+        """Why the next model call would exceed a limit given ``usage`` (the spend so far), or None.
+
+        See the class docstring: a limit is exceeded once the spend so far reached it.
+        """
+        if self.max_cost_usd is not None:
+            if usage.cost_usd is None:
+                return f"max_cost_usd={self.max_cost_usd} is set but the cost so far is unknown (unpriced model calls)"
+            if usage.cost_usd >= self.max_cost_usd:
+                return f"cost so far ${usage.cost_usd:.6f} reached max_cost_usd={self.max_cost_usd}"
+        if self.max_tokens is not None and usage.total_tokens >= self.max_tokens:
+            return f"tokens so far {usage.total_tokens} reached max_tokens={self.max_tokens}"
+        return None
 
     def checkpoint_config(self) -> CheckpointConfig | None:
         """The effective checkpoint config, or None when checkpointing is off.

@@ -20,7 +20,12 @@ Invariants the loop keeps:
   later: at the latest at the next checkpoint). ``LoopOptions.check_writes``
   covers writes the loop does not see, such as journal appends;
 - repairing a transcript puts the results of dangling tool calls right after
-  the assistant message that made the calls, before any later message.
+  the assistant message that made the calls, before any later message;
+- a spend limit (``Tuning.max_cost_usd``/``max_tokens``) is checked before
+  every model call, after compaction: once the spend so far reached a limit
+  the run checkpoints (unless nothing changed since the checkpoint it wrote or
+  restored last) and returns ``stop_reason="budget_exceeded"`` without
+  calling the model.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from loomray.events import (
 )
 from loomray.journal import StepRunner, model_step_key
 from loomray.models.base import ModelRequest
-from loomray.records import Checkpoint, Message, RunResult, ToolCall, Usage
+from loomray.records import Checkpoint, Message, RunResult, StopReason, ToolCall, Usage
 from loomray.tools import ToolContext
 
 log = logging.getLogger("loomray.loop")
@@ -236,6 +241,9 @@ class _Loop:
         self.turn = state.turn
         self.usage = state.usage
         self.parent = state.parent_checkpoint_id
+        # The transcript as the last checkpoint this run wrote, or restored, holds it (None: not saved yet).
+        self._saved: tuple[int, list[Message]] | None = (
+            (state.turn, list(state.messages)) if options.resumed_from_checkpoint and self.parent else None)
 
     async def emit(self, event: Event) -> None:
         await deliver(self._emit, event)
@@ -261,7 +269,12 @@ class _Loop:
             cumulative_usage=self.usage, messages=self.msgs,
         )
         self.parent = ckpt.checkpoint_id
+        self._saved = (self.turn, list(self.msgs))
         await self.writer.save(ckpt)
+
+    def unsaved(self) -> bool:
+        """True when the transcript changed since the checkpoint this run last wrote or restored."""
+        return self._saved is None or self._saved != (self.turn, self.msgs)
 
     async def maybe_compact(self) -> None:
         budget = self.o.tuning.compact_after_tokens
@@ -341,6 +354,9 @@ class _Loop:
             await self.maybe_compact()
             assert not dangling_tool_calls(self.msgs), "never send dangling tool calls to a model"
             self.check_writes()
+            over = self.o.tuning.over_budget(self.usage)
+            if over is not None:
+                return await self.stop("budget_exceeded", over)
             request = ModelRequest(messages=self.msgs, tools=self.o.tool_schemas,
                                    output_schema=self.o.output_schema, effort=self.o.effort)
             await self.emit(ModelCall(**self._ev(), message_count=len(self.msgs), step_key=model_step_key(self.turn)))
@@ -373,8 +389,26 @@ class _Loop:
         await self.checkpoint("after_tools", status="completed")
         if self.writer is not None:
             await self.writer.flush()
+        return self.result("completed", output=self.msgs[-1].content, structured=structured)
+
+    async def stop(self, reason: StopReason, why: str) -> RunResult:
+        """Stop before the next model call, leaving the run unfinished and resumable: checkpoint, flush, return."""
+        log.info("session %r run %s stops (%s): %s", self.s.session_id, self.s.run_id, reason, why)
+        if self.writer is not None and self.unsaved():
+            await self.checkpoint("after_tools")
+        if self.writer is not None:
+            await self.writer.flush()
+        return self.result(reason, output="")
+
+    def result(self, reason: StopReason, *, output: str, structured: Any = None) -> RunResult:
+        checkpoint_id = None
+        if self.writer is not None:
+            # Nothing written by this call but nothing changed either: the restored checkpoint is the state.
+            checkpoint_id = self.writer.last_ok_id
+            if checkpoint_id is None and self.parent == self.s.parent_checkpoint_id and not self.unsaved():
+                checkpoint_id = self.parent
         return RunResult(
-            output=self.msgs[-1].content,
+            output=output,
             structured=structured,
             messages=self.msgs,
             usage=self.usage,
@@ -382,11 +416,11 @@ class _Loop:
             user_id=self.s.user_id,
             run_id=self.s.run_id,
             turns=self.turn,
-            checkpoint_id=self.writer.last_ok_id if self.writer is not None else None,
+            checkpoint_id=checkpoint_id,
             resumed_from_checkpoint=self.o.resumed_from_checkpoint,
             resume_position=self.o.resume_position,  # type: ignore[arg-type]
             forked_from=self.s.forked_from,
             model_calls=self.steps.model_calls,
             replayed_steps=self.steps.replayed,
-            stop_reason="completed",
+            stop_reason=reason,
         )

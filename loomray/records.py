@@ -24,6 +24,11 @@ READABLE_SCHEMA_VERSIONS = frozenset({"1.0"})
 Role = Literal["system", "user", "assistant", "tool"]
 Position = Literal["after_model", "after_tools"]
 ExecutionStatus = Literal["active", "completed"]
+#: Why a run returned. "completed": the model gave its final answer; "budget_exceeded": the next model
+#: call would exceed ``Tuning.max_cost_usd``/``max_tokens`` (the run stays unfinished, ``resume`` continues
+#: it); "awaiting_approval", "paused", "cancelled": the run was stopped from outside before its end.
+#: Hitting ``Tuning.max_turns`` is not a stop reason: it raises :class:`~loomray.errors.MaxTurnsExceeded`.
+StopReason = Literal["completed", "awaiting_approval", "paused", "cancelled", "budget_exceeded"]
 
 
 def utcnow() -> datetime:
@@ -246,4 +251,5 @@ class RunResult(BaseModel):
     model_calls: int = 0
     #: Steps answered from the journal instead of being executed again.
     replayed_steps: int = 0
-    stop_reason: str = "completed"
+    #: See :data:`StopReason`. Anything but "completed" leaves the run unfinished (no final answer in ``output``).
+    stop_reason: StopReason = "completed"

@@ -18,6 +18,17 @@ crash therefore bills no model call twice; ``resume()`` with no prompt from
 Each run's request is stored in its run record beside the session's objects,
 never in the session index, and a new owner fences the journal of the runs an
 old writer may still append to before it reads them (``storage.journal``).
+
+Sessions remember: a new ``run`` (not the continuation of an unfinished
+run) on a session whose latest checkpoint ended a run (``execution_status
+"completed"``) starts from that checkpoint's transcript, with its prompt
+appended, instead of an empty one; its ``run_start`` and run record name
+that checkpoint as the base, so recovery restores the same transcript.
+
+A run the loop stopped before its end (``RunResult.stop_reason`` other than
+"completed", e.g. "budget_exceeded") records no ``run_end``: it stays
+unfinished, its status row says why it stopped, and ``resume(None)`` or the
+same ``run`` continues it.
 """
 
 from __future__ import annotations
@@ -295,7 +306,14 @@ def _continue(agent: Any, request: RunRequest, store: Any, run_id: str, last: _L
     if start is None:
         # Recorded, but its run_start is missing (a crash right after the record, or a failed write that
         # was only a warning): begin it as its request says, replaying whatever steps it did journal.
-        plan = _base(agent, request, store, run_id)
+        record = last.record if run_id == last.run_id else None
+        if request.kind == "run" and record is not None and record.base_checkpoint_id:
+            # It continued a finished conversation: from the checkpoint its record names, not today's latest.
+            plan = _restart(agent, request, store, run_id, {
+                "kind": "run", "prompt": request.prompt, "base_checkpoint_id": record.base_checkpoint_id,
+                "source_session": record.base_session_id or sid})
+        else:
+            plan = _base(agent, request, store, run_id)
         plan.prior = _records(entries) + plan.prior
         plan.next_seq = next_seq
         return plan
@@ -325,7 +343,7 @@ def _restart(agent: Any, request: RunRequest, store: Any, run_id: str, start_out
     sid, uid = request.session_id, request.user_id
     prompt = start_out.get("prompt")
     base_id = start_out.get("base_checkpoint_id")
-    if start_out.get("kind") == "resume" and base_id:
+    if base_id:  # a resume or fork, or a run that continued a finished conversation
         source = start_out.get("source_session") or sid
         ckpt = _load(store, source, base_id, uid)
         if ckpt is None:
@@ -346,6 +364,14 @@ def _base(agent: Any, request: RunRequest, store: Any, run_id: str,
     if request.kind == "run":
         if request.prompt is None:
             raise LoomrayUserError(f"run() on session {sid!r} needs a prompt")
+        # Sessions remember: a session that ran before continues its conversation from its latest checkpoint
+        # if that checkpoint ended a run. (No run before: a new session, nothing to read.)
+        latest = _load(store, sid, "latest", uid) if last[0] is not None else None
+        if latest is not None and latest.execution_status == "completed":
+            return _Plan(run_id=run_id, state=_from_checkpoint(agent, request, run_id, latest), prompt=request.prompt,
+                         resumed_from_checkpoint=True, resume_position=latest.position,
+                         start_output={"kind": "run", "prompt": request.prompt,
+                                       "base_checkpoint_id": latest.checkpoint_id, "source_session": sid})
         return _Plan(run_id=run_id, state=_fresh(agent, request, run_id), prompt=request.prompt,
                      start_output={"kind": "run", "prompt": request.prompt})
 
@@ -629,8 +655,16 @@ async def execute_request(
         if plan.finished is not None:
             result = _finished_result(plan)
         else:
+            # The session's cumulative cost as of the checkpoint this run last wrote, or started from (in
+            # whichever session): a checkpoint's spend is its running total minus that, so the spend of a fork
+            # tree's checkpoints sums to what its model calls were billed. Writes are ordered (also with
+            # durability="async"); a failed write's spend is carried by the next checkpoint written.
+            written_cost = [plan.state.usage.cost_usd]
+
             async def put(ckpt: Checkpoint, data: bytes) -> None:
                 u = ckpt.cumulative_usage
+                spend = (None if u.cost_usd is None or written_cost[0] is None
+                         else max(0.0, u.cost_usd - written_cost[0]))
                 if sink is not None:
                     sink.lease_read_by_checkpoint()
                 try:
@@ -639,10 +673,12 @@ async def execute_request(
                             execution_status=ckpt.execution_status, message_count=len(ckpt.messages),
                             input_tokens=u.input_tokens, output_tokens=u.output_tokens, cost_usd=u.cost_usd,
                             parent_checkpoint_id=ckpt.parent_checkpoint_id, forked_from=ckpt.forked_from,
-                            agent_id=ckpt.agent_id, lease=lease, keep=max_checkpoints_per_session)
+                            agent_id=ckpt.agent_id, lease=lease, keep=max_checkpoints_per_session,
+                            spend_usd=spend)
                 except Exception as e:
                     await t(guard.failed, f"checkpoint {ckpt.checkpoint_id}", e)  # raises unless only a warning
                     raise
+                written_cost[0] = u.cost_usd
                 guard.durable()
 
             writer = CheckpointWriter(put, durability=tuning.durability, emit=on_event, is_fatal=guard.is_fatal)
@@ -661,6 +697,11 @@ async def execute_request(
             log.warning("session %r: run %s finished, but %d write(s) since its last checkpoint failed; it is not "
                         "recorded as completed (re-issue the run to record its end)", sid, plan.run_id,
                         guard.undurable)
+            return result
+        if result.stop_reason != "completed":
+            # Stopped before its end (over budget, ...): the run stays unfinished, no run_end, so resume(None)
+            # or the same run() continues it. The status is not an active one: a supervisor leaves it alone.
+            await status(result.stop_reason)
             return result
         # Status first, run_end last: a crash between them re-enters this run and finds it finished.
         await status("completed")

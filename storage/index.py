@@ -219,6 +219,9 @@ def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
     """``table`` in exactly ``schema`` (column order and types); a no-op for files this package wrote."""
     if table.schema.equals(schema):
         return table
+    for f in schema:  # a nullable column added since the file was written reads as nulls
+        if f.name not in table.schema.names and f.nullable:
+            table = table.append_column(f.name, pa.nulls(table.num_rows, f.type))
     return table.select(schema.names).cast(schema)
 
 

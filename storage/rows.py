@@ -43,7 +43,16 @@ class Lease:
 
 @dataclass(frozen=True)
 class CheckpointRow:
-    """One checkpoint's index row (no payload)."""
+    """One checkpoint's index row (no payload).
+
+    ``cost_usd`` is the session's running total as of this checkpoint (a
+    fork's rows include its parent's spend up to the fork point);
+    ``spend_usd`` is what the model calls made since the previous checkpoint
+    of the same lineage cost (the checkpoint the run last wrote, or the one it
+    started from, in whichever session), so summing ``spend_usd`` over a fork
+    tree counts every billed call once. ``None``: unknown (an unpriced call)
+    or a row written before the column existed.
+    """
 
     session_id: str
     user_id: str | None
@@ -63,6 +72,7 @@ class CheckpointRow:
     key: str
     size: int
     sha256: str
+    spend_usd: float | None = None
 
     @property
     def order(self) -> tuple[int, str]:
@@ -166,15 +176,19 @@ class RunRecord(BaseModel):
 
 # -- Arrow schemas ---------------------------------------------------------
 #: Checkpoint index columns; ``tombstone`` rows retire a checkpoint_id, ``written_at`` orders rows.
+#: ``spend_usd`` was added later: files written before it lack the column and read as null (None).
 CHECKPOINT_SCHEMA = pa.schema([
     ("session_id", pa.string()), ("user_id", pa.string()), ("checkpoint_id", pa.string()),
     ("turn", pa.int64()), ("created_at", _TS), ("position", pa.string()),
     ("execution_status", pa.string()), ("message_count", pa.int64()), ("input_tokens", pa.int64()),
-    ("output_tokens", pa.int64()), ("cost_usd", pa.float64()), ("parent_checkpoint_id", pa.string()),
+    ("output_tokens", pa.int64()), ("cost_usd", pa.float64()), ("spend_usd", pa.float64()),
+    ("parent_checkpoint_id", pa.string()),
     ("forked_from", pa.string()), ("agent_id", pa.string()), ("epoch", pa.int64()), ("key", pa.string()),
     ("size", pa.int64()), ("sha256", pa.string()), ("tombstone", pa.bool_()), ("written_at", _TS),
 ])
 CHECKPOINT_FIELDS = [f.name for f in fields(CheckpointRow)]
+#: Columns added after the first release: a table without them reads them as None.
+_LATER_FIELDS = frozenset({"spend_usd"})
 
 SESSION_SCHEMA = pa.schema([
     ("session_id", pa.string()), ("user_id", pa.string()), ("status", pa.string()), ("updated_at", _TS),
@@ -194,9 +208,11 @@ def checkpoint_rows_table(rows: list[CheckpointRow], *, tombstone: bool, written
 def checkpoint_rows_from_table(table: pa.Table) -> list[tuple[CheckpointRow, bool]]:
     """``(row, is_tombstone)`` for every row of a ``CHECKPOINT_SCHEMA`` table."""
     data = table.to_pydict()
+    absent = [None] * table.num_rows
+    cols = {name: data.get(name, absent) if name in _LATER_FIELDS else data[name] for name in CHECKPOINT_FIELDS}
     out = []
     for i in range(table.num_rows):
-        row = CheckpointRow(**{name: data[name][i] for name in CHECKPOINT_FIELDS})
+        row = CheckpointRow(**{name: col[i] for name, col in cols.items()})
         out.append((row, bool(data["tombstone"][i])))
     return out
 

@@ -485,7 +485,8 @@ class Store:
                        turn: int, created_at: datetime, position: str, execution_status: str, message_count: int,
                        input_tokens: int = 0, output_tokens: int = 0, cost_usd: float | None = None,
                        parent_checkpoint_id: str | None = None, forked_from: str | None = None,
-                       agent_id: str | None = None, lease: Lease | None = None, keep: int = 20) -> CheckpointRow:
+                       agent_id: str | None = None, lease: Lease | None = None, keep: int = 20,
+                       spend_usd: float | None = None) -> CheckpointRow:
         """One PUT of ``data`` plus one index row, then retention; see docs/contracts.md."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise TypeError(f"checkpoint data must be bytes, got {type(data).__name__}")
@@ -499,7 +500,8 @@ class Store:
         row = CheckpointRow(session_id, user_id, checkpoint_id, int(turn), as_utc(created_at), str(position),
                             str(execution_status), int(message_count), int(input_tokens), int(output_tokens),
                             None if cost_usd is None else float(cost_usd), parent_checkpoint_id, forked_from,
-                            agent_id, epoch, key, len(data), hashlib.sha256(data).hexdigest())
+                            agent_id, epoch, key, len(data), hashlib.sha256(data).hexdigest(),
+                            spend_usd=None if spend_usd is None else float(spend_usd))
         # The index row is encoded before the PUT: a value Arrow refuses (an int beyond int64) fails
         # here, never after the object landed without a row.
         table = checkpoint_rows_table([row], tombstone=False, written_at=utcnow())

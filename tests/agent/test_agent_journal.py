@@ -88,7 +88,8 @@ async def test_execute_request_is_the_actor_entry_point(tmp_path):
     from storage import open_store
 
     store = open_store(tmp_path / "d")
-    agent = Agent("sys", model=script(), tools=[lookup], tuning=Tuning(checkpoint=True))
+    agent = Agent("sys", model=ScriptedModel([*script().responses, "done again"]), tools=[lookup],
+                  tuning=Tuning(checkpoint=True))
     request = RunRequest(kind="run", prompt="task", session_id="s", user_id="bob", context={"k": 1})
     wire = request.model_dump_json()  # what crosses to the actor
     assert RunRequest.model_validate_json(wire) == request
@@ -99,9 +100,11 @@ async def test_execute_request_is_the_actor_entry_point(tmp_path):
     assert len(store.list_checkpoints("s", user_id="bob")) == 2
     assert store.current_epoch("s", user_id="bob") == 1
     assert seen[0].type == "run_start" and seen[-1].type == "run_end"
-    # The same request again (a restarted actor) finds the run finished and starts a new one.
+    # The same request again (a restarted actor) finds the run finished and starts a new one, which continues
+    # the session's conversation.
     again = await execute_request(agent, request, store)
     assert again.run_id != result.run_id and store.current_epoch("s", user_id="bob") == 2
+    assert again.output == "done again"
     store.close()
 
 

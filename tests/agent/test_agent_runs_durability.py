@@ -97,9 +97,9 @@ async def test_path02_prune_before_never_breaks_recovery_of_an_unfinished_run(ru
 
 
 async def test_path02_prune_before_still_deletes_a_finished_run(runtime):
-    agent = agent_for(runtime, scripted())
+    agent = agent_for(runtime, ScriptedModel([*scripted().responses, "again: done"]))
     await agent.run("task", session_id="s")
-    await agent.run("again", session_id="s")  # nothing to replay: answered from the script's end
+    await agent.run("again", session_id="s")  # continues the conversation: answered from the script's end
     store = runtime.store
     report = store.prune(before=datetime.now(timezone.utc) + timedelta(hours=1), session_id="s")
     assert store.list_checkpoints("s") == [] and report.checkpoints > 0
@@ -344,7 +344,7 @@ async def test_path18_last_run_is_the_one_the_store_sequenced_last(runtime, monk
     first = await agent_for(runtime, ScriptedModel(["first done"])).run("first task", session_id="s")
     assert first.run_id == "run-z-node-with-fast-clock"
 
-    model = scripted()
+    model = ScriptedModel(["first done", *scripted().responses])  # the second run continues the first's conversation
     agent = agent_for(runtime, model)
     with pytest.raises(Crash):
         await agent.run("second task", session_id="s", emit=crash_at("model_call", 3))
@@ -512,7 +512,15 @@ def test_review_r2_lease_reads_per_pass(tmp_path):
                 reads.append(key)
             return real_get(key=key)
 
+        real_list = runtime.store.objects.list
+
+        def list_(*, prefix, **kw):
+            if prefix.endswith("/epochs/"):
+                reads.append(prefix)  # the re-check after a checkpoint's row: the epoch claims
+            return real_list(prefix=prefix, **kw)
+
         runtime.store.objects.get = get
+        runtime.store.objects.list = list_
         model = ScriptedModel([{"tool": "lookup", "args": {"key": f"k{i}"}} for i in range(passes)] + ["done"])
         ckpt = CheckpointConfig(position="after_tools") if checkpoint else False
         agent = Agent("", model=model, tools=[lookup], runtime=runtime, tuning=Tuning(checkpoint=ckpt))
@@ -520,6 +528,6 @@ def test_review_r2_lease_reads_per_pass(tmp_path):
         runtime.close()
         return len(reads)
 
-    # A checkpoint write reads the lease twice (before its PUT, and after its index row).
+    # A checkpoint write reads the lease twice: lease.json before its PUT, the epoch claims after its index row.
     assert lease_reads(12, "ckpt-long", True) - lease_reads(1, "ckpt-short", True) == 2 * 11
     assert lease_reads(12, "long", False) - lease_reads(1, "short", False) == 11
