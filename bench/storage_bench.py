@@ -165,7 +165,7 @@ def _rows_table(session: int, n_files: int, rows_per_file: int, file_no: int, us
         "created_at": ts, "position": ["after_tools"] * n,
         "execution_status": ["completed" if i % 10 == 9 else "active" for i in idx],
         "message_count": [2 * i for i in idx], "input_tokens": [100 * i for i in idx], "output_tokens": idx,
-        "cost_usd": [0.001 * (i % 100) for i in idx], "parent_checkpoint_id": [None] * n, "forked_from": [None] * n,
+        "cost_usd": [0.001 * (i % 100) for i in idx], "spend_usd": [0.001] * n, "parent_checkpoint_id": [None] * n, "forked_from": [None] * n,
         "agent_id": ["bench"] * n, "epoch": [1] * n,
         "key": [f"sessions/{user}/{sid}/checkpoints/{c}.json" for c in cids], "size": [10_000] * n,
         "sha256": ["0" * 64] * n, "tombstone": tomb, "written_at": ts,
