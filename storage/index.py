@@ -219,9 +219,12 @@ def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
     """``table`` in exactly ``schema`` (column order and types); a no-op for files this package wrote."""
     if table.schema.equals(schema):
         return table
-    for f in schema:  # a nullable column added since the file was written reads as nulls
-        if f.name not in table.schema.names and f.nullable:
-            table = table.append_column(f.name, pa.nulls(table.num_rows, f.type))
+    # A nullable column added since the file was written reads as nulls; a file without the schema's leading
+    # (identity) columns is another schema altogether, and select() refuses it below (readers skip it).
+    if all(n in table.schema.names for n in schema.names[:3]):
+        for f in schema:
+            if f.name not in table.schema.names and f.nullable:
+                table = table.append_column(f.name, pa.nulls(table.num_rows, f.type))
     return table.select(schema.names).cast(schema)
 
 
