@@ -28,11 +28,11 @@ from typing import Any, Sequence
 
 import click
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from rich.text import Text
 
 from loomray.cli_common import (
-    CliError, address_option, check_id, console, emit_json, err_console, first_line, guarded, json_option,
-    open_store_or_fail, short_time, store_option, store_url_or_fail, user_option,
+    CliError, Col, address_option, check_id, console, emit_json, err_console, first_line, fit_table, guarded,
+    json_option, open_store_or_fail, store_option, store_url_or_fail, time_cells, user_option,
 )
 
 
@@ -313,31 +313,41 @@ def status(store_url: str | None, address: str | None, user_id: str | None, limi
     if not out:
         console.print("no sessions")
         return
-    table = Table()
-    # Only the columns that say something here; the agent only on a wide terminal (--json has everything).
-    cols = ["session"] + (["user"] if any(d["user_id"] for d in out) else []) + ["status", "turn", "epoch"]
-    cols += (["restarts"] if live is not None else []) + ["node"]
-    cols += (["host"] if any(d.get("host") for d in out) else []) + ["updated"]
-    cols += ["agent"] if console.width >= 130 else []
-    for col in cols:
-        # The id is what people copy into the next command: never cut it.
-        table.add_column(col, no_wrap=col == "session", min_width=max(len(d["session_id"]) for d in out)
-                         if col == "session" else None)
+    # Only the columns that say something here, and of those as many as fit the terminal (optional ones go
+    # first, --json has everything); the session id, its status and the time are never cut.
+    cols = [Col("session")] + ([Col("user", drop=2)] if any(d["user_id"] for d in out) else [])
+    cols += [Col("status"), Col("turn", drop=3, justify="right"), Col("epoch", drop=5, justify="right")]
+    cols += [Col("restarts", drop=4, justify="right")] if live is not None else []
+    cols += [Col("node", drop=7)] + ([Col("host", drop=6)] if any(d.get("host") for d in out) else [])
+    cols += [Col("updated"), Col("agent", drop=8)]
     colors = {"running": "cyan", "completed": "green", "failed": "red", "pending": "yellow"}
-    for d in out:
+    updated = time_cells([_as_time(d["updated_at"]) for d in out])
+    rows = []
+    for d, when in zip(out, updated):
         st = d["status"] or "-"
-        cells = {"session": d["session_id"], "user": d["user_id"] or "-", "status": f"[{colors.get(st, 'white')}]{st}[/]",
-                 "turn": "-" if d["turn"] is None else str(d["turn"]),
-                 "epoch": "-" if d["epoch"] is None else str(d["epoch"]),
-                 "restarts": "-" if d.get("incarnation") is None else str(max(0, d["incarnation"] - 1)),
-                 "node": (d["node_id"] or "-")[:8], "host": _short_host(d.get("host")),
-                 "updated": short_time(d["updated_at"])[11:] or "-",
-                 "agent": d["agent_ref"] or "-"}
-        table.add_row(*(cells[c] for c in cols))
-    console.print(table)
+        rows.append({"session": d["session_id"], "user": d["user_id"] or "-",
+                     "status": Text(st, style=colors.get(st, "")),
+                     "turn": "-" if d["turn"] is None else str(d["turn"]),
+                     "epoch": "-" if d["epoch"] is None else str(d["epoch"]),
+                     "restarts": "-" if d.get("incarnation") is None else str(max(0, d["incarnation"] - 1)),
+                     "node": (d["node_id"] or "-")[:8], "host": _short_host(d.get("host")),
+                     "updated": when, "agent": d["agent_ref"] or "-"})
+    console.print(fit_table(cols, rows, title="sessions (times UTC)", title_justify="left"))
     for d in out:
         if d["status"] == "failed" and d["error"]:
             err_console.print(f"  {d['session_id']}: {first_line(d['error'])}", highlight=False)
+
+
+def _as_time(value: Any) -> Any:
+    """A datetime, or None (the supervisor may report times as ISO strings)."""
+    if isinstance(value, str):
+        from datetime import datetime
+
+        try:
+            return datetime.fromisoformat(value.replace("Z", "+00:00"))
+        except ValueError:
+            return None
+    return value
 
 
 def _short_host(host: str | None) -> str:
@@ -462,12 +472,13 @@ def fork(session_id: str, from_checkpoint: str, prompts: tuple[str, ...], agent_
         emit_json([{**_result_dict(r), "prompt": q.prompt, "forked_from": session_id,
                     "from_checkpoint": from_checkpoint} for r, q in zip(results, requests)])
         return
-    table = Table(title=f"{len(results)} forks of {session_id} from {from_checkpoint} (turn {base_turn})")
-    for col in ("session", "prompt", "turns", "model calls", "output"):
-        table.add_column(col)
-    for r, q in zip(results, requests):
-        table.add_row(r.session_id, q.prompt or "", str(r.turns), str(r.model_calls), _excerpt(r.output, 80))
-    console.print(table)
+    # The new session ids are what the next command needs: printed whole, whatever the terminal's width.
+    cols = [Col("session"), Col("turns", justify="right"), Col("calls", "model calls", drop=2, justify="right"),
+            Col("prompt", wrap=True, min_wrap=12), Col("output", wrap=True, drop=1)]
+    rows = [{"session": r.session_id, "prompt": q.prompt or "", "turns": str(r.turns), "calls": str(r.model_calls),
+             "output": _excerpt(r.output, 80)} for r, q in zip(results, requests)]
+    console.print(fit_table(cols, rows, title=f"{len(results)} forks of {session_id} from {from_checkpoint} "
+                                              f"(turn {base_turn})"))
 
 
 # --------------------------------------------------------------------- supervise

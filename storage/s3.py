@@ -5,8 +5,15 @@ boto3 is used (not s3fs) for object operations because conditional PUTs
 first-class there. Transient failures (503 SlowDown, 500, timeouts,
 connection resets) are retried by botocore's ``standard`` (default) or
 ``adaptive`` mode with exponential backoff and jitter; what survives the
-retries becomes :class:`~storage.errors.TransientStorageError`. Nothing in
-this module leaks a botocore type to callers.
+retries becomes :class:`~storage.errors.TransientStorageError`. Missing,
+wrong or expired credentials (and a refused permission) are no transient
+failure: they surface at once, unretried, as :class:`S3CredentialsError`
+naming the problem and its fix. Nothing in this module leaks a botocore type
+to callers.
+
+Region: the ``region`` option, else ``AWS_REGION``, else what the boto3
+session finds (``AWS_DEFAULT_REGION`` or the region of the AWS profile in
+use), else ``us-east-1``.
 """
 
 from __future__ import annotations
@@ -22,6 +29,39 @@ _TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestT
                     "ThrottlingException", "RequestTimeTooSkewed", "503", "500", "502", "504"}
 _PRECONDITION_CODES = {"PreconditionFailed", "412", "ConditionalRequestConflict", "409"}
 _SSE_MODES = {None, "AES256", "aws:kms"}
+_KEYS_HINT = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE naming a profile in ~/.aws "
+              "(or pass key/secret to open_store)")
+#: S3 error codes that mean "these credentials cannot do this": (problem, how to fix it). Never retried.
+_CREDENTIAL_CODES = {
+    "InvalidAccessKeyId": ("the AWS access key id is not known to this S3 endpoint",
+                           "check AWS_ACCESS_KEY_ID (or the profile's aws_access_key_id) and the endpoint"),
+    "SignatureDoesNotMatch": ("the request signature does not match: the AWS secret access key is wrong for "
+                              "this access key id", "check AWS_SECRET_ACCESS_KEY (or the profile's "
+                              "aws_secret_access_key)"),
+    "AccessDenied": ("access denied: the credentials in use are not allowed to do this here",
+                     "grant them s3:ListBucket, s3:GetObject, s3:PutObject and s3:DeleteObject on the bucket "
+                     "and prefix, or use other credentials (AWS_PROFILE)"),
+    "AllAccessDisabled": ("all access to this bucket has been disabled", "use another bucket or ask its owner"),
+    "AccountProblem": ("the AWS account has a problem that prevents this operation", "contact AWS support"),
+    "ExpiredToken": ("the AWS session token has expired", "refresh the credentials (e.g. `aws sso login`, or a "
+                     "new AWS_SESSION_TOKEN) and try again"),
+    "ExpiredTokenException": ("the AWS session token has expired", "refresh the credentials (e.g. `aws sso "
+                              "login`, or a new AWS_SESSION_TOKEN) and try again"),
+    "TokenRefreshRequired": ("the AWS session token must be refreshed", "refresh the credentials and try again"),
+    "InvalidToken": ("the AWS session token is malformed or invalid", "check AWS_SESSION_TOKEN"),
+    "InvalidClientTokenId": ("the AWS access key id or session token is invalid",
+                             "check AWS_ACCESS_KEY_ID and AWS_SESSION_TOKEN"),
+    "AuthorizationHeaderMalformed": ("the request was signed for another region than the bucket's",
+                                     "set AWS_REGION (or the store's region option) to the bucket's region"),
+}
+
+
+class S3CredentialsError(StorageError):
+    """S3 refused a request for its credentials (missing, wrong, expired) or their permissions.
+
+    Raised at once, never retried: retrying cannot fix it. The message names
+    the store, the operation, the problem and how to fix it.
+    """
 
 
 def _is_missing(e: Exception) -> bool:
@@ -79,6 +119,7 @@ class S3ObjectStore(ObjectStore):
         if client is None:
             import boto3
             from botocore.config import Config
+            from botocore.exceptions import ProfileNotFound
 
             config = Config(
                 # total_max_attempts counts the first try (botocore's "max_attempts" would not).
@@ -90,23 +131,37 @@ class S3ObjectStore(ObjectStore):
                 response_checksum_validation="when_required",
                 max_pool_connections=32,
             )
-            session = boto3.session.Session()
+            try:
+                session = boto3.session.Session()
+            except ProfileNotFound as e:
+                raise S3CredentialsError(f"{self.describe()}: the AWS profile {e.kwargs.get('profile')!r} "
+                                         "(AWS_PROFILE) is not in ~/.aws/config or ~/.aws/credentials; "
+                                         "fix AWS_PROFILE or add the profile") from None
+            # The profile's (or AWS_DEFAULT_REGION's) region when none is given: a bucket outside us-east-1
+            # must not be signed for us-east-1 just because the region came from ~/.aws/config.
+            region = region or os.environ.get("AWS_REGION") or session.region_name or "us-east-1"
             client = session.client(
                 "s3",
                 endpoint_url=endpoint_url,
                 aws_access_key_id=key or aws_access_key_id,
                 aws_secret_access_key=secret or aws_secret_access_key,
                 aws_session_token=token,
-                region_name=region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1",
+                region_name=region,
                 config=config,
             )
         self.client = client
+        #: The region requests are signed for.
+        self.region = region or getattr(getattr(client, "meta", None), "region_name", None)
+        self._fs_options["region"] = self.region
 
     # -- error mapping ---------------------------------------------------
     def _fail(self, e: Exception, key: str | None, op: str) -> StorageError:
         from botocore.exceptions import BotoCoreError, ClientError
 
         where = self.describe(key)
+        refused = self._credential_error(e, where, op)
+        if refused is not None:
+            return refused
         if isinstance(e, ClientError):
             code = str(e.response.get("Error", {}).get("Code", ""))
             status = str(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
@@ -119,6 +174,31 @@ class S3ObjectStore(ObjectStore):
             # Connection resets, timeouts, endpoint errors: botocore already retried these.
             return TransientStorageError(f"{where}: {op} failed after retries: {e}")
         return StorageError(f"{where}: {op} failed: {e!r}")
+
+    @staticmethod
+    def _credential_error(e: Exception, where: str, op: str) -> S3CredentialsError | None:
+        """:class:`S3CredentialsError` when ``e`` means the credentials (or their permissions) are the problem."""
+        from botocore import exceptions as bx
+
+        if isinstance(e, bx.ClientError):
+            code = str(e.response.get("Error", {}).get("Code", ""))
+            if code in _CREDENTIAL_CODES:
+                problem, fix = _CREDENTIAL_CODES[code]
+                return S3CredentialsError(f"{where}: {op} refused ({code}): {problem}; {fix}")
+            return None
+        if isinstance(e, bx.NoCredentialsError):
+            return S3CredentialsError(f"{where}: {op} not sent: no AWS credentials found; {_KEYS_HINT}")
+        if isinstance(e, bx.PartialCredentialsError):
+            return S3CredentialsError(f"{where}: {op} not sent: incomplete AWS credentials ({e}); {_KEYS_HINT}")
+        sso = tuple(getattr(bx, n) for n in ("SSOTokenLoadError", "UnauthorizedSSOTokenError", "TokenRetrievalError")
+                    if hasattr(bx, n))
+        if sso and isinstance(e, sso):
+            return S3CredentialsError(f"{where}: {op} not sent: the AWS SSO session is missing or expired ({e}); "
+                                      "run `aws sso login` (with the same AWS_PROFILE) and try again")
+        if isinstance(e, (bx.CredentialRetrievalError, bx.ProfileNotFound, bx.UnknownCredentialError)):
+            return S3CredentialsError(f"{where}: {op} not sent: AWS credentials could not be loaded ({e}); "
+                                      f"{_KEYS_HINT}")
+        return None
 
     def _key(self, key: str) -> str:
         return self.prefix + key

@@ -119,7 +119,11 @@ def test_compact_then_prune(store, tmp_path):
 
     refused = run_cli("prune", store=mine)
     assert refused.returncode == 2 and "--yes" in refused.stderr
-    pruned = ok_json(run_cli("prune", "--session", "s-two", "--json", store=mine))
+    # Not a terminal, so nobody can be asked: without --yes, prune refuses even with a filter.
+    refused = run_cli("prune", "--session", "s-two", store=mine)
+    assert refused.returncode == 2 and "--yes" in refused.stderr and "not a terminal" in refused.stderr
+    assert len(ok_json(run_cli("checkpoints", "s-two", "--json", store=mine))) == TURNS
+    pruned = ok_json(run_cli("prune", "--session", "s-two", "--yes", "--json", store=mine))
     assert pruned["checkpoints"] == TURNS and pruned["journal_entries"] > 0
     assert ok_json(run_cli("checkpoints", "s-two", "--json", store=mine)) == []
     # Nothing else was touched.
@@ -248,3 +252,119 @@ def ok_json_text(out: subprocess.CompletedProcess) -> str:
     assert out.returncode == 0, out.stderr
     assert "Traceback" not in out.stderr
     return out.stdout
+
+
+# --------------------------------------------------------------------- S3: credential errors and region
+
+
+def _no_aws_credentials(env: dict[str, str], home: Path) -> dict[str, str]:
+    """``env`` without any way to find AWS credentials (no keys, no profile files, no instance metadata)."""
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+                "AWS_DEFAULT_PROFILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+                "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_ROLE_ARN"):
+        env.pop(var, None)
+    env.update(AWS_SHARED_CREDENTIALS_FILE=str(home / "none-credentials"), AWS_CONFIG_FILE=str(home / "none-config"),
+               AWS_EC2_METADATA_DISABLED="true", HOME=str(home))
+    return env
+
+
+def test_s3_missing_credentials_is_one_clear_line_not_a_retry_story(s3_store_url, tmp_path):
+    env = _no_aws_credentials(dict(os.environ), tmp_path)  # the endpoint (AWS_ENDPOINT_URL) stays
+    env.pop("LOOMRAY_STORE", None)
+    out = subprocess.run([*CMD, "checkpoints", "s-one", "--store", s3_store_url], capture_output=True, text=True,
+                         timeout=90, env=env, cwd=REPO)
+    line = _one_error_line(out)
+    assert "no AWS credentials found" in line and "AWS_ACCESS_KEY_ID" in line and "AWS_PROFILE" in line
+    assert "retries" not in line and s3_store_url.split("/")[2] in line
+
+
+def test_s3_missing_credentials_raise_a_typed_error_at_once(s3_server, monkeypatch, tmp_path):
+    from storage.errors import StorageError, TransientStorageError
+    from storage.s3 import S3CredentialsError, S3ObjectStore
+
+    for var, value in _no_aws_credentials({}, tmp_path).items():
+        monkeypatch.setenv(var, value)
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    objects = S3ObjectStore(s3_server.new_bucket(), "root", endpoint_url=s3_server.endpoint_url, max_attempts=5)
+    sent: list[str] = []
+    objects.client.meta.events.register("before-send.s3", lambda request, **_: sent.append(request.url))
+    with pytest.raises(S3CredentialsError) as info:
+        list(objects.list(prefix="sessions/"))
+    assert isinstance(info.value, StorageError) and not isinstance(info.value, TransientStorageError)
+    assert "LIST not sent: no AWS credentials found" in str(info.value) and sent == []
+    with pytest.raises(S3CredentialsError, match="PUT not sent"):
+        objects.put(key="k", data=b"x")
+    import pickle
+
+    assert str(pickle.loads(pickle.dumps(info.value))) == str(info.value)  # crosses a Ray actor boundary
+
+
+class _Body:
+    def __init__(self, data: bytes) -> None:
+        self._data = data
+
+    def stream(self, **_):
+        yield self._data
+
+
+@pytest.mark.parametrize("status, code, words", [
+    (403, "InvalidAccessKeyId", "access key id is not known"),
+    (403, "SignatureDoesNotMatch", "secret access key is wrong"),
+    (403, "AccessDenied", "s3:ListBucket"),
+    (400, "ExpiredToken", "session token has expired"),
+])
+def test_s3_refused_credentials_surface_at_once_unretried(s3_server, status, code, words):
+    from botocore.awsrequest import AWSResponse
+
+    from storage.s3 import S3CredentialsError
+
+    store = s3_server.open_store(max_attempts=5)
+    sent: list[str] = []
+
+    def refuse(request, **_):
+        sent.append(request.url)
+        body = f"<Error><Code>{code}</Code><Message>refused</Message></Error>".encode()
+        return AWSResponse(request.url, status, {"Content-Type": "application/xml"}, _Body(body))
+
+    store.objects.client.meta.events.register("before-send.s3", refuse)
+    try:
+        with pytest.raises(S3CredentialsError) as info:
+            store.list_checkpoints("s-one")
+        assert len(sent) == 1  # not retried: botocore sent it once, and nothing above tried again
+        text = str(info.value)
+        assert f"LIST refused ({code})" in text and words in text and "retries" not in text
+        with pytest.raises(S3CredentialsError, match=code):
+            store.objects.get(key="sessions/_/s-one/lease.json")
+        assert len(sent) == 2
+    finally:
+        store.close()
+
+
+def test_s3_region_comes_from_the_aws_profile_when_none_is_given(s3_server, monkeypatch, tmp_path):
+    from storage.s3 import S3CredentialsError, S3ObjectStore
+
+    config = tmp_path / "config"
+    config.write_text("[profile work]\nregion = eu-west-3\n[default]\nregion = sa-east-1\n")
+    credentials = tmp_path / "credentials"
+    credentials.write_text("[work]\naws_access_key_id = testing\naws_secret_access_key = testing\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
+    monkeypatch.setenv("AWS_PROFILE", "work")
+    for var in ("AWS_REGION", "AWS_DEFAULT_REGION", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    bucket = s3_server.new_bucket()
+
+    objects = S3ObjectStore(bucket, "root", endpoint_url=s3_server.endpoint_url)
+    assert objects.region == "eu-west-3" and objects.client.meta.region_name == "eu-west-3"
+    assert list(objects.list(prefix="sessions/")) == []  # the profile's keys sign the request
+    objects.close()
+    assert S3ObjectStore(bucket, endpoint_url=s3_server.endpoint_url, region="ap-south-1").region == "ap-south-1"
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-west-2")
+    assert S3ObjectStore(bucket, endpoint_url=s3_server.endpoint_url).region == "us-west-2"
+    monkeypatch.setenv("AWS_REGION", "eu-central-1")
+    assert S3ObjectStore(bucket, endpoint_url=s3_server.endpoint_url).region == "eu-central-1"
+
+    monkeypatch.setenv("AWS_PROFILE", "nope")
+    with pytest.raises(S3CredentialsError, match="AWS profile 'nope'"):
+        S3ObjectStore(bucket, endpoint_url=s3_server.endpoint_url)
