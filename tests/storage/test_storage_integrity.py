@@ -680,6 +680,7 @@ def test_path17_acquire_gives_up_after_its_time_budget(store, monkeypatch):
 
 
 def test_path17_eight_concurrent_acquirers_all_succeed_with_distinct_rising_epochs(store):
+    floor, granted = 0, []
     for round_ in range(2):  # a new session (create-only race), then an existing lease (compare-and-swap race)
         barrier = threading.Barrier(8)
 
@@ -690,7 +691,11 @@ def test_path17_eight_concurrent_acquirers_all_succeed_with_distinct_rising_epoc
         with ThreadPoolExecutor(8) as pool:
             leases = list(pool.map(grab, range(8)))
         epochs = sorted(lease.epoch for lease in leases)
-        assert epochs == list(range(8 * round_ + 1, 8 * round_ + 9))  # distinct and strictly rising
+        # Distinct, and above every epoch granted before. Not necessarily contiguous: an acquirer that waited
+        # out a slow rival's claim goes above it, and the rival's swap then loses (its epoch is never used).
+        assert len(set(epochs)) == 8 and epochs[0] > floor, (floor, epochs)
+        floor = epochs[-1]
+        granted += epochs
         assert store.current_epoch("s1") == epochs[-1]
         newest = max(leases, key=lambda lease: lease.epoch)
         store.check_lease(newest)
@@ -698,8 +703,9 @@ def test_path17_eight_concurrent_acquirers_all_succeed_with_distinct_rising_epoc
             if lease is not newest:
                 with pytest.raises(LeaseLostError):
                     store.check_lease(lease)
-    markers = sorted(k for k in snapshot(store) if "/epochs/" in k)
-    assert markers == [layout.epoch_marker_key("s1", None, n) for n in range(1, 17)]
+    markers = {k for k in snapshot(store) if "/epochs/" in k}
+    assert {layout.epoch_marker_key("s1", None, n) for n in granted} <= markers  # every granted epoch was claimed
+    assert all(int(k.rsplit("/", 1)[1]) <= floor for k in markers)  # nothing claimed above the holder's
 
 
 # -- review: a fenced writer's checkpoint row --------------------------------------------------------------------------
