@@ -632,8 +632,11 @@ async def execute_request(
         except Exception as e:  # status rows are for observers; the run does not depend on them
             log.warning("session row %s of %r could not be written: %s", state, sid, e)
 
+    from loomray import telemetry  # process-wide observers (traces, Ray metrics); a no-op when none
+
     async def on_event(event: Event) -> None:
         await deliver(emit, event)
+        telemetry.observe(event, agent=agent, epoch=lease.epoch, node_id=node_id)
 
     tuning = agent.tuning
     ckpt_cfg = tuning.checkpoint_config()
