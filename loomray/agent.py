@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Sequence
 
+from loomray import control
 from loomray.config import Tuning
 from loomray.errors import InvalidIdError, LoomrayUserError
 from loomray.events import EmitFn
@@ -137,6 +138,7 @@ class Agent:
         session_id: str,
         from_checkpoint: str = "latest",
         user_id: str | None = None,
+        approvals: dict[str, Any] | None = None,
         **run_kwargs: Any,
     ) -> RunResult:
         """Continue ``session_id`` from a checkpoint (seed 000 semantics).
@@ -144,10 +146,20 @@ class Agent:
         ``"latest"`` or the latest checkpoint's id continues in place; an older
         id forks into a new ``sess...`` session (the original stays untouched).
         ``prompt=None`` appends "Continue the interrupted task.", except when
-        the session's last run is unfinished (a crash, a budget stop): then
-        ``resume(None)`` continues that very run (nothing appended, journaled
-        steps replayed). With no checkpoint this falls back to ``run`` against
-        the session's last run, replaying its journaled steps.
+        the session's last run is unfinished (a crash, a budget stop, a pause,
+        a wait for approval): then ``resume(None)`` continues that very run
+        (nothing appended, journaled steps replayed). With no checkpoint this
+        falls back to ``run`` against the session's last run, replaying its
+        journaled steps.
+
+        ``approvals`` decides tool calls a run stopped for
+        (``stop_reason="awaiting_approval"``, ``RunResult.pending_approvals``):
+        ``{call_id: True}`` approves, ``False`` or a reason (a str) denies (the
+        model gets the denial as that call's error result). The decisions are
+        stored first (``control/decision-*``, create-only: a call decided
+        differently before raises ``LoomrayUserError``), so they survive a crash;
+        the run journals each before acting on it, so each applies once. Calls
+        still undecided stop the run again with "awaiting_approval".
         """
         emit, extra_tools, output_schema, fields = _split_kwargs(run_kwargs)
         _check_ids(session_id, user_id, from_checkpoint)
@@ -160,6 +172,14 @@ class Agent:
             if not (rows and rows[0].checkpoint_id == from_checkpoint):
                 await self._require_checkpoint(session_id, from_checkpoint, user_id)
                 fork_of, target = session_id, new_id("sess")
+        if approvals:
+            if not isinstance(approvals, dict):
+                raise TypeError(f"approvals must be a dict of call id -> True | False | reason, got "
+                                f"{type(approvals).__name__}")
+            for call_id, decision in approvals.items():
+                control.normalize_decision(decision)  # a wrong type fails before anything is written
+            for call_id, decision in approvals.items():
+                await self.runtime.decide(target, call_id, decision, user_id=user_id, check_pending=fork_of is None)
         request = RunRequest(kind="resume", prompt=prompt, session_id=target, user_id=user_id,
                              from_checkpoint=from_checkpoint, fork_of=fork_of,
                              output_schema=_schema(output_schema), **fields)
@@ -194,6 +214,36 @@ class Agent:
                                output_schema=_schema(output_schema), **fields) for p in prompts]
         return await self.runtime.execute_many(self, requests, emit=emit, extra_tools=extra_tools,
                                                output_type=_output_type(output_schema))
+
+    # -- steering --------------------------------------------------------------
+    async def signal(self, session_id: str, text: str, user_id: str | None = None) -> str:
+        """Send ``text`` to the session as a user message, delivered at its next pass boundary; returns its id.
+
+        Stored first (``control/signal-*``), so it reaches a running session,
+        a waiting one (when it resumes) or one that crashes meanwhile, exactly
+        once (see :mod:`loomray.control`).
+        """
+        _check_ids(session_id, user_id)
+        return await self.runtime.signal(session_id, text, user_id=user_id)
+
+    async def pause(self, session_id: str, user_id: str | None = None) -> str | None:
+        """Ask the session to stop at its next pass boundary (``stop_reason="paused"``); ``resume()`` continues.
+
+        Returns the request's id, or None when the session is paused already.
+        """
+        _check_ids(session_id, user_id)
+        return await self.runtime.pause(session_id, user_id=user_id)
+
+    async def cancel(self, session_id: str, user_id: str | None = None) -> None:
+        """Cancel the session now: the step in flight is abandoned, the session is marked "cancelled".
+
+        Returns once the cancel is acknowledged: a run in this process has
+        stopped writing, and any writer elsewhere is fenced (see
+        :mod:`loomray.control`); nothing the session does afterwards is made
+        durable. Every later run of the session returns ``stop_reason="cancelled"``.
+        """
+        _check_ids(session_id, user_id)
+        await self.runtime.cancel(session_id, user_id=user_id)
 
     async def _require_checkpoint(self, session_id: str, checkpoint_id: str, user_id: str | None) -> None:
         if await self.get_checkpoint(session_id, checkpoint_id, user_id=user_id) is None:

@@ -123,8 +123,27 @@ class CompactionEvent(Event):
     messages_after: int
 
 
+class ControlEvent(Event):
+    """A control request took effect at this point of the run (see :mod:`loomray.control`).
+
+    ``kind`` is "signal" (``text`` joined the transcript as a user message),
+    "pause" (the run stops here), "approval" (``approved``/``reason`` decided
+    tool call ``tool_call_id``) or "cancel". ``replayed`` when it was applied
+    again from the journal (recovery), not consumed now.
+    """
+
+    type: Literal["control"] = "control"
+    kind: str
+    control: str | None = None
+    text: str | None = None
+    tool_call_id: str | None = None
+    approved: bool | None = None
+    reason: str | None = None
+    replayed: bool = False
+
+
 class RunEnd(Event):
-    """The run completed."""
+    """The run returned: completed, or stopped with ``stop_reason`` (awaiting approval, paused, ...)."""
 
     type: Literal["run_end"] = "run_end"
     output: str
@@ -143,7 +162,7 @@ class RunError(Event):
 
 AnyEvent = Union[
     RunStart, ModelCall, TextDelta, ModelResponseEvent, ToolCallEvent, ToolResultEvent, CheckpointEvent,
-    ReplayedStep, DeterminismViolation, CompactionEvent, RunEnd, RunError,
+    ReplayedStep, DeterminismViolation, CompactionEvent, ControlEvent, RunEnd, RunError,
 ]
 
 #: A user callback: sync or async, called with each event in order.

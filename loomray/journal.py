@@ -64,16 +64,39 @@ class JournalSink(Protocol):
     async def append(self, record: JournalRecord) -> None: ...
 
 
+#: Journal kinds of control requests a run consumed (see :mod:`loomray.control`): "signal" and "pause"
+#: at a pass boundary, "approval" before a tool call. Their ``output["control"]`` names the request.
+CONTROL_KINDS = ("signal", "pause", "approval")
+#: The kinds replay may answer from (run_start, run_end and seals are not steps).
+STEP_KINDS = ("model", "tool", *CONTROL_KINDS)
+
+
 def model_step_key(turn: int) -> str:
     return f"t{turn:04d}-model"
 
 
-def tool_step_key(turn: int, call_id: str) -> str:
-    # Call ids come from providers; keep the key a valid storage id whatever they contain.
+def safe_call_id(call_id: str) -> str:
+    """A provider's tool-call id as a valid storage id segment (a digest keeps distinct ids distinct)."""
     safe = "".join(ch if ch.isalnum() or ch in "_-" else "_" for ch in call_id)[:80]
     if safe != call_id:  # rewritten: a digest keeps distinct ids distinct
         safe = f"{safe[:70]}-{hashlib.sha256(call_id.encode()).hexdigest()[:8]}"
-    return f"t{turn:04d}-tool-{safe}"
+    return safe
+
+
+def tool_step_key(turn: int, call_id: str) -> str:
+    # Call ids come from providers; keep the key a valid storage id whatever they contain.
+    return f"t{turn:04d}-tool-{safe_call_id(call_id)}"
+
+
+def approval_step_key(turn: int, call_id: str) -> str:
+    """Where the decision on tool call ``call_id`` of pass ``turn`` is journaled."""
+    return f"t{turn:04d}-approval-{safe_call_id(call_id)}"
+
+
+def boundary_step_key(turn: int, control: str) -> str:
+    """Where consuming control request ``control`` (a signal or pause) at the boundary before pass ``turn`` is
+    journaled."""
+    return f"t{turn:04d}-{control}"
 
 
 class StepRunner:
@@ -113,6 +136,8 @@ class StepRunner:
         self.run_id = run_id
         self._by_key: dict[str, JournalRecord] = {}
         self._by_idem: dict[str, JournalRecord] = {}
+        #: Signal/pause records by the pass boundary (turn) they were consumed at.
+        self._boundary: dict[int, dict[str, JournalRecord]] = {}
         for rec in prior:
             self._index(rec)
         self._msg_digests: dict[int, tuple[Message, bytes]] = {}
@@ -130,6 +155,16 @@ class StepRunner:
         key = rec.output.get("idempotency_key") if rec.kind == "tool" else None
         if key:
             self._by_idem[f"{rec.output.get('tool')}:{key}"] = rec
+        if rec.kind in ("signal", "pause") and rec.step_key[1:5].isdigit():
+            self._boundary.setdefault(int(rec.step_key[1:5]), {})[rec.step_key] = rec
+
+    def journaled(self, step_key: str) -> JournalRecord | None:
+        """The record that answers ``step_key`` (journaled earlier, or recorded by this run), if any."""
+        return self._by_key.get(step_key)
+
+    def boundary_records(self, turn: int) -> list[JournalRecord]:
+        """The signal and pause records consumed at the boundary before pass ``turn``, in journal order."""
+        return sorted(self._boundary.get(turn, {}).values(), key=lambda r: r.seq)
 
     async def record(self, kind: str, step_key: str, ihash: str, output: dict[str, Any]) -> None:
         """Append a record (no-op without a sink) and make it answer later lookups."""

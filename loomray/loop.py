@@ -26,6 +26,27 @@ Invariants the loop keeps:
   the run checkpoints (unless nothing changed since the checkpoint it wrote or
   restored last) and returns ``stop_reason="budget_exceeded"`` without
   calling the model.
+
+Control (``LoopOptions.controls``, see :mod:`loomray.control`). A *pass
+boundary* is the top of a pass, right before its model call. At a boundary
+the loop, in this order: stops for a cancel (nothing more is written);
+stops for a pause (journals its consumption, then writes a checkpoint with
+``execution_status="paused"``); stops over budget; then appends pending
+signals as user messages, journaling each consumption. So no checkpoint is
+ever written at a boundary after its signals: a restored boundary checkpoint
+never holds them, and replay re-applies the journaled ones at the same
+boundary, in journal order, before the (replayed) model call. A boundary
+whose model step is journaled (replay) asks no new control request: adding
+one would change the model input. Before tool calls that need approval
+(``Tool.needs_approval``) the loop looks for a journaled decision, else asks
+``controls`` for one; if any is missing, nothing of the pass runs and the
+run returns ``stop_reason="awaiting_approval"`` after a checkpoint
+(``position="after_model"``, ``execution_status="awaiting_approval"``). A
+decision is journaled before the call runs (approved) or is answered with
+the denial (denied). A cancel the caller requested while a step was in
+flight (``controls.cancel_requested`` and the run's task cancelled) returns
+``stop_reason="cancelled"``: queued checkpoint uploads are dropped, nothing
+is flushed.
 """
 
 from __future__ import annotations
@@ -39,10 +60,10 @@ from loomray.compaction import compact, estimate_tokens
 from loomray.config import CheckpointConfig, Tuning
 from loomray.errors import LoomrayRunError, MaxTurnsExceeded
 from loomray.events import (
-    CheckpointEvent, CompactionEvent, EmitFn, Event, ModelCall, ModelResponseEvent, RunEnd,
+    CheckpointEvent, CompactionEvent, ControlEvent, EmitFn, Event, ModelCall, ModelResponseEvent, RunEnd,
     RunError, RunStart, ToolCallEvent, ToolResultEvent, deliver,
 )
-from loomray.journal import StepRunner, model_step_key
+from loomray.journal import StepRunner, approval_step_key, boundary_step_key, input_hash, model_step_key
 from loomray.models.base import ModelRequest
 from loomray.records import Checkpoint, Message, RunResult, StopReason, ToolCall, Usage
 from loomray.tools import ToolContext
@@ -93,6 +114,7 @@ class CheckpointWriter:
         self._emit = emit
         self._is_fatal = is_fatal
         self._tail: asyncio.Task | None = None
+        self._aborted = False
         self.fatal: BaseException | None = None
         #: The id of the last checkpoint written successfully.
         self.last_ok_id: str | None = None
@@ -112,8 +134,12 @@ class CheckpointWriter:
     async def _chained(self, prev: asyncio.Task | None, ckpt: Checkpoint, data: bytes) -> None:
         if prev is not None:
             await asyncio.shield(prev)  # keep uploads in order
-        if self.fatal is None:
+        if self.fatal is None and not self._aborted:
             await self._write(ckpt, data)
+
+    def abort(self) -> None:
+        """Drop every queued upload that has not started (a cancelled run makes nothing more durable)."""
+        self._aborted = True
 
     async def _write(self, ckpt: Checkpoint, data: bytes) -> None:
         try:
@@ -198,6 +224,34 @@ def tool_results_slot(messages: list[Message]) -> int:
 
 
 @dataclass
+class ControlSnapshot:
+    """The control requests pending for a session, as one look at them (``controls.poll()``) found them.
+
+    Names are the requests' ids (their object names); ``signals`` are oldest first.
+    """
+
+    cancelled: bool = False
+    pauses: list[str] = field(default_factory=list)
+    signals: list[tuple[str, str]] = field(default_factory=list)
+    #: tool call id -> (request name, approved, reason)
+    decisions: dict[str, tuple[str, bool, str | None]] = field(default_factory=dict)
+
+
+class _Stopped(Exception):
+    """Raised inside a pass to return ``result`` (awaiting approval, cancelled) from :meth:`_Loop.run`."""
+
+    def __init__(self, result: RunResult) -> None:
+        super().__init__(result.stop_reason)
+        self.result = result
+
+
+def denial_message(call: ToolCall, reason: str | None) -> Message:
+    """The error result a denied tool call returns to the model."""
+    text = f"Tool call denied by the user: {reason}" if reason else "Tool call denied by the user."
+    return Message(role="tool", content=text, tool_call_id=call.id, name=call.name, is_error=True)
+
+
+@dataclass
 class LoopOptions:
     """Per-run inputs that are not state."""
 
@@ -214,6 +268,12 @@ class LoopOptions:
     resume_position: str | None = None
     #: Raises when a write outside the loop (the journal) failed in a way that must stop the run.
     check_writes: Callable[[], None] | None = None
+    #: Where control requests come from (None: none). Duck-typed: ``await poll() -> ControlSnapshot``
+    #: (one look, e.g. one LIST), ``consume(name)`` (the request was journaled as consumed), and a
+    #: ``cancel_requested`` bool. See :mod:`loomray.control`.
+    controls: Any = None
+    #: ``execution_status`` of the restored checkpoint (with ``resumed_from_checkpoint``).
+    resume_status: str | None = None
 
 
 async def run_loop(
@@ -244,6 +304,11 @@ class _Loop:
         # The transcript as the last checkpoint this run wrote, or restored, holds it (None: not saved yet).
         self._saved: tuple[int, list[Message]] | None = (
             (state.turn, list(state.messages)) if options.resumed_from_checkpoint and self.parent else None)
+        self._saved_status = options.resume_status if self._saved is not None else None
+        # The turn of the restored checkpoint (None: started fresh): a pause journaled at that boundary and
+        # recorded by that checkpoint ("paused") was honored; resuming goes past it.
+        self._restored_turn = state.turn if options.resumed_from_checkpoint else None
+        self._signals: list[tuple[str, str, bool]] = []
 
     async def emit(self, event: Event) -> None:
         await deliver(self._emit, event)
@@ -258,7 +323,7 @@ class _Loop:
         if self.o.check_writes is not None:
             self.o.check_writes()
 
-    async def checkpoint(self, position: str, status: str = "active") -> None:
+    async def checkpoint(self, position: str, status: str = "active", pending: list[ToolCall] | None = None) -> None:
         if self.writer is None:
             return
         ckpt = Checkpoint(
@@ -267,9 +332,11 @@ class _Loop:
             cursor=make_cursor(self.s.run_id, self.turn, position), parent_checkpoint_id=self.parent,
             forked_from=self.s.forked_from, epoch=self.s.epoch, message_count=len(self.msgs),
             cumulative_usage=self.usage, messages=self.msgs,
+            pending_approvals=[c.id for c in pending] if pending is not None else None,
         )
         self.parent = ckpt.checkpoint_id
         self._saved = (self.turn, list(self.msgs))
+        self._saved_status = status
         await self.writer.save(ckpt)
 
     def unsaved(self) -> bool:
@@ -289,12 +356,78 @@ class _Loop:
         await self.emit(CompactionEvent(**self._ev(), tokens_before=before, tokens_after=estimate_tokens(new),
                                         messages_before=n_before, messages_after=len(new)))
 
+    def needs_approval(self, call: ToolCall) -> bool:
+        t = self.steps.tools.get(call.name)
+        return t is not None and t.needs_approval(call)
+
+    async def decide(self, calls: list[ToolCall]) -> dict[str, tuple[bool, str | None]]:
+        """Decisions on the calls of this pass that need approval; raises :class:`_Stopped` when one is missing.
+
+        A journaled decision is used as is (the policy is not asked again for it); the others come from
+        ``controls`` (one look) and are journaled, all of them, before any call of the pass runs.
+        """
+        out: dict[str, tuple[bool, str | None]] = {}
+        undecided: list[ToolCall] = []
+        for call in calls:
+            rec = self.steps.journaled(approval_step_key(self.turn, call.id))
+            if rec is not None:
+                out[call.id] = (bool(rec.output.get("approved")), rec.output.get("reason"))
+                await self.emit(ControlEvent(**self._ev(), kind="approval", control=rec.output.get("control"),
+                                             tool_call_id=call.id, approved=out[call.id][0],
+                                             reason=out[call.id][1], replayed=True))
+            elif self.needs_approval(call):
+                undecided.append(call)
+        if not undecided:
+            return out
+        c = self.o.controls
+        snap = await c.poll() if c is not None else ControlSnapshot()
+        if snap.cancelled:
+            raise _Stopped(self.cancelled())
+        missing = [call for call in undecided if call.id not in snap.decisions]
+        if missing:
+            raise _Stopped(await self.await_approval(missing))
+        for call in undecided:
+            name, approved, reason = snap.decisions[call.id]
+            await self.steps.record("approval", approval_step_key(self.turn, call.id),
+                                    input_hash({"name": call.name, "arguments": call.arguments}),
+                                    {"control": name, "call_id": call.id, "tool": call.name, "approved": approved,
+                                     "reason": reason})
+            c.consume(name)
+            out[call.id] = (approved, reason)
+            await self.emit(ControlEvent(**self._ev(), kind="approval", control=name, tool_call_id=call.id,
+                                         approved=approved, reason=reason))
+        return out
+
+    async def await_approval(self, missing: list[ToolCall]) -> RunResult:
+        """Stop before the pass's tool calls: checkpoint the assistant message that made them, and return."""
+        log.info("session %r run %s waits for approval of %s", self.s.session_id, self.s.run_id,
+                 [c.id for c in missing])
+        if self.writer is not None and (self.unsaved() or self._saved_status != "awaiting_approval"):
+            await self.checkpoint("after_model", status="awaiting_approval", pending=missing)
+        if self.writer is not None:
+            await self.writer.flush()
+        return self.result("awaiting_approval", output="", pending=missing)
+
+    def cancelled(self) -> RunResult:
+        """The result of a cancelled run: nothing more is written (queued uploads are dropped)."""
+        log.info("session %r run %s cancelled", self.s.session_id, self.s.run_id)
+        if self.writer is not None:
+            self.writer.abort()
+        return self.result("cancelled", output="")
+
     async def run_tools(self, calls: list[ToolCall]) -> None:
         """Run (or replay) ``calls`` concurrently; put their results, in call order, right after the calls."""
         self.check_writes()
+        decisions = await self.decide(calls)
 
         async def one(call: ToolCall) -> Message:
             await self.emit(ToolCallEvent(**self._ev(), tool_call=call))
+            decided = decisions.get(call.id)
+            if decided is not None and not decided[0]:
+                msg = denial_message(call, decided[1])
+                await self.emit(ToolResultEvent(**self._ev(), tool_call_id=call.id, name=call.name,
+                                                content=msg.content, is_error=True, replayed=False))
+                return msg
             ctx = ToolContext(session_id=self.s.session_id, user_id=self.s.user_id, run_id=self.s.run_id,
                               turn=self.turn, tool_call_id=call.id, context=self.o.context)
             msg, replayed = await self.steps.call_tool(call, ctx, turn=self.turn)
@@ -318,7 +451,24 @@ class _Loop:
                                  restored_checkpoint_id=self.s.parent_checkpoint_id if self.o.resumed_from_checkpoint else None,
                                  replaying=self.steps.replaying))
         try:
-            result = await self._run()
+            try:
+                result = await self._run()
+            except _Stopped as stopped:
+                result = stopped.result
+        except asyncio.CancelledError:
+            c = self.o.controls
+            if c is None or not c.cancel_requested:
+                if self.writer is not None:
+                    try:
+                        await self.writer.flush()
+                    except Exception:
+                        pass
+                raise
+            # Cancelled on request while a step was in flight: the step is abandoned, nothing more is written.
+            task = asyncio.current_task()
+            if task is not None and hasattr(task, "uncancel"):
+                task.uncancel()
+            result = self.cancelled()
         except BaseException as e:
             if self.writer is not None:
                 try:
@@ -354,9 +504,14 @@ class _Loop:
             await self.maybe_compact()
             assert not dangling_tool_calls(self.msgs), "never send dangling tool calls to a model"
             self.check_writes()
+            stopped = await self.boundary()
+            if stopped is not None:
+                return stopped
             over = self.o.tuning.over_budget(self.usage)
             if over is not None:
                 return await self.stop("budget_exceeded", over)
+            if await self.apply_signals():
+                await self.maybe_compact()
             request = ModelRequest(messages=self.msgs, tools=self.o.tool_schemas,
                                    output_schema=self.o.output_schema, effort=self.o.effort)
             await self.emit(ModelCall(**self._ev(), message_count=len(self.msgs), step_key=model_step_key(self.turn)))
@@ -391,6 +546,54 @@ class _Loop:
             await self.writer.flush()
         return self.result("completed", output=self.msgs[-1].content, structured=structured)
 
+    async def boundary(self) -> RunResult | None:
+        """Control at the pass boundary before pass ``turn``: a cancel or a pause stops the run here.
+
+        Also collects the signals to append (:meth:`apply_signals`): the ones journaled at this boundary
+        (replay), then, at a live boundary, the new ones. One ``controls.poll()`` at most.
+        """
+        journaled = self.steps.boundary_records(self.turn)
+        self._signals = [(r.output.get("control", ""), str(r.output.get("text", "")), True)
+                         for r in journaled if r.kind == "signal"]
+        c = self.o.controls
+        if c is None or self.steps.journaled(model_step_key(self.turn)) is not None:
+            return None  # replaying this boundary: its model call is journaled, nothing new may join it
+        paused = [r for r in journaled if r.kind == "pause"]
+        if paused and not (self._restored_turn == self.turn and self.o.resume_status == "paused"):
+            # Consumed here, but the stop was not recorded (the run died in between): stop now.
+            return await self.pause(paused[-1].output.get("control", ""), replayed=True)
+        snap = await c.poll()
+        if snap.cancelled:
+            return self.cancelled()
+        if snap.pauses:
+            for name in snap.pauses:
+                await self.steps.record("pause", boundary_step_key(self.turn, name), "", {"control": name})
+                c.consume(name)
+            return await self.pause(snap.pauses[-1], replayed=False)
+        self._signals += [(name, text, False) for name, text in snap.signals]
+        return None
+
+    async def pause(self, name: str, *, replayed: bool) -> RunResult:
+        await self.emit(ControlEvent(**self._ev(), kind="pause", control=name, replayed=replayed))
+        log.info("session %r run %s paused at turn %d", self.s.session_id, self.s.run_id, self.turn)
+        if self.writer is not None and (self.unsaved() or self._saved_status != "paused"):
+            await self.checkpoint("after_tools", status="paused")
+        if self.writer is not None:
+            await self.writer.flush()
+        return self.result("paused", output="")
+
+    async def apply_signals(self) -> bool:
+        """Append this boundary's signals as user messages (new ones are journaled first); True if any."""
+        signals, self._signals = self._signals, []
+        for name, text, replayed in signals:
+            if not replayed:
+                await self.steps.record("signal", boundary_step_key(self.turn, name), input_hash(text),
+                                        {"control": name, "text": text})
+                self.o.controls.consume(name)
+            self.msgs.append(Message(role="user", content=text))
+            await self.emit(ControlEvent(**self._ev(), kind="signal", control=name, text=text, replayed=replayed))
+        return bool(signals)
+
     async def stop(self, reason: StopReason, why: str) -> RunResult:
         """Stop before the next model call, leaving the run unfinished and resumable: checkpoint, flush, return."""
         log.info("session %r run %s stops (%s): %s", self.s.session_id, self.s.run_id, reason, why)
@@ -400,7 +603,8 @@ class _Loop:
             await self.writer.flush()
         return self.result(reason, output="")
 
-    def result(self, reason: StopReason, *, output: str, structured: Any = None) -> RunResult:
+    def result(self, reason: StopReason, *, output: str, structured: Any = None,
+               pending: list[ToolCall] = ()) -> RunResult:  # type: ignore[assignment]
         checkpoint_id = None
         if self.writer is not None:
             # Nothing written by this call but nothing changed either: the restored checkpoint is the state.
@@ -423,4 +627,5 @@ class _Loop:
             model_calls=self.steps.model_calls,
             replayed_steps=self.steps.replayed,
             stop_reason=reason,
+            pending_approvals=list(pending),
         )

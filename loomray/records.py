@@ -23,7 +23,9 @@ READABLE_SCHEMA_VERSIONS = frozenset({"1.0"})
 
 Role = Literal["system", "user", "assistant", "tool"]
 Position = Literal["after_model", "after_tools"]
-ExecutionStatus = Literal["active", "completed"]
+#: "awaiting_approval": the run stopped before tool calls that need a decision (the checkpoint holds the assistant
+#: message with those calls, position "after_model"); "paused": the run stopped at a pass boundary on request.
+ExecutionStatus = Literal["active", "completed", "awaiting_approval", "paused"]
 #: Why a run returned. "completed": the model gave its final answer; "budget_exceeded": the next model
 #: call would exceed ``Tuning.max_cost_usd``/``max_tokens`` (the run stays unfinished, ``resume`` continues
 #: it); "awaiting_approval", "paused", "cancelled": the run was stopped from outside before its end.
@@ -137,6 +139,8 @@ class Checkpoint(BaseModel):
     epoch: int | None = None
     message_count: int | None = None
     cumulative_usage: Usage = Field(default_factory=Usage)
+    #: With ``execution_status == "awaiting_approval"``: the ids of the tool calls that wait for a decision.
+    pending_approvals: list[str] | None = None
     messages: list[Message] = Field(default_factory=list)
 
     def validate(self) -> "Checkpoint":  # type: ignore[override]
@@ -253,3 +257,6 @@ class RunResult(BaseModel):
     replayed_steps: int = 0
     #: See :data:`StopReason`. Anything but "completed" leaves the run unfinished (no final answer in ``output``).
     stop_reason: StopReason = "completed"
+    #: With ``stop_reason == "awaiting_approval"``: the tool calls that wait for a decision
+    #: (``resume(None, session_id=..., approvals={call.id: True | False | "reason"})``).
+    pending_approvals: list[ToolCall] = Field(default_factory=list)

@@ -26,9 +26,18 @@ appended, instead of an empty one; its ``run_start`` and run record name
 that checkpoint as the base, so recovery restores the same transcript.
 
 A run the loop stopped before its end (``RunResult.stop_reason`` other than
-"completed", e.g. "budget_exceeded") records no ``run_end``: it stays
-unfinished, its status row says why it stopped, and ``resume(None)`` or the
-same ``run`` continues it.
+"completed", e.g. "budget_exceeded", "awaiting_approval", "paused") records
+no ``run_end``: it stays unfinished, its status row says why it stopped, and
+``resume(None)`` or the same ``run`` continues it.
+
+Control (:mod:`loomray.control`): a run registers itself for in-process
+cancels, watches ``cancel.json`` (one GET every few seconds) and hands the
+loop the session's control requests, minus those whose consumption the run
+it continues or the session's last run journaled. The loop runs in its own
+task, so a cancel abandons the step in flight; the run then waits for the
+store writes already started, writes the status row "cancelled" and only
+then lets the cancel be acknowledged. A cancelled session runs no more: a
+request on it returns ``stop_reason="cancelled"`` and writes nothing.
 """
 
 from __future__ import annotations
@@ -47,7 +56,8 @@ from pydantic import BaseModel, ConfigDict
 from loomray.errors import CheckpointException, DurabilityLost, LoomrayUserError
 from loomray.events import EmitFn, Event, deliver
 from loomray.ids import new_id
-from loomray.journal import JournalRecord, StepRunner, input_hash, tool_step_key
+from loomray import control
+from loomray.journal import STEP_KINDS, JournalRecord, StepRunner, approval_step_key, input_hash, tool_step_key
 from loomray.loop import (
     CONTINUE_NUDGE, CheckpointWriter, LoopOptions, LoopState, dangling_tool_calls, run_loop, run_of_cursor,
 )
@@ -108,11 +118,15 @@ class _Plan:
     #: The request the run executes: the caller's, or for ``resume(None)`` continuing an unfinished run,
     #: that run's own stored request (so its model requests, and their journal hashes, are unchanged).
     request: RunRequest | None = None
+    #: ``execution_status`` of the checkpoint the run restores (None: none).
+    resume_status: str | None = None
+    #: Control requests whose consumption the continued run or the session's last run journaled.
+    consumed: set[str] = field(default_factory=set)
 
 
 def _records(entries: list[JournalEntry]) -> list[JournalRecord]:
     return [JournalRecord(seq=e.seq, step_key=e.step_key, kind=e.kind, input_hash=e.input_hash, output=e.output)
-            for e in entries if e.kind in ("model", "tool")]
+            for e in entries if e.kind in STEP_KINDS]
 
 
 def _load(store: Any, session_id: str, checkpoint_id: str, user_id: str | None) -> Checkpoint | None:
@@ -139,7 +153,7 @@ def _pending_tool_records(store: Any, ckpt: Checkpoint, user_id: str | None) -> 
     source_run = run_of_cursor(ckpt.cursor)
     if not pending or not source_run:
         return []
-    keys = {tool_step_key(ckpt.turn, c.id) for c in pending}
+    keys = {k for c in pending for k in (tool_step_key(ckpt.turn, c.id), approval_step_key(ckpt.turn, c.id))}
     try:
         entries = store.journal_list(ckpt.session_id, source_run, user_id=user_id)
     except Exception as e:  # the journal is an optimisation here: without it the tools run again
@@ -157,6 +171,8 @@ class _LastRun:
     journal: Any = None
     start: JournalEntry | None = None
     done: bool = False
+    #: The entries replay may use, as this incarnation's seal will leave them.
+    entries: list[JournalEntry] = field(default_factory=list)
 
     @property
     def spec(self) -> str | None:
@@ -185,7 +201,7 @@ def _last_run(store: Any, sid: str, uid: str | None, lease: Any = None,
     view = journal
     if lease is not None and run_id not in sealed:  # not sealed yet: judge it as its seal will make it
         view = journal.sealed_view(lease, _seen(seen, run_id))
-    return _LastRun(run_id, record, journal, view.start, view.finished)
+    return _LastRun(run_id, record, journal, view.start, view.finished, view.entries)
 
 
 def _seen(seen: dict[str, frozenset[str]] | None, run_id: str) -> frozenset[str] | None:
@@ -230,6 +246,24 @@ def pre_lease_listing(store: Any, request: RunRequest) -> Any:
     return store.journal_listing(request.session_id, user_id=request.user_id, run_id=request.run_id)
 
 
+def fence_session(store: Any, session_id: str, user_id: str | None, *, owner: str) -> Any:
+    """Take the session's lease and seal the runs its old owner may still append to; return the lease.
+
+    What a new owner does before its first step (:func:`execute_request`),
+    without running anything: afterwards whatever an older writer does is not
+    durable (its checkpoint writes are refused or retired, its journal entries
+    above the seals are never replayed). ``loomray cancel`` uses it.
+    """
+    request = RunRequest(session_id=session_id, user_id=user_id)
+    fence = FenceNote(lambda: pre_lease_listing(store, request))
+    lease = store.acquire_lease(session_id, user_id=user_id, owner=owner, note=fence)
+    for run_id, keys in fence.listing.runs.items():
+        store.journal_seal_listed(session_id, run_id, user_id=user_id, lease=lease, listed=keys)
+    if fence.chain:
+        store.journal_complete_fences(session_id, user_id=user_id, chain=fence.chain, listed=dict(fence.listing.runs))
+    return lease
+
+
 def _plan(agent: Any, request: RunRequest, store: Any, lease: Any = None,
           seen: dict[str, frozenset[str]] | None = None, chain: list[dict[str, Any]] = ()) -> _Plan:
     """Where the run starts: fresh, a checkpoint, a fork, or the continuation of an unfinished run.
@@ -271,6 +305,7 @@ def _plan(agent: Any, request: RunRequest, store: Any, lease: Any = None,
     else:
         plan = _base(agent, request, store, request.run_id or new_id("run"), last=(last.run_id, last.start))
     plan.request = request
+    plan.consumed = control.consumed_names(plan.prior) | control.consumed_names(last.entries)
     if lease is not None:
         if last.record is None or last.record.run_id != plan.run_id:
             out = plan.start_output
@@ -327,7 +362,8 @@ def _continue(agent: Any, request: RunRequest, store: Any, run_id: str, last: _L
         # This run already checkpointed: restore its newest snapshot; its prompt is in the transcript.
         plan = _Plan(run_id=run_id, state=_from_checkpoint(agent, request, run_id, latest),
                      prompt=None, prior=prior, next_seq=next_seq, continuing=True, start_output=start_out,
-                     resumed_from_checkpoint=True, resume_position=latest.position)
+                     resumed_from_checkpoint=True, resume_position=latest.position,
+                     resume_status=latest.execution_status)
         plan.state.forked_from = latest.forked_from
         if latest.execution_status == "completed":
             plan.finished = latest
@@ -352,7 +388,8 @@ def _restart(agent: Any, request: RunRequest, store: Any, run_id: str, start_out
         state = _from_checkpoint(agent, request, run_id, ckpt)
         state.forked_from = source if source != sid else ckpt.forked_from
         return _Plan(run_id=run_id, state=state, prompt=prompt, prior=_pending_tool_records(store, ckpt, uid),
-                     resumed_from_checkpoint=True, resume_position=ckpt.position, start_output=start_out)
+                     resumed_from_checkpoint=True, resume_position=ckpt.position, start_output=start_out,
+                     resume_status=ckpt.execution_status)
     # A run from a fresh transcript (a fallback one replays its source run, read by the caller).
     return _Plan(run_id=run_id, state=_fresh(agent, request, run_id), prompt=prompt, start_output=start_out)
 
@@ -370,6 +407,7 @@ def _base(agent: Any, request: RunRequest, store: Any, run_id: str,
         if latest is not None and latest.execution_status == "completed":
             return _Plan(run_id=run_id, state=_from_checkpoint(agent, request, run_id, latest), prompt=request.prompt,
                          resumed_from_checkpoint=True, resume_position=latest.position,
+                         resume_status=latest.execution_status,
                          start_output={"kind": "run", "prompt": request.prompt,
                                        "base_checkpoint_id": latest.checkpoint_id, "source_session": sid})
         return _Plan(run_id=run_id, state=_fresh(agent, request, run_id), prompt=request.prompt,
@@ -384,7 +422,7 @@ def _base(agent: Any, request: RunRequest, store: Any, run_id: str,
         prompt = request.prompt if request.prompt is not None else CONTINUE_NUDGE
         return _Plan(run_id=run_id, state=_from_checkpoint(agent, request, run_id, ckpt), prompt=prompt,
                      prior=_pending_tool_records(store, ckpt, uid), resumed_from_checkpoint=True,
-                     resume_position=ckpt.position,
+                     resume_position=ckpt.position, resume_status=ckpt.execution_status,
                      start_output={"kind": "resume", "prompt": prompt, "base_checkpoint_id": ckpt.checkpoint_id,
                                    "source_session": source})
     # Fallback: no checkpoint. Re-run against the session's last run, replaying its journaled steps.
@@ -426,8 +464,9 @@ class _StoreSink:
     """
 
     def __init__(self, store: Any, request: RunRequest, run_id: str, lease: Any,
-                 recheck_s: float = LEASE_RECHECK_S) -> None:
+                 recheck_s: float = LEASE_RECHECK_S, inflight: _Inflight | None = None) -> None:
         self.store, self.request, self.run_id, self.lease = store, request, run_id, lease
+        self.inflight = inflight or _Inflight()
         self.recheck_s = recheck_s
         self._checked = time.monotonic()
         # Read since the previous model call? The plan read it right before the run's first step.
@@ -452,7 +491,7 @@ class _StoreSink:
                              seq=record.seq, step_key=record.step_key, kind=record.kind,
                              input_hash=record.input_hash, output=record.output, epoch=self.lease.epoch)
         try:
-            await asyncio.to_thread(self.store.journal_append, entry)
+            await self.inflight.run(self.store.journal_append, entry)
         except LeaseLostError:
             raise
         except Exception as e:  # the step already happened; losing its record only costs a re-run later
@@ -468,6 +507,29 @@ class _StoreSink:
             except Exception as e:  # unreadable now: the next checkpoint write or recheck decides
                 log.warning("lease of session %r could not be re-read: %s: %s", self.request.session_id,
                             type(e).__name__, e)
+
+
+class _Inflight:
+    """The store writes a run has started: each runs in a worker thread that outlives a cancelled awaiter, so
+    a cancel waits for them (:meth:`drain`) before it is acknowledged."""
+
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Future] = set()
+
+    async def run(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        fut = asyncio.ensure_future(asyncio.to_thread(fn, *args, **kwargs))
+        self.tasks.add(fut)
+        fut.add_done_callback(self._done)
+        return await asyncio.shield(fut)
+
+    def _done(self, fut: asyncio.Future) -> None:
+        self.tasks.discard(fut)
+        if not fut.cancelled():
+            fut.exception()  # retrieved: its awaiter may have been cancelled
+
+    async def drain(self) -> None:
+        while self.tasks:
+            await asyncio.wait(list(self.tasks))
 
 
 #: Write errors no retry can fix (a bad id, a wrong type, a bug): they stop the run instead of being logged.
@@ -615,12 +677,35 @@ async def execute_request(
     """
     t = asyncio.to_thread
     sid, uid = request.session_id, request.user_id
+    # Registered before the cancel check: a cancel either finds this run here or its cancel.json is found below.
+    handle = control.register(store, sid, uid)
+    try:
+        if handle.cancel_requested or await t(control.is_cancelled, store, sid, uid):
+            return _cancelled_result(request)
+        return await _execute(agent, request, store, handle, max_checkpoints_per_session=max_checkpoints_per_session,
+                              emit=emit, extra_tools=extra_tools, output_type=output_type, owner=owner,
+                              agent_ref=agent_ref, node_id=node_id)
+    finally:
+        control.unregister(handle)  # after the run's last write: what a cancel waits for
+
+
+def _cancelled_result(request: RunRequest, run_id: str | None = None) -> RunResult:
+    return RunResult(output="", session_id=request.session_id, user_id=request.user_id, run_id=run_id,
+                     stop_reason="cancelled")
+
+
+async def _execute(agent: Any, request: RunRequest, store: Any, handle: Any, *, max_checkpoints_per_session: int,
+                   emit: EmitFn | None, extra_tools: Any, output_type: Any, owner: str | None,
+                   agent_ref: str | None, node_id: str | None) -> RunResult:
+    t = asyncio.to_thread
+    sid, uid = request.session_id, request.user_id
     # Listed right before the lease swap (what the seals go above), and recorded by that swap, so the
     # fence survives this process dying between taking the lease and sealing (storage.journal.FenceNote).
     fence = FenceNote(lambda: pre_lease_listing(store, request))
     lease = await t(store.acquire_lease, sid, user_id=uid, owner=owner or _owner(), note=fence)
     plan = await t(_plan, agent, request, store, lease, dict(fence.listing.runs), fence.chain)
     request = plan.request or request
+    inflight = _Inflight()
 
     async def status(state: str, error: str | None = None) -> None:
         # No request in the row: it may hold secrets, and the index is readable by every query.
@@ -642,13 +727,19 @@ async def execute_request(
     ckpt_cfg = tuning.checkpoint_config()
     # Every failed write is judged by one guard: a warning while ownership is proven, else the run stops.
     guard = _WriteGuard(store, lease)
-    sink = _StoreSink(_GuardedJournal(store, guard), request, plan.run_id, lease) if tuning.journal else None
+    sink = (_StoreSink(_GuardedJournal(store, guard), request, plan.run_id, lease, inflight=inflight)
+            if tuning.journal else None)
     tools = dict(agent.tools)
     tools.update(as_tools(extra_tools))
     steps = StepRunner(agent.model, tools, sink=sink, prior=plan.prior, next_seq=plan.next_seq, emit=on_event,
                        session_id=sid, run_id=plan.run_id, stream=emit is not None,
                        before_model_call=sink.before_model_call if sink is not None else None)
+    controls = control.SessionControls(store, sid, uid, consumed=plan.consumed, handle=handle,
+                                       journaled=sink is not None, inflight=inflight)
     plan.state.epoch = lease.epoch
+    watcher = None
+    if getattr(getattr(store, "objects", None), "backend", "memory") != "memory":
+        watcher = asyncio.ensure_future(control.watch_cancel(store, sid, uid, handle, control.cancel_poll_s()))
     await status("running")
     try:
         if not plan.continuing and sink is not None:
@@ -670,19 +761,22 @@ async def execute_request(
                          else max(0.0, u.cost_usd - written_cost[0]))
                 if sink is not None:
                     sink.lease_read_by_checkpoint()
+                consumed = controls.durable_mark()  # journaled before this write, which re-reads the lease
                 try:
-                    await t(store.put_checkpoint, data, session_id=sid, checkpoint_id=ckpt.checkpoint_id,
-                            user_id=uid, turn=ckpt.turn, created_at=ckpt.created_at, position=ckpt.position,
-                            execution_status=ckpt.execution_status, message_count=len(ckpt.messages),
-                            input_tokens=u.input_tokens, output_tokens=u.output_tokens, cost_usd=u.cost_usd,
-                            parent_checkpoint_id=ckpt.parent_checkpoint_id, forked_from=ckpt.forked_from,
-                            agent_id=ckpt.agent_id, lease=lease, keep=max_checkpoints_per_session,
-                            spend_usd=spend)
+                    await inflight.run(
+                        store.put_checkpoint, data, session_id=sid, checkpoint_id=ckpt.checkpoint_id,
+                        user_id=uid, turn=ckpt.turn, created_at=ckpt.created_at, position=ckpt.position,
+                        execution_status=ckpt.execution_status, message_count=len(ckpt.messages),
+                        input_tokens=u.input_tokens, output_tokens=u.output_tokens, cost_usd=u.cost_usd,
+                        parent_checkpoint_id=ckpt.parent_checkpoint_id, forked_from=ckpt.forked_from,
+                        agent_id=ckpt.agent_id, lease=lease, keep=max_checkpoints_per_session, spend_usd=spend)
                 except Exception as e:
                     await t(guard.failed, f"checkpoint {ckpt.checkpoint_id}", e)  # raises unless only a warning
                     raise
                 written_cost[0] = u.cost_usd
                 guard.durable()
+                if consumed:
+                    await controls.durable(consumed)
 
             writer = CheckpointWriter(put, durability=tuning.durability, emit=on_event, is_fatal=guard.is_fatal)
             options = LoopOptions(
@@ -690,8 +784,27 @@ async def execute_request(
                 tool_schemas=[x.schema for x in tools.values()], output_schema=request.output_schema,
                 output_validator=_output_validator(output_type, request.output_schema), effort=request.effort,
                 context=request.context, resumed_from_checkpoint=plan.resumed_from_checkpoint,
-                resume_position=plan.resume_position, check_writes=guard.check)
-            result = await run_loop(plan.state, steps, options, writer=writer, emit=on_event)
+                resume_position=plan.resume_position, check_writes=guard.check, controls=controls,
+                resume_status=plan.resume_status)
+            # Its own task: a cancel abandons the step in flight (see loomray.control).
+            loop_task = asyncio.ensure_future(run_loop(plan.state, steps, options, writer=writer, emit=on_event))
+            handle.task = loop_task
+            if handle.cancel_requested:
+                loop_task.cancel()
+            try:
+                result = await loop_task
+            except asyncio.CancelledError:
+                me = asyncio.current_task()
+                if not (loop_task.cancelled() and handle.cancel_requested and me is not None
+                        and not me.cancelling()):
+                    raise
+                result = _cancelled_result(request, plan.run_id)  # cancelled before its first step
+            finally:
+                handle.task = None
+            if result.stop_reason == "cancelled":
+                await inflight.drain()
+                await status("cancelled")
+                return result
             guard.check()  # a write that failed after the last step: the status must not claim durability
         if guard.undurable:
             # Writes failed after the last checkpoint (warnings while the lease was provable): the run's end is
@@ -701,9 +814,11 @@ async def execute_request(
                         "recorded as completed (re-issue the run to record its end)", sid, plan.run_id,
                         guard.undurable)
             return result
+        await controls.release(lambda: store.check_lease(lease))
         if result.stop_reason != "completed":
-            # Stopped before its end (over budget, ...): the run stays unfinished, no run_end, so resume(None)
-            # or the same run() continues it. The status is not an active one: a supervisor leaves it alone.
+            # Stopped before its end (over budget, awaiting approval, paused): the run stays unfinished, no
+            # run_end, so resume(None) or the same run() continues it. The status is not an active one: a
+            # supervisor leaves it alone.
             await status(result.stop_reason)
             return result
         # Status first, run_end last: a crash between them re-enters this run and finds it finished.
@@ -712,11 +827,31 @@ async def execute_request(
             await steps.record("run_end", RUN_END, "", {"turns": result.turns, "checkpoint_id": result.checkpoint_id,
                                                         "model_calls": result.model_calls})
     except LeaseLostError:
+        if handle.cancel_requested or await _cancelled(store, sid, uid):
+            # Fenced by the cancel itself (loomray cancel takes the lease): the run ends as cancelled.
+            await inflight.drain()
+            return _cancelled_result(request, plan.run_id)
         raise  # fenced: a newer incarnation owns the session and its status rows
     except BaseException as e:
+        if handle.cancel_requested and isinstance(e, (Exception, asyncio.CancelledError)):
+            await inflight.drain()
+            await status("cancelled")
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            return _cancelled_result(request, plan.run_id)
         await status("failed", error=f"{type(e).__name__}: {e}")
         raise
+    finally:
+        if watcher is not None:
+            watcher.cancel()
     return result
+
+
+async def _cancelled(store: Any, sid: str, uid: str | None) -> bool:
+    try:
+        return await asyncio.to_thread(control.is_cancelled, store, sid, uid)
+    except Exception:
+        return False
 
 
 def _finished_result(plan: _Plan) -> RunResult:

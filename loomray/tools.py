@@ -8,6 +8,12 @@ to the model as a tool message with ``is_error=True``.
 A parameter annotated with :class:`ToolContext` is not part of the schema; the
 loop passes the run's context there (session, user, ``context=`` value, and
 the step's idempotency key).
+
+``@tool(requires_approval=True)`` (or a policy ``callable(call) -> bool``)
+makes a call wait for a human decision: the run stops with
+``stop_reason="awaiting_approval"`` before the call runs, and
+``Agent.resume(None, session_id=..., approvals={call_id: True | False | "reason"})``
+continues it (see :mod:`loomray.control`).
 """
 
 from __future__ import annotations
@@ -84,6 +90,7 @@ class Tool:
         name: str | None = None,
         description: str | None = None,
         idempotency_key: Callable[[dict[str, Any]], str] | None = None,
+        requires_approval: bool | Callable[[ToolCall], bool] = False,
     ) -> None:
         if not callable(fn):
             raise TypeError(f"a tool must be callable, got {type(fn).__name__}")
@@ -94,6 +101,10 @@ class Tool:
         doc_desc, arg_docs = _parse_docstring(fn.__doc__)
         self.description = description if description is not None else doc_desc
         self.idempotency_key = idempotency_key
+        if not (isinstance(requires_approval, bool) or callable(requires_approval)):
+            raise TypeError("requires_approval must be a bool or a callable(call) -> bool, "
+                            f"got {type(requires_approval).__name__}")
+        self.requires_approval = requires_approval
         self.is_async = inspect.iscoroutinefunction(fn)
         self._context_param: str | None = None
         fields: dict[str, Any] = {}
@@ -132,6 +143,17 @@ class Tool:
         if self.idempotency_key is None:
             return None
         return str(self.idempotency_key(arguments))
+
+    def needs_approval(self, call: ToolCall) -> bool:
+        """True when ``call`` must wait for a decision. A policy that raises counts as "needs approval"
+        (fail closed); a policy's answer is only asked while the call has no journaled decision."""
+        policy = self.requires_approval
+        if isinstance(policy, bool):
+            return policy
+        try:
+            return bool(policy(call))
+        except Exception:
+            return True
 
     async def invoke(self, arguments: dict[str, Any], ctx: ToolContext) -> str:
         """Validate ``arguments`` and run the tool; return its result as text.
@@ -184,6 +206,7 @@ def tool(
     name: str | None = None,
     description: str | None = None,
     idempotency_key: Callable[[dict[str, Any]], str] | None = None,
+    requires_approval: bool | Callable[[ToolCall], bool] = False,
 ):
     """Make a function a :class:`Tool`; usable bare (``@tool``) or with options.
 
@@ -191,10 +214,15 @@ def tool(
     whose key was already journaled in this run returns the journaled result
     instead of running again, and the key reaches the tool as
     ``ToolContext.idempotency_key`` so it can be passed to an external API.
+
+    ``requires_approval=True`` (or ``requires_approval=policy``, a
+    ``callable(call: ToolCall) -> bool``) stops the run before such a call
+    runs, with ``stop_reason="awaiting_approval"``; see :mod:`loomray.control`.
     """
 
     def wrap(f: Callable[..., Any]) -> Tool:
-        return Tool(f, name=name, description=description, idempotency_key=idempotency_key)
+        return Tool(f, name=name, description=description, idempotency_key=idempotency_key,
+                    requires_approval=requires_approval)
 
     if fn is not None:
         return wrap(fn)

@@ -68,3 +68,32 @@ def quarantine_key(session_id: str, user_id: str | None, checkpoint_id: str) -> 
 def index_partition(kind_prefix: str, session_id: str, user_id: str | None) -> str:
     """Hive-style partition of one session: ``index/{kind}/user={u}/session={s}/``."""
     return f"{kind_prefix}user={user_segment(user_id)}/session={validate_id(session_id, 'session_id')}/"
+
+
+#: The compacted checkpoint table (see :mod:`storage.table`): one Parquet file per user and UTC day.
+TABLE_INDEX = "index/table/"
+
+
+def table_user_prefix(user_id: str | None) -> str:
+    """``index/table/user={u}/``: every object of one user's compacted table (partitions and manifest)."""
+    return f"{TABLE_INDEX}user={user_segment(user_id)}/"
+
+
+def table_partition_key(user_id: str | None, day: str) -> str:
+    """``index/table/user={u}/day={YYYY-MM-DD}/part-0.parquet``: replaced in place by each compaction."""
+    return f"{table_user_prefix(user_id)}day={day}/part-0.parquet"
+
+
+def table_manifest_key(user_id: str | None) -> str:
+    """``index/table/user={u}/_manifest.json.gz``: what the user's partitions absorbed (not a Parquet file)."""
+    return f"{table_user_prefix(user_id)}_manifest.json.gz"
+
+
+def control_prefix(session_id: str, user_id: str | None) -> str:
+    """``sessions/{user or _}/{session_id}/control/``: control requests (signals, pauses, decisions, cancel)."""
+    return f"{session_prefix(session_id, user_id)}control/"
+
+
+def control_key(session_id: str, user_id: str | None, name: str) -> str:
+    """One control request: ``control/{name}.json`` (create-only; ``name`` is a validated id)."""
+    return f"{control_prefix(session_id, user_id)}{validate_id(name, 'control name')}.json"

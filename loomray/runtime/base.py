@@ -5,7 +5,9 @@ An :class:`~loomray.Agent` turns each call into a
 runtimes call :func:`~loomray.session.execute_request` directly; the Ray
 runtime overrides :meth:`Runtime.execute` (one session actor per request) and
 :meth:`Runtime.execute_many` (parallel actors for fan-out forks).
-Checkpoint reads go straight to ``self.store`` from the caller's process.
+Checkpoint reads go straight to ``self.store`` from the caller's process, and
+so do control requests (``signal``, ``pause``, ``cancel``, ``decide``: objects
+in the store, see :mod:`loomray.control`).
 """
 
 from __future__ import annotations
@@ -85,6 +87,36 @@ class Runtime:
         if self.store is None:
             return None
         return await asyncio.to_thread(load_checkpoint, self.store, session_id, checkpoint_id, user_id=user_id)
+
+    # -- steering (loomray.control) ----------------------------------------------------------
+    # Control requests are objects in ``self.store``, so these work for a run in any process; a run in this
+    # process is also cancelled directly. A runtime whose runs live elsewhere may add a faster path (e.g.
+    # cancel the remote task at once) but must keep writing the objects: they are what makes control durable.
+    async def signal(self, session_id: str, text: str, *, user_id: str | None = None) -> str:
+        """Store a signal for the session's next pass boundary; returns its id."""
+        from loomray import control
+
+        return await asyncio.to_thread(control.send_signal, self.store, session_id, user_id, text)
+
+    async def pause(self, session_id: str, *, user_id: str | None = None) -> str | None:
+        """Ask the session to pause at its next pass boundary; returns the request's id (None: paused already)."""
+        from loomray import control
+
+        return await asyncio.to_thread(control.request_pause, self.store, session_id, user_id)
+
+    async def cancel(self, session_id: str, *, user_id: str | None = None) -> None:
+        """Cancel the session; returns once the cancel is acknowledged (see :mod:`loomray.control`)."""
+        from loomray import control
+
+        await control.cancel_session_async(self.store, session_id, user_id)
+
+    async def decide(self, session_id: str, call_id: str, decision: Any, *, user_id: str | None = None,
+                     check_pending: bool = True) -> bool:
+        """Record a decision on a tool call the session waits on; False when the same one was recorded."""
+        from loomray import control
+
+        return await asyncio.to_thread(control.record_decision, self.store, session_id, user_id, call_id, decision,
+                                       source="api", check_pending=check_pending)
 
     def close(self) -> None:
         """Release the store's clients."""

@@ -11,6 +11,15 @@ With ``CRASH_RESUME=1`` the child calls ``resume(session_id=...)`` (no prompt)
 instead of ``run``. The model is a ScriptedModel with a file-backed call counter (``DATA_DIR/model_calls``);
 the tool appends each effect to ``DATA_DIR/effects``. The result (transcript etc.)
 goes to OUT_JSON when the run completes.
+
+Control additions (tests/agent/test_agent_control.py), all off unless set:
+  ``CONTROL_APPROVE_PAGE=N``   the research call for page N requires approval
+  ``CONTROL_APPROVE=CALL_ID``  resume(None) with approvals={CALL_ID: True} instead of run
+  ``CONTROL_SIGNAL_AT_PAGE=N`` the research call for page N sends a signal (as another client would)
+  ``CONTROL_BLOCK_AT_PAGE=N``  the research call for page N writes DATA_DIR/started, then blocks until
+                               DATA_DIR/release exists
+  KILL_SPEC ``exit:kill``      SIGKILL right after OUT_JSON was written (the run returned: e.g. waiting)
+OUT_JSON then also holds ``stop_reason`` and ``pending`` (the ids of pending approvals).
 """
 
 from __future__ import annotations
@@ -51,10 +60,12 @@ def build(data_dir: str, kill: str | None, position: str = "both"):
             with open(os.path.join(data_dir, "effects"), "a") as f:
                 f.write(f"{topic}-{page}-partial\n")
             die()
+        _control_hook(data_dir, page)
         with open(os.path.join(data_dir, "effects"), "a") as f:
             f.write(f"{topic}-{page}\n")
         return f"page {page} on {topic}: " + "x" * 2048
 
+    research = _with_approval(research)
     model = ScriptedModel(
         [{"tool": "research", "args": {"topic": "ray", "page": i}} for i in range(PASSES)] + ["report: done"],
         counter_path=os.path.join(data_dir, "model_calls"))
@@ -86,11 +97,69 @@ def build(data_dir: str, kill: str | None, position: str = "both"):
     return agent, emit
 
 
+SIGNAL_TEXT = "SIGNAL: keep it short"
+
+
+def _control_hook(data_dir: str, page: int) -> None:
+    """What the control tests make the research tool do for one page (see the module docstring)."""
+    import time
+
+    if os.environ.get("CONTROL_SIGNAL_AT_PAGE") == str(page):
+        from loomray import control
+        from storage import open_store
+
+        store = open_store(os.path.join(data_dir, "store"))
+        control.send_signal(store, _SESSION[0], None, SIGNAL_TEXT, source="test")
+        store.close()
+    if os.environ.get("CONTROL_BLOCK_AT_PAGE") == str(page):
+        with open(os.path.join(data_dir, "started"), "w") as f:
+            f.write("started\n")
+        deadline = time.monotonic() + 120
+        while not os.path.exists(os.path.join(data_dir, "release")) and time.monotonic() < deadline:
+            time.sleep(0.02)
+
+
+def _with_approval(research):
+    page = os.environ.get("CONTROL_APPROVE_PAGE")
+    if page is None:
+        return research
+    from loomray import tool
+
+    return tool(requires_approval=lambda call: str(call.arguments.get("page")) == page)(research)
+
+
+_SESSION: list[str] = [""]
+
+
+async def _control_main(agent, emit, session_id: str, out: str, kill: str | None) -> bool:
+    """The control variants of main(); False when none applies."""
+    _SESSION[0] = session_id
+    approve = os.environ.get("CONTROL_APPROVE")
+    if approve is None:
+        return False
+    result = await agent.resume(None, session_id=session_id, emit=emit, approvals={approve: True})
+    _control_out(out, result, kill)
+    return True
+
+
+def _control_out(out: str, result, kill: str | None) -> None:
+    data = {"messages": [m.model_dump(mode="json") for m in result.messages], "turns": result.turns,
+            "model_calls": result.model_calls, "output": result.output, "stop_reason": result.stop_reason,
+            "pending": [c.id for c in result.pending_approvals],
+            "usage": result.usage.model_dump(mode="json"), "resumed_from_checkpoint": result.resumed_from_checkpoint}
+    with open(out, "w") as f:
+        json.dump(data, f)
+    if kill == "exit:kill":
+        die()
+
+
 async def main() -> None:
     data_dir, session_id, out = sys.argv[1], sys.argv[2], sys.argv[3]
     kill = sys.argv[4] if len(sys.argv) > 4 and sys.argv[4] else None
     position = os.environ.get("CRASH_POSITION", "both")
     agent, emit = build(data_dir, kill, position)
+    if await _control_main(agent, emit, session_id, out, kill):
+        return
     if os.environ.get("CRASH_RESUME"):  # the second process resumes instead of re-issuing the run
         result = await agent.resume(session_id=session_id, emit=emit)
     else:
@@ -100,6 +169,7 @@ async def main() -> None:
                    "model_calls": result.model_calls, "output": result.output,
                    "usage": result.usage.model_dump(mode="json"),
                    "resumed_from_checkpoint": result.resumed_from_checkpoint}, f)
+    _control_out(out, result, kill)
 
 
 if __name__ == "__main__":
