@@ -24,7 +24,14 @@ reports its peak.
    reply served exactly once (a call cut short by the kill was never served).
    Actor: one session, three runs. Dense: 200 sessions, ~100 on the victim.
 2. **Fan-out** of 8 and 32 forks from one checkpoint: time until every fork
-   made its first model call (all started) and until all returned.
+   made its first model call (all started) and until all returned. Actor
+   placement runs with a pool of standby session actors
+   (``RayRuntime(standby_actors=N)``, N = ``--standby``, by default the
+   largest fan-out measured) and each fan-out starts once the pool is warm,
+   as on a cluster that has been up a while; the table says how many forks
+   got a standby and how many had to start their own actor process.
+   ``--standby 0`` measures every fork starting its own process; ``--standby
+   0,32`` both, side by side.
 3. **Throughput**: N sessions (100) start and wait at a barrier, then each
    runs 20 passes on a scripted model (no latency), one checkpoint per pass.
    Aggregate checkpoints per second from the barrier to the last completion.
@@ -32,7 +39,10 @@ reports its peak.
    latency per call, 20 passes each, a checkpoint per pass; all must complete.
 
 Machines here are shared and have 2 cores: absolute numbers are noisy. Prints
-a table and writes ``bench/results/ray.json``.
+a table and writes ``bench/results/ray.json``. ``--phase fanout --forks 32
+--placements actor`` runs just one phase (``loss``, ``fanout``, ``throughput``,
+``scale``, comma-separated) and sizes; a partial run writes
+``bench/results/ray_<phases>.json``.
 """
 
 from __future__ import annotations
@@ -255,6 +265,7 @@ async def fan_out(runtime: RayRuntime, work: Path, n: int) -> dict:
     agent = Agent("bench", model=ScriptedModel(["source answer", fork_reply]), tuning=Tuning(checkpoint=True),
                   runtime=runtime, name="bench-fork")
     source = await agent.run("hi", session_id=f"fan-src-{n}")
+    standby = await _standby_warm(runtime)
     prompts = [f"fork-{n}-{i}" for i in range(n)]
     t0 = time.time()
     forks = await agent.fork(source.session_id, from_checkpoint=source.checkpoint_id, prompts=prompts)
@@ -262,9 +273,33 @@ async def fan_out(runtime: RayRuntime, work: Path, n: int) -> dict:
     first: dict[str, float] = {}
     for tag, t, _ in _calls(log):
         first.setdefault(tag, t)
-    return {"forks": n, "all_started_s": max(first.values()) - t0 if len(first) == n else None,
-            "first_started_s": min(first.values()) - t0, "all_done_s": done,
-            "completed": sum(f.output == "fork answer" for f in forks)}
+    out = {"forks": n, "all_started_s": max(first.values()) - t0 if len(first) == n else None,
+           "first_started_s": min(first.values()) - t0, "all_done_s": done,
+           "completed": sum(f.output == "fork answer" for f in forks)}
+    if standby is not None:
+        after = await runtime.standby_status()
+        out["standby"] = {"warm_at_fork": standby["warm"], "target": standby["target"],
+                          "waited_for_warm_s": standby["waited_s"],
+                          "forks_on_standby": after["claimed"] - standby["claimed"],
+                          "forks_own_actor": after["missed"] - standby["missed"]}
+    return out
+
+
+async def _standby_warm(runtime: RayRuntime, timeout: float = 120.0) -> dict | None:
+    """Actor placement with a standby pool: wait (at most ``timeout``) until this runtime's pool is all warm,
+    as on a cluster that has been up a while; its state then. None when there is no pool."""
+    if runtime.config.placement != "actor" or not runtime.config.standby_actors:
+        return None
+    from loomray.runtime.actors import standby_options
+
+    key = standby_options(runtime.config)[0]
+    t0 = time.monotonic()
+    while True:
+        status = await runtime.standby_status()
+        pool = next((p for p in status["pools"] if p["key"] == key), {"warm": 0, "target": None})
+        if pool["target"] is not None and pool["warm"] >= pool["target"] or time.monotonic() - t0 > timeout:
+            return {**status, "warm": pool["warm"], "target": pool["target"], "waited_s": time.monotonic() - t0}
+        await asyncio.sleep(0.2)
 
 
 # -- 3. throughput ---------------------------------------------------------------------------------------
@@ -336,7 +371,36 @@ async def _settle(timeout: float = 90.0) -> float:
     return os.getloadavg()[0]
 
 
-async def one_placement(placement: str, args) -> dict:
+PHASES = ("loss", "fanout", "throughput", "scale")
+
+
+def _phases(args) -> set[str]:
+    phases = set(PHASES) if args.phase == "all" else set(args.phase.split(","))
+    unknown = phases - set(PHASES)
+    if unknown:
+        raise SystemExit(f"unknown phase(s) {sorted(unknown)}; choose from {', '.join(PHASES)} or all")
+    return phases
+
+
+def _fork_counts(args) -> tuple[int, ...]:
+    if args.forks:
+        return tuple(int(n) for n in args.forks.split(","))
+    return (8,) if args.quick else (8, 32)
+
+
+def _standby_sizes(args) -> list[int]:
+    """Actor placement's pool(s) of standby session actors: ``--standby`` (one run per value), else sized
+    for the largest fan-out measured (what a deployment expecting such bursts configures)."""
+    if args.standby is not None:
+        return [int(n) for n in str(args.standby).split(",")]
+    if "fanout" in _phases(args):
+        return [max(_fork_counts(args))]
+    from loomray.runtime.actors import DEFAULT_STANDBY_ACTORS
+
+    return [DEFAULT_STANDBY_ACTORS]
+
+
+async def one_placement(placement: str, args, standby: int | None = None) -> dict:
     out: dict = {"placement": placement, "load_at_start": await _settle(5.0 if args.quick else 90.0)}
     with tempfile.TemporaryDirectory(prefix=f"loomray-raybench-{placement}-") as tmp, \
             MemorySampler() as mem, \
@@ -344,24 +408,30 @@ async def one_placement(placement: str, args) -> dict:
         work = Path(tmp)
         out["cluster_idle"] = mem.phase()
         # Keep every checkpoint (no retention) so the store itself holds what was written.
+        extra = {"standby_actors": standby} if placement == "actor" else {}
         runtime = RayRuntime(work / "store", max_checkpoints_per_session=0, placement=placement,
-                             actor_options={"resources": {"loomray_session": 1}})
-        print(f"[{placement}] node loss ...", flush=True)
-        latency = 0.2 if args.quick else args.loss_latency
-        if placement == "actor":
-            loss = [await node_loss(lc, runtime, work, i, 1, latency) for i in range(1 if args.quick else 3)]
-        else:
-            loss = [await node_loss(lc, runtime, work, 0, 20 if args.quick else args.loss_sessions, latency)]
-        out["node_loss"] = loss
-        out["node_loss_memory"] = mem.phase()
-        print(f"[{placement}] fan-out ...", flush=True)
-        out["fan_out"] = [await fan_out(runtime, work, n) for n in ((8,) if args.quick else (8, 32))]
-        out["fan_out_memory"] = mem.phase()
-        print(f"[{placement}] throughput ...", flush=True)
-        n = 10 if args.quick else (args.sessions if placement == "dense" else args.actor_sessions)
-        out["throughput"] = await throughput(runtime, work, n, 20)
-        out["throughput_memory"] = mem.phase()
-        if placement == "dense":
+                             actor_options={"resources": {"loomray_session": 1}}, **extra)
+        out["standby_actors"] = runtime.config.standby_actors if placement == "actor" else None
+        phases = _phases(args)
+        if "loss" in phases:
+            print(f"[{placement}] node loss ...", flush=True)
+            latency = 0.2 if args.quick else args.loss_latency
+            if placement == "actor":
+                loss = [await node_loss(lc, runtime, work, i, 1, latency) for i in range(1 if args.quick else 3)]
+            else:
+                loss = [await node_loss(lc, runtime, work, 0, 20 if args.quick else args.loss_sessions, latency)]
+            out["node_loss"] = loss
+            out["node_loss_memory"] = mem.phase()
+        if "fanout" in phases:
+            print(f"[{placement}] fan-out ...", flush=True)
+            out["fan_out"] = [await fan_out(runtime, work, n) for n in _fork_counts(args)]
+            out["fan_out_memory"] = mem.phase()
+        if "throughput" in phases:
+            print(f"[{placement}] throughput ...", flush=True)
+            n = 10 if args.quick else (args.sessions if placement == "dense" else args.actor_sessions)
+            out["throughput"] = await throughput(runtime, work, n, 20)
+            out["throughput_memory"] = mem.phase()
+        if placement == "dense" and "scale" in phases:
             print(f"[{placement}] scale ...", flush=True)
             out["scale"] = await scale(runtime, 50 if args.quick else args.scale_sessions, 5 if args.quick else 20,
                                        0.05 if args.quick else 0.2)
@@ -377,8 +447,14 @@ async def main_async(args) -> dict:
     out: dict = {"bench": "ray", "quick": args.quick, "ray": ray.__version__, "python": platform.python_version(),
                  "cpus": os.cpu_count(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  "load_before": os.getloadavg()}
+    out["runs"] = []
     for placement in args.placements.split(","):
-        out[placement] = await one_placement(placement, args)
+        sizes = _standby_sizes(args) if placement == "actor" else [None]
+        for size in sizes:
+            # One column per pool size when several are asked for: before/after in one run.
+            label = placement if len(sizes) == 1 else f"{placement}/s{size}"
+            out[label] = await one_placement(placement, args, size)
+            out["runs"].append(label)
     out["load_after"] = os.getloadavg()
     return out
 
@@ -388,10 +464,14 @@ def _f(value, fmt: str = "6.2f") -> str:
 
 
 def report(out: dict) -> None:
-    placements = [p for p in ("actor", "dense") if p in out]
+    placements = out["runs"]
     print(f"\nload average (1 min) before / after: {out['load_before'][0]:.1f} / {out['load_after'][0]:.1f}; at "
           + ", ".join(f"{p} start {out[p]['load_at_start']:.1f}" for p in placements))
     print(f"\n{'':<58}" + "".join(f"{p:>12}" for p in placements))
+    pools = {p: out[p]["standby_actors"] for p in placements if out[p].get("standby_actors") is not None}
+    if pools:
+        print("  (actor placement: RayRuntime(standby_actors=" + ", ".join(f"{n}" for n in pools.values())
+              + "); each fan-out starts once that pool is warm)")
 
     def row(label: str, get) -> None:
         cells = []
@@ -408,31 +488,39 @@ def report(out: dict) -> None:
             return _f(agg(vals)) if vals else "-"
         return get
 
-    print("node loss")
-    row("sessions lost with the node / in the run", lambda d: f"{sum(r['lost_sessions'] for r in d['node_loss'])}/"
-        f"{sum(r['sessions'] for r in d['node_loss'])}")
-    row("SIGKILL -> Ray declares node dead (Ray detection), s", loss("kill_to_node_dead_s"))
-    row("node dead -> next model call, median, s", loss("restore_s_median"))
-    row("node dead -> next model call, max over sessions, s", loss("restore_s_max", max))
-    row("SIGKILL -> new lease, median, s", loss("kill_to_new_lease_s_median"))
-    row("SIGKILL -> next model call, max, s", loss("kill_to_next_model_call_s_max", max))
-    row("model calls repeated", lambda d: str(sum(r["model_calls_repeated"] for r in d["node_loss"])))
-    row("completed", lambda d: f"{sum(r['completed'] for r in d['node_loss'])}/"
-        f"{sum(r['sessions'] for r in d['node_loss'])}")
-    row("peak cluster memory, MB", lambda d: str(d["node_loss_memory"]["peak_mb"]))
-    print("fan-out from one checkpoint")
-    for i, f in enumerate(out[placements[0]]["fan_out"]):
-        n = f["forks"]
-        row(f"{n} forks: all started, s", lambda d, i=i: _f(d["fan_out"][i]["all_started_s"]))
-        row(f"{n} forks: all done, s", lambda d, i=i: _f(d["fan_out"][i]["all_done_s"]))
-    row("peak cluster memory, MB", lambda d: str(d["fan_out_memory"]["peak_mb"]))
-    print("throughput (sessions x 20 passes, no model latency, a checkpoint per pass)")
-    row("sessions", lambda d: str(d["throughput"]["sessions"]))
-    row("all sessions up, s", lambda d: _f(d["throughput"]["all_up_s"], "6.1f"))
-    row("checkpoints/s, aggregate", lambda d: _f(d["throughput"]["checkpoints_per_s"], "6.0f"))
-    row("completed", lambda d: f"{d['throughput']['completed']}/{d['throughput']['sessions']}")
-    row("peak cluster memory, MB", lambda d: str(d["throughput_memory"]["peak_mb"]))
-    row("processes of the cluster, most", lambda d: str(d["throughput_memory"]["max_processes"]))
+    def has(key: str) -> bool:
+        return any(key in out[p] for p in placements)
+
+    if has("node_loss"):
+        print("node loss")
+        row("sessions lost with the node / in the run", lambda d: f"{sum(r['lost_sessions'] for r in d['node_loss'])}/"
+            f"{sum(r['sessions'] for r in d['node_loss'])}")
+        row("SIGKILL -> Ray declares node dead (Ray detection), s", loss("kill_to_node_dead_s"))
+        row("node dead -> next model call, median, s", loss("restore_s_median"))
+        row("node dead -> next model call, max over sessions, s", loss("restore_s_max", max))
+        row("SIGKILL -> new lease, median, s", loss("kill_to_new_lease_s_median"))
+        row("SIGKILL -> next model call, max, s", loss("kill_to_next_model_call_s_max", max))
+        row("model calls repeated", lambda d: str(sum(r["model_calls_repeated"] for r in d["node_loss"])))
+        row("completed", lambda d: f"{sum(r['completed'] for r in d['node_loss'])}/"
+            f"{sum(r['sessions'] for r in d['node_loss'])}")
+        row("peak cluster memory, MB", lambda d: str(d["node_loss_memory"]["peak_mb"]))
+    if has("fan_out"):
+        print("fan-out from one checkpoint")
+        for i, f in enumerate(next(out[p]["fan_out"] for p in placements if "fan_out" in out[p])):
+            n = f["forks"]
+            row(f"{n} forks: all started, s", lambda d, i=i: _f(d["fan_out"][i]["all_started_s"]))
+            row(f"{n} forks: all done, s", lambda d, i=i: _f(d["fan_out"][i]["all_done_s"]))
+            row(f"{n} forks: on a standby actor / own new actor",
+                lambda d, i=i: "{forks_on_standby}/{forks_own_actor}".format(**d["fan_out"][i]["standby"]))
+        row("peak cluster memory, MB", lambda d: str(d["fan_out_memory"]["peak_mb"]))
+    if has("throughput"):
+        print("throughput (sessions x 20 passes, no model latency, a checkpoint per pass)")
+        row("sessions", lambda d: str(d["throughput"]["sessions"]))
+        row("all sessions up, s", lambda d: _f(d["throughput"]["all_up_s"], "6.1f"))
+        row("checkpoints/s, aggregate", lambda d: _f(d["throughput"]["checkpoints_per_s"], "6.0f"))
+        row("completed", lambda d: f"{d['throughput']['completed']}/{d['throughput']['sessions']}")
+        row("peak cluster memory, MB", lambda d: str(d["throughput_memory"]["peak_mb"]))
+        row("processes of the cluster, most", lambda d: str(d["throughput_memory"]["max_processes"]))
     if "dense" in out and "scale" in out["dense"]:
         s = out["dense"]["scale"]
         print(f"scale (dense): {s['sessions']} sessions x {s['passes']} passes, {s['latency_s'] * 1000:.0f} ms "
@@ -454,11 +542,21 @@ def main() -> None:
     ap.add_argument("--loss-sessions", type=int, default=200, help="dense node-loss sessions (about half are lost)")
     ap.add_argument("--loss-latency", type=float, default=1.0, help="model latency (s) in the node-loss runs")
     ap.add_argument("--scale-sessions", type=int, default=1000, help="dense scale sessions")
+    ap.add_argument("--phase", default="all",
+                    help="comma-separated phases to run: loss, fanout, throughput, scale (default all)")
+    ap.add_argument("--forks", default=None, help="fan-out sizes, comma-separated (default 8,32; --quick 8)")
+    ap.add_argument("--standby", default=None,
+                    help="actor placement: standby session actors kept warm (RayRuntime(standby_actors=...)); "
+                         "default: the largest fan-out measured, else RayRuntime's default. Several "
+                         "(comma-separated, e.g. 0,32): one actor run, and one column, per value")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     out = asyncio.run(main_async(args))
     report(out)
-    path = Path(args.out or ("bench/results/ray_quick.json" if args.quick else "bench/results/ray.json"))
+    name = "ray_quick" if args.quick else "ray"
+    if args.phase != "all" or args.forks:
+        name += "_" + "_".join(sorted(_phases(args)))  # a partial run never overwrites a full one's results
+    path = Path(args.out or f"bench/results/{name}.json")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2))
     print(f"wrote {path}")

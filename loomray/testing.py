@@ -20,7 +20,9 @@ Example::
         lc.remove_node(lc.workers[0])
         wait_until_dead(actor, timeout=10)
 
-Teardown disconnects the driver, stops every node and then checks that no
+Teardown kills loomray's supervisor and standby session actors (so no
+worker process is still starting as the nodes go), disconnects the driver,
+stops every node and then checks that no
 process this helper started (raylets, GCS, workers) is left; stragglers are
 killed by pid and reported as a warning.
 """
@@ -275,8 +277,9 @@ def local_cluster(
     - ``connect=True`` calls ``ray.init(address=..., namespace=namespace)``.
       Raises ``RuntimeError`` if this process is already connected to Ray.
 
-    On exit: ``ray.shutdown()``, every node stopped, and every process started
-    under this cluster checked gone (killed by pid after a short grace).
+    On exit: loomray's supervisor and standby actors killed, ``ray.shutdown()``, every node
+    stopped, and every process started under this cluster checked gone (killed by pid after a
+    short grace).
     """
     if num_nodes < 1:
         raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
@@ -319,6 +322,7 @@ def local_cluster(
         if lc is not None:
             started |= lc._started
         if ray.is_initialized():
+            _stop_standbys()
             ray.shutdown()
         if cluster is not None:
             cluster.shutdown()
@@ -331,6 +335,27 @@ def local_cluster(
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _stop_standbys() -> None:
+    """Kill loomray's supervisor, then its standby session actors, before the nodes stop.
+
+    Otherwise the supervisor may be refilling its standby pool as the
+    cluster goes down, and a worker process still starting when its raylet
+    dies takes long to notice on a busy machine (teardown would report it
+    as a leftover). Best effort: the nodes stop next anyway.
+    """
+    try:
+        from loomray.runtime.actors import NAMESPACE, STANDBY_PREFIX, SUPERVISOR_NAME
+
+        named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a.get("namespace") == NAMESPACE]
+    except Exception:
+        return
+    # The supervisor first, so it starts no more standbys.
+    ordered = [n for n in named if n == SUPERVISOR_NAME] + [n for n in named if n.startswith(STANDBY_PREFIX)]
+    for name in ordered:
+        with contextlib.suppress(Exception):
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
 
 
 def _proc_stat(pid: int) -> list[bytes] | None:

@@ -21,6 +21,12 @@ How the pieces fit (docs/ray-notes.md has the measurements behind the choices):
   Its state is derived from the store's session index: on start it adopts
   every ``pending``/``running`` row that a Ray actor owned (``node_id`` set),
   attaching to the live actor by name or restarting it.
+- **Standbys**: with ``standby_actors`` (default 8) the supervisor keeps that
+  many SessionActors started ahead of need (process up, imports done, store
+  open; ``loomray/standby/...``). A starting session claims one and
+  ``begin()`` makes it that session's actor, so a burst of forks does not
+  wait for worker processes (~0.6 s of CPU each) to start; a claimed standby
+  serves its one session only, exactly like an actor started for it.
 - **Fencing**: an incarnation that loses the lease gets ``LeaseLostError`` on its
   next write; ``run()`` returns outcome ``fenced`` and the supervisor stops the
   actor without restarting it (a newer owner exists).
@@ -38,6 +44,7 @@ import os
 import random
 import re
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -51,6 +58,20 @@ SUPERVISOR_NAME = "loomray:supervisor"
 
 #: Session rows in these states are live work a supervisor must own.
 ACTIVE_STATES = ("pending", "running")
+
+#: Name prefix of standby session actors (namespace ``loomray``): pre-started, claimed by one session each.
+#: A ``/`` never occurs in a session actor's name (ids refuse it), so the names cannot collide.
+STANDBY_PREFIX = "loomray/standby/"
+#: Default of ``RuntimeConfig.standby_actors`` (and ``RayRuntime(standby_actors=...)``).
+DEFAULT_STANDBY_ACTORS = 8
+#: A standby that finds no supervisor on this many checks in a row (one every ``STANDBY_CHECK_S``) exits.
+STANDBY_ORPHAN_CHECKS = 2
+STANDBY_CHECK_S = 30.0
+
+
+def standby_actor_name() -> str:
+    """A fresh, unique standby actor name (``loomray/standby/{12 hex}``)."""
+    return f"{STANDBY_PREFIX}{uuid.uuid4().hex[:12]}"
 
 
 def session_actor_name(session_id: str, user_id: str | None = None) -> str:
@@ -130,6 +151,13 @@ def set_agent_ref(agent: Any, ref: str) -> Any:
     return agent
 
 
+def check_standby_actors(value: Any) -> int:
+    """Validate ``standby_actors`` (a non-negative int); return it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"standby_actors must be a non-negative int, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     """What every actor needs to reach the store and to behave; plain data.
@@ -165,10 +193,16 @@ class RuntimeConfig:
     sessions_per_host: int = 1000
     #: Dense: a host without sessions for this long exits, so an autoscaler may release its node.
     host_idle_s: float = 600.0
+    #: Actor placement: session actors the supervisor keeps started and warm (process up, loomray
+    #: imported, store open) per distinct ``actor_options``. A session that starts claims one (no
+    #: process start on its path) and the pool refills in the background once the burst is over.
+    #: 0 disables: every session then starts its own actor process.
+    standby_actors: int = DEFAULT_STANDBY_ACTORS
 
     def __post_init__(self) -> None:
         if isinstance(self.allowed_agents, str):
             raise TypeError("allowed_agents must be a list of patterns, not one string")
+        check_standby_actors(self.standby_actors)
         object.__setattr__(self, "allowed_agents", tuple(check_pattern(p) for p in self.allowed_agents))
 
     def open_store(self) -> Any:
@@ -256,22 +290,31 @@ class SessionActor:
     ``events_to`` (the supervisor's handle) every event of the run is sent
     there in ordered batches, for a driver that passed ``emit``; the batches
     still in flight are flushed before ``run()`` returns.
+
+    **Standby.** Built with ``standby_pool`` (the supervisor's pool key) and no
+    request, the actor is a *standby*: its process is up, loomray and the
+    store's modules are imported and the store is open, but it hosts nothing.
+    :meth:`begin` (called once, by the supervisor) makes it the actor of one
+    session, doing what the constructor would have done; from then on it is
+    an ordinary session actor, for that session only: a standby that took a
+    session's agent or request never serves another one (it exits when that
+    session ends, or when ``begin`` fails). A standby that finds no supervisor
+    on the cluster for ``STANDBY_ORPHAN_CHECKS`` checks in a row exits.
     """
 
-    def __init__(self, config: RuntimeConfig, agent: AgentSpec, request_json: str, events_to: Any = None,
-                 store: Any = None) -> None:
-        from loomray.session import RunRequest
-
-        self._config = config
-        self._agent_spec = agent
-        self._agent, self._extra_tools = agent.load()
-        self._request = RunRequest.model_validate_json(request_json)
-        self._request_json = request_json
-        # A dense host passes the store it shares among its sessions (loomray.runtime.hosts).
-        self._store = config.open_store() if store is None else store
+    def __init__(self, config: RuntimeConfig, agent: AgentSpec | None = None, request_json: str | None = None,
+                 events_to: Any = None, store: Any = None, *, standby_pool: str | None = None) -> None:
         ctx = ray.get_runtime_context()
         self._node_id = ctx.get_node_id()
         self._owner = f"ray:{ctx.get_actor_id()}@{self._node_id[:12]}:{os.getpid()}"
+        self._config = config
+        self._store = store
+        self._request: Any = None
+        self._request_json: str | None = None
+        self._standby_pool = standby_pool
+        #: Set by :meth:`begin` before anything of the session is loaded: never reused after that.
+        self._claimed = False
+        self._standby_watch: asyncio.Task | None = None
         self._task: asyncio.Task | None = None
         self._started = time.time()
         self._events_to = events_to
@@ -287,15 +330,103 @@ class SessionActor:
         #: ``run()`` restores it into the loop (after taking the lease) through ``execute_request``.
         self._restored_turn: int | None = None
         self._restored_checkpoint_id: str | None = None
-        from loomray.records import load_checkpoint
+        if request_json is None:
+            if standby_pool is None or agent is not None:
+                raise ValueError("a SessionActor needs a request, or standby_pool and nothing else")
+            self._warm_up()
+            return
+        self._load(config, agent, request_json, events_to, store)
 
+    def _load(self, config: RuntimeConfig, agent: AgentSpec | None, request_json: str, events_to: Any,
+              store: Any) -> None:
+        """Take on the session: agent, request, store, its latest checkpoint (the constructor's failure-prone part)."""
+        from loomray.records import load_checkpoint
+        from loomray.session import RunRequest
+
+        if agent is None:
+            raise ValueError("a session actor needs its agent")
+        self._config = config
+        self._agent_spec = agent
+        self._agent, self._extra_tools = agent.load()
+        self._request = RunRequest.model_validate_json(request_json)
+        self._request_json = request_json
+        # A dense host passes the store it shares among its sessions (loomray.runtime.hosts); a
+        # standby passes the one it opened while it waited.
+        self._store = config.open_store() if store is None else store
+        self._events_to = events_to
+        self._started = time.time()
         ckpt = load_checkpoint(self._store, self._request.session_id, "latest", user_id=self._request.user_id)
         if ckpt is not None:
             self._restored_turn, self._restored_checkpoint_id = ckpt.turn, ckpt.checkpoint_id
             self._turn = ckpt.turn
 
+    # -- standby -------------------------------------------------------------------
+    def _warm_up(self) -> None:
+        """Pay now what a session's start would: imports of the run's path and the open store."""
+        import loomray.records  # noqa: F401
+        import loomray.runtime.hosts  # noqa: F401
+        import loomray.session  # noqa: F401
+
+        self._store = self._config.open_store()
+        self._warm_store = _store_key(self._config)
+
+    async def standby(self) -> dict[str, Any]:
+        """This actor as a standby: its pool key, node, pid, and (once claimed) its session.
+
+        The supervisor awaits it after creating a standby (it returns once the
+        process is warm) and when it finds standbys after a restart. The first
+        call starts the check that ends an orphaned standby.
+        """
+        if self._standby_watch is None and not self._claimed and self._standby_pool is not None:
+            self._standby_watch = asyncio.get_running_loop().create_task(self._orphan_watch())
+        return {"pool": self._standby_pool, "node_id": self._node_id, "pid": os.getpid(), "claimed": self._claimed,
+                "session_id": None if self._request is None else self._request.session_id,
+                "user_id": None if self._request is None else self._request.user_id,
+                "finished": self._task is not None and self._task.done()}
+
+    async def _orphan_watch(self) -> None:
+        missed = 0
+        while not self._claimed:
+            await asyncio.sleep(STANDBY_CHECK_S)
+            if self._claimed:
+                return
+            try:
+                await asyncio.to_thread(ray.get_actor, SUPERVISOR_NAME, NAMESPACE)
+                missed = 0
+            except ValueError:
+                missed += 1
+            except Exception:  # GCS briefly unreachable: not evidence of anything
+                continue
+            if missed >= STANDBY_ORPHAN_CHECKS and not self._claimed:
+                log.info("standby %s: no supervisor on the cluster; exiting", self._owner)
+                _kill_self()
+                return
+
+    async def begin(self, config: RuntimeConfig, agent: AgentSpec, request_json: str,
+                    events_to: Any = None) -> dict[str, Any]:
+        """Make this standby the actor of the session ``request_json`` (once; then it is a session actor).
+
+        Raises what the constructor would (bad agent, unreadable checkpoint);
+        the supervisor then discards this process and starts the session the
+        ordinary way, which reports the error.
+        """
+        if self._claimed or self._standby_pool is None:
+            raise RuntimeError("this actor is not an unclaimed standby")
+        self._claimed = True
+        if self._standby_watch is not None:
+            self._standby_watch.cancel()
+        warm = self._store if getattr(self, "_warm_store", None) == _store_key(config) else None
+        if warm is None and self._store is not None:
+            close = getattr(self._store, "close", None)
+            if close is not None:
+                close()
+        self._load(config, agent, request_json, events_to, warm)
+        return {"node_id": self._node_id, "pid": os.getpid(), "owner": self._owner}
+
     async def run(self) -> Outcome:
         """Run (or join the run in flight) and return its outcome. Never raises for a run's failure."""
+        if self._request is None:
+            raise RuntimeError("a standby has no session to run (begin() first)")
         if self._task is None:
             from loomray.runtime.hosts import watch_raylet
 
@@ -404,7 +535,8 @@ class SessionActor:
 
     async def info(self) -> dict[str, Any]:
         """Where and what this incarnation is (for status and tests)."""
-        return {"session_id": self._request.session_id, "user_id": self._request.user_id,
+        return {"session_id": None if self._request is None else self._request.session_id,
+                "user_id": None if self._request is None else self._request.user_id,
                 "request_json": self._request_json,
                 "node_id": self._node_id, "pid": os.getpid(), "owner": self._owner,
                 "finished": self._task is not None and self._task.done(), "started": self._started}
@@ -420,6 +552,11 @@ class SessionActor:
         if close is not None:
             close()
         ray.actor.exit_actor()
+
+
+def _store_key(config: RuntimeConfig) -> str:
+    """What identifies an open store: its URL and options."""
+    return json_key([config.store_url, config.storage_options])
 
 
 def _kill_self() -> None:
@@ -454,6 +591,43 @@ def session_actor_options(config: RuntimeConfig, session_id: str, user_id: str |
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(random.choice(_alive_nodes(avoid_node)),
                                                                         soft=True)
     return options
+
+
+#: Options of a session actor that are per actor, not part of what a standby pool is for.
+_PER_ACTOR = ("name", "namespace", "lifetime", "get_if_exists")
+
+
+def standby_options(config: RuntimeConfig) -> tuple[str, dict[str, Any]]:
+    """``(pool key, options)`` of standby actors for sessions of ``config``: a session's options, unnamed.
+
+    Standbys are made exactly like the session actors they stand in for
+    (``actor_options``: resources, CPUs, runtime env, scheduling strategy);
+    the key groups the sessions one pool can serve: the options' JSON
+    (non-JSON values by repr).
+    """
+    options = session_actor_options(config, "_", None)
+    for k in _PER_ACTOR:
+        options.pop(k, None)
+    key = json_key(options)
+    return key, {**options, "namespace": NAMESPACE, "lifetime": "detached"}
+
+
+def json_key(value: Any) -> str:
+    """``value`` as canonical JSON: a dict key for options that is the same in every process.
+
+    Keys sorted; an object that is not JSON (a scheduling strategy) by its
+    type and attributes, else by its repr: a default repr holds the object's
+    address, so a config unpickled per call would make a new key each time.
+    """
+    import json
+
+    def plain(o: Any) -> Any:
+        attrs = getattr(o, "__dict__", None)
+        if attrs is not None:
+            return {"__type__": f"{type(o).__module__}.{type(o).__qualname__}", **attrs}
+        return repr(o)
+
+    return json.dumps(value, sort_keys=True, default=plain)
 
 
 def __getattr__(name: str) -> Any:

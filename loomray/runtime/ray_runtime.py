@@ -32,8 +32,8 @@ import ray
 from loomray.errors import LoomrayRunError, LoomrayUserError
 from loomray.records import RunResult
 from loomray.runtime.actors import (  # noqa: F401  (re-exported for callers of this module)
-    NAMESPACE, SUPERVISOR_NAME, AgentSpec, Outcome, RuntimeConfig, agent_ref_allowed, check_ref, resolve_ref,
-    set_agent_ref,
+    DEFAULT_STANDBY_ACTORS, NAMESPACE, SUPERVISOR_NAME, AgentSpec, Outcome, RuntimeConfig, agent_ref_allowed,
+    check_ref, resolve_ref, set_agent_ref,
 )
 from loomray.runtime.base import Runtime
 from loomray.runtime.supervisor import Supervisor
@@ -150,6 +150,17 @@ class RayRuntime(Runtime):
     ``sessions_per_host`` size the pool, and ``actor_options`` then apply to
     each host actor.
 
+    ``standby_actors`` (actor placement; default
+    :data:`~loomray.runtime.actors.DEFAULT_STANDBY_ACTORS`) is how many
+    session actors the supervisor keeps started ahead of need for this
+    runtime's ``actor_options``: a process up, loomray imported, the store
+    open. A session or fork that starts claims one (no worker process start
+    on its path: ~0.6 s of CPU each, which is what a burst of forks
+    otherwise waits for) and the pool refills in the background once the
+    burst is over. Each standby is an idle worker process (~60 MB private
+    memory). A claimed standby is that session's actor and nothing else,
+    exactly like one started for it; ``0`` starts every session its own.
+
     ``allowed_agents`` are agent references (``module:attr``, glob wildcards
     allowed) a supervisor this runtime creates may import when it adopts a
     session from the store; the references this runtime submits are added
@@ -165,7 +176,8 @@ class RayRuntime(Runtime):
                  actor_options: dict[str, Any] | None = None, *, max_concurrent_forks: int = 32,
                  on_fork_progress: Callable[[dict[str, Any]], Any] | None = None,
                  placement: str = "actor", hosts_per_node: int | None = None, sessions_per_host: int = 1000,
-                 allowed_agents: Sequence[str] = (), **storage_options: Any) -> None:
+                 standby_actors: int = DEFAULT_STANDBY_ACTORS, allowed_agents: Sequence[str] = (),
+                 **storage_options: Any) -> None:
         if not isinstance(store, (str, os.PathLike)):
             raise TypeError("RayRuntime needs a store URL or path (actors on other nodes open it themselves)")
         if actor_options is not None and not isinstance(actor_options, dict):
@@ -181,7 +193,8 @@ class RayRuntime(Runtime):
         self.config = RuntimeConfig(store_url=url, storage_options=dict(storage_options),
                                     max_checkpoints_per_session=self.keep, actor_options=dict(actor_options or {}),
                                     placement=placement, hosts_per_node=hosts_per_node,
-                                    sessions_per_host=sessions_per_host, allowed_agents=tuple(allowed_agents))
+                                    sessions_per_host=sessions_per_host, standby_actors=standby_actors,
+                                    allowed_agents=tuple(allowed_agents))
         if isinstance(max_concurrent_forks, bool) or not isinstance(max_concurrent_forks, int) \
                 or max_concurrent_forks < 1:
             raise ValueError(f"max_concurrent_forks must be a positive int, got {max_concurrent_forks!r}")
@@ -376,6 +389,13 @@ class RayRuntime(Runtime):
     async def status(self) -> list[dict[str, Any]]:
         """What the supervisor watches: one dict per session (see :meth:`Supervisor.status`)."""
         return await self._call("status")
+
+    async def standby_status(self) -> dict[str, Any]:
+        """The supervisor's standby session actors (actor placement): per pool (one per distinct
+        ``actor_options``) its ``target``, ``warm`` and ``starting`` standbys; and counters: ``created``,
+        ``claimed`` (sessions started on a standby), ``missed`` (started their own actor: none left), ...
+        Asking also makes sure this runtime's pool is kept (it is, from its first session on)."""
+        return await self._call("standby_status", self.config)
 
     def status_sync(self) -> list[dict[str, Any]]:
         """Blocking :meth:`status`."""
