@@ -34,6 +34,7 @@ from datetime import datetime  # noqa: E402
 from typing import Any  # noqa: E402
 
 import click  # noqa: E402
+from storage.table import staleness  # noqa: E402
 from rich.text import Text  # noqa: E402
 
 from loomray.cli_common import (  # noqa: E402
@@ -236,6 +237,7 @@ def query(sql: str | None, store_url: str | None, user_id: str | None, session_i
         store = open_store_or_fail(store_url)
         activity.step("reading the checkpoint index")
         table = store.query(**kwargs)
+        stale = staleness(table)
         if sql:
             try:
                 import duckdb
@@ -269,6 +271,8 @@ def query(sql: str | None, store_url: str | None, user_id: str | None, session_i
         _print_result(wanted, rows, title)
     else:
         _print_checkpoint_rows(rows, title)
+    if stale is not None:
+        console.print(f"[dim]{stale.describe()}[/dim]")
 
 
 def _print_result(names: list[str], rows: list[dict[str, Any]], title: str) -> None:

@@ -52,15 +52,29 @@ def encode(table: pa.Table) -> bytes:
 
     A write's own file (a row or a few) skips compression, dictionaries and
     statistics: they cost ~1 ms and bytes for nothing on one row. Compacted
-    files get zstd, dictionaries and statistics, so readers can skip row groups.
+    files get snappy, statistics (so readers can skip row groups) and
+    dictionaries for the low-cardinality columns: half of zstd's encoding time
+    (0.75 vs 1.7 ms for 1,000 rows), 1.6x its bytes.
     """
     sink = io.BytesIO()
     if table.num_rows < 1000:
         pq.write_table(table, sink, compression="none", use_dictionary=False, write_statistics=False,
                        store_schema=False)
     else:
-        pq.write_table(table, sink, compression="zstd", row_group_size=256 * 1024)
+        pq.write_table(table, sink, compression="snappy", row_group_size=256 * 1024,
+                       use_dictionary=[c for c in DICTIONARY_COLUMNS if c in table.column_names])
     return sink.getvalue()
+
+
+#: Index columns with few distinct values per file: dictionary-encoded in compacted files.
+DICTIONARY_COLUMNS = ("session_id", "user_id", "position", "execution_status", "agent_id", "parent_checkpoint_id",
+                      "forked_from", "status", "agent_ref", "node_id")
+
+
+def serial_backend(objects: ObjectStore) -> bool:
+    """True for in-process and local-directory stores: a request costs microseconds, so reading or writing many
+    small files on threads only adds contention for the interpreter lock (measured: serial is ~20% faster)."""
+    return objects.backend in ("memory", "file")
 
 
 class _SerialPool:
@@ -84,6 +98,8 @@ class ParquetIndex:
         # fault-injection tests attribute each storage call to the actor that made it).
         self._pool = _SerialPool() if serial_reads else ThreadPoolExecutor(
             max_workers=_READ_THREADS, thread_name_prefix="storage-index")
+        #: Reads of a local store run on the caller's thread (see serial_backend).
+        self._local = serial_backend(objects)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
@@ -142,7 +158,7 @@ class ParquetIndex:
                    vanished: list[str] | None = None) -> list[tuple[str, pa.Table]]:
         """Tables of ``keys`` (read in parallel), skipping vanished (noted in ``vanished``) and unreadable files."""
         keys = list(keys)
-        if len(keys) <= 2:
+        if len(keys) <= 2 or self._local:
             tables = [self.read_file(k, cache=cache, vanished=vanished) for k in keys]
         else:
             tables = list(self._pool.map(lambda k: self.read_file(k, cache=cache, vanished=vanished), keys))
@@ -228,10 +244,23 @@ def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
     return table.select(schema.names).cast(schema)
 
 
+def _one_session(table: pa.Table) -> bool:
+    """All rows name one (user, session) (a partition's own files): tombstones then match by checkpoint id alone."""
+    if table.num_rows < 2:
+        return True
+    return all(pc.count_distinct(table[c], mode="all").as_py() == 1 for c in ("session_id", "user_id"))
+
+
 def dedupe(table: pa.Table) -> pa.Table:
     """Drop exact repeats of a (user, session, checkpoint, tombstone) row; rows are immutable, repeats are copies."""
     if table.num_rows < 2:
         return table
+    if _one_session(table):
+        # The common case, without a group-by: no checkpoint id twice among live rows nor among tombstones.
+        tomb = pc.fill_null(table["tombstone"], False)
+        if all(pc.count_distinct(part, mode="all").as_py() == len(part) for part in
+               (table["checkpoint_id"].filter(tomb), table["checkpoint_id"].filter(pc.invert(tomb)))):
+            return table
     keyed = _keyed(table)
     cols = _JOIN + ["tombstone"]
     if keyed.group_by(cols, use_threads=False).aggregate([]).num_rows == table.num_rows:
@@ -241,17 +270,46 @@ def dedupe(table: pa.Table) -> pa.Table:
     return table.take(pc.take(first, pc.sort_indices(first)))
 
 
+def _retire(live: pa.Table, tombs: pa.Table, one_session: bool) -> tuple[pa.Table, int]:
+    """``live`` without the rows ``tombs`` retire, and how many they retired."""
+    if not tombs.num_rows:
+        return live, 0
+    if one_session:
+        hit = pc.is_in(live["checkpoint_id"], value_set=tombs["checkpoint_id"].combine_chunks())
+        applied = pc.sum(hit).as_py() or 0
+        return (live.filter(pc.invert(hit)) if applied else live), applied
+    applied = live.join(tombs.select(_JOIN), keys=_JOIN, join_type="left semi", use_threads=False).num_rows
+    return live.join(tombs.select(_JOIN), keys=_JOIN, join_type="left anti", use_threads=False), applied
+
+
 def _split(table: pa.Table) -> tuple[pa.Table, pa.Table]:
     table = _keyed(dedupe(table))
     is_tomb = table["tombstone"]
     return table.filter(pc.invert(is_tomb)), table.filter(is_tomb)
 
 
+def _one_session_split(table: pa.Table) -> tuple[pa.Table, pa.Table] | None:
+    """``(live rows, tombstones)`` of a table of one (user, session) without repeated keys (the common case,
+    with no group-by or join); None otherwise."""
+    if not _one_session(table):
+        return None
+    if table.num_rows and table["tombstone"].num_chunks > 1:
+        table = table.combine_chunks()  # one filter over one chunk is several times cheaper than over many
+    tomb = pc.fill_null(table["tombstone"], False)
+    live, tombs = table.filter(pc.invert(tomb)), table.filter(tomb)
+    for part in (live, tombs):
+        if part.num_rows > 1 and pc.count_distinct(part["checkpoint_id"], mode="all").as_py() != part.num_rows:
+            return None
+    return live, tombs
+
+
 def live_checkpoints(table: pa.Table) -> pa.Table:
     """Rows not retired by a tombstone (in any file), without the tombstones themselves."""
+    fast = _one_session_split(table)
+    if fast is not None:
+        return _retire(*fast, True)[0]
     live, tombs = _split(table)
-    if tombs.num_rows:
-        live = live.join(tombs.select(_JOIN), keys=_JOIN, join_type="left anti", use_threads=False)
+    live, _ = _retire(live, tombs, _one_session(table))
     return live.drop_columns(["__u"])
 
 
@@ -268,11 +326,14 @@ def compact_checkpoint_partition(table: pa.Table, *, keep_tombstones_since: date
     writer's ``written_at`` may be skewed). Older tombstones go, since their
     targets are gone or are dropped here; ``None`` keeps none.
     """
-    live, tombs = _split(table)
+    fast = _one_session_split(table)
+    if fast is not None:
+        live, tombs = fast
+    else:
+        live, tombs = _split(table)
     applied = 0
     if tombs.num_rows:
-        applied = live.join(tombs.select(_JOIN), keys=_JOIN, join_type="left semi", use_threads=False).num_rows
-        live = live.join(tombs.select(_JOIN), keys=_JOIN, join_type="left anti", use_threads=False)
+        live, applied = _retire(live, tombs, fast is not None or _one_session(table))
         if keep_tombstones_since is not None:
             since = pa.scalar(keep_tombstones_since, tombs["written_at"].type)
             keep = pc.fill_null(pc.greater_equal(tombs["written_at"], since), True)
@@ -281,5 +342,5 @@ def compact_checkpoint_partition(table: pa.Table, *, keep_tombstones_since: date
                 keep = pc.or_(keep, pc.is_in(tombs["checkpoint_id"], value_set=ids))
             young = tombs.filter(keep)
             live = pa.concat_tables([live, young.select(live.column_names)])
-    merged = live.drop_columns(["__u"])
+    merged = live.drop_columns(["__u"]) if "__u" in live.column_names else live
     return merged.sort_by([("epoch", "ascending"), ("checkpoint_id", "ascending")]), applied

@@ -973,20 +973,22 @@ class Store:
         """Live checkpoint rows across sessions as an Arrow table (``user_id=...`` = any user).
 
         ``since`` is inclusive, ``until`` exclusive (on ``created_at``); rows
-        with an unknown cost never match a cost filter.
+        with an unknown cost never match a cost filter. Reads the compacted
+        table's partitions of the days in range plus the uncompacted tail (the
+        sessions whose per-session files changed since the last compaction),
+        so it is as fresh as the per-session index; how stale the compacted part
+        was rides along in the schema metadata: ``storage.table.staleness(table)``.
         """
-        prefix = layout.CHECKPOINT_INDEX
-        if user_id is not ANY:
-            prefix += f"user={user_segment(user_id)}/"
-            if session_id is not None:
-                prefix += f"session={validate_id(session_id, 'session_id')}/"
-        key_filter = None
-        if session_id is not None and user_id is ANY:
+        from storage.table import read_for_query, with_staleness
+
+        segment = None if user_id is ANY else user_segment(user_id)
+        if session_id is not None:
             validate_id(session_id, "session_id")
-            key_filter = lambda k: f"/session={session_id}/" in k  # noqa: E731
-        # Consistent with one LIST even while a compaction merges files (see ParquetIndex.read_listed).
-        _, table = self.index.read_prefix(prefix, CHECKPOINT_SCHEMA, cache=False, key_filter=key_filter)
-        table = live_checkpoints(table)
+        # Consistent with one LIST of the per-session files even while a compaction merges them.
+        table_part, tail, stale = read_for_query(self, segment=segment, session_id=session_id, since=since,
+                                                 until=until)
+        tail = live_checkpoints(tail).drop_columns(["tombstone", "written_at"]).cast(table_part.schema)
+        table = pa.concat_tables([table_part, tail]) if table_part.num_rows else tail
         mask = None
         for cond in (
             pc.equal(table["execution_status"], status) if status is not None else None,
@@ -999,25 +1001,33 @@ class Store:
                 mask = cond if mask is None else pc.and_(mask, cond)
         if mask is not None:
             table = table.filter(pc.fill_null(mask, False))
-        table = table.drop_columns(["tombstone", "written_at"])
-        return table.select(columns) if columns else table
+        if columns:
+            table = table.select(columns)
+        return with_staleness(table, stale)
 
     def index_files(self, kind: str = "checkpoints") -> list[str]:
-        """Keys of the index files of ``kind`` ("checkpoints" or "sessions")."""
+        """Keys of the index files of ``kind``: "checkpoints" or "sessions" (per-session append files), or
+        "table" (the compacted table's partition files, see :mod:`storage.table`)."""
+        if kind == "table":
+            return self.index.list_files(layout.TABLE_INDEX)
         if kind not in ("checkpoints", "sessions"):
-            raise ValueError(f"index kind must be 'checkpoints' or 'sessions', got {kind!r}")
+            raise ValueError(f"index kind must be 'checkpoints', 'sessions' or 'table', got {kind!r}")
         return self.index.list_files(f"index/{kind}/")
 
-    def compact(self, *, tombstone_grace: timedelta | None = None) -> CompactReport:
-        """Merge each partition's files into one, dropping retired rows; only merged files are deleted.
+    def compact(self, *, tombstone_grace: timedelta | None = None, users: list[str | None] | None = None
+                ) -> CompactReport:
+        """Merge each partition's files into one, dropping retired rows, and bring the compacted table
+        (``index/table/``, deletes applied) up to date; incremental: only changed sessions are read.
 
         Safe with concurrent writers and concurrent compactions; tombstones
         younger than ``tombstone_grace`` (default one hour) stay (see
-        :func:`storage.maintenance.compact`).
+        :func:`storage.maintenance.compact`); ``users`` limits the work to
+        those users (None = no user). Returns a
+        :class:`storage.maintenance.IndexCompactReport`.
         """
         from storage.maintenance import compact
 
-        return compact(self, tombstone_grace=tombstone_grace)
+        return compact(self, tombstone_grace=tombstone_grace, users=users)
 
     def prune(self, before: datetime | None = None, session_id: str | None = None,
               user_id: str | None = None) -> PruneReport:
@@ -1025,11 +1035,23 @@ class Store:
 
         With ``before``, what recovery of an unfinished last run needs stays,
         even for a run that starts while prune works, and the session's last
-        run stays its last run (see :func:`storage.maintenance.prune`).
+        run stays its last run (see :func:`storage.maintenance.prune`). Then
+        the compacted table of every user in scope that has one is compacted
+        (incrementally), so readers of the bucket no longer see pruned rows.
         """
-        from storage.maintenance import prune
+        from storage.maintenance import compact, prune
+        from storage.table import load_tables
 
-        return prune(self, before=before, session_id=session_id, user_id=user_id)
+        report = prune(self, before=before, session_id=session_id, user_id=user_id)
+        try:
+            prefix = layout.TABLE_INDEX if user_id is None else layout.table_user_prefix(user_id)
+            users = [user_from_segment(seg) for seg, ut in load_tables(self, prefix).items()
+                     if ut.manifest is not None or ut.parts]
+            if users:
+                compact(self, users=users)
+        except StorageError as e:
+            log.warning("prune done; the compacted table still shows pruned rows until the next compaction: %s", e)
+        return report
 
 
 _ACTIVE = "active/"

@@ -1,0 +1,694 @@
+"""The compacted checkpoint table: live rows only, one Parquet file per (user, UTC day), readable without loomray.
+
+Two tiers hold the checkpoint index. The per-session append files
+(``index/checkpoints/user={u}/session={s}/*.parquet``) are what a write
+costs and what ``list_checkpoints`` reads. For reads across sessions,
+users, costs and time, ``compact()`` maintains a second tier::
+
+    index/table/user={u}/day={YYYY-MM-DD}/part-0.parquet   live rows created that UTC day, retired rows gone
+    index/table/user={u}/_manifest.json.gz                  what each partition absorbed (loomray's bookkeeping)
+
+Every object of a user, table and manifest included, lives under a prefix
+that names the user (``user=_`` is "no user"), so an IAM policy on
+``index/table/user={u}/`` isolates it. Ids stay ordinary columns
+(``session_id``, ``checkpoint_id``, ``user_id``); only the user segment and
+the day appear in keys, so ids never have to survive a hive path.
+
+Why one file per partition, replaced in place. A reader with only DuckDB,
+polars or pyarrow globs ``index/table/**/*.parquet`` and applies no
+manifest, no tombstones and no deletion vectors. Each partition is a single
+key overwritten by one PUT (atomic on S3 and with ``os.replace``), never
+deleted (an emptied day is a 0-row file), so a glob sees each partition
+either before or after a compaction, never a row twice, never a row whose
+retirement a committed compaction applied. Delta Lake and Iceberg keep
+removed files until a vacuum and need their own reader (DuckDB's ``delta``
+and ``iceberg`` extensions are downloads, polars' ``read_delta`` needs
+``deltalake``): a plain-Parquet glob over a Delta table in which 1% of
+100,000 rows were deleted read 199,000 rows, not 99,000.
+
+The manifest records, per session, the per-session index file names whose
+live rows the partitions hold (``files``), the days it has rows on, and
+the checkpoint ids the tombstones in those files retire; per partition, the
+ETag of the file a compaction wrote. It is what makes compaction incremental (a
+session whose files equal its ``files`` is not read again; only the days of
+changed sessions are rewritten) and what ``Store.query`` uses to find the
+tail: a session whose listed files differ from ``files`` (new appends,
+tombstones, a merge by another compactor, or no record at all) is read from
+its per-session files, and its rows in the table are ignored.
+
+Concurrency. A compaction reads the user's manifest before it lists the
+per-session files, reads them, and only then starts its write phase with a
+compare-and-swap of the manifest (``If-Match`` the ETag it read; create-only
+when there was none) that records its intent: so nothing was committed since
+it read the manifest, its view of every session is at least as new as the
+manifest's, and a second compactor's CAS fails (it skips the user's table:
+"busy"). Each partition PUT is itself a CAS on the ETag the manifest
+recorded (or, in a rebuild, the one listed), after checking that the file
+read is that one: a partition someone else rewrote meanwhile fails the PUT
+and the compaction gives up, leaving the partitions it did write (built from
+a view newer than the manifest's) for the next run, which sees ETags the
+manifest does not record and rebuilds the user's table from the per-session
+files. Partition files embed the writer's generation and a random token, so
+every write has a new ETag (S3's is the MD5 of the bytes). An intent older
+than :data:`INTENT_TTL` belongs to a compactor that died or stalled: the
+next one takes the manifest over (CAS) and rebuilds every partition, so a
+stalled compactor's later PUTs fail on the ETags it expected. Two compactors
+therefore never resurrect a row a committed compaction removed, and never
+lose a live row: a session whose rows a failed write phase left behind is
+still tail for ``Store.query``.
+
+Staleness. The table is as fresh as its last compaction: rows written or
+retired since then are the tail. ``Store.query`` reads both and reports, in
+the returned table's schema metadata (:func:`staleness`), when the table's
+sources were listed and how many files and sessions the tail held.
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from datetime import date, datetime, timedelta, timezone
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from storage import layout
+from storage.errors import PreconditionFailed, StorageError
+from storage.index import DICTIONARY_COLUMNS, serial_backend
+from storage.ids import user_from_segment
+from storage.rows import CHECKPOINT_SCHEMA, as_utc, utcnow
+
+if TYPE_CHECKING:
+    from storage.store import Store
+
+log = logging.getLogger("storage.table")
+
+#: Columns of the compacted table: a checkpoint row without the index's bookkeeping (tombstone, written_at).
+TABLE_SCHEMA = pa.schema([f for f in CHECKPOINT_SCHEMA if f.name not in ("tombstone", "written_at")])
+#: How long a compaction's write-phase intent holds the user's table before another compaction may take it over.
+INTENT_TTL = timedelta(minutes=10)
+_PART = "part-0.parquet"
+_MANIFEST = "_manifest.json.gz"
+_META = b"loomray.table"
+_clock = time.monotonic  # module-level so tests can move time forward
+
+
+# -- manifest ------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SessionState:
+    """What the table holds of one session: the per-session file names it absorbed, its days, tombstones left."""
+
+    files: tuple[str, ...]
+    days: tuple[str, ...]
+    tombs: bool = False
+    rows: int = 0
+    #: Checkpoint ids the tombstones in ``files`` retire: a later file's copy of such a row is dead too.
+    dead: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """One user's table bookkeeping (stored gzip-compressed JSON at ``index/table/user={u}/_manifest.json.gz``)."""
+
+    user_id: str | None
+    generation: int = 0
+    #: Wall time right before the compaction listed the per-session files (what the table is as fresh as).
+    listed_at: datetime | None = None
+    committed_at: datetime | None = None
+    #: day -> {"etag": ETag of the partition file written, "rows": live rows in it}
+    partitions: dict[str, dict[str, Any]] = field(default_factory=dict)
+    sessions: dict[str, SessionState] = field(default_factory=dict)
+    #: A write phase under way: {"token", "owner", "started_at", "expires_at"}; None when idle.
+    intent: dict[str, Any] | None = None
+
+    def encode(self) -> bytes:
+        doc = {"type": "index_table_manifest", "v": 1, "user_id": self.user_id, "generation": self.generation,
+               "listed_at": _iso(self.listed_at), "committed_at": _iso(self.committed_at),
+               "partitions": self.partitions, "intent": self.intent,
+               "sessions": {s: [list(st.files), list(st.days), st.tombs, st.rows, list(st.dead)]
+                            for s, st in sorted(self.sessions.items())}}
+        return gzip.compress(json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode(), mtime=0,
+                             compresslevel=5)
+
+    @classmethod
+    def decode(cls, data: bytes, where: str) -> "Manifest":
+        try:
+            doc = json.loads(gzip.decompress(data))
+            if not isinstance(doc, dict) or doc.get("type") != "index_table_manifest":
+                raise ValueError("not an index table manifest")
+            sessions = {str(s): SessionState(tuple(v[0]), tuple(v[1]), bool(v[2]), int(v[3]),
+                                                   tuple(v[4]) if len(v) > 4 else ())
+                        for s, v in doc.get("sessions", {}).items()}
+            parts = {str(d): {"etag": str(p["etag"]), "rows": int(p.get("rows", 0))}
+                     for d, p in doc.get("partitions", {}).items()}
+            intent = doc.get("intent")
+            return cls(doc.get("user_id"), int(doc.get("generation", 0)), _parse_iso(doc.get("listed_at")),
+                       _parse_iso(doc.get("committed_at")), parts, sessions,
+                       intent if isinstance(intent, dict) else None)
+        except (OSError, EOFError, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+            raise _Unreadable(f"{where}: unreadable table manifest ({e})") from e
+
+
+class _Unreadable(StorageError):
+    pass
+
+
+class _Conflict(Exception):
+    """A partition changed under the write phase (another compactor): give the write phase up."""
+
+
+def _iso(t: datetime | None) -> str | None:
+    return None if t is None else as_utc(t).isoformat()
+
+
+def _parse_iso(s: Any) -> datetime | None:
+    if not isinstance(s, str):
+        return None
+    t = datetime.fromisoformat(s)
+    return t if t.tzinfo is not None else t.replace(tzinfo=timezone.utc)
+
+
+@dataclass
+class UserTable:
+    """One user's table as listed: its manifest (None: none yet, or unreadable), the manifest's ETag, the
+    partition files' ETags by day."""
+
+    segment: str
+    manifest: Manifest | None = None
+    manifest_etag: str | None = None
+    parts: dict[str, str] = field(default_factory=dict)
+    unreadable: bool = False
+
+    @property
+    def user_id(self) -> str | None:
+        return user_from_segment(self.segment)
+
+    def busy(self, now: datetime) -> bool:
+        """Another compaction's write phase holds the table (its intent has not expired)."""
+        intent = self.manifest.intent if self.manifest is not None else None
+        if not intent:
+            return False
+        expires = _parse_iso(intent.get("expires_at"))
+        return expires is None or now < expires
+
+    def needs_rebuild(self, now: datetime) -> str | None:
+        """Why the user's partitions must be rebuilt from the per-session files (None: incremental is fine)."""
+        m = self.manifest
+        if m is None:
+            return "unreadable manifest" if self.unreadable else ("no manifest" if not self.parts else
+                                                                  "partitions without a manifest")
+        if m.intent and not self.busy(now):
+            return "an expired write phase (its compactor died or stalled)"
+        recorded = {d: p["etag"] for d, p in m.partitions.items()}
+        if recorded != self.parts:
+            return "partition files the manifest does not record (a write phase that did not commit)"
+        return None
+
+
+def _map(store: "Store", fn: Callable[[Any], Any], items: list) -> list:
+    """``fn`` over ``items``: on the index's reader threads for a remote store, in order on this thread for a local
+    one (see :func:`storage.index.serial_backend`)."""
+    if len(items) <= 2 or serial_backend(store.objects):
+        return [fn(i) for i in items]
+    return list(store.index._pool.map(fn, items))
+
+
+def table_clock() -> datetime:
+    """Now, by the clock write-phase intents are judged with (module-level ``utcnow``, so tests can move it)."""
+    return utcnow()
+
+
+class _Cache:
+    """Parsed manifests and partitions by key, each with the ETag it was read at; least recently used go first
+    once more than ``max_rows`` partition rows (a manifest counts as 1,000) are held."""
+
+    def __init__(self, max_rows: int = 2_000_000) -> None:
+        self._items: OrderedDict[str, tuple[str, Any, int]] = OrderedDict()
+        self._rows = 0
+        self._max = max_rows
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> tuple[str, Any] | None:
+        with self._lock:
+            hit = self._items.get(key)
+            if hit is None:
+                return None
+            self._items.move_to_end(key)
+            return hit[0], hit[1]
+
+    def __setitem__(self, key: str, value: tuple[str, Any]) -> None:
+        etag, item = value
+        weight = item.num_rows if isinstance(item, pa.Table) else 1000
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self._rows -= old[2]
+            self._items[key] = (etag, item, weight)
+            self._rows += weight
+            while self._rows > self._max and len(self._items) > 1:
+                _, (_, _, w) = self._items.popitem(last=False)
+                self._rows -= w
+
+
+def _cache(store: "Store") -> _Cache:
+    """This Store's :class:`_Cache` (made on first use)."""
+    cache = store.__dict__.get("_table_cache")
+    if cache is None:
+        cache = store.__dict__.setdefault("_table_cache", _Cache())
+    return cache
+
+
+def load_tables(store: "Store", prefix: str = layout.TABLE_INDEX) -> dict[str, UserTable]:
+    """Every user's table under ``prefix`` (``index/table/`` or one user's): one LIST, plus a GET of each manifest
+    this Store has not parsed at its listed ETag."""
+    users: dict[str, UserTable] = {}
+    manifests: list[tuple[str, str, str]] = []
+    for info in store.objects.list(prefix=prefix):
+        rest = info.key[len(layout.TABLE_INDEX):]
+        head, _, tail = rest.partition("/")
+        if not head.startswith("user="):
+            continue
+        seg = head[len("user="):]
+        ut = users.setdefault(seg, UserTable(seg))
+        if tail == _MANIFEST:
+            manifests.append((seg, info.key, info.etag))
+        elif tail.startswith("day=") and tail.endswith("/" + _PART) and tail.count("/") == 1:
+            ut.parts[tail[len("day="):-len("/" + _PART)]] = info.etag
+    cache = _cache(store)
+
+    def load(item: tuple[str, str, str]) -> None:
+        seg, key, etag = item
+        hit = cache.get(key)
+        if hit is not None and hit[0] == etag:
+            users[seg].manifest, users[seg].manifest_etag = hit[1], etag
+            return
+        obj = store.objects.get(key=key)
+        if obj is None:
+            return  # gone since the LIST: no manifest (the next compaction rebuilds)
+        try:
+            manifest = Manifest.decode(obj.data, store.describe(key))
+        except _Unreadable as e:
+            log.warning("%s; the user's table is rebuilt by the next compaction, and read as tail until then", e)
+            users[seg].unreadable, users[seg].manifest_etag = True, obj.etag
+            return
+        cache[key] = (obj.etag, manifest)
+        users[seg].manifest, users[seg].manifest_etag = manifest, obj.etag
+
+    _map(store, load, manifests)
+    return users
+
+
+# -- rows ------------------------------------------------------------------------------------------------------------
+def table_rows(table: pa.Table) -> pa.Table:
+    """Live rows of a checkpoint-index table (tombstones already applied) in :data:`TABLE_SCHEMA`."""
+    if "tombstone" in table.column_names:
+        tomb = pc.fill_null(table["tombstone"], False)
+        if pc.any(tomb).as_py():
+            table = table.filter(pc.invert(tomb))
+    table = table.select(TABLE_SCHEMA.names)
+    return table if table.schema.equals(TABLE_SCHEMA) else table.cast(TABLE_SCHEMA)
+
+
+def days_of(table: pa.Table) -> pa.Array:
+    """The UTC day (``YYYY-MM-DD``) of each row's ``created_at`` (a missing one: ``1970-01-01``)."""
+    if table.num_rows == 0:
+        return pa.array([], pa.string())
+    col = table["created_at"]
+    if col.type != pa.timestamp("us", tz="UTC"):
+        col = pc.cast(col, pa.timestamp("us", tz="UTC"))
+    # Days since the epoch (the zone is UTC, so its local date is the UTC date): no per-row formatting.
+    day_no = pc.cast(pc.fill_null(pc.cast(col, pa.date32()), pa.scalar(0, pa.date32())), pa.int32()).combine_chunks()
+    uniq = pc.unique(day_no)
+    names = pa.array([(_EPOCH + timedelta(days=d)).isoformat() for d in uniq.to_pylist()], pa.string())
+    return pc.take(names, pc.index_in(day_no, value_set=uniq))
+
+
+_EPOCH = date(1970, 1, 1)
+
+
+def _encode_partition(rows: pa.Table, generation: int, token: str) -> bytes:
+    """One partition file: zstd, dictionaries, statistics; the writer's generation and token make its ETag new."""
+    meta = json.dumps({"generation": generation, "token": token}).encode()
+    rows = rows.replace_schema_metadata({_META: meta})
+    sink = io.BytesIO()
+    pq.write_table(rows, sink, compression="snappy", row_group_size=128 * 1024,
+                   use_dictionary=[c for c in DICTIONARY_COLUMNS if c in rows.column_names])
+    return sink.getvalue()
+
+
+def _decode_partition(data: bytes) -> pa.Table:
+    table = pq.ParquetFile(pa.BufferReader(data)).read(use_threads=False)
+    return table.select(TABLE_SCHEMA.names).cast(TABLE_SCHEMA).replace_schema_metadata(None)
+
+
+def _sort(rows: pa.Table) -> pa.Table:
+    return rows.sort_by([("created_at", "ascending"), ("session_id", "ascending"), ("checkpoint_id", "ascending")])
+
+
+# -- the write phase -------------------------------------------------------------------------------------------------
+@dataclass
+class SessionRead:
+    """One session as a compaction read it: live rows, the per-session file names holding them after the
+    compaction's own merge, whether those still carry tombstones, and whether its files differed from the
+    manifest's record (its rows may differ from the table's)."""
+
+    rows: pa.Table
+    files: tuple[str, ...]
+    tombs: bool
+    changed: bool
+    #: Days on which its rows may differ from the table's (None: any day it has rows on, before or now).
+    days_changed: frozenset[str] | None = None
+    #: A delta: ``rows`` are only the live rows of files the table has not absorbed, and these are every checkpoint
+    #: id those files name (their rows in the table are replaced by ``rows``). None: ``rows`` are all its rows.
+    touched: pa.Array | None = None
+    #: Its live rows in all (when ``rows`` is a delta).
+    count: int | None = None
+    #: Checkpoint ids its files' tombstones retire (see :attr:`SessionState.dead`).
+    dead: tuple[str, ...] = ()
+
+
+@dataclass
+class Published:
+    """What one user's write phase did."""
+
+    outcome: str  # "clean" (nothing to do), "committed", "busy", "conflict", "late", "incomplete"
+    partitions: int = 0
+    rows: int = 0
+
+
+def publish(store: "Store", ut: UserTable, listed: dict[str, tuple[str, ...]], reads: dict[str, SessionRead], *,
+            rebuild: bool, listed_wall: datetime, deadline: Callable[[], bool]) -> Published:
+    """Bring one user's partitions and manifest up to date with ``reads`` (see the module docstring).
+
+    ``listed``: every session of the user in the compaction's LIST, with its file names then. ``reads``: the
+    sessions read. ``rebuild``: rewrite every partition from ``reads`` (which must then cover ``listed``).
+    ``deadline()`` true: the reads are too old to publish (the compaction's lag limit); nothing more is written.
+    """
+    base = ut.manifest or Manifest(ut.user_id)
+    if rebuild:
+        missing = set(listed) - set(reads)
+        if missing:
+            return Published("incomplete")
+        changed = set(listed)
+    else:
+        changed = {s for s, r in reads.items() if r.changed}
+    gone = set(base.sessions) - set(listed)
+    renamed = {s for s, r in reads.items() if s not in changed and base.sessions.get(s, None) is not None
+               and base.sessions[s].files != r.files}
+    if not (rebuild or changed or gone or renamed):
+        return Published("clean")
+    if deadline():
+        return Published("late")
+
+    pieces = [reads[s].rows for s in sorted(changed) if reads[s].rows.num_rows]
+    fresh = pa.concat_tables(pieces) if pieces else TABLE_SCHEMA.empty_table()
+    fresh_days = days_of(fresh)
+    delta = {s for s in changed if reads[s].touched is not None and s in base.sessions and not rebuild}
+    if rebuild and any(reads[s].touched is not None for s in changed):
+        return Published("incomplete")  # a rebuild needs every session's rows (the planner never sends deltas)
+    affected: set[str] = set()
+    for s in changed:
+        r = reads[s]
+        if s in delta and r.days_changed is None:
+            return Published("incomplete")
+        if r.days_changed is not None and s in base.sessions and not rebuild:
+            affected |= r.days_changed  # its rows on other days are in the partitions as they are now
+        else:
+            affected |= set(days_of(r.rows).to_pylist())
+            if s in base.sessions:
+                affected.update(base.sessions[s].days)
+    for s in gone:
+        affected.update(base.sessions[s].days)
+    if rebuild:
+        affected |= set(base.partitions) | set(ut.parts)
+
+    # Write phase: the intent CAS fails if anyone committed (or started writing) since the manifest was read.
+    now = utcnow()
+    token = os.urandom(8).hex()
+    generation = base.generation + 1
+    intent = {"token": token, "owner": f"{socket.gethostname()}:{os.getpid()}", "started_at": now.isoformat(),
+              "expires_at": (now + INTENT_TTL).isoformat()}
+    mkey = layout.table_manifest_key(ut.user_id)
+    try:
+        if ut.manifest_etag is None:
+            held = store.objects.put(key=mkey, data=replace(base, intent=intent).encode(), if_none_match=True)
+        else:
+            held = store.objects.put(key=mkey, data=replace(base, intent=intent).encode(), if_match=ut.manifest_etag)
+    except PreconditionFailed:
+        log.info("table of user %r: another compaction committed or is writing; skipped", ut.segment)
+        return Published("busy")
+
+    drop = pa.array(sorted((changed - delta) | gone), pa.string())
+    # A delta session's rows are replaced one checkpoint id at a time: "session \x1f checkpoint" keys.
+    drop_ids = pa.array(sorted({f"{s}\x1f{c}" for s in delta for c in reads[s].touched.to_pylist()}), pa.string())
+    by_day: dict[str, pa.Table] = {}
+    if fresh.num_rows:
+        # One sort by time orders the rows within each partition too (a day is a range of created_at).
+        order = pc.sort_indices(fresh, sort_keys=[("created_at", "ascending"), ("session_id", "ascending"),
+                                                   ("checkpoint_id", "ascending")])
+        fresh, fresh_days = fresh.take(order), fresh_days.take(order)
+        values = fresh_days.to_pylist()
+        start = 0
+        for i in range(1, len(values) + 1):
+            if i == len(values) or values[i] != values[start]:
+                by_day[values[start]] = fresh.slice(start, i - start)
+                start = i
+
+    def write(day: str) -> tuple[str, str, int]:
+        key = layout.table_partition_key(ut.user_id, day)
+        if deadline():
+            raise _Conflict(f"{store.describe(key)}: past the compaction's lag limit")
+        if rebuild:
+            rows, expected = by_day.get(day, TABLE_SCHEMA.empty_table()), ut.parts.get(day)
+        else:
+            rec = base.partitions.get(day)
+            if rec is None:
+                if day in ut.parts:
+                    raise _Conflict(f"{store.describe(key)}: a partition file the manifest does not record")
+                kept, expected = TABLE_SCHEMA.empty_table(), None
+            else:
+                obj = store.objects.get(key=key)
+                if obj is None or obj.etag != rec["etag"]:
+                    raise _Conflict(f"{store.describe(key)}: rewritten since the manifest recorded it")
+                kept, expected = _decode_partition(obj.data), rec["etag"]
+                gone_rows = pc.is_in(kept["session_id"], value_set=drop)
+                if len(drop_ids):
+                    pair = pc.binary_join_element_wise(kept["session_id"], kept["checkpoint_id"], "\x1f")
+                    gone_rows = pc.or_(gone_rows, pc.is_in(pair, value_set=drop_ids))
+                kept = kept.filter(pc.invert(pc.fill_null(gone_rows, False)))
+            new = by_day.get(day)
+            rows = _sort(pa.concat_tables([kept, new])) if new is not None and new.num_rows else kept
+        data = _encode_partition(rows, generation, token)
+        if expected is None:
+            etag = store.objects.put(key=key, data=data, if_none_match=True)
+        else:
+            etag = store.objects.put(key=key, data=data, if_match=expected)
+        _cache(store)[key] = (etag, rows)
+        return day, etag, rows.num_rows
+
+    partitions = dict(base.partitions)
+    try:
+        days = sorted(affected)
+        results = _map(store, write, days)
+    except (_Conflict, PreconditionFailed) as e:
+        log.warning("table of user %r: write phase given up (%s); the next compaction rebuilds it", ut.segment, e)
+        _release(store, mkey, base, held)
+        return Published("conflict")
+    except BaseException:
+        _release(store, mkey, base, held)
+        raise
+    for day, etag, n in results:
+        partitions[day] = {"etag": etag, "rows": n}
+
+    sessions = {s: st for s, st in base.sessions.items() if s not in gone}
+    for s, r in reads.items():
+        count = r.count if r.count is not None else r.rows.num_rows
+        if s in delta:
+            days = sorted(set(sessions[s].days) | set(days_of(r.rows).to_pylist()))
+            sessions[s] = SessionState(tuple(sorted(r.files)), tuple(days), r.tombs, count, r.dead)
+        elif s in changed or s not in sessions:
+            days = sorted(set(days_of(r.rows).to_pylist()))
+            sessions[s] = SessionState(tuple(sorted(r.files)), tuple(days), r.tombs, count, r.dead)
+        elif s in renamed:
+            sessions[s] = SessionState(tuple(sorted(r.files)), sessions[s].days, r.tombs, count, r.dead)
+        elif sessions[s].tombs != r.tombs or sessions[s].dead != r.dead:
+            sessions[s] = replace(sessions[s], tombs=r.tombs, dead=r.dead)
+    final = Manifest(ut.user_id, generation, listed_wall, utcnow(), partitions, sessions, None)
+    try:
+        etag = store.objects.put(key=mkey, data=final.encode(), if_match=held)
+    except PreconditionFailed:
+        log.warning("table of user %r: another compaction took the write phase over; not committed", ut.segment)
+        return Published("conflict")
+    _cache(store)[mkey] = (etag, final)
+    return Published("committed", len(results), sum(n for _, _, n in results))
+
+
+def _release(store: "Store", key: str, base: Manifest, held: str) -> None:
+    """Give the write phase up: the manifest as it was (best effort; an expired intent is taken over anyway)."""
+    try:
+        store.objects.put(key=key, data=base.encode(), if_match=held)
+    except (PreconditionFailed, StorageError) as e:
+        log.info("table manifest %s not released (%s); its intent expires in %s", store.describe(key), e, INTENT_TTL)
+
+
+# -- reading: table + tail -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Staleness:
+    """How fresh the compacted part of a query was, and how much it read from the per-session tail."""
+
+    #: Oldest time the compacted partitions' sources were listed, among the users read (None: no table read).
+    table_as_of: datetime | None
+    tail_files: int
+    tail_sessions: int
+    users_without_table: int = 0
+
+    def describe(self, now: datetime | None = None) -> str:
+        now = now or utcnow()
+        if self.table_as_of is None:
+            head = "no compacted table yet"
+        else:
+            age = max(0.0, (now - self.table_as_of).total_seconds())
+            head = f"compacted table as of {self.table_as_of.isoformat(timespec='seconds')} ({_age(age)} ago)"
+        return (f"{head}; uncompacted tail: {self.tail_files} index file(s) in {self.tail_sessions} session(s)"
+                + (f"; {self.users_without_table} user(s) not compacted yet" if self.users_without_table else ""))
+
+
+def _age(s: float) -> str:
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
+
+
+_STALE = b"loomray.staleness"
+
+
+def staleness(table: pa.Table) -> Staleness | None:
+    """The :class:`Staleness` ``Store.query`` attached to ``table`` (None for a table it did not return)."""
+    raw = (table.schema.metadata or {}).get(_STALE)
+    if raw is None:
+        return None
+    doc = json.loads(raw)
+    return Staleness(_parse_iso(doc.get("table_as_of")), int(doc["tail_files"]), int(doc["tail_sessions"]),
+                     int(doc.get("users_without_table", 0)))
+
+
+def with_staleness(table: pa.Table, st: Staleness) -> pa.Table:
+    doc = {"table_as_of": _iso(st.table_as_of), "tail_files": st.tail_files, "tail_sessions": st.tail_sessions,
+           "users_without_table": st.users_without_table}
+    return table.replace_schema_metadata({**(table.schema.metadata or {}), _STALE: json.dumps(doc).encode()})
+
+
+def _session_of(key: str) -> tuple[str, str] | None:
+    """``(user segment, session id)`` of a per-session index file key."""
+    parts = key[len(layout.CHECKPOINT_INDEX):].split("/")
+    if len(parts) != 3 or not parts[0].startswith("user=") or not parts[1].startswith("session="):
+        return None
+    return parts[0][len("user="):], parts[1][len("session="):]
+
+
+def _day_range(since: datetime | None, until: datetime | None) -> Callable[[str], bool]:
+    lo = as_utc(since).date().isoformat() if since is not None else None
+    hi = (as_utc(until) - timedelta(microseconds=1)).date().isoformat() if until is not None else None
+    return lambda d: (lo is None or d >= lo) and (hi is None or d <= hi)
+
+
+def read_for_query(store: "Store", *, segment: str | None, session_id: str | None, since: datetime | None,
+                   until: datetime | None) -> tuple[pa.Table, pa.Table, Staleness]:
+    """``(table rows, tail rows, staleness)`` for a query of one user (``segment``) or all (None).
+
+    Table rows: partitions of the days in ``[since, until)`` without the rows
+    of tail sessions, in :data:`TABLE_SCHEMA`. Tail rows: every file of each
+    tail session under the scope (a session whose listed files differ from what
+    its manifest absorbed), raw (``CHECKPOINT_SCHEMA``, tombstones included).
+    Order of reads: manifests, then the per-session LIST, then partitions; a
+    listed file gone at GET time LISTs again (``ParquetIndex.read_listed``).
+    """
+    tprefix = layout.TABLE_INDEX if segment is None else f"{layout.TABLE_INDEX}user={segment}/"
+    tables = load_tables(store, tprefix)
+    prefix = layout.CHECKPOINT_INDEX
+    key_filter = None
+    if segment is not None:
+        prefix += f"user={segment}/"
+        if session_id is not None:
+            prefix += f"session={session_id}/"
+    elif session_id is not None:
+        key_filter = lambda k: f"/session={session_id}/" in k  # noqa: E731
+    tail_tables: dict[str, pa.Table] = {}
+    state: dict[str, Any] = {}
+
+    def read(keys: list[str], vanished: list[str]) -> None:
+        listed: dict[tuple[str, str], list[str]] = defaultdict(list)
+        for k in keys:
+            sk = _session_of(k)
+            if sk is not None:
+                listed[sk].append(k.rsplit("/", 1)[1])
+        clean: dict[str, set[str]] = defaultdict(set)
+        tail: set[tuple[str, str]] = set()
+        for (seg, sid), names in listed.items():
+            m = tables[seg].manifest if seg in tables else None
+            st = m.sessions.get(sid) if m is not None else None
+            if st is not None and tuple(sorted(names)) == tuple(sorted(st.files)):
+                clean[seg].add(sid)
+            else:
+                tail.add((seg, sid))
+        todo = [k for k in keys if _session_of(k) in tail and k not in tail_tables]
+        for key, t in store.index.read_files(todo, cache=False, vanished=vanished):
+            tail_tables[key] = t
+        state.update(clean=clean, tail=tail, keys=[k for k in keys if _session_of(k) in tail])
+
+    store.index.read_listed(prefix, read, key_filter=key_filter)
+    clean, tail = state["clean"], state["tail"]
+    _, tail_rows = store.index._concat([(k, tail_tables[k]) for k in state["keys"] if k in tail_tables],
+                                       CHECKPOINT_SCHEMA)
+
+    in_range = _day_range(since, until)
+    wanted: list[tuple[str, str, str | None]] = []  # (segment, day, listed etag)
+    as_of: list[datetime] = []
+    for seg, ut in sorted(tables.items()):
+        m = ut.manifest
+        if m is None or not clean.get(seg):
+            continue
+        if m.listed_at is not None:
+            as_of.append(m.listed_at)
+        days = set(m.partitions)
+        if session_id is not None:
+            st = m.sessions.get(session_id)
+            days &= set(st.days) if st is not None else set()
+        wanted += [(seg, d, ut.parts.get(d)) for d in sorted(days) if in_range(d) and d in ut.parts]
+    cache = _cache(store)
+
+    def part(item: tuple[str, str, str | None]) -> pa.Table:
+        seg, day, etag = item
+        key = layout.table_partition_key(user_from_segment(seg), day)
+        hit = cache.get(key)
+        if hit is not None and hit[0] == etag:
+            rows = hit[1]
+        else:
+            obj = store.objects.get(key=key)
+            if obj is None:
+                return TABLE_SCHEMA.empty_table()  # never deleted by loomray; someone removed it: no rows
+            try:
+                rows = _decode_partition(obj.data)
+            except Exception as e:  # pyarrow raises several types for bad bytes
+                raise StorageError(f"{store.describe(key)}: unreadable table partition ({e}); run compact() to "
+                                   "rebuild it") from e
+            cache[key] = (obj.etag, rows)
+        ids = pa.array(sorted(clean[seg]), pa.string())
+        return rows.filter(pc.is_in(rows["session_id"], value_set=ids))
+
+    parts = _map(store, part, wanted)
+    table_part = pa.concat_tables(parts) if parts else TABLE_SCHEMA.empty_table()
+    without = sum(1 for seg in {s for s, _ in tail} if tables.get(seg) is None or tables[seg].manifest is None)
+    st = Staleness(min(as_of) if as_of else None, len(state["keys"]), len(tail), without)
+    return table_part, tail_rows, st
+
+
