@@ -203,7 +203,7 @@ def main() -> None:
                     base = case_rows["off"]
                     mean_ck = case_rows["sync"]["mean_checkpoint_bytes"]
                     fl = floor_ms(backend, int(mean_ck), tmp, server)
-                    for mode, row in case_rows.items():
+                    for row in case_rows.values():
                         row["ratio_to_off"] = row["wall_s"] / base["wall_s"]
                         row["ckpt_overhead_ms_per_pass"] = (row["wall_s"] - base["wall_s"]) * 1000 / passes
                         row["floor_put_ms"] = fl
@@ -226,7 +226,7 @@ def main() -> None:
                 for backend in backends:
                     case = {m: asyncio.run(run_case(backend, args.latency_passes, m, Path(tmpdir), server,
                                                     args.latency_ms)) for m in ("off", "sync", "async")}
-                    for m, row in case.items():
+                    for _m, row in case.items():
                         row["ratio_to_off"] = row["wall_s"] / case["off"]["wall_s"]
                         row["ckpt_overhead_ms_per_pass"] = (row["wall_s"] - case["off"]["wall_s"]) * 1000 / row["passes"]
                         latency_rows.append(row)

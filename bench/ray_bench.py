@@ -61,13 +61,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from loomray.testing import _descendants, local_cluster  # noqa: E402  (first: pins Ray to 127.0.0.1)
-
 import ray  # noqa: E402
 
 from loomray import Agent, Tuning  # noqa: E402
 from loomray.models import ScriptedModel  # noqa: E402
 from loomray.runtime import RayRuntime  # noqa: E402
+from loomray.testing import _descendants, local_cluster  # noqa: E402  (first: pins Ray to 127.0.0.1)
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -112,7 +111,7 @@ class MemorySampler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def __enter__(self) -> "MemorySampler":
+    def __enter__(self) -> MemorySampler:
         self._thread.start()
         return self
 
@@ -229,7 +228,7 @@ async def node_loss(lc, runtime: RayRuntime, work: Path, run: int, sessions: int
         nxt.append(min(after) - t_kill if after else None)
         lt = _lease_time(root, sid)
         lease.append(lt[1] - t_kill if lt and lt[0] >= 2 else None)
-    for sid, r in zip(sids, results):
+    for sid, r in zip(sids, results, strict=False):
         served = [tag for tag, _, _ in _lines(calls, "D", sid)]
         repeated += len(served) - len(set(served))
         assert len(set(served)) == r.turns == passes + 1, f"{sid}: {served}"

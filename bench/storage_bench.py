@@ -183,7 +183,7 @@ def _rows_table(session: int, n_files: int, rows_per_file: int, file_no: int, us
     sid = f"s{session:06d}"
     idx = list(range(base, base + n))
     tomb = [(i % 50) == 49 for i in idx]  # 2%: retire the row written just before (a tombstone copies its row)
-    target = [i - 1 if t else i for i, t in zip(idx, tomb)]
+    target = [i - 1 if t else i for i, t in zip(idx, tomb, strict=False)]
     cids = [f"c{i:06d}" for i in target]
     ts = [T0 + timedelta(seconds=session * 10_000 + i) for i in target]
     return pa.Table.from_pydict({

@@ -17,9 +17,9 @@ import statistics
 import time
 from pathlib import Path
 
-from loomray.testing import FAST_FAILURE_DETECTION, local_cluster, pid_alive, wait_for, wait_until_dead
-
 import ray  # noqa: E402  (after loomray.testing, which pins Ray to loopback)
+
+from loomray.testing import FAST_FAILURE_DETECTION, local_cluster, pid_alive, wait_for, wait_until_dead
 
 
 @ray.remote(num_cpus=0)

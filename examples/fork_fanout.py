@@ -15,11 +15,10 @@ import asyncio
 import sys
 import tempfile
 
-from loomray.testing import local_cluster  # first: pins Ray to 127.0.0.1
-
 from loomray import Agent, Tuning
 from loomray.models.research import ResearchModel, research_tools
 from loomray.runtime import RayRuntime
+from loomray.testing import local_cluster  # first: pins Ray to 127.0.0.1
 
 SESSION = "fanout-demo"
 PROMPTS = ["Focus on costs.", "Focus on latency.", "Focus on failure modes.", "Focus on operations."]
@@ -41,7 +40,7 @@ async def main(data_dir: str) -> int:
         print(f"original: {base.turns} passes, {len(metas)} checkpoints; forking from turn {third.turn} "
               f"({third.checkpoint_id})")
         forks = await agent.fork(SESSION, from_checkpoint=third.checkpoint_id, prompts=PROMPTS)
-        for prompt, f in zip(PROMPTS, forks):
+        for prompt, f in zip(PROMPTS, forks, strict=False):
             ckpt = await agent.get_checkpoint(f.session_id)
             print(f"{f.session_id}  forked_from={ckpt.forked_from}  turns={f.turns}  {prompt!r}")
         untouched = [m.checkpoint_id for m in await agent.list_checkpoints(SESSION)] == before

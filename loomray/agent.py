@@ -8,7 +8,8 @@ model, tools, tuning), so it can be rebuilt in another process.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from loomray import control
 from loomray.config import Tuning
@@ -54,7 +55,7 @@ class Agent:
         self,
         instructions: str = "",
         *,
-        model: "str | Model",
+        model: str | Model,
         tools: Sequence[Any] = (),
         runtime: Any = None,
         tuning: Tuning | None = None,
@@ -141,7 +142,7 @@ class Agent:
         approvals: dict[str, Any] | None = None,
         **run_kwargs: Any,
     ) -> RunResult:
-        """Continue ``session_id`` from a checkpoint (seed 000 semantics).
+        """Continue ``session_id`` from a checkpoint.
 
         ``"latest"`` or the latest checkpoint's id continues in place; an older
         id forks into a new ``sess...`` session (the original stays untouched).
@@ -176,7 +177,7 @@ class Agent:
             if not isinstance(approvals, dict):
                 raise TypeError(f"approvals must be a dict of call id -> True | False | reason, got "
                                 f"{type(approvals).__name__}")
-            for call_id, decision in approvals.items():
+            for decision in approvals.values():
                 control.normalize_decision(decision)  # a wrong type fails before anything is written
             for call_id, decision in approvals.items():
                 await self.runtime.decide(target, call_id, decision, user_id=user_id, check_pending=fork_of is None)

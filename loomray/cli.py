@@ -34,14 +34,38 @@ from datetime import datetime  # noqa: E402
 from typing import Any  # noqa: E402
 
 import click  # noqa: E402
-from storage.table import staleness  # noqa: E402
 from rich.text import Text  # noqa: E402
 
 from loomray.cli_common import (  # noqa: E402
-    Activity, CliError, Col, check_id, console, emit_json, err_console, first_line, fit_columns, fit_table,
-    guarded, iso_time, iter_progress, json_option, money, open_store_or_fail, parse_time, plain_cell, print_records,
-    progress_option, row_dict, short_time, sql_to_arrow, stdin_is_tty, store_option, time_cells, user_option,
+    Activity,
+    CliError,
+    Col,
+    check_id,
+    console,
+    emit_json,
+    err_console,
+    first_line,
+    fit_columns,
+    fit_table,
+    guarded,
+    iso_time,
+    iter_progress,
+    json_option,
+    money,
+    open_store_or_fail,
+    parse_time,
+    plain_cell,
+    print_records,
+    progress_option,
+    row_dict,
+    short_time,
+    sql_to_arrow,
+    stdin_is_tty,
+    store_option,
+    time_cells,
+    user_option,
 )
+from storage.table import staleness  # noqa: E402
 
 _STATUS_STYLE = {"running": "cyan", "completed": "green", "failed": "red", "pending": "yellow", "active": "cyan",
                  "awaiting_approval": "magenta", "paused": "yellow", "cancelled": "red"}
@@ -110,7 +134,7 @@ def checkpoints_list(session_id: str, store_url: str | None, user_id: str | None
     cells = [{"checkpoint": r.checkpoint_id, "turn": str(r.turn), "after": r.position.removeprefix("after_"),
               "status": Text(r.execution_status, style=_STATUS_STYLE.get(r.execution_status, "")),
               "messages": str(r.message_count), "tokens": str(r.input_tokens + r.output_tokens),
-              "cost": money(r.cost_usd), "epoch": str(r.epoch), "created": t} for r, t in zip(rows, created)]
+              "cost": money(r.cost_usd), "epoch": str(r.epoch), "created": t} for r, t in zip(rows, created, strict=False)]
     console.print(fit_table(cols, cells, title=f"checkpoints of {session_id} (times UTC)"))
 
 
@@ -293,7 +317,7 @@ def _print_checkpoint_rows(rows: list[dict[str, Any]], title: str) -> None:
     """The default ``query`` view: the columns that matter, as many as fit; ids, statuses, times whole."""
     created = time_cells([r["created_at"] for r in rows])
     cells = []
-    for r, t in zip(rows, created):
+    for r, t in zip(rows, created, strict=False):
         cells.append({"session_id": r["session_id"], "user_id": r["user_id"] or "-",
                       "checkpoint_id": r["checkpoint_id"], "turn": str(r["turn"]),
                       "execution_status": Text(r["execution_status"],

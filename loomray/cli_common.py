@@ -15,11 +15,11 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import date, datetime, timezone
 from datetime import time as dtime
 from decimal import Decimal
-from typing import Any, Callable
+from typing import Any
 
 import click
 from rich.console import Console
@@ -395,7 +395,7 @@ class Activity:
         self._progress: Any = None
         self._task: Any = None
 
-    def __enter__(self) -> "Activity":
+    def __enter__(self) -> Activity:
         self._started = time.monotonic()
         if self.live:
             from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn

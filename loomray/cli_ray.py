@@ -24,17 +24,31 @@ import socket
 import sys
 import threading
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import click
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
 from loomray.cli_common import (
-    CliError, Col, address_option, check_id, console, emit_json, err_console, first_line, fit_table, guarded,
-    json_option, open_store_or_fail, store_option, store_url_or_fail, time_cells, user_option,
+    CliError,
+    Col,
+    address_option,
+    check_id,
+    console,
+    emit_json,
+    err_console,
+    first_line,
+    fit_table,
+    guarded,
+    json_option,
+    open_store_or_fail,
+    store_option,
+    store_url_or_fail,
+    time_cells,
+    user_option,
 )
-
 
 # --------------------------------------------------------------------- helpers
 
@@ -323,7 +337,7 @@ def status(store_url: str | None, address: str | None, user_id: str | None, limi
     colors = {"running": "cyan", "completed": "green", "failed": "red", "pending": "yellow"}
     updated = time_cells([_as_time(d["updated_at"]) for d in out])
     rows = []
-    for d, when in zip(out, updated):
+    for d, when in zip(out, updated, strict=False):
         st = d["status"] or "-"
         rows.append({"session": d["session_id"], "user": d["user_id"] or "-",
                      "status": Text(st, style=colors.get(st, "")),
@@ -470,13 +484,13 @@ def fork(session_id: str, from_checkpoint: str, prompts: tuple[str, ...], agent_
     results = asyncio.run(_with_progress(runtime.execute_many(bound, requests), store, labels, user_id, base_turn))
     if as_json:
         emit_json([{**_result_dict(r), "prompt": q.prompt, "forked_from": session_id,
-                    "from_checkpoint": from_checkpoint} for r, q in zip(results, requests)])
+                    "from_checkpoint": from_checkpoint} for r, q in zip(results, requests, strict=False)])
         return
     # The new session ids are what the next command needs: printed whole, whatever the terminal's width.
     cols = [Col("session"), Col("turns", justify="right"), Col("calls", "model calls", drop=2, justify="right"),
             Col("prompt", wrap=True, min_wrap=12), Col("output", wrap=True, drop=1)]
     rows = [{"session": r.session_id, "prompt": q.prompt or "", "turns": str(r.turns), "calls": str(r.model_calls),
-             "output": _excerpt(r.output, 80)} for r, q in zip(results, requests)]
+             "output": _excerpt(r.output, 80)} for r, q in zip(results, requests, strict=False)]
     console.print(fit_table(cols, rows, title=f"{len(results)} forks of {session_id} from {from_checkpoint} "
                                               f"(turn {base_turn})"))
 

@@ -65,7 +65,7 @@ class ForkNode:
     latest_checkpoint_id: str | None = None
     first_checkpoint_at: datetime | None = None
     updated_at: datetime | None = None
-    children: list["ForkNode"] = field(default_factory=list)
+    children: list[ForkNode] = field(default_factory=list)
 
     @property
     def own_spend_usd(self) -> float | None:
@@ -82,7 +82,7 @@ class ForkNode:
             return None
         return self.turns - (self.base_turn or 0)
 
-    def walk(self) -> list["ForkNode"]:
+    def walk(self) -> list[ForkNode]:
         out = [self]
         for child in self.children:
             out += child.walk()
@@ -516,7 +516,7 @@ def timeline_table(data: dict[str, Any]) -> Any:
     times = time_cells([_parse_time(x["start"]) for x in incs] + [_parse_time(x["end"]) for x in incs])
     starts, ends = times[:len(incs)], times[len(incs):]
     rows = []
-    for x, start, end in zip(incs, starts, ends):
+    for x, start, end in zip(incs, starts, ends, strict=False):
         what = x["cause"] or "-"
         outcome = Text(x["outcome"] or "-", style=_STATUS_STYLE.get(x["status"] or "", ""))
         cell = Text(what + " → ")

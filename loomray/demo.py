@@ -75,7 +75,7 @@ class Pace:
     kill_after: int  # model calls before the node is killed (during the next fetch_page)
 
     @classmethod
-    def choose(cls, fast: bool, passes: int | None) -> "Pace":
+    def choose(cls, fast: bool, passes: int | None) -> Pace:
         # The kill lands during a fetch_page; the work left after it must outlast the ~2 s that a
         # SIGKILLed node's orphaned worker process lives on (docs/ray-notes.md), or that orphan
         # finishes the run itself before the supervisor even notices the node is gone.
@@ -266,7 +266,7 @@ def _quiet_node_deaths() -> Any:
     the patch is undone when the demo ends. Other Ray errors still print.
     """
     try:
-        import ray._private.worker as worker
+        import ray._private.worker as worker  # noqa: PLC2701 - Ray has no public hook for this output
     except ImportError:  # pragma: no cover - a Ray without this internal: keep its output
         return lambda: None
     original = worker.print_to_stdstream
@@ -312,7 +312,7 @@ def run_demo(agent: Agent, store_url: str, log_path: str, *, pace: Pace, nodes: 
     with console.status("stopping the cluster ..."):
         cluster.__exit__(None, None, None)
     restore()
-    _step(6, "cleanup", f"cluster stopped, every process it started is gone"
+    _step(6, "cleanup", "cluster stopped, every process it started is gone"
           + (f" ([red]{len(lc.leftover)} had to be killed[/])" if lc.leftover else "") + ".")
     return sid
 
@@ -451,7 +451,7 @@ def _forks(lc: Any, store: Any, handle: Any, spec: Any, sid: str, log_path: str,
         pending = list(refs)
         while pending:
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.3)
-            for r, b in zip(requests, bars):
+            for r, b in zip(requests, bars, strict=False):
                 if r.session_id not in nodes:
                     info = _actor_info(r.session_id, timeout=2)
                     if info is not None:
@@ -464,7 +464,7 @@ def _forks(lc: Any, store: Any, handle: Any, spec: Any, sid: str, log_path: str,
     table = Table(title="forks")
     for col in ("fork", "node", "turns", "model calls", "the report's new last note"):
         table.add_column(col)
-    for r, ref in zip(requests, refs):
+    for r, ref in zip(requests, refs, strict=False):
         outcome = ray.get(ref)
         if outcome.status != "completed":
             table.add_row(r.session_id, nodes.get(r.session_id, "?"), "-", "-",

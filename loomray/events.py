@@ -8,8 +8,9 @@ Every event is a frozen pydantic model with a ``type`` tag, so a consumer can
 from __future__ import annotations
 
 import inspect
+from collections.abc import Awaitable, Callable
 from datetime import datetime
-from typing import Any, Awaitable, Callable, Literal, Union
+from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -160,13 +161,13 @@ class RunError(Event):
     error: str
 
 
-AnyEvent = Union[
+AnyEvent = Union[  # noqa: UP007 - a runtime alias for pydantic, not an annotation
     RunStart, ModelCall, TextDelta, ModelResponseEvent, ToolCallEvent, ToolResultEvent, CheckpointEvent,
     ReplayedStep, DeterminismViolation, CompactionEvent, ControlEvent, RunEnd, RunError,
 ]
 
 #: A user callback: sync or async, called with each event in order.
-EmitFn = Callable[[Event], Union[Awaitable[None], None]]
+EmitFn = Callable[[Event], Awaitable[None] | None]
 
 
 async def deliver(emit: EmitFn | None, event: Event) -> None:

@@ -30,8 +30,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Protocol
+from typing import Any, Protocol
 
 from loomray.events import DeterminismViolation, Event, ReplayedStep, TextDelta
 from loomray.models.base import Model, ModelRequest, ModelResponse, complete_with_stream

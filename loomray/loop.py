@@ -53,15 +53,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from loomray.compaction import compact, estimate_tokens
 from loomray.config import CheckpointConfig, Tuning
 from loomray.errors import LoomrayRunError, MaxTurnsExceeded
 from loomray.events import (
-    CheckpointEvent, CompactionEvent, ControlEvent, EmitFn, Event, ModelCall, ModelResponseEvent, RunEnd,
-    RunError, RunStart, ToolCallEvent, ToolResultEvent, deliver,
+    CheckpointEvent,
+    CompactionEvent,
+    ControlEvent,
+    EmitFn,
+    Event,
+    ModelCall,
+    ModelResponseEvent,
+    RunEnd,
+    RunError,
+    RunStart,
+    ToolCallEvent,
+    ToolResultEvent,
+    deliver,
 )
 from loomray.journal import StepRunner, approval_step_key, boundary_step_key, input_hash, model_step_key
 from loomray.models.base import ModelRequest

@@ -80,7 +80,7 @@ class Usage(BaseModel):
     requests: int = 0
     cost_usd: float | None = 0.0
 
-    def __add__(self, other: "Usage") -> "Usage":
+    def __add__(self, other: Usage) -> Usage:
         if not isinstance(other, Usage):
             return NotImplemented
         cost = None if self.cost_usd is None or other.cost_usd is None else self.cost_usd + other.cost_usd
@@ -143,7 +143,7 @@ class Checkpoint(BaseModel):
     pending_approvals: list[str] | None = None
     messages: list[Message] = Field(default_factory=list)
 
-    def validate(self) -> "Checkpoint":  # type: ignore[override]
+    def validate(self) -> Checkpoint:  # type: ignore[override]
         """Raise :class:`CheckpointException` if this checkpoint is not usable."""
         if self.schema_version not in READABLE_SCHEMA_VERSIONS:
             raise CheckpointException(
@@ -168,7 +168,7 @@ class Checkpoint(BaseModel):
         return self.__pydantic_serializer__.to_json(self)
 
     @classmethod
-    def from_dict(cls, data: Any) -> "Checkpoint":
+    def from_dict(cls, data: Any) -> Checkpoint:
         """Reconstruct and validate; raise :class:`CheckpointException` on bad data."""
         if not isinstance(data, dict):
             raise CheckpointException(f"checkpoint data must be a JSON object, got {type(data).__name__}")
@@ -184,7 +184,7 @@ class Checkpoint(BaseModel):
         return ckpt.validate()
 
     @classmethod
-    def from_json(cls, raw: bytes | str) -> "Checkpoint":
+    def from_json(cls, raw: bytes | str) -> Checkpoint:
         """Parse JSON bytes; raise :class:`CheckpointException` on corrupt or invalid data."""
         import json
 

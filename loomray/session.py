@@ -53,17 +53,22 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
+from loomray import control
 from loomray.errors import CheckpointException, DurabilityLost, LoomrayUserError
 from loomray.events import EmitFn, Event, deliver
 from loomray.ids import new_id
-from loomray import control
 from loomray.journal import STEP_KINDS, JournalRecord, StepRunner, approval_step_key, input_hash, tool_step_key
 from loomray.loop import (
-    CONTINUE_NUDGE, CheckpointWriter, LoopOptions, LoopState, dangling_tool_calls, run_loop, run_of_cursor,
+    CONTINUE_NUDGE,
+    CheckpointWriter,
+    LoopOptions,
+    LoopState,
+    dangling_tool_calls,
+    run_loop,
+    run_of_cursor,
 )
 from loomray.records import Checkpoint, Message, RunResult, load_checkpoint, utcnow
 from loomray.tools import as_tools
-
 from storage.errors import CorruptObjectError, LeaseLostError
 from storage.journal import FenceNote
 from storage.rows import JournalEntry, SessionRow

@@ -48,8 +48,18 @@ from datetime import datetime, timedelta, timezone
 from typing import Any, Protocol
 
 from loomray.events import (
-    CheckpointEvent, CompactionEvent, DeterminismViolation, Event, ModelCall, ModelResponseEvent, ReplayedStep,
-    RunEnd, RunError, RunStart, ToolCallEvent, ToolResultEvent,
+    CheckpointEvent,
+    CompactionEvent,
+    DeterminismViolation,
+    Event,
+    ModelCall,
+    ModelResponseEvent,
+    ReplayedStep,
+    RunEnd,
+    RunError,
+    RunStart,
+    ToolCallEvent,
+    ToolResultEvent,
 )
 
 log = logging.getLogger("loomray.telemetry")
@@ -555,7 +565,7 @@ def ray_placement() -> str | None:
     try:
         if not ray.is_initialized():
             return None
-        from ray._private import worker
+        from ray._private import worker  # noqa: PLC2701 - Ray has no public "am I a worker" query
 
         if worker.global_worker.mode != worker.WORKER_MODE:
             return None  # a driver: metrics only when asked (enable_metrics)

@@ -41,8 +41,9 @@ import contextlib  # noqa: E402
 import signal  # noqa: E402
 import time  # noqa: E402
 import warnings  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
-from typing import Any, Callable, Iterator, TypeVar  # noqa: E402
+from typing import Any, TypeVar
 
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
@@ -109,7 +110,7 @@ def wait_for(predicate: Callable[[], T], *, timeout: float, interval: float = 0.
         time.sleep(interval)
 
 
-def wait_until_dead(actor: "ray.actor.ActorHandle", *, timeout: float, probe: str = "__ray_ready__") -> "ray.exceptions.ActorDiedError":
+def wait_until_dead(actor: ray.actor.ActorHandle, *, timeout: float, probe: str = "__ray_ready__") -> ray.exceptions.ActorDiedError:
     """Call a cheap method on ``actor`` until Ray reports it dead; return the error.
 
     ``ActorUnavailableError`` (Ray cannot reach the actor right now, e.g. its

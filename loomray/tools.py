@@ -22,8 +22,9 @@ import asyncio
 import inspect
 import json
 import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 

@@ -88,7 +88,7 @@ class Rule:
     first: int | None = None
     last: int | None = None
 
-    def matches(self, call: "Call") -> bool:
+    def matches(self, call: Call) -> bool:
         if self.ops is not None and call.op not in self.ops:
             return False
         if self.actors is not None and call.actor not in self.actors:

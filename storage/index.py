@@ -21,9 +21,9 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from typing import TypeVar
-from concurrent.futures import ThreadPoolExecutor
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -162,7 +162,7 @@ class ParquetIndex:
             tables = [self.read_file(k, cache=cache, vanished=vanished) for k in keys]
         else:
             tables = list(self._pool.map(lambda k: self.read_file(k, cache=cache, vanished=vanished), keys))
-        return [(k, t) for k, t in zip(keys, tables) if t is not None]
+        return [(k, t) for k, t in zip(keys, tables, strict=False) if t is not None]
 
     def read_listed(self, prefix: str, read: Callable[[list[str], list[str]], T], *,
                     key_filter: Callable[[str], bool] | None = None) -> tuple[list[str], T]:

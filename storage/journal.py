@@ -175,7 +175,7 @@ class JournalRun:
                             seq=top + 1, step_key=f"seal-e{lease.epoch}", kind=SEAL, epoch=lease.epoch,
                             output={"excluded": excluded, "missing": missing, "owner": lease.owner})
 
-    def sealed_view(self, lease: Lease, seen_before: Collection[str] | None) -> "JournalRun":
+    def sealed_view(self, lease: Lease, seen_before: Collection[str] | None) -> JournalRun:
         """This journal as replay will see it once ``lease``'s incarnation sealed it; nothing is written.
 
         What a new owner decides with (is the run finished? where did it start?):
@@ -186,7 +186,7 @@ class JournalRun:
         return JournalRun(self.session_id, self.user_id, self.run_id, {**self.by_key, key: seal})
 
 
-def load_entries(store: "Store", keys: list[str]) -> dict[str, JournalEntry]:
+def load_entries(store: Store, keys: list[str]) -> dict[str, JournalEntry]:
     """Entries of ``keys`` read in parallel; vanished, unreadable or misplaced ones are skipped with a warning."""
     def load(key: str) -> JournalEntry | None:
         obj = store.objects.get(key=key)
@@ -207,10 +207,10 @@ def load_entries(store: "Store", keys: list[str]) -> dict[str, JournalEntry]:
     if not keys:
         return {}
     entries = store.index._pool.map(load, keys) if len(keys) > 2 else map(load, keys)
-    return {k: e for k, e in zip(keys, entries) if e is not None}
+    return {k: e for k, e in zip(keys, entries, strict=False) if e is not None}
 
 
-def read_run(store: "Store", session_id: str, run_id: str, user_id: str | None,
+def read_run(store: Store, session_id: str, run_id: str, user_id: str | None,
              known: JournalRun | None = None) -> JournalRun:
     """LIST the run's journal and read its entries (only those ``known`` does not already hold)."""
     prefix = layout.journal_prefix(session_id, user_id, run_id)
@@ -221,7 +221,7 @@ def read_run(store: "Store", session_id: str, run_id: str, user_id: str | None,
     return JournalRun(session_id, user_id, run_id, by_key)
 
 
-def journal_keys(store: "Store", session_id: str, run_id: str, user_id: str | None) -> frozenset[str]:
+def journal_keys(store: Store, session_id: str, run_id: str, user_id: str | None) -> frozenset[str]:
     """Keys of the run's journal entries (one LIST, no GET): the listing taken before a takeover."""
     prefix = layout.journal_prefix(session_id, user_id, run_id)
     return frozenset(o.key for o in store.objects.list(prefix=prefix) if o.key.endswith(".json"))
@@ -233,7 +233,7 @@ def _check_lease_for(lease: Lease, session_id: str, user_id: str | None) -> None
                            f"session {session_id!r}/user {user_id!r}")
 
 
-def _put_seal(store: "Store", seal: JournalEntry) -> tuple[str, JournalEntry]:
+def _put_seal(store: Store, seal: JournalEntry) -> tuple[str, JournalEntry]:
     """Create the seal's object; a retried PUT that finds this very seal already there is fine."""
     key = layout.journal_key(seal.session_id, seal.user_id, seal.run_id, seal.seq, seal.step_key)
     try:
@@ -255,7 +255,7 @@ def _put_seal(store: "Store", seal: JournalEntry) -> tuple[str, JournalEntry]:
     return key, seal
 
 
-def seal_listed(store: "Store", session_id: str, run_id: str, user_id: str | None, lease: Lease,
+def seal_listed(store: Store, session_id: str, run_id: str, user_id: str | None, lease: Lease,
                 listed: Collection[str]) -> JournalEntry:
     """Seal the run right after ``lease`` was taken, above the keys ``listed`` before it (one PUT, no LIST).
 
@@ -274,7 +274,7 @@ def seal_listed(store: "Store", session_id: str, run_id: str, user_id: str | Non
     return _put_seal(store, seal)[1]
 
 
-def seal_run(store: "Store", session_id: str, run_id: str, user_id: str | None, lease: Lease, *,
+def seal_run(store: Store, session_id: str, run_id: str, user_id: str | None, lease: Lease, *,
              seen_before: Collection[str] | None = None, known: JournalRun | None = None) -> JournalRun:
     """Seal the run for the incarnation holding ``lease`` and return its journal, the seal included.
 
@@ -315,7 +315,7 @@ class Listing:
     top_record: int = -1
 
 
-def list_for_fence(store: "Store", session_id: str, user_id: str | None, run_id: str | None = None) -> Listing:
+def list_for_fence(store: Store, session_id: str, user_id: str | None, run_id: str | None = None) -> Listing:
     """The :class:`Listing` of the session: its last run (and ``run_id``, when it has entries)."""
     slots = _slots(store, session_id, user_id)
     last = None
@@ -388,7 +388,7 @@ def _fence_seal(session_id: str, user_id: str | None, run_id: Any, seq: int, ite
                         output={"excluded": [], "missing": missing, "owner": item.get("owner"), "completed": True})
 
 
-def complete_fences(store: "Store", session_id: str, user_id: str | None, chain: list[dict[str, Any]],
+def complete_fences(store: Store, session_id: str, user_id: str | None, chain: list[dict[str, Any]],
                     listed: dict[str, Collection[str]]) -> int:
     """Write the seals of earlier owners (``FenceNote.chain``) that are missing; returns how many were written.
 
@@ -437,7 +437,7 @@ def complete_fences(store: "Store", session_id: str, user_id: str | None, chain:
 
 
 # -- run records -----------------------------------------------------------------
-def _slots(store: "Store", session_id: str, user_id: str | None) -> list[tuple[int, str]]:
+def _slots(store: Store, session_id: str, user_id: str | None) -> list[tuple[int, str]]:
     """``(n, key)`` of the session's run records, by n (one LIST)."""
     prefix = layout.run_prefix(session_id, user_id)
     out = []
@@ -448,7 +448,7 @@ def _slots(store: "Store", session_id: str, user_id: str | None) -> list[tuple[i
     return sorted(out)
 
 
-def _read_record(store: "Store", key: str, n: int, session_id: str, user_id: str | None) -> RunRecord | None:
+def _read_record(store: Store, key: str, n: int, session_id: str, user_id: str | None) -> RunRecord | None:
     obj = store.objects.get(key=key)
     if obj is None:
         return None
@@ -465,7 +465,7 @@ def _read_record(store: "Store", key: str, n: int, session_id: str, user_id: str
     return rec
 
 
-def create_run(store: "Store", session_id: str, user_id: str | None, *, run_id: str,
+def create_run(store: Store, session_id: str, user_id: str | None, *, run_id: str,
                request: dict[str, Any] | None = None, spec_hash: str = "", base_session_id: str | None = None,
                base_checkpoint_id: str | None = None, replay_from: str | None = None,
                epoch: int = 0) -> RunRecord:
@@ -491,7 +491,7 @@ def create_run(store: "Store", session_id: str, user_id: str | None, *, run_id: 
                              f"after {_RECORD_ATTEMPTS} attempts")
 
 
-def last_run(store: "Store", session_id: str, user_id: str | None,
+def last_run(store: Store, session_id: str, user_id: str | None,
              slots: list[tuple[int, str]] | None = None) -> RunRecord | None:
     """The session's last run: the highest ``(epoch, n)`` among its newest records; None without records.
 
@@ -505,7 +505,7 @@ def last_run(store: "Store", session_id: str, user_id: str | None,
     return last_run_window(store, session_id, user_id, slots)[0]
 
 
-def last_run_window(store: "Store", session_id: str, user_id: str | None,
+def last_run_window(store: Store, session_id: str, user_id: str | None,
                     slots: list[tuple[int, str]] | None = None
                     ) -> tuple[RunRecord | None, list[tuple[int, str]], list[tuple[int, str]]]:
     """:func:`last_run`, the record slots older than those its choice depends on, and those: every slot from the
@@ -521,14 +521,14 @@ def last_run_window(store: "Store", session_id: str, user_id: str | None,
     return None, [], slots
 
 
-def _read_records(store: "Store", slots: list[tuple[int, str]], session_id: str,
+def _read_records(store: Store, slots: list[tuple[int, str]], session_id: str,
                   user_id: str | None) -> list[RunRecord | None]:
     if len(slots) <= 1:
         return [_read_record(store, key, n, session_id, user_id) for n, key in slots]
     return list(store.index._pool.map(lambda s: _read_record(store, s[1], s[0], session_id, user_id), slots))
 
 
-def list_runs(store: "Store", session_id: str, user_id: str | None) -> list[RunRecord]:
+def list_runs(store: Store, session_id: str, user_id: str | None) -> list[RunRecord]:
     """Every readable record of the session, by n."""
     return [r for r in _read_records(store, _slots(store, session_id, user_id), session_id, user_id) if r is not None]
 
@@ -544,7 +544,7 @@ class Unfinished:
     replay_from: str | None
 
 
-def unfinished_last_run(store: "Store", session_id: str, user_id: str | None) -> Unfinished | None:
+def unfinished_last_run(store: Store, session_id: str, user_id: str | None) -> Unfinished | None:
     """The session's last run (by run record, else by sorted journal run id) if it has not finished."""
     rec = last_run(store, session_id, user_id)
     if rec is not None:

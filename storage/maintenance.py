@@ -44,15 +44,22 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from storage import layout
+from storage.errors import IndexChangedError, PreconditionFailed
 from storage.ids import user_from_segment, user_segment, validate_id
 from storage.index import compact_checkpoint_partition, conform, live_checkpoints, serial_backend
-from storage.errors import IndexChangedError, PreconditionFailed
 from storage.journal import RUN_END, last_run_window, load_entries, unfinished_last_run
-from storage.rows import (CHECKPOINT_SCHEMA, SESSION_SCHEMA, CheckpointRow, CompactReport, JournalEntry, PruneReport,
-                          RunRecord, as_utc, utcnow)
-
-from storage.table import (SessionRead, SessionState, UserTable, days_of, load_tables, publish, table_clock,
-                           table_rows)
+from storage.rows import (
+    CHECKPOINT_SCHEMA,
+    SESSION_SCHEMA,
+    CheckpointRow,
+    CompactReport,
+    JournalEntry,
+    PruneReport,
+    RunRecord,
+    as_utc,
+    utcnow,
+)
+from storage.table import SessionRead, SessionState, UserTable, days_of, load_tables, publish, table_clock, table_rows
 
 if TYPE_CHECKING:
     from storage.store import Store
@@ -96,7 +103,7 @@ class IndexCompactReport(CompactReport):
     table_skipped: int = 0
 
 
-def compact(store: "Store", *, tombstone_grace: timedelta | None = None,
+def compact(store: Store, *, tombstone_grace: timedelta | None = None,
             users: list[str | None] | None = None) -> IndexCompactReport:
     """Merge index partitions and bring the compacted table up to date; only what changed is read.
 
@@ -182,7 +189,7 @@ def compact(store: "Store", *, tombstone_grace: timedelta | None = None,
     with _pool(store) as pool:
         results = list(pool.map(merge, work))
     reads: dict[str, dict[str, SessionRead]] = defaultdict(dict)
-    for (partition, *_), (n_files, n_rows, n_applied, read) in zip(work, results):
+    for (partition, *_), (n_files, n_rows, n_applied, read) in zip(work, results, strict=False):
         files_after += n_files
         rows += n_rows
         dropped += n_applied
@@ -222,7 +229,7 @@ def compact(store: "Store", *, tombstone_grace: timedelta | None = None,
 class _InOrder:
     """A pool's ``map`` on the calling thread (for local stores: see :func:`storage.index.serial_backend`)."""
 
-    def __enter__(self) -> "_InOrder":
+    def __enter__(self) -> _InOrder:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -232,7 +239,7 @@ class _InOrder:
         return map(fn, items)
 
 
-def _pool(store: "Store"):
+def _pool(store: Store):
     """Where a compaction merges partitions: 4 threads for a remote store, the calling thread for a local one."""
     if serial_backend(store.objects):
         return _InOrder()
@@ -247,7 +254,7 @@ def _ids_of(partition: str) -> tuple[str | None, str]:
     return parts[0][len("user="):], parts[1][len("session="):]
 
 
-def _merger(store: "Store", schema: pa.Schema, grace: timedelta, max_lag: float, listed_wall: datetime,
+def _merger(store: Store, schema: pa.Schema, grace: timedelta, max_lag: float, listed_wall: datetime,
             listed_at: float, listing: dict[str, datetime | None]):
     """The per-partition merge of one compaction: ``merge((partition, keys, for_table, known, base))`` returns
     ``(files after, live rows, tombstones applied, SessionRead or None)``.
@@ -313,7 +320,7 @@ def _merger(store: "Store", schema: pa.Schema, grace: timedelta, max_lag: float,
                                    days_changed=days, dead=tuple(sorted(dead)))
             # Only what came after the table's last look: its rows, and every checkpoint id it touches. A row
             # a tombstone in the unread base file retires (a stale copy, an id used again) stays dead.
-            new = [t for (k, _), t in zip(pairs, tables) if k.rsplit("/", 1)[1] not in known.files and t.num_rows]
+            new = [t for (k, _), t in zip(pairs, tables, strict=False) if k.rsplit("/", 1)[1] not in known.files and t.num_rows]
             ids = pa.chunked_array([t["checkpoint_id"] for t in new] or [pa.array([], pa.string())]).combine_chunks()
             rows = table_rows(merged)
             rows = rows.filter(pc.is_in(rows["checkpoint_id"], value_set=ids))
@@ -375,7 +382,7 @@ def _tier_live(known: SessionState | None, pairs: list[tuple[str, pa.Table]], ta
     """Live rows of a session merged without its base file: the table's count, plus new rows, less new tombstones
     (an estimate when a tombstone retires a row that was already retired)."""
     n = known.rows if known is not None else 0
-    for (k, _), t in zip(pairs, tables):
+    for (k, _), t in zip(pairs, tables, strict=False):
         if known is not None and k.rsplit("/", 1)[1] in known.files:
             continue
         tomb = pc.sum(pc.fill_null(t["tombstone"], False)).as_py() or 0
@@ -390,7 +397,7 @@ def _days_changed(known: SessionState | None, pairs: list[tuple[str, pa.Table]],
     retires, wherever it lives). None (every day) unless every absorbed file is still there."""
     if known is None:
         return None
-    names = {k.rsplit("/", 1)[1]: t for (k, _), t in zip(pairs, tables)}
+    names = {k.rsplit("/", 1)[1]: t for (k, _), t in zip(pairs, tables, strict=False)}
     if not set(known.files) <= set(names) | set(unread):
         return None
     new = [t for n, t in names.items() if n not in known.files and t.num_rows]
@@ -408,7 +415,7 @@ def _days_changed(known: SessionState | None, pairs: list[tuple[str, pa.Table]],
     return frozenset(days)
 
 
-def _reread(store: "Store", partition: str, known: SessionState | None) -> SessionRead | None:
+def _reread(store: Store, partition: str, known: SessionState | None) -> SessionRead | None:
     """The session's live rows after a concurrent compaction merged its files (consistent with a fresh LIST)."""
     try:
         keys, table = store.index.read_prefix(partition, CHECKPOINT_SCHEMA, cache=False)
@@ -445,7 +452,7 @@ def _young_tombstones(pairs: list[tuple[str, pa.Table]], tables: list[pa.Table],
         store_now = _store_now(listing)
     cutoff = store_now - grace if store_now is not None else None
     young: set[str] = set()
-    for (key, _), table in zip(pairs, tables):
+    for (key, _), table in zip(pairs, tables, strict=False):
         modified = known(listing.get(key))
         if cutoff is None or modified is None or modified >= cutoff:
             tomb = pc.fill_null(table["tombstone"], False)
@@ -453,7 +460,7 @@ def _young_tombstones(pairs: list[tuple[str, pa.Table]], tables: list[pa.Table],
     return young
 
 
-def _sessions(store: "Store", session_id: str | None, user_id: str | None) -> list[tuple[str | None, str]]:
+def _sessions(store: Store, session_id: str | None, user_id: str | None) -> list[tuple[str | None, str]]:
     if session_id is not None:
         validate_id(session_id, "session_id")  # even when no session exists to match
     users = [user_segment(user_id)] if user_id is not None else store.objects.list_dirs(prefix="sessions/")
@@ -466,7 +473,7 @@ def _sessions(store: "Store", session_id: str | None, user_id: str | None) -> li
     return out
 
 
-def prune(store: "Store", *, before: datetime | None, session_id: str | None, user_id: str | None) -> PruneReport:
+def prune(store: Store, *, before: datetime | None, session_id: str | None, user_id: str | None) -> PruneReport:
     """Delete checkpoints, journal entries and run records matching every given filter, tombstoning index rows.
 
     With ``before``, recovery of an unfinished run is never broken: when a
@@ -560,7 +567,7 @@ def prune(store: "Store", *, before: datetime | None, session_id: str | None, us
     return PruneReport(checkpoints=n_ckpt, journal_entries=n_journal, run_records=n_runs)
 
 
-def _recovery_needs(store: "Store", sessions: list[tuple[str | None, str]],
+def _recovery_needs(store: Store, sessions: list[tuple[str | None, str]],
                     forks: dict[tuple[str | None, str], list[tuple[str | None, str]]] | None = None
                     ) -> tuple[dict[tuple[str | None, str], set[str]], set[tuple[str | None, str, str]]]:
     """What recovering the unfinished last run of each of ``sessions`` needs: run ids whose journal and record
@@ -590,30 +597,30 @@ def _spared(uid: str | None, sid: str, rows: list[CheckpointRow], kept_runs: dic
     return spared
 
 
-def _read_objects(store: "Store", keys: list[str]) -> dict[str, bytes]:
+def _read_objects(store: Store, keys: list[str]) -> dict[str, bytes]:
     """The bytes of ``keys`` that exist (read in parallel), to put back what a run started meanwhile needs."""
     def read(key: str) -> bytes | None:
         obj = store.objects.get(key=key)
         return None if obj is None else obj.data
 
     datas = store.index._pool.map(read, keys) if len(keys) > 2 else map(read, keys)
-    return {k: d for k, d in zip(keys, datas) if d is not None}
+    return {k: d for k, d in zip(keys, datas, strict=False) if d is not None}
 
 
-def _restore_entry(store: "Store", key: str, entry: JournalEntry) -> None:
+def _restore_entry(store: Store, key: str, entry: JournalEntry) -> None:
     try:
         store.objects.put(key=key, data=entry.__pydantic_serializer__.to_json(entry), if_none_match=True)
     except PreconditionFailed:
         pass  # already there again: nothing to put back
 
 
-def _legacy_last_run(store: "Store", sid: str, uid: str | None) -> str | None:
+def _legacy_last_run(store: Store, sid: str, uid: str | None) -> str | None:
     """The last run of a session without run records: its last journal run id in sorted order."""
     runs = store.objects.list_dirs(prefix=layout.journal_prefix(sid, uid))
     return runs[-1] if runs else None
 
 
-def _doomed_records(store: "Store", sid: str, uid: str | None, cutoff: datetime | None,
+def _doomed_records(store: Store, sid: str, uid: str | None, cutoff: datetime | None,
                     older: list[tuple[int, str]], kept_runs: set[str]) -> list[str]:
     """Run record keys prune deletes: all without a cutoff; else the ``older`` ones (not among those the last run
     is chosen from: the newest also anchors the next slot number) past the cutoff, sparing kept runs."""

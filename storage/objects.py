@@ -73,5 +73,5 @@ class ObjectStore(ABC):
         """``(fsspec filesystem, root path)`` for external readers (pyarrow, DuckDB, polars)."""
         raise NotImplementedError(f"{self.describe()} has no fsspec filesystem")
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - an optional hook, a no-op by default
         """Release clients or connections (optional)."""

@@ -22,14 +22,35 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from storage import journal, layout
-from storage.errors import (CorruptObjectError, IndexChangedError, LeaseCorruptError, LeaseLostError, ObjectNotFound,
-                            PreconditionFailed, StorageError)
+from storage.errors import (
+    CorruptObjectError,
+    IndexChangedError,
+    LeaseCorruptError,
+    LeaseLostError,
+    ObjectNotFound,
+    PreconditionFailed,
+    StorageError,
+)
 from storage.ids import user_from_segment, user_segment, validate_id
 from storage.index import ParquetIndex, conform, live_checkpoints
 from storage.objects import ObjectStore
-from storage.rows import (CHECKPOINT_SCHEMA, SESSION_SCHEMA, CheckpointRow, CompactReport, JournalEntry, Lease,
-                          PruneReport, RunRecord, SessionRow, as_utc, checkpoint_rows_from_table, checkpoint_rows_table,
-                          session_rows_from_table, session_rows_table, utcnow)
+from storage.rows import (
+    CHECKPOINT_SCHEMA,
+    SESSION_SCHEMA,
+    CheckpointRow,
+    CompactReport,
+    JournalEntry,
+    Lease,
+    PruneReport,
+    RunRecord,
+    SessionRow,
+    as_utc,
+    checkpoint_rows_from_table,
+    checkpoint_rows_table,
+    session_rows_from_table,
+    session_rows_table,
+    utcnow,
+)
 
 log = logging.getLogger("storage")
 ANY: Any = ...  # "any user" in queries; None means "no user"

@@ -85,8 +85,8 @@ import pyarrow.parquet as pq
 
 from storage import layout
 from storage.errors import PreconditionFailed, StorageError
-from storage.index import DICTIONARY_COLUMNS, serial_backend
 from storage.ids import user_from_segment
+from storage.index import DICTIONARY_COLUMNS, serial_backend
 from storage.rows import CHECKPOINT_SCHEMA, as_utc, utcnow
 
 if TYPE_CHECKING:
@@ -142,7 +142,7 @@ class Manifest:
                              compresslevel=5)
 
     @classmethod
-    def decode(cls, data: bytes, where: str) -> "Manifest":
+    def decode(cls, data: bytes, where: str) -> Manifest:
         try:
             doc = json.loads(gzip.decompress(data))
             if not isinstance(doc, dict) or doc.get("type") != "index_table_manifest":
@@ -216,7 +216,7 @@ class UserTable:
         return None
 
 
-def _map(store: "Store", fn: Callable[[Any], Any], items: list) -> list:
+def _map(store: Store, fn: Callable[[Any], Any], items: list) -> list:
     """``fn`` over ``items``: on the index's reader threads for a remote store, in order on this thread for a local
     one (see :func:`storage.index.serial_backend`)."""
     if len(items) <= 2 or serial_backend(store.objects):
@@ -261,7 +261,7 @@ class _Cache:
                 self._rows -= w
 
 
-def _cache(store: "Store") -> _Cache:
+def _cache(store: Store) -> _Cache:
     """This Store's :class:`_Cache` (made on first use)."""
     cache = store.__dict__.get("_table_cache")
     if cache is None:
@@ -269,7 +269,7 @@ def _cache(store: "Store") -> _Cache:
     return cache
 
 
-def load_tables(store: "Store", prefix: str = layout.TABLE_INDEX) -> dict[str, UserTable]:
+def load_tables(store: Store, prefix: str = layout.TABLE_INDEX) -> dict[str, UserTable]:
     """Every user's table under ``prefix`` (``index/table/`` or one user's): one LIST, plus a GET of each manifest
     this Store has not parsed at its listed ETag."""
     users: dict[str, UserTable] = {}
@@ -387,7 +387,7 @@ class Published:
     rows: int = 0
 
 
-def publish(store: "Store", ut: UserTable, listed: dict[str, tuple[str, ...]], reads: dict[str, SessionRead], *,
+def publish(store: Store, ut: UserTable, listed: dict[str, tuple[str, ...]], reads: dict[str, SessionRead], *,
             rebuild: bool, listed_wall: datetime, deadline: Callable[[], bool]) -> Published:
     """Bring one user's partitions and manifest up to date with ``reads`` (see the module docstring).
 
@@ -534,7 +534,7 @@ def publish(store: "Store", ut: UserTable, listed: dict[str, tuple[str, ...]], r
     return Published("committed", len(results), sum(n for _, _, n in results))
 
 
-def _release(store: "Store", key: str, base: Manifest, held: str) -> None:
+def _release(store: Store, key: str, base: Manifest, held: str) -> None:
     """Give the write phase up: the manifest as it was (best effort; an expired intent is taken over anyway)."""
     try:
         store.objects.put(key=key, data=base.encode(), if_match=held)
@@ -601,7 +601,7 @@ def _day_range(since: datetime | None, until: datetime | None) -> Callable[[str]
     return lambda d: (lo is None or d >= lo) and (hi is None or d <= hi)
 
 
-def read_for_query(store: "Store", *, segment: str | None, session_id: str | None, since: datetime | None,
+def read_for_query(store: Store, *, segment: str | None, session_id: str | None, since: datetime | None,
                    until: datetime | None) -> tuple[pa.Table, pa.Table, Staleness]:
     """``(table rows, tail rows, staleness)`` for a query of one user (``segment``) or all (None).
 

@@ -23,9 +23,9 @@ class MotoS3Server:
     """moto's S3 on ``127.0.0.1:{free port}``; ``start()`` / ``stop()`` or use as a context manager."""
 
     def __init__(self) -> None:
-        from moto.server import ThreadedMotoServer
-
         import logging
+
+        from moto.server import ThreadedMotoServer
 
         # werkzeug logs every request line; tests and benches only want failures.
         logging.getLogger("werkzeug").setLevel(logging.ERROR)
@@ -33,7 +33,7 @@ class MotoS3Server:
         self.endpoint_url = ""
         self._client = None
 
-    def start(self) -> "MotoS3Server":
+    def start(self) -> MotoS3Server:
         self._server.start()
         host, port = self._server.get_host_and_port()
         self.endpoint_url = f"http://{host}:{port}"
@@ -44,7 +44,7 @@ class MotoS3Server:
             self._client.close()
         self._server.stop()
 
-    def __enter__(self) -> "MotoS3Server":
+    def __enter__(self) -> MotoS3Server:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:

@@ -1,6 +1,9 @@
 """Suite-wide setup: Ray binds to loopback, and no test reaches the network."""
 
 import os
+import uuid as _uuid
+
+import pytest as _pytest
 
 # Must be set before Ray starts anywhere in this process or its children.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -11,10 +14,6 @@ for _var in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN"):
 
 
 # --- storage fixtures (shared: any test may ask for `store`, `s3_server`, `s3_store_url`) ---
-import uuid as _uuid
-
-import pytest as _pytest
-
 
 @_pytest.fixture(scope="session")
 def s3_server():

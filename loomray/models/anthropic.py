@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import inspect
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from loomray.models.base import DeltaCallback, ModelRequest, ModelResponse
 from loomray.models.provider import ProviderModel, closed_schema

@@ -23,7 +23,8 @@ from __future__ import annotations
 import inspect
 import json
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from loomray.models.base import DeltaCallback, ModelRequest, ModelResponse
 from loomray.models.provider import ProviderModel, all_required, closed_schema

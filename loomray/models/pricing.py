@@ -30,9 +30,10 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
 from importlib import resources
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -78,7 +79,7 @@ class PriceTable:
         self._prices: dict[str, dict[str, Price]] = {p: dict(models) for p, models in (prices or {}).items()}
 
     @classmethod
-    def from_data(cls, data: Any, *, source: str) -> "PriceTable":
+    def from_data(cls, data: Any, *, source: str) -> PriceTable:
         """Parse the ``prices.json`` format; a malformed table is a :class:`ModelConfigError` naming ``source``."""
         if not isinstance(data, Mapping):
             raise ModelConfigError(f"price table {source}: expected a JSON object, got {type(data).__name__}")
@@ -100,7 +101,7 @@ class PriceTable:
         return cls(parsed)
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike) -> "PriceTable":
+    def from_file(cls, path: str | os.PathLike) -> PriceTable:
         """Load a JSON price file; a missing or unreadable file is a :class:`ModelConfigError`."""
         try:
             raw = Path(path).read_text(encoding="utf-8")
@@ -113,12 +114,12 @@ class PriceTable:
         return cls.from_data(data, source=repr(os.fspath(path)))
 
     @classmethod
-    def builtin(cls) -> "PriceTable":
+    def builtin(cls) -> PriceTable:
         """The table shipped with loomray (``loomray/models/prices.json``)."""
         raw = resources.files("loomray.models").joinpath("prices.json").read_text(encoding="utf-8")
         return cls.from_data(json.loads(raw), source="loomray/models/prices.json")
 
-    def merged(self, other: "PriceTable") -> "PriceTable":
+    def merged(self, other: PriceTable) -> PriceTable:
         """A new table: ``other``'s entries replace this one's, model by model."""
         out = {p: dict(m) for p, m in self._prices.items()}
         for provider, models in other._prices.items():
@@ -149,7 +150,7 @@ class PriceTable:
         return f"PriceTable({sum(len(m) for m in self._prices.values())} models)"
 
 
-def load_prices(prices: "PriceTable | Mapping[str, Any] | str | os.PathLike | None" = None) -> PriceTable:
+def load_prices(prices: PriceTable | Mapping[str, Any] | str | os.PathLike | None = None) -> PriceTable:
     """Built-in prices, overridden by ``$LOOMRAY_PRICES`` and then by ``prices``.
 
     ``prices`` may be a :class:`PriceTable`, a mapping in ``prices.json`` format,

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from loomray.errors import ModelAuthError, ModelBadRequestError, ModelConfigError, ModelError
 from loomray.models.pricing import PriceTable, load_prices

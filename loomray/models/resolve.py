@@ -41,7 +41,7 @@ def provider_for(name: str) -> tuple[str, str]:
     )
 
 
-def resolve_model(model: "str | Model", **settings) -> Model:
+def resolve_model(model: str | Model, **settings) -> Model:
     """Return a ready :class:`Model` for ``model`` (a name or an instance)."""
     if not isinstance(model, str):
         if not isinstance(model, Model):

@@ -25,7 +25,8 @@ import asyncio
 import inspect
 import os
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from loomray.compaction import estimate_tokens
 from loomray.errors import ModelError

@@ -12,7 +12,7 @@ from loomray.runtime.base import Runtime
 from loomray.runtime.inproc import InProcRuntime
 from loomray.runtime.local import LocalRuntime
 
-__all__ = ["Runtime", "InProcRuntime", "LocalRuntime", "RayRuntime"]
+__all__ = ["Runtime", "InProcRuntime", "LocalRuntime", "RayRuntime"]  # noqa: F822 - RayRuntime is lazy (__getattr__)
 
 
 def __getattr__(name: str) -> Any:

@@ -225,7 +225,7 @@ class AgentSpec:
     payload: bytes | None = None
 
     @classmethod
-    def of(cls, agent: Any, extra_tools: Any = ()) -> "AgentSpec":
+    def of(cls, agent: Any, extra_tools: Any = ()) -> AgentSpec:
         """``agent`` as a spec: a ``"module:attr"`` string travels by reference only; an Agent
         travels by value (without its runtime: clients and connections stay behind), plus
         its reference if one was registered with :func:`set_agent_ref`."""

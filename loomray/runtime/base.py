@@ -13,7 +13,8 @@ in the store, see :mod:`loomray.control`).
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from loomray.records import Checkpoint, CheckpointMeta, RunResult, load_checkpoint
 
@@ -45,10 +46,10 @@ class Runtime:
 
     async def execute(
         self,
-        agent: "Agent",
-        request: "RunRequest",
+        agent: Agent,
+        request: RunRequest,
         *,
-        emit: "EmitFn | None" = None,
+        emit: EmitFn | None = None,
         extra_tools: Sequence[Any] = (),
         output_type: Any = None,
     ) -> RunResult:
@@ -60,10 +61,10 @@ class Runtime:
 
     async def execute_many(
         self,
-        agent: "Agent",
-        requests: Sequence["RunRequest"],
+        agent: Agent,
+        requests: Sequence[RunRequest],
         *,
-        emit: "EmitFn | None" = None,
+        emit: EmitFn | None = None,
         extra_tools: Sequence[Any] = (),
         output_type: Any = None,
     ) -> list[RunResult]:

@@ -51,8 +51,9 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import ray
 
@@ -189,7 +190,7 @@ class SessionStartError(LoomrayUserError, LoomrayRunError):
 class Activation(SessionActor):
     """One session inside a host: a :class:`SessionActor` that shares the host's process and store."""
 
-    def __init__(self, host: "SessionHost", config: RuntimeConfig, agent: AgentSpec, request_json: str,
+    def __init__(self, host: SessionHost, config: RuntimeConfig, agent: AgentSpec, request_json: str,
                  events_to: Any, store: Any) -> None:
         super().__init__(config, agent, request_json, events_to, store=store)
         self._host = host
@@ -365,7 +366,7 @@ class SessionHost:
 class _Method:
     """``handle.run.remote()`` for an activation: one host call, addressed by session."""
 
-    def __init__(self, handle: "ActivationHandle", method: str) -> None:
+    def __init__(self, handle: ActivationHandle, method: str) -> None:
         self._handle, self._method = handle, method
 
     def remote(self, *args: Any) -> Any:
@@ -382,7 +383,7 @@ class ActivationHandle:
     from that process and the supervisor reactivates it.
     """
 
-    def __init__(self, pool: "HostPool", host: "HostRecord", session_id: str, user_id: str | None) -> None:
+    def __init__(self, pool: HostPool, host: HostRecord, session_id: str, user_id: str | None) -> None:
         self._pool = pool
         self.host = host
         self.session_id = session_id

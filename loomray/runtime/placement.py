@@ -45,7 +45,11 @@ import ray
 
 from loomray.runtime.actors import NAMESPACE, RuntimeConfig
 from loomray.runtime.hosts import (
-    HOST_PREFIX, ActivationHandle, SessionHost, SessionStartError, host_actor_name,
+    HOST_PREFIX,
+    ActivationHandle,
+    SessionHost,
+    SessionStartError,
+    host_actor_name,
 )
 
 log = logging.getLogger("loomray.runtime.placement")

@@ -25,15 +25,24 @@ import logging
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from loomray.errors import LoomrayRunError, LoomrayUserError
 from loomray.records import RunResult
 from loomray.runtime.actors import (  # noqa: F401  (re-exported for callers of this module)
-    DEFAULT_STANDBY_ACTORS, NAMESPACE, SUPERVISOR_NAME, AgentSpec, Outcome, RuntimeConfig, agent_ref_allowed,
-    check_ref, resolve_ref, set_agent_ref,
+    DEFAULT_STANDBY_ACTORS,
+    NAMESPACE,
+    SUPERVISOR_NAME,
+    AgentSpec,
+    Outcome,
+    RuntimeConfig,
+    agent_ref_allowed,
+    check_ref,
+    resolve_ref,
+    set_agent_ref,
 )
 from loomray.runtime.base import Runtime
 from loomray.runtime.supervisor import Supervisor
@@ -248,7 +257,7 @@ class RayRuntime(Runtime):
             await asyncio.sleep(0.2)
 
     # -- Runtime ----------------------------------------------------------------
-    async def execute(self, agent: "Agent", request: "RunRequest", *, emit: "EmitFn | None" = None,
+    async def execute(self, agent: Agent, request: RunRequest, *, emit: EmitFn | None = None,
                       extra_tools: Sequence[Any] = (), output_type: Any = None) -> RunResult:
         """Run ``request`` in a session actor and return its result (restarts are invisible here).
 
@@ -261,7 +270,7 @@ class RayRuntime(Runtime):
         await self._call("submit", spec, request.model_dump_json(), emit is not None, self.config)
         return await self._wait(request.session_id, request.user_id, emit)
 
-    async def _wait(self, session_id: str, user_id: str | None, emit: "EmitFn | None") -> RunResult:
+    async def _wait(self, session_id: str, user_id: str | None, emit: EmitFn | None) -> RunResult:
         if emit is None:
             return _result(await self._call("result", session_id, user_id), session_id)
         pump = asyncio.create_task(self._pump_events(session_id, user_id, emit))
@@ -273,7 +282,7 @@ class RayRuntime(Runtime):
         await pump  # the actor flushed every event before its outcome existed: the pump ends with them all
         return _result(outcome, session_id)
 
-    async def _pump_events(self, session_id: str, user_id: str | None, emit: "EmitFn") -> None:
+    async def _pump_events(self, session_id: str, user_id: str | None, emit: EmitFn) -> None:
         """Deliver the session's events to ``emit`` until the run is over and they are all delivered."""
         import json
 
@@ -297,7 +306,7 @@ class RayRuntime(Runtime):
             if batch["done"] and not batch["events"]:
                 return
 
-    async def execute_many(self, agent: "Agent", requests: Sequence["RunRequest"], *, emit: "EmitFn | None" = None,
+    async def execute_many(self, agent: Agent, requests: Sequence[RunRequest], *, emit: EmitFn | None = None,
                            extra_tools: Sequence[Any] = (), output_type: Any = None) -> list[RunResult]:
         """Fan-out: one actor per request, at most ``max_concurrent_forks`` at once; results in request order.
 
@@ -326,9 +335,9 @@ class RayRuntime(Runtime):
             raise
         # Both kinds of watcher end by themselves once the fan-out is over: the last progress, every event.
         await asyncio.gather(*watchers, return_exceptions=True)
-        return [_result(o, r.session_id) for o, r in zip(outcomes, requests)]
+        return [_result(o, r.session_id) for o, r in zip(outcomes, requests, strict=False)]
 
-    async def _watch_fanout(self, fanout_id: str, run: "asyncio.Task") -> None:
+    async def _watch_fanout(self, fanout_id: str, run: asyncio.Task) -> None:
         last = None
         while True:
             done = run.done()
@@ -347,7 +356,7 @@ class RayRuntime(Runtime):
             await asyncio.wait([run], timeout=self.progress_interval_s)
 
     # -- fire and forget ---------------------------------------------------------
-    async def submit(self, agent: "Agent | str", prompt: str | None = None, *, session_id: str | None = None,
+    async def submit(self, agent: Agent | str, prompt: str | None = None, *, session_id: str | None = None,
                      user_id: str | None = None, resume: bool = False, metadata: dict[str, Any] | None = None,
                      effort: str | None = None) -> str:
         """Start a run in a session actor and return its session id once the actor exists.
@@ -374,11 +383,11 @@ class RayRuntime(Runtime):
         await self._call("submit", spec, request.model_dump_json(), False, self.config)
         return request.session_id
 
-    def submit_sync(self, agent: "Agent | str", prompt: str | None = None, **kwargs: Any) -> str:
+    def submit_sync(self, agent: Agent | str, prompt: str | None = None, **kwargs: Any) -> str:
         """Blocking :meth:`submit` for scripts and the CLI."""
         return asyncio.run(self.submit(agent, prompt, **kwargs))
 
-    async def wait(self, session_id: str, *, user_id: str | None = None, emit: "EmitFn | None" = None) -> RunResult:
+    async def wait(self, session_id: str, *, user_id: str | None = None, emit: EmitFn | None = None) -> RunResult:
         """Wait for a supervised session's run to end and return its result (e.g. after :meth:`submit`).
 
         ``emit`` sees the events still buffered or yet to come only if the run

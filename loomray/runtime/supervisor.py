@@ -38,8 +38,18 @@ import ray
 
 from loomray.runtime import active
 from loomray.runtime.actors import (
-    NAMESPACE, STANDBY_PREFIX, AgentSpec, Outcome, RuntimeConfig, SessionActor, agent_ref_allowed, check_pattern,
-    session_actor_name, session_actor_options, standby_actor_name, standby_options,
+    NAMESPACE,
+    STANDBY_PREFIX,
+    AgentSpec,
+    Outcome,
+    RuntimeConfig,
+    SessionActor,
+    agent_ref_allowed,
+    check_pattern,
+    session_actor_name,
+    session_actor_options,
+    standby_actor_name,
+    standby_options,
 )
 
 log = logging.getLogger("loomray.runtime.supervisor")
@@ -219,7 +229,7 @@ class StandbyPool:
         if self._refilling is None or self._refilling.done():
             self._refilling = asyncio.get_running_loop().create_task(self._refill())
 
-    def session_starting(self) -> "_Starting":
+    def session_starting(self) -> _Starting:
         """Context manager around a session start: refills wait until starts stop for a moment."""
         return _Starting(self)
 
@@ -565,9 +575,8 @@ class Supervisor:
 
     async def _refuse(self, row: Any, reason: str) -> None:
         """Log the refusal and mark the session failed with it (it is not adopted, and not retried)."""
-        from storage import SessionRow
-
         from loomray.records import utcnow
+        from storage import SessionRow
 
         log.warning("supervisor refuses to restart session %r (user %r): %s", row.session_id, row.user_id, reason)
         failed = SessionRow(session_id=row.session_id, user_id=row.user_id, status="failed", updated_at=utcnow(),
@@ -778,7 +787,7 @@ class Supervisor:
                 return outcome
 
         try:
-            return list(await asyncio.gather(*(one(j, r) for j, r in zip(request_jsons, requests))))
+            return list(await asyncio.gather(*(one(j, r) for j, r in zip(request_jsons, requests, strict=False))))
         finally:
             progress["finished_at"] = time.monotonic()
 
@@ -1000,9 +1009,8 @@ class Supervisor:
         if outcome.status != "fenced":  # fenced: a newer owner holds the session, and the mark is its
             await active.clear(self._store, w.session_id, w.user_id)
         if mark_failed:
-            from storage import SessionRow
-
             from loomray.records import utcnow
+            from storage import SessionRow
 
             row = SessionRow(session_id=w.session_id, user_id=w.user_id, status="failed", updated_at=utcnow(),
                              agent_ref=w.agent.ref if w.agent else None,

@@ -76,7 +76,7 @@ async def test_three_passes_emit_chat_and_tool_spans(tracing):
 
     chats.sort(key=lambda s: s.attributes["loomray.turn"])
     assert [s.attributes["loomray.turn"] for s in chats] == [0, 1, 2]
-    for s, request in zip(chats, model.requests):
+    for s, _request in zip(chats, model.requests, strict=False):
         assert s.name == "chat scripted" and s.kind == SpanKind.CLIENT
         assert s.attributes["gen_ai.request.model"] == "scripted"
         assert s.attributes["gen_ai.usage.input_tokens"] > 0 and s.attributes["gen_ai.usage.output_tokens"] > 0

@@ -144,7 +144,7 @@ def test_tree_table_draws_branches_and_fits_80_columns(world):
     assert re.search((r"│" if first == a else " ") + r"\s+└── " + world["g"], row[world["g"]])
     assert body.index(row[a]) < body.index(row[world["g"]])
     assert "5→15" in row[world["a"]] and "9→15" in row[world["g"]]  # forked at -> now
-    for sid, line in row.items():
+    for _sid, line in row.items():
         assert "completed" in line and re.search(r"\$\d+\.\d{4}", line), line
     assert world["other_fork"] not in out.stdout
     assert "4 sessions, own spend $" in out.stdout

@@ -121,7 +121,7 @@ class History:
         return best
 
     @classmethod
-    def build(cls, calls: list[Call]) -> "History":
+    def build(cls, calls: list[Call]) -> History:
         h = cls(calls)
         for c in calls:
             if c.op == "delete" and c.applied:
@@ -194,7 +194,7 @@ def _epochs(world, h: History, final) -> list[Violation]:
     # tree writes them, are "someone took n" records: their order does not matter, their values are unique.
     _incs_by_epoch(world, h)
     grants = sorted((i.acquired, i.epoch, i.id) for i in world.incarnations if i.acquired is not None)
-    for (n1, e1, a), (n2, e2, b) in zip(grants, grants[1:]):
+    for (n1, e1, a), (n2, e2, b) in zip(grants, grants[1:], strict=False):
         if e2 <= e1:
             _v(out, "epochs-rise", f"{b} was granted epoch {e2} at call {n2}, after {a} was granted epoch {e1} "
                                    f"at call {n1}")
@@ -260,7 +260,7 @@ def _acked(world, h: History, final) -> list[Violation]:
         latest_order = (row.epoch if row else latest.get("epoch") or 0, latest["checkpoint_id"])
     holder_rows = [r for r in h.rows.values() if r.epoch == epoch and r.valid]
     for inc in holders:
-        for pos, cid, status, _ in inc.acks:
+        for pos, cid, _status, _ in inc.acks:
             row = h.rows.get(cid)
             if row is None:
                 _v(out, "acked-readable", f"{inc.id}: checkpoint {cid} acknowledged at call {pos} but no index row "
@@ -372,7 +372,7 @@ def _replay(world, h: History, final) -> list[Violation]:
         if e.stamp is not None:
             by_stamp[e.stamp].append(e)
     for inc in world.incarnations:
-        for pos, kind, run_id, step, stamp in inc.replays:
+        for pos, kind, _run_id, step, stamp in inc.replays:
             if kind == "model":
                 entries = [e for e in by_stamp.get(stamp, []) if e.n <= pos]
                 if not entries:
@@ -498,7 +498,7 @@ def _billing(world, h: History, final) -> list[Violation]:
     seals = _seals(h)
     for inc in world.incarnations:
         seen_model: dict[int, int] = {}
-        for pos, turn, stamp in inc.model_calls:
+        for pos, turn, _stamp in inc.model_calls:
             if turn in seen_model:
                 _v(out, "rebilled-model", f"{inc.id} called the model twice for turn {turn} (calls {seen_model[turn]}"
                                           f" and {pos})")
@@ -511,7 +511,7 @@ def _billing(world, h: History, final) -> list[Violation]:
             continue  # that run had finished before this writer took the session: this is a new run
         entries = [e for e in h.journal if e.run_id == target and e.n <= inc.start]
         journaled = {e.step_key: e for e in entries if e.valid and e.kind in ("model", "tool")}
-        for pos, turn, stamp in inc.model_calls:
+        for pos, turn, _stamp in inc.model_calls:
             e = journaled.get(f"t{turn:04d}-model")
             j = _ambiguous(world, h, e, seals) if e is not None else None
             if j is not None:
@@ -521,7 +521,7 @@ def _billing(world, h: History, final) -> list[Violation]:
                 _v(out, "rebilled-model", f"{inc.id} ({inc.kind}, started after call {inc.start}) called the model for "
                                           f"turn {turn} at call {pos}; run {target} had journaled that step "
                                           f"(seq {e.seq}, {e.actor}, epoch {e.epoch}, call {e.n})")
-        for pos, run_id, step, n in inc.tool_runs:
+        for pos, _run_id, step, n in inc.tool_runs:
             e = journaled.get(step)
             j = _ambiguous(world, h, e, seals) if e is not None else None
             if j is not None:
@@ -602,7 +602,7 @@ def _status(world, h: History, final) -> list[Violation]:
 def _root(world, h: History, final) -> list[Violation]:
     out: list[Violation] = []
     for key in world.faulty.written:
-        if key.startswith("/") or ".." in key.split("/") or not key.split("/", 1)[0] in ("sessions", "index"):
+        if key.startswith("/") or ".." in key.split("/") or key.split("/", 1)[0] not in ("sessions", "index"):
             _v(out, "outside-root", f"wrote key {key!r} outside the store layout")
     if world.tmp is not None:
         extra = sorted(p.name for p in world.tmp.iterdir() if p.name != "store")
@@ -652,7 +652,7 @@ def index_tables(world, final) -> dict[str, list[dict]]:
         if table is not None:
             con = duckdb.connect()
             con.register("idx", table)
-            out["duckdb"] = [dict(zip(("checkpoint_id", "key", "epoch", "tombstone"), r))
+            out["duckdb"] = [dict(zip(("checkpoint_id", "key", "epoch", "tombstone"), r, strict=False))
                              for r in con.execute(f"select {cols} from idx").fetchall()]
             con.close()
         else:
@@ -675,7 +675,7 @@ def index_tables(world, final) -> dict[str, list[dict]]:
     else:
         con.register("idx", dataset)
         rel = con.execute(f"select {cols} from idx")
-    out["duckdb"] = [dict(zip(("checkpoint_id", "key", "epoch", "tombstone"), r)) for r in rel.fetchall()]
+    out["duckdb"] = [dict(zip(("checkpoint_id", "key", "epoch", "tombstone"), r, strict=False)) for r in rel.fetchall()]
     con.close()
     return out
 

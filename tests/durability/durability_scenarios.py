@@ -30,10 +30,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from storage.faults import Fault, FaultPlan, Rule
-
 from durability_checks import Violation, check_all, check_index
 from durability_world import Spec, World
+
+from storage.faults import Fault, FaultPlan, Rule
 
 KINDS = ("crash-restart", "zombie", "compaction", "prune", "lease-loss", "outage", "chaos", "clock-skew",
          "lease-storm")
@@ -265,7 +265,7 @@ def run_scenario(seed: int, kind: str, backend: str = "memory", *, s3_server: An
         result.trace = [f"#{c.n} {c.actor} {c.op} {c.key or ''}{' ' + str(len(c.keys)) + ' keys' if len(c.keys) > 1 else ''}"
                         f" -> {c.outcome}{' [' + c.fault + ']' if c.fault else ''}" for c in world.faulty.calls]
     finally:
-        for q, lvl in zip(quiet, levels):
+        for q, lvl in zip(quiet, levels, strict=False):
             q.setLevel(lvl)
         world.close()
     result.seconds = time.monotonic() - t0

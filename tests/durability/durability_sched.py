@@ -20,8 +20,8 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from storage.faults import ActorCrashed, Call, current_actor
 
@@ -34,7 +34,7 @@ class StallError(RuntimeError):
 class _Actor:
     name: str
     fn: Callable[[], None]
-    start_when: Callable[["Scheduler"], bool] | None
+    start_when: Callable[[Scheduler], bool] | None
     state: str = "new"  # new -> running <-> parked -> done
     hold: int = 0
     waiting_on: str = ""
@@ -73,7 +73,7 @@ class Scheduler:
         self.on_stall: Callable[[str], None] | None = None
 
     # -- registration ------------------------------------------------------
-    def add(self, name: str, fn: Callable[[], None], *, start_when: Callable[["Scheduler"], bool] | None = None) -> None:
+    def add(self, name: str, fn: Callable[[], None], *, start_when: Callable[[Scheduler], bool] | None = None) -> None:
         if name in self.actors:
             raise ValueError(f"actor {name!r} exists")
         self.actors[name] = _Actor(name, fn, start_when)

@@ -35,6 +35,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from durability_sched import Scheduler
+
 from loomray import Agent, Tuning
 from loomray.config import CheckpointConfig
 from loomray.errors import LoomrayError
@@ -43,15 +45,12 @@ from loomray.models.scripted import ScriptedModel
 from loomray.records import Checkpoint
 from loomray.session import RunRequest, execute_request
 from loomray.tools import ToolContext
-
 from storage.errors import CorruptObjectError, LeaseLostError, ObjectNotFound, StorageError, TransientStorageError
 from storage.faults import ActorCrashed, FaultPlan, FaultyObjectStore
 from storage.store import Store
 
-from durability_sched import Scheduler
-
 #: The incarnation whose asyncio tasks are running (set before ``asyncio.run``; tasks copy it).
-current_inc: contextvars.ContextVar["Incarnation | None"] = contextvars.ContextVar("durability_inc", default=None)
+current_inc: contextvars.ContextVar[Incarnation | None] = contextvars.ContextVar("durability_inc", default=None)
 
 
 class _SerialPool:

@@ -9,10 +9,9 @@ conditional puts that are not conditional.
 from __future__ import annotations
 
 import pytest
+from durability_scenarios import run_scenario
 
 from storage.objects import ObjectStore
-
-from durability_scenarios import run_scenario
 
 
 class _Broken(ObjectStore):
@@ -76,9 +75,9 @@ def _log(case: str):
     import json
     from types import SimpleNamespace
 
-    from storage.faults import Call
-
     from durability_world import Incarnation
+
+    from storage.faults import Call
 
     s = "sessions/_/sess"
     calls: list[Call] = []

@@ -5,12 +5,11 @@ from __future__ import annotations
 import threading
 
 import pytest
+from durability_sched import Scheduler
 
 from storage.errors import PreconditionFailed, TransientStorageError
 from storage.faults import ActorCrashed, Fault, FaultPlan, FaultyObjectStore, Rule, current_actor
 from storage.memory import MemoryObjectStore
-
-from durability_sched import Scheduler
 
 
 def _store(plan: FaultPlan | None = None, **kw) -> tuple[MemoryObjectStore, FaultyObjectStore]:

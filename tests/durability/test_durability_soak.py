@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 
 import pytest
-
 from durability_scenarios import KINDS, run_scenario
 from soak import main as soak_main
 

@@ -1,7 +1,6 @@
 """Fixtures: fake provider APIs on 127.0.0.1 (see model_wire.py)."""
 
 import pytest
-
 from model_wire import API_KEY, WireServer
 
 

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from loomray.errors import ModelConfigError, LoomrayUserError
+from loomray.errors import LoomrayUserError, ModelConfigError
 from loomray.models.resolve import provider_for, resolve_model
 from loomray.models.scripted import ScriptedModel
 

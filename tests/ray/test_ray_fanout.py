@@ -107,7 +107,7 @@ async def test_a_fork_burst_takes_the_standbys_then_starts_its_own_actors(env):
     assert len(on_standby) == POOL  # every warm standby was used ...
     # ... and the rest started their own actors, named after their sessions, as without a pool.
     assert sorted(h for h in hosts if not h.startswith(STANDBY_PREFIX)) == sorted(
-        session_actor_name(f.session_id) for f, h in zip(forks, hosts) if not h.startswith(STANDBY_PREFIX))
+        session_actor_name(f.session_id) for f, h in zip(forks, hosts, strict=False) if not h.startswith(STANDBY_PREFIX))
     after = await _warm(runtime)
     assert after["claimed"] - before["claimed"] == POOL and after["missed"] - before["missed"] == 4 - POOL
 

@@ -16,7 +16,12 @@ ray = pytest.importorskip("ray")
 
 from loomray.runtime.actors import RuntimeConfig  # noqa: E402
 from loomray.runtime.placement import (  # noqa: E402
-    HostRecord, demand_of, eligible, host_options, hosts_wanted, pick,
+    HostRecord,
+    demand_of,
+    eligible,
+    host_options,
+    hosts_wanted,
+    pick,
 )
 from loomray.runtime.ray_runtime import check_placement  # noqa: E402
 from loomray.runtime.supervisor import Supervisor  # noqa: E402

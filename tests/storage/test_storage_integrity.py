@@ -324,7 +324,7 @@ def _race_for_the_lease(inner, seed: int, script=(), *, dies: bool = True) -> tu
         assert mine, f"{where}: {name} returned epoch {lease.epoch} without writing lease.json"
         grants.append((mine[-1], lease.epoch, name))
     grants.sort()
-    for (n1, e1, x), (n2, e2, y) in zip(grants, grants[1:]):
+    for (n1, e1, x), (n2, e2, y) in zip(grants, grants[1:], strict=False):
         assert e2 > e1, f"{where}: {y} was granted epoch {e2} at call {n2}, after {x} was granted {e1} at {n1}"
     for n, epoch, name in grants:
         earlier = [(m, actor, e) for m, actor, e in writes if m < n and e >= epoch]
@@ -436,7 +436,7 @@ def test_path04_repair_rewrites_the_lease_above_every_epoch_used(store):
 
 def _index_rows(store: Store) -> list[tuple[str, bool]]:
     _, table = store.index.read_prefix("index/checkpoints/", CHECKPOINT_SCHEMA, cache=False)
-    return sorted(zip(table["checkpoint_id"].to_pylist(), table["tombstone"].to_pylist()))
+    return sorted(zip(table["checkpoint_id"].to_pylist(), table["tombstone"].to_pylist(), strict=False))
 
 
 def test_path09_two_compactors_never_resurrect_a_retired_row(store):
@@ -655,7 +655,7 @@ def test_path17_contended_acquire_backs_off_with_full_jitter_until_it_wins(store
     assert [r.epoch for r in rivals] == list(range(1, 21)) and lease.epoch == 21
     assert len(delays) == 20
     caps = [min(store_module._BACKOFF_CAP, store_module._BACKOFF_BASE * 2 ** (i + 1)) for i in range(20)]
-    assert all(0 <= d <= cap for d, cap in zip(delays, caps))  # exponential bound, capped
+    assert all(0 <= d <= cap for d, cap in zip(delays, caps, strict=False))  # exponential bound, capped
     assert len(set(delays)) > 1  # full jitter: random in [0, bound], not a fixed schedule
 
 
@@ -684,7 +684,7 @@ def test_path17_eight_concurrent_acquirers_all_succeed_with_distinct_rising_epoc
     for round_ in range(2):  # a new session (create-only race), then an existing lease (compare-and-swap race)
         barrier = threading.Barrier(8)
 
-        def grab(i):
+        def grab(i, barrier=barrier, round_=round_):
             barrier.wait()
             return store.acquire_lease("s1", owner=f"w{round_}-{i}")
 

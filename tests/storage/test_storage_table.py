@@ -44,7 +44,7 @@ def live(store: Store) -> set[tuple]:
 
 def _rows(table) -> set[tuple]:
     d = table.to_pydict() if hasattr(table, "to_pydict") else table
-    return set(zip(d["user_id"], d["session_id"], d["checkpoint_id"], d["cost_usd"]))
+    return set(zip(d["user_id"], d["session_id"], d["checkpoint_id"], d["cost_usd"], strict=False))
 
 
 def outside_reads(store: Store) -> dict[str, set[tuple]]:
