@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pyarrow as pa  # noqa: E402
 
-from storage import Store, open_store  # noqa: E402
+from storage import CheckpointInfo, Store, open_store  # noqa: E402
 from storage.layout import CHECKPOINT_INDEX, checkpoint_key, index_partition  # noqa: E402
 from storage.rows import CHECKPOINT_SCHEMA, CheckpointRow, checkpoint_rows_table  # noqa: E402
 from storage.table import staleness  # noqa: E402
@@ -101,9 +101,9 @@ def bench_writes(store, backend, sizes, n):
         t_all = time.perf_counter()
         for i in range(n):
             t = time.perf_counter()
-            store.put_checkpoint(payload, session_id=f"w{size}", checkpoint_id=f"c{i:06d}", turn=i,
-                                 created_at=T0, position="after_tools", execution_status="active",
-                                 message_count=i, keep=20)
+            store.put_checkpoint(payload, CheckpointInfo(session_id=f"w{size}", checkpoint_id=f"c{i:06d}", turn=i,
+                                                         created_at=T0, position="after_tools",
+                                                         execution_status="active", message_count=i), keep=20)
             lat.append(time.perf_counter() - t)
         total = time.perf_counter() - t_all
         written, puts = counter.bytes, counter.puts
@@ -112,9 +112,10 @@ def bench_writes(store, backend, sizes, n):
         lease = store.acquire_lease(lease_session, owner="bench")
         for i in range(n):
             t = time.perf_counter()
-            store.put_checkpoint(payload, session_id=lease_session, checkpoint_id=f"c{i:06d}", turn=i,
-                                 created_at=T0, position="after_tools", execution_status="active",
-                                 message_count=i, lease=lease, keep=20)
+            store.put_checkpoint(payload, CheckpointInfo(session_id=lease_session, checkpoint_id=f"c{i:06d}", turn=i,
+                                                         created_at=T0, position="after_tools",
+                                                         execution_status="active", message_count=i),
+                                 lease=lease, keep=20)
             fenced.append(time.perf_counter() - t)
         out.append({
             "backend": backend, "payload_bytes": size, "writes": n,
@@ -139,14 +140,15 @@ def bench_listing(store, backend, sessions, per_session, threads):
     """
     def fill(i):
         for j in range(per_session):
-            store.put_checkpoint(b'{"x": 1}', session_id=f"s{i:06d}", checkpoint_id=f"c{j:04d}", turn=j,
-                                 created_at=T0, position="after_tools", execution_status="active",
-                                 message_count=j, keep=0)
+            store.put_checkpoint(b'{"x": 1}', CheckpointInfo(session_id=f"s{i:06d}", checkpoint_id=f"c{j:04d}",
+                                                             turn=j, created_at=T0, position="after_tools",
+                                                             execution_status="active", message_count=j), keep=0)
 
     def fill_fast(i):
         sid = f"s{i:06d}"
-        row = CheckpointRow(sid, None, "c0000", 0, T0, "after_tools", "active", 0, 0, 0, None, None, None, None, 0,
-                            checkpoint_key(sid, None, "c0000"), 8, "0" * 64)
+        row = CheckpointRow(session_id=sid, checkpoint_id="c0000", turn=0, created_at=T0, position="after_tools",
+                            execution_status="active", message_count=0, epoch=0,
+                            key=checkpoint_key(sid, None, "c0000"), size=8, sha256="0" * 64)
         store.objects.put(key=row.key, data=b'{"x": 1}')
         store.index.write(index_partition(CHECKPOINT_INDEX, sid, None),
                           checkpoint_rows_table([row], tombstone=False, written_at=T0), cache=False)
@@ -154,8 +156,7 @@ def bench_listing(store, backend, sessions, per_session, threads):
     def measure(sid, reps=5 if sessions < 1000 else 20):
         lat = []
         for _ in range(reps):
-            store.index._cache.clear()  # a cold reader: LISTs, GETs and parses every time
-            store._rows.clear()
+            store.drop_caches()  # a cold reader: LISTs, GETs and parses every time
             t = time.perf_counter()
             rows = store.list_checkpoints(sid)
             lat.append(time.perf_counter() - t)
@@ -290,9 +291,10 @@ def bench_query(store, backend, sessions, files_per_session, rows_per_file, user
     t = time.perf_counter()
     for i in range(new_checkpoints):
         s, u = targets[i % len(targets)]
-        store.put_checkpoint(b'{"x": 1}', session_id=f"s{s:06d}", user_id=u, checkpoint_id=f"n{i:06d}", turn=i,
-                             created_at=t_new + timedelta(seconds=i), position="after_tools",
-                             execution_status="active", message_count=i, cost_usd=0.07, keep=1_000_000)
+        store.put_checkpoint(b'{"x": 1}', CheckpointInfo(session_id=f"s{s:06d}", user_id=u, checkpoint_id=f"n{i:06d}",
+                                                         turn=i, created_at=t_new + timedelta(seconds=i),
+                                                         position="after_tools", execution_status="active",
+                                                         message_count=i, cost_usd=0.07), keep=1_000_000)
     write_s = time.perf_counter() - t
     with_tail = run_query(3)
     counter.reset()

@@ -13,7 +13,7 @@ explicitly from the URL and returns a :class:`Store` (API: docs/contracts.md):
 Layers: :class:`ObjectStore` (``objects.py``) is the tiny byte interface with
 create-only and compare-and-swap puts; ``memory.py``, ``localdir.py`` and
 ``s3.py`` adapt it (boto3 lives only in ``s3.py``). Everything above it
-(``store.py``, ``index.py``, ``maintenance.py``) is one code path for every
+(``store.py`` and the modules it is made of, ``index.py``, ``maintenance.py``) is one code path for every
 backend, so the conformance suite on the local directory means something for
 S3 and the reverse. :func:`Store.fsspec` hands external readers an fsspec
 filesystem (local or s3fs) over the same root.
@@ -107,8 +107,20 @@ import os
 from urllib.parse import unquote, urlparse
 
 from storage.errors import StorageError
+from storage.localdir import LocalObjectStore
+from storage.memory import MemoryObjectStore
 from storage.objects import ObjectInfo, ObjectStore, StoredObject
-from storage.rows import CheckpointRow, CompactReport, JournalEntry, Lease, PruneReport, RunRecord, SessionRow
+from storage.pruning import PrunePlan, SessionPrunePlan
+from storage.rows import (
+    CheckpointInfo,
+    CheckpointRow,
+    CompactReport,
+    JournalEntry,
+    Lease,
+    PruneReport,
+    RunRecord,
+    SessionRow,
+)
 from storage.store import ANY, Store
 
 
@@ -122,30 +134,25 @@ def open_store(url: str | os.PathLike, **options) -> Store:
     if not isinstance(url, str) or not url:
         raise InvalidStoreUrl(f"store URL must be a non-empty string, got {url!r}")
     if url.startswith("memory://"):
-        from storage.memory import MemoryObjectStore
-
         _no_options("memory", options)
         return Store(MemoryObjectStore(url[len("memory://"):]), url)
     if url.startswith("s3://"):
-        from storage.s3 import S3ObjectStore
+        from storage.s3 import S3ObjectStore  # boto3 (slow to import) loads only for an s3:// store
 
         parsed = urlparse(url)
         if len(parsed.netloc) < 3:
             raise InvalidStoreUrl(f"S3 store URL {url!r} needs a bucket name of at least 3 characters")
-        objects = S3ObjectStore(parsed.netloc, parsed.path.lstrip("/"), **options)
-        return Store(objects, url)
+        return Store(S3ObjectStore(parsed.netloc, parsed.path.lstrip("/"), **options), url)
     if url.startswith("file://"):
         path = unquote(urlparse(url).path)
     elif "://" in url:
         raise InvalidStoreUrl(f"unknown store URL scheme in {url!r}; use memory://, file:// or a path, or s3://")
     else:
         path = url
-    from storage.localdir import LocalObjectStore
-
     fsync = options.pop("fsync", False)
     _no_options("file", options)
-    objects = LocalObjectStore(path, fsync=fsync)
-    return Store(objects, f"file://{objects.root}")
+    local = LocalObjectStore(path, fsync=fsync)
+    return Store(local, f"file://{local.root}")
 
 
 def _no_options(backend: str, options: dict) -> None:
@@ -155,5 +162,6 @@ def _no_options(backend: str, options: dict) -> None:
         raise InvalidStoreUrl(f"the {backend} backend takes no options {sorted(options)}")
 
 
-__all__ = ["ANY", "CheckpointRow", "CompactReport", "InvalidStoreUrl", "JournalEntry", "Lease", "ObjectInfo",
-           "ObjectStore", "PruneReport", "RunRecord", "SessionRow", "Store", "StoredObject", "open_store"]
+__all__ = ["ANY", "CheckpointInfo", "CheckpointRow", "CompactReport", "InvalidStoreUrl", "JournalEntry", "Lease", "ObjectInfo",
+           "ObjectStore", "PrunePlan", "PruneReport", "RunRecord", "SessionPrunePlan", "SessionRow", "Store", "StoredObject",
+           "open_store"]

@@ -27,6 +27,7 @@ about agents or the layers above the object store.
 
 from __future__ import annotations
 
+import builtins
 import random
 import threading
 import time
@@ -201,30 +202,59 @@ class FaultyObjectStore(ObjectStore):
               data: bytes | None = None, if_none_match: bool = False, if_match: str | None = None) -> Any:
         actor = self._actor()
         self.check_alive(actor)
-        hold = 0
-        delayed = False
+        call, fault, crash_after = self._admit(Call(0, actor, 0, op, key, keys=keys, data=data,
+                                                    if_none_match=if_none_match, if_match=if_match))
+        if fault is not None and fault.kind == "delay":  # no gate: hold the call for a moment
+            time.sleep(fault.hold / 1000)
+        if fault is not None and fault.kind == "fail":
+            call.outcome = "failed"
+            raise TransientStorageError(f"{self.describe(key)}: injected {op} failure (call {call.n})")
+        if fault is not None and fault.kind == "crash" and not crash_after:
+            return self._crash(call)
+        crashing = fault is not None and fault.kind == "crash"
+        try:
+            result = do()
+        except PreconditionFailed as e:
+            call.outcome, call.error = "precondition", str(e)
+            if crashing:
+                return self._crash(call)
+            raise
+        except Exception as e:
+            call.outcome, call.error = "error", f"{type(e).__name__}: {e}"
+            if crashing:
+                return self._crash(call)
+            raise
+        call.applied = op in ("put", "delete")
+        call.outcome = "missing" if op == "get" and result is None else "ok"
+        if crashing:
+            return self._crash(call, applied=call.applied)
+        if fault is not None and fault.kind == "drop":
+            call.outcome = "dropped"
+            raise TransientStorageError(f"{self.describe(key)}: injected {op} reply loss after the "
+                                        f"operation (call {call.n})")
+        return result
+
+    def _admit(self, asked: Call) -> tuple[Call, Fault | None, bool]:
+        """Pass ``asked`` through the gate, number and log it, and choose its fault: ``(call, fault, whether a
+        crash comes after the operation)``. A ``delay`` with a gate parks the call again behind other actors'
+        calls (it is numbered when it really runs) and is not returned."""
+        actor, hold, delayed = asked.actor, 0, False
         while True:
             if self.gate is not None:
-                self.gate(Call(0, actor, 0, op, key), hold)
+                self.gate(Call(0, actor, 0, asked.op, asked.key), hold)
                 self.check_alive(actor)  # killed while parked
             with self._lock:
-                call = Call(self._n + 1, actor, self._actor_n[actor] + 1, op, key, keys=keys,
-                            data=data if data is not None and key is not None and self._keep_data(key) else None,
-                            if_none_match=if_none_match, if_match=if_match)
+                call = Call(self._n + 1, actor, self._actor_n[actor] + 1, asked.op, asked.key, keys=asked.keys,
+                            data=asked.data if asked.data is not None and asked.key is not None
+                            and self._keep_data(asked.key) else None,
+                            if_none_match=asked.if_none_match, if_match=asked.if_match)
                 fault = self._choose(call)
                 if fault is not None and fault.kind == "delay" and not delayed and self.gate is not None:
                     # Park again behind other actors' calls; the number is taken when the call really runs.
                     self.injected["delay"] += 1
                     delayed, hold = True, max(1, fault.hold)
                     continue
-                self._n += 1
-                self._actor_n[actor] += 1
-                self.calls.append(call)
-                self.counts[op] += 1
-                if op == "put" and key is not None:
-                    self.written.append(key)
-                elif op == "delete":
-                    self.deleted.extend(keys)
+                self._log(call)
                 if delayed:
                     call.fault = "delay"
                     fault = None if fault is not None and fault.kind == "delay" else fault
@@ -234,35 +264,18 @@ class FaultyObjectStore(ObjectStore):
                     self.injected[fault.kind] += 1
                     if fault.kind == "crash":
                         crash_after = fault.applied if fault.applied is not None else self._rng.random() < 0.5
-            break
-        if fault is not None and fault.kind == "delay":  # no gate: hold the call for a moment
-            time.sleep(fault.hold / 1000)
-        if fault is not None and fault.kind == "fail":
-            call.outcome = "failed"
-            raise TransientStorageError(f"{self.describe(key)}: injected {op} failure (call {call.n})")
-        if fault is not None and fault.kind == "crash" and not crash_after:
-            return self._crash(call)
-        try:
-            result = do()
-        except PreconditionFailed as e:
-            call.outcome, call.error = "precondition", str(e)
-            if fault is not None and fault.kind == "crash":
-                return self._crash(call)
-            raise
-        except Exception as e:
-            call.outcome, call.error = "error", f"{type(e).__name__}: {e}"
-            if fault is not None and fault.kind == "crash":
-                return self._crash(call)
-            raise
-        call.applied = op in ("put", "delete")
-        call.outcome = "missing" if op == "get" and result is None else "ok"
-        if fault is not None and fault.kind == "crash":
-            return self._crash(call, applied=call.applied)
-        if fault is not None and fault.kind == "drop":
-            call.outcome = "dropped"
-            raise TransientStorageError(f"{self.describe(key)}: injected {op} reply loss after the "
-                                        f"operation (call {call.n})")
-        return result
+                return call, fault, crash_after
+
+    def _log(self, call: Call) -> None:
+        """Number ``call`` and record it (under the lock)."""
+        self._n += 1
+        self._actor_n[call.actor] += 1
+        self.calls.append(call)
+        self.counts[call.op] += 1
+        if call.op == "put" and call.key is not None:
+            self.written.append(call.key)
+        elif call.op == "delete":
+            self.deleted.extend(call.keys)
 
     def _crash(self, call: Call, applied: bool = False) -> Any:
         call.outcome, call.applied = "crashed", applied
@@ -294,10 +307,10 @@ class FaultyObjectStore(ObjectStore):
         # Materialized inside the call, so the whole listing is one numbered call.
         return iter(self._call("list", prefix, lambda: list(self.inner.list(prefix=prefix))))
 
-    def list_dirs(self, *, prefix: str) -> list[str]:
+    def list_dirs(self, *, prefix: str) -> builtins.list[str]:
         return self._call("list_dirs", prefix, lambda: self.inner.list_dirs(prefix=prefix))
 
-    def delete(self, *, keys: list[str]) -> None:
+    def delete(self, *, keys: builtins.list[str]) -> None:
         keys = list(keys)
         return self._call("delete", keys[0] if keys else None, lambda: self.inner.delete(keys=keys), keys=tuple(keys))
 

@@ -34,6 +34,7 @@ from storage.objects import ObjectInfo, ObjectStore
 
 log = logging.getLogger("storage.index")
 T = TypeVar("T")
+R = TypeVar("R")
 
 _CACHE_FILES = 8192
 _READ_THREADS = 16
@@ -103,6 +104,15 @@ class ParquetIndex:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
+
+    def map(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
+        """``fn`` over ``items`` on the reader threads (on this thread with ``serial_reads``), results in order."""
+        return list(self._pool.map(fn, items))
+
+    def clear_cache(self) -> None:
+        """Forget every cached table (a cold reader: LISTs, GETs and parses every time)."""
+        with self._lock:
+            self._cache.clear()
 
     # -- write -----------------------------------------------------------
     def write(self, partition: str, table: pa.Table, *, suffix: str = "", cache: bool = True) -> str:
@@ -206,13 +216,15 @@ class ParquetIndex:
                 tables[key] = table
 
         keys, _ = self.read_listed(prefix, read, key_filter=key_filter)
-        return self._concat([(k, tables[k]) for k in keys if k in tables], schema)
+        return self.concat([(k, tables[k]) for k in keys if k in tables], schema)
 
     def read_keys(self, keys: list[str], schema: pa.Schema, *, cache: bool = True) -> tuple[list[str], pa.Table]:
         """Files ``keys`` as one table in ``schema``; files of a foreign schema are skipped with a warning."""
-        return self._concat(self.read_files(keys, cache=cache), schema)
+        return self.concat(self.read_files(keys, cache=cache), schema)
 
-    def _concat(self, pairs: list[tuple[str, pa.Table]], schema: pa.Schema) -> tuple[list[str], pa.Table]:
+    def concat(self, pairs: list[tuple[str, pa.Table]], schema: pa.Schema) -> tuple[list[str], pa.Table]:
+        """The keys of ``pairs`` and their tables as one table in ``schema``; a table of a foreign schema is
+        skipped with a warning naming its key."""
         tables = []
         for key, t in pairs:
             try:

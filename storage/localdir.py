@@ -10,6 +10,7 @@ replace without hashing the bytes a second time.
 
 from __future__ import annotations
 
+import builtins
 import fcntl
 import os
 import uuid
@@ -129,7 +130,7 @@ class LocalObjectStore(ObjectStore):
         hits.sort(key=lambda o: o.key)
         yield from hits
 
-    def list_dirs(self, *, prefix: str) -> list[str]:
+    def list_dirs(self, *, prefix: str) -> builtins.list[str]:
         start = self.root / prefix if prefix else self.root
         try:
             entries = list(os.scandir(start))
@@ -138,7 +139,7 @@ class LocalObjectStore(ObjectStore):
         # delete() removes emptied directories, so a directory here holds objects.
         return sorted(e.name for e in entries if e.is_dir() and e.name != _TMP)
 
-    def delete(self, *, keys: list[str]) -> None:
+    def delete(self, *, keys: builtins.list[str]) -> None:
         for key in keys:
             path = self._path(key)
             try:
@@ -155,7 +156,7 @@ class LocalObjectStore(ObjectStore):
                 parent = parent.parent
 
     def fsspec(self) -> tuple[Any, str]:
-        import fsspec
+        import fsspec  # loads only when an external reader asks for it
 
         return fsspec.filesystem("file"), str(self.root)
 

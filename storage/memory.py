@@ -6,6 +6,7 @@ within a process. State lives on the instance, never in a module global.
 
 from __future__ import annotations
 
+import builtins
 import itertools
 import threading
 from collections.abc import Iterator
@@ -49,12 +50,12 @@ class MemoryObjectStore(ObjectStore):
         for key, (data, etag, modified) in hits:
             yield ObjectInfo(key, len(data), etag, modified)
 
-    def list_dirs(self, *, prefix: str) -> list[str]:
+    def list_dirs(self, *, prefix: str) -> builtins.list[str]:
         with self._lock:
             keys = [k[len(prefix):] for k in self._objects if k.startswith(prefix)]
         return sorted({k.split("/", 1)[0] for k in keys if "/" in k})
 
-    def delete(self, *, keys: list[str]) -> None:
+    def delete(self, *, keys: builtins.list[str]) -> None:
         with self._lock:
             for key in keys:
                 self._objects.pop(key, None)

@@ -10,6 +10,7 @@ No SDK type appears here; each adapter lives in its own module.
 
 from __future__ import annotations
 
+import builtins
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -58,11 +59,11 @@ class ObjectStore(ABC):
         """Every object whose key starts with ``prefix``, in key order."""
 
     @abstractmethod
-    def list_dirs(self, *, prefix: str) -> list[str]:
+    def list_dirs(self, *, prefix: str) -> builtins.list[str]:
         """The next path segments below ``prefix`` (which ends in ``/``) that hold objects, sorted."""
 
     @abstractmethod
-    def delete(self, *, keys: list[str]) -> None:
+    def delete(self, *, keys: builtins.list[str]) -> None:
         """Delete ``keys``; a key that is already gone is not an error."""
 
     @abstractmethod

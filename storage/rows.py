@@ -1,17 +1,17 @@
 """The records storage hands back: index rows, journal entries, run records, leases, reports.
 
-Rows are frozen dataclasses mirrored one-to-one by Arrow schemas
-(``CHECKPOINT_SCHEMA``, ``SESSION_SCHEMA``), so the Parquet index is the
-same data a caller sees. Journal entries and run records are pydantic models
+Rows are frozen dataclasses whose Arrow schemas (``CHECKPOINT_SCHEMA``,
+``SESSION_SCHEMA``) are derived from their fields, so the Parquet index is
+the same data a caller sees, and a new column is one new field. Journal entries and run records are pydantic models
 stored as tagged JSON (``"type": "journal_entry", "v": 1``; ``"type":
 "run_record", "v": 1``); nothing is ever pickled.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, get_args, get_type_hints
 
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -41,9 +41,19 @@ class Lease:
     owner: str
 
 
-@dataclass(frozen=True)
-class CheckpointRow:
-    """One checkpoint's index row (no payload).
+#: Field metadata of an index column added after the first release: files written before it lack the column
+#: and read it as None.
+ADDED_LATER: dict[str, bool] = {"added_later": True}
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointInfo:
+    """What a caller says about a checkpoint it writes (:meth:`storage.Store.put_checkpoint`).
+
+    The fields, in order, are the leading columns of the checkpoint index
+    (``CHECKPOINT_SCHEMA`` is derived from them), so a new index column is one
+    new field here (with ``metadata=ADDED_LATER`` and a default, so files
+    written before it still read).
 
     ``cost_usd`` is the session's running total as of this checkpoint (a
     fork's rows include its parent's spend up to the fork point);
@@ -55,24 +65,34 @@ class CheckpointRow:
     """
 
     session_id: str
-    user_id: str | None
+    user_id: str | None = None
     checkpoint_id: str
     turn: int
     created_at: datetime
     position: str
     execution_status: str
     message_count: int
-    input_tokens: int
-    output_tokens: int
-    cost_usd: float | None
-    parent_checkpoint_id: str | None
-    forked_from: str | None
-    agent_id: str | None
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cost_usd: float | None = None
+    spend_usd: float | None = field(default=None, metadata=ADDED_LATER)
+    parent_checkpoint_id: str | None = None
+    forked_from: str | None = None
+    agent_id: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointRow(CheckpointInfo):
+    """One checkpoint's index row (no payload): the caller's :class:`CheckpointInfo` plus what the store adds.
+
+    ``epoch`` is the writer's lease epoch (0 without a lease), ``key`` the
+    object's key, ``size`` and ``sha256`` what was written (checked on read).
+    """
+
     epoch: int
     key: str
     size: int
     sha256: str
-    spend_usd: float | None = None
 
     @property
     def order(self) -> tuple[int, str]:
@@ -175,26 +195,31 @@ class RunRecord(BaseModel):
 
 
 # -- Arrow schemas ---------------------------------------------------------
-#: Checkpoint index columns; ``tombstone`` rows retire a checkpoint_id, ``written_at`` orders rows.
-#: ``spend_usd`` was added later: files written before it lack the column and read as null (None).
-CHECKPOINT_SCHEMA = pa.schema([
-    ("session_id", pa.string()), ("user_id", pa.string()), ("checkpoint_id", pa.string()),
-    ("turn", pa.int64()), ("created_at", _TS), ("position", pa.string()),
-    ("execution_status", pa.string()), ("message_count", pa.int64()), ("input_tokens", pa.int64()),
-    ("output_tokens", pa.int64()), ("cost_usd", pa.float64()), ("spend_usd", pa.float64()),
-    ("parent_checkpoint_id", pa.string()),
-    ("forked_from", pa.string()), ("agent_id", pa.string()), ("epoch", pa.int64()), ("key", pa.string()),
-    ("size", pa.int64()), ("sha256", pa.string()), ("tombstone", pa.bool_()), ("written_at", _TS),
-])
+#: The Arrow type of each Python type a row field may have (``X | None`` is a nullable ``X``).
+ARROW_TYPES: dict[type, pa.DataType] = {str: pa.string(), int: pa.int64(), float: pa.float64(), bool: pa.bool_(),
+                                        datetime: _TS}
+
+
+def arrow_schema(row_type: type) -> pa.Schema:
+    """The Arrow schema of a row dataclass: one nullable column per field, in field order."""
+    hints = get_type_hints(row_type)
+    columns = []
+    for f in fields(row_type):
+        python_types = [t for t in get_args(hints[f.name]) if t is not type(None)] or [hints[f.name]]
+        columns.append(pa.field(f.name, ARROW_TYPES[python_types[0]]))
+    return pa.schema(columns)
+
+
+#: Checkpoint index columns: a row's fields, then ``tombstone`` (the row retires its checkpoint_id) and
+#: ``written_at`` (orders rows).
+CHECKPOINT_SCHEMA = arrow_schema(CheckpointRow).append(pa.field("tombstone", pa.bool_())).append(
+    pa.field("written_at", _TS))
 CHECKPOINT_FIELDS = [f.name for f in fields(CheckpointRow)]
 #: Columns added after the first release: a table without them reads them as None.
-_LATER_FIELDS = frozenset({"spend_usd"})
+LATER_FIELDS = frozenset(f.name for f in fields(CheckpointRow) if f.metadata.get("added_later"))
 
-SESSION_SCHEMA = pa.schema([
-    ("session_id", pa.string()), ("user_id", pa.string()), ("status", pa.string()), ("updated_at", _TS),
-    ("run_id", pa.string()), ("agent_ref", pa.string()), ("spec_json", pa.string()), ("epoch", pa.int64()),
-    ("node_id", pa.string()), ("error", pa.string()),
-])
+#: Session index columns: a :class:`SessionRow`'s fields.
+SESSION_SCHEMA = arrow_schema(SessionRow)
 
 
 def checkpoint_rows_table(rows: list[CheckpointRow], *, tombstone: bool, written_at: datetime) -> pa.Table:
@@ -209,7 +234,7 @@ def checkpoint_rows_from_table(table: pa.Table) -> list[tuple[CheckpointRow, boo
     """``(row, is_tombstone)`` for every row of a ``CHECKPOINT_SCHEMA`` table."""
     data = table.to_pydict()
     absent = [None] * table.num_rows
-    cols = {name: data.get(name, absent) if name in _LATER_FIELDS else data[name] for name in CHECKPOINT_FIELDS}
+    cols = {name: data.get(name, absent) if name in LATER_FIELDS else data[name] for name in CHECKPOINT_FIELDS}
     out = []
     for i in range(table.num_rows):
         row = CheckpointRow(**{name: col[i] for name, col in cols.items()})

@@ -18,9 +18,15 @@ use), else ``us-east-1``.
 
 from __future__ import annotations
 
+import builtins
 import os
 from collections.abc import Iterator
 from typing import Any
+
+import boto3
+from botocore import exceptions as bx
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError, ProfileNotFound
 
 from storage.errors import PreconditionFailed, StorageError, TransientStorageError
 from storage.objects import ObjectInfo, ObjectStore, StoredObject
@@ -66,8 +72,6 @@ class S3CredentialsError(StorageError):
 
 def _is_missing(e: Exception) -> bool:
     """True for S3's "no such key" answer (404 / NoSuchKey)."""
-    from botocore.exceptions import ClientError
-
     if not isinstance(e, ClientError):
         return False
     code = str(e.response.get("Error", {}).get("Code", ""))
@@ -117,10 +121,6 @@ class S3ObjectStore(ObjectStore):
         self._fs_options = {"endpoint_url": endpoint_url, "key": key or aws_access_key_id,
                             "secret": secret or aws_secret_access_key, "token": token, "region": region}
         if client is None:
-            import boto3
-            from botocore.config import Config
-            from botocore.exceptions import ProfileNotFound
-
             config = Config(
                 # total_max_attempts counts the first try (botocore's "max_attempts" would not).
                 retries={"mode": retry_mode, "total_max_attempts": max_attempts},
@@ -156,8 +156,6 @@ class S3ObjectStore(ObjectStore):
 
     # -- error mapping ---------------------------------------------------
     def _fail(self, e: Exception, key: str | None, op: str) -> StorageError:
-        from botocore.exceptions import BotoCoreError, ClientError
-
         where = self.describe(key)
         refused = self._credential_error(e, where, op)
         if refused is not None:
@@ -178,8 +176,6 @@ class S3ObjectStore(ObjectStore):
     @staticmethod
     def _credential_error(e: Exception, where: str, op: str) -> S3CredentialsError | None:
         """:class:`S3CredentialsError` when ``e`` means the credentials (or their permissions) are the problem."""
-        from botocore import exceptions as bx
-
         if isinstance(e, bx.ClientError):
             code = str(e.response.get("Error", {}).get("Code", ""))
             if code in _CREDENTIAL_CODES:
@@ -221,8 +217,6 @@ class S3ObjectStore(ObjectStore):
             raise self._fail(e, key, "PUT") from e
 
     def get(self, *, key: str) -> StoredObject | None:
-        from botocore.exceptions import ClientError
-
         try:
             resp = self.client.get_object(Bucket=self.bucket, Key=self._key(key))
             data = resp["Body"].read()
@@ -243,7 +237,7 @@ class S3ObjectStore(ObjectStore):
         except Exception as e:
             raise self._fail(e, prefix, "LIST") from e
 
-    def list_dirs(self, *, prefix: str) -> list[str]:
+    def list_dirs(self, *, prefix: str) -> builtins.list[str]:
         out: list[str] = []
         full = self._key(prefix)
         try:
@@ -254,7 +248,7 @@ class S3ObjectStore(ObjectStore):
             raise self._fail(e, prefix, "LIST") from e
         return sorted(out)
 
-    def delete(self, *, keys: list[str]) -> None:
+    def delete(self, *, keys: builtins.list[str]) -> None:
         for i in range(0, len(keys), 1000):  # DeleteObjects takes at most 1000 keys
             batch = [{"Key": self._key(k)} for k in keys[i:i + 1000]]
             try:
@@ -266,7 +260,7 @@ class S3ObjectStore(ObjectStore):
                 raise StorageError(f"{self.describe(errors[0]['Key'])}: DELETE failed: {errors[0].get('Message')}")
 
     def fsspec(self) -> tuple[Any, str]:
-        import s3fs
+        import s3fs  # s3fs (aiobotocore, fsspec) loads only when an external reader asks for it
 
         o = self._fs_options
         fs = s3fs.S3FileSystem(key=o["key"], secret=o["secret"], token=o["token"], endpoint_url=o["endpoint_url"],

@@ -69,30 +69,29 @@ import gzip
 import io
 import json
 import logging
-import os
-import socket
 import threading
-import time
-from collections import OrderedDict, defaultdict
+from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import date, datetime, timedelta, timezone
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from storage import layout
-from storage.errors import PreconditionFailed, StorageError
+from storage.errors import StorageError
 from storage.ids import user_from_segment
-from storage.index import DICTIONARY_COLUMNS, serial_backend
+from storage.index import DICTIONARY_COLUMNS, conform, serial_backend
 from storage.rows import CHECKPOINT_SCHEMA, as_utc, utcnow
 
 if TYPE_CHECKING:
     from storage.store import Store
 
 log = logging.getLogger("storage.table")
+T = TypeVar("T")
+R = TypeVar("R")
 
 #: Columns of the compacted table: a checkpoint row without the index's bookkeeping (tombstone, written_at).
 TABLE_SCHEMA = pa.schema([f for f in CHECKPOINT_SCHEMA if f.name not in ("tombstone", "written_at")])
@@ -101,7 +100,6 @@ INTENT_TTL = timedelta(minutes=10)
 _PART = "part-0.parquet"
 _MANIFEST = "_manifest.json.gz"
 _META = b"loomray.table"
-_clock = time.monotonic  # module-level so tests can move time forward
 
 
 # -- manifest ------------------------------------------------------------------------------------------------------
@@ -164,10 +162,6 @@ class _Unreadable(StorageError):
     pass
 
 
-class _Conflict(Exception):
-    """A partition changed under the write phase (another compactor): give the write phase up."""
-
-
 def _iso(t: datetime | None) -> str | None:
     return None if t is None else as_utc(t).isoformat()
 
@@ -216,12 +210,12 @@ class UserTable:
         return None
 
 
-def _map(store: Store, fn: Callable[[Any], Any], items: list) -> list:
+def for_each(store: Store, fn: Callable[[T], R], items: list[T]) -> list[R]:
     """``fn`` over ``items``: on the index's reader threads for a remote store, in order on this thread for a local
     one (see :func:`storage.index.serial_backend`)."""
     if len(items) <= 2 or serial_backend(store.objects):
         return [fn(i) for i in items]
-    return list(store.index._pool.map(fn, items))
+    return store.index.map(fn, items)
 
 
 def table_clock() -> datetime:
@@ -229,7 +223,7 @@ def table_clock() -> datetime:
     return utcnow()
 
 
-class _Cache:
+class TableCache:
     """Parsed manifests and partitions by key, each with the ETag it was read at; least recently used go first
     once more than ``max_rows`` partition rows (a manifest counts as 1,000) are held."""
 
@@ -238,6 +232,11 @@ class _Cache:
         self._rows = 0
         self._max = max_rows
         self._lock = threading.Lock()
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self._rows = 0
 
     def get(self, key: str) -> tuple[str, Any] | None:
         with self._lock:
@@ -261,14 +260,6 @@ class _Cache:
                 self._rows -= w
 
 
-def _cache(store: Store) -> _Cache:
-    """This Store's :class:`_Cache` (made on first use)."""
-    cache = store.__dict__.get("_table_cache")
-    if cache is None:
-        cache = store.__dict__.setdefault("_table_cache", _Cache())
-    return cache
-
-
 def load_tables(store: Store, prefix: str = layout.TABLE_INDEX) -> dict[str, UserTable]:
     """Every user's table under ``prefix`` (``index/table/`` or one user's): one LIST, plus a GET of each manifest
     this Store has not parsed at its listed ETag."""
@@ -285,7 +276,7 @@ def load_tables(store: Store, prefix: str = layout.TABLE_INDEX) -> dict[str, Use
             manifests.append((seg, info.key, info.etag))
         elif tail.startswith("day=") and tail.endswith("/" + _PART) and tail.count("/") == 1:
             ut.parts[tail[len("day="):-len("/" + _PART)]] = info.etag
-    cache = _cache(store)
+    cache = store.table_cache
 
     def load(item: tuple[str, str, str]) -> None:
         seg, key, etag = item
@@ -305,9 +296,8 @@ def load_tables(store: Store, prefix: str = layout.TABLE_INDEX) -> dict[str, Use
         cache[key] = (obj.etag, manifest)
         users[seg].manifest, users[seg].manifest_etag = manifest, obj.etag
 
-    _map(store, load, manifests)
+    for_each(store, load, manifests)
     return users
-
 
 # -- rows ------------------------------------------------------------------------------------------------------------
 def table_rows(table: pa.Table) -> pa.Table:
@@ -337,7 +327,7 @@ def days_of(table: pa.Table) -> pa.Array:
 _EPOCH = date(1970, 1, 1)
 
 
-def _encode_partition(rows: pa.Table, generation: int, token: str) -> bytes:
+def encode_partition(rows: pa.Table, generation: int, token: str) -> bytes:
     """One partition file: zstd, dictionaries, statistics; the writer's generation and token make its ETag new."""
     meta = json.dumps({"generation": generation, "token": token}).encode()
     rows = rows.replace_schema_metadata({_META: meta})
@@ -347,202 +337,18 @@ def _encode_partition(rows: pa.Table, generation: int, token: str) -> bytes:
     return sink.getvalue()
 
 
-def _decode_partition(data: bytes) -> pa.Table:
+def decode_partition(data: bytes) -> pa.Table:
+    """One partition file's rows in :data:`TABLE_SCHEMA`; a column added since it was written reads as nulls."""
     table = pq.ParquetFile(pa.BufferReader(data)).read(use_threads=False)
-    return table.select(TABLE_SCHEMA.names).cast(TABLE_SCHEMA).replace_schema_metadata(None)
+    return conform(table, TABLE_SCHEMA).replace_schema_metadata(None)
 
 
-def _sort(rows: pa.Table) -> pa.Table:
+def sort_rows(rows: pa.Table) -> pa.Table:
+    """``rows`` in a partition's order: by time, then session and checkpoint."""
     return rows.sort_by([("created_at", "ascending"), ("session_id", "ascending"), ("checkpoint_id", "ascending")])
 
 
-# -- the write phase -------------------------------------------------------------------------------------------------
-@dataclass
-class SessionRead:
-    """One session as a compaction read it: live rows, the per-session file names holding them after the
-    compaction's own merge, whether those still carry tombstones, and whether its files differed from the
-    manifest's record (its rows may differ from the table's)."""
-
-    rows: pa.Table
-    files: tuple[str, ...]
-    tombs: bool
-    changed: bool
-    #: Days on which its rows may differ from the table's (None: any day it has rows on, before or now).
-    days_changed: frozenset[str] | None = None
-    #: A delta: ``rows`` are only the live rows of files the table has not absorbed, and these are every checkpoint
-    #: id those files name (their rows in the table are replaced by ``rows``). None: ``rows`` are all its rows.
-    touched: pa.Array | None = None
-    #: Its live rows in all (when ``rows`` is a delta).
-    count: int | None = None
-    #: Checkpoint ids its files' tombstones retire (see :attr:`SessionState.dead`).
-    dead: tuple[str, ...] = ()
-
-
-@dataclass
-class Published:
-    """What one user's write phase did."""
-
-    outcome: str  # "clean" (nothing to do), "committed", "busy", "conflict", "late", "incomplete"
-    partitions: int = 0
-    rows: int = 0
-
-
-def publish(store: Store, ut: UserTable, listed: dict[str, tuple[str, ...]], reads: dict[str, SessionRead], *,
-            rebuild: bool, listed_wall: datetime, deadline: Callable[[], bool]) -> Published:
-    """Bring one user's partitions and manifest up to date with ``reads`` (see the module docstring).
-
-    ``listed``: every session of the user in the compaction's LIST, with its file names then. ``reads``: the
-    sessions read. ``rebuild``: rewrite every partition from ``reads`` (which must then cover ``listed``).
-    ``deadline()`` true: the reads are too old to publish (the compaction's lag limit); nothing more is written.
-    """
-    base = ut.manifest or Manifest(ut.user_id)
-    if rebuild:
-        missing = set(listed) - set(reads)
-        if missing:
-            return Published("incomplete")
-        changed = set(listed)
-    else:
-        changed = {s for s, r in reads.items() if r.changed}
-    gone = set(base.sessions) - set(listed)
-    renamed = {s for s, r in reads.items() if s not in changed and base.sessions.get(s, None) is not None
-               and base.sessions[s].files != r.files}
-    if not (rebuild or changed or gone or renamed):
-        return Published("clean")
-    if deadline():
-        return Published("late")
-
-    pieces = [reads[s].rows for s in sorted(changed) if reads[s].rows.num_rows]
-    fresh = pa.concat_tables(pieces) if pieces else TABLE_SCHEMA.empty_table()
-    fresh_days = days_of(fresh)
-    delta = {s for s in changed if reads[s].touched is not None and s in base.sessions and not rebuild}
-    if rebuild and any(reads[s].touched is not None for s in changed):
-        return Published("incomplete")  # a rebuild needs every session's rows (the planner never sends deltas)
-    affected: set[str] = set()
-    for s in changed:
-        r = reads[s]
-        if s in delta and r.days_changed is None:
-            return Published("incomplete")
-        if r.days_changed is not None and s in base.sessions and not rebuild:
-            affected |= r.days_changed  # its rows on other days are in the partitions as they are now
-        else:
-            affected |= set(days_of(r.rows).to_pylist())
-            if s in base.sessions:
-                affected.update(base.sessions[s].days)
-    for s in gone:
-        affected.update(base.sessions[s].days)
-    if rebuild:
-        affected |= set(base.partitions) | set(ut.parts)
-
-    # Write phase: the intent CAS fails if anyone committed (or started writing) since the manifest was read.
-    now = utcnow()
-    token = os.urandom(8).hex()
-    generation = base.generation + 1
-    intent = {"token": token, "owner": f"{socket.gethostname()}:{os.getpid()}", "started_at": now.isoformat(),
-              "expires_at": (now + INTENT_TTL).isoformat()}
-    mkey = layout.table_manifest_key(ut.user_id)
-    try:
-        if ut.manifest_etag is None:
-            held = store.objects.put(key=mkey, data=replace(base, intent=intent).encode(), if_none_match=True)
-        else:
-            held = store.objects.put(key=mkey, data=replace(base, intent=intent).encode(), if_match=ut.manifest_etag)
-    except PreconditionFailed:
-        log.info("table of user %r: another compaction committed or is writing; skipped", ut.segment)
-        return Published("busy")
-
-    drop = pa.array(sorted((changed - delta) | gone), pa.string())
-    # A delta session's rows are replaced one checkpoint id at a time: "session \x1f checkpoint" keys.
-    drop_ids = pa.array(sorted({f"{s}\x1f{c}" for s in delta for c in reads[s].touched.to_pylist()}), pa.string())
-    by_day: dict[str, pa.Table] = {}
-    if fresh.num_rows:
-        # One sort by time orders the rows within each partition too (a day is a range of created_at).
-        order = pc.sort_indices(fresh, sort_keys=[("created_at", "ascending"), ("session_id", "ascending"),
-                                                   ("checkpoint_id", "ascending")])
-        fresh, fresh_days = fresh.take(order), fresh_days.take(order)
-        values = fresh_days.to_pylist()
-        start = 0
-        for i in range(1, len(values) + 1):
-            if i == len(values) or values[i] != values[start]:
-                by_day[values[start]] = fresh.slice(start, i - start)
-                start = i
-
-    def write(day: str) -> tuple[str, str, int]:
-        key = layout.table_partition_key(ut.user_id, day)
-        if deadline():
-            raise _Conflict(f"{store.describe(key)}: past the compaction's lag limit")
-        if rebuild:
-            rows, expected = by_day.get(day, TABLE_SCHEMA.empty_table()), ut.parts.get(day)
-        else:
-            rec = base.partitions.get(day)
-            if rec is None:
-                if day in ut.parts:
-                    raise _Conflict(f"{store.describe(key)}: a partition file the manifest does not record")
-                kept, expected = TABLE_SCHEMA.empty_table(), None
-            else:
-                obj = store.objects.get(key=key)
-                if obj is None or obj.etag != rec["etag"]:
-                    raise _Conflict(f"{store.describe(key)}: rewritten since the manifest recorded it")
-                kept, expected = _decode_partition(obj.data), rec["etag"]
-                gone_rows = pc.is_in(kept["session_id"], value_set=drop)
-                if len(drop_ids):
-                    pair = pc.binary_join_element_wise(kept["session_id"], kept["checkpoint_id"], "\x1f")
-                    gone_rows = pc.or_(gone_rows, pc.is_in(pair, value_set=drop_ids))
-                kept = kept.filter(pc.invert(pc.fill_null(gone_rows, False)))
-            new = by_day.get(day)
-            rows = _sort(pa.concat_tables([kept, new])) if new is not None and new.num_rows else kept
-        data = _encode_partition(rows, generation, token)
-        if expected is None:
-            etag = store.objects.put(key=key, data=data, if_none_match=True)
-        else:
-            etag = store.objects.put(key=key, data=data, if_match=expected)
-        _cache(store)[key] = (etag, rows)
-        return day, etag, rows.num_rows
-
-    partitions = dict(base.partitions)
-    try:
-        days = sorted(affected)
-        results = _map(store, write, days)
-    except (_Conflict, PreconditionFailed) as e:
-        log.warning("table of user %r: write phase given up (%s); the next compaction rebuilds it", ut.segment, e)
-        _release(store, mkey, base, held)
-        return Published("conflict")
-    except BaseException:
-        _release(store, mkey, base, held)
-        raise
-    for day, etag, n in results:
-        partitions[day] = {"etag": etag, "rows": n}
-
-    sessions = {s: st for s, st in base.sessions.items() if s not in gone}
-    for s, r in reads.items():
-        count = r.count if r.count is not None else r.rows.num_rows
-        if s in delta:
-            days = sorted(set(sessions[s].days) | set(days_of(r.rows).to_pylist()))
-            sessions[s] = SessionState(tuple(sorted(r.files)), tuple(days), r.tombs, count, r.dead)
-        elif s in changed or s not in sessions:
-            days = sorted(set(days_of(r.rows).to_pylist()))
-            sessions[s] = SessionState(tuple(sorted(r.files)), tuple(days), r.tombs, count, r.dead)
-        elif s in renamed:
-            sessions[s] = SessionState(tuple(sorted(r.files)), sessions[s].days, r.tombs, count, r.dead)
-        elif sessions[s].tombs != r.tombs or sessions[s].dead != r.dead:
-            sessions[s] = replace(sessions[s], tombs=r.tombs, dead=r.dead)
-    final = Manifest(ut.user_id, generation, listed_wall, utcnow(), partitions, sessions, None)
-    try:
-        etag = store.objects.put(key=mkey, data=final.encode(), if_match=held)
-    except PreconditionFailed:
-        log.warning("table of user %r: another compaction took the write phase over; not committed", ut.segment)
-        return Published("conflict")
-    _cache(store)[mkey] = (etag, final)
-    return Published("committed", len(results), sum(n for _, _, n in results))
-
-
-def _release(store: Store, key: str, base: Manifest, held: str) -> None:
-    """Give the write phase up: the manifest as it was (best effort; an expired intent is taken over anyway)."""
-    try:
-        store.objects.put(key=key, data=base.encode(), if_match=held)
-    except (PreconditionFailed, StorageError) as e:
-        log.info("table manifest %s not released (%s); its intent expires in %s", store.describe(key), e, INTENT_TTL)
-
-
-# -- reading: table + tail -------------------------------------------------------------------------------------------
+# -- staleness -------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Staleness:
     """How fresh the compacted part of a query was, and how much it read from the per-session tail."""
@@ -585,110 +391,3 @@ def with_staleness(table: pa.Table, st: Staleness) -> pa.Table:
     doc = {"table_as_of": _iso(st.table_as_of), "tail_files": st.tail_files, "tail_sessions": st.tail_sessions,
            "users_without_table": st.users_without_table}
     return table.replace_schema_metadata({**(table.schema.metadata or {}), _STALE: json.dumps(doc).encode()})
-
-
-def _session_of(key: str) -> tuple[str, str] | None:
-    """``(user segment, session id)`` of a per-session index file key."""
-    parts = key[len(layout.CHECKPOINT_INDEX):].split("/")
-    if len(parts) != 3 or not parts[0].startswith("user=") or not parts[1].startswith("session="):
-        return None
-    return parts[0][len("user="):], parts[1][len("session="):]
-
-
-def _day_range(since: datetime | None, until: datetime | None) -> Callable[[str], bool]:
-    lo = as_utc(since).date().isoformat() if since is not None else None
-    hi = (as_utc(until) - timedelta(microseconds=1)).date().isoformat() if until is not None else None
-    return lambda d: (lo is None or d >= lo) and (hi is None or d <= hi)
-
-
-def read_for_query(store: Store, *, segment: str | None, session_id: str | None, since: datetime | None,
-                   until: datetime | None) -> tuple[pa.Table, pa.Table, Staleness]:
-    """``(table rows, tail rows, staleness)`` for a query of one user (``segment``) or all (None).
-
-    Table rows: partitions of the days in ``[since, until)`` without the rows
-    of tail sessions, in :data:`TABLE_SCHEMA`. Tail rows: every file of each
-    tail session under the scope (a session whose listed files differ from what
-    its manifest absorbed), raw (``CHECKPOINT_SCHEMA``, tombstones included).
-    Order of reads: manifests, then the per-session LIST, then partitions; a
-    listed file gone at GET time LISTs again (``ParquetIndex.read_listed``).
-    """
-    tprefix = layout.TABLE_INDEX if segment is None else f"{layout.TABLE_INDEX}user={segment}/"
-    tables = load_tables(store, tprefix)
-    prefix = layout.CHECKPOINT_INDEX
-    key_filter = None
-    if segment is not None:
-        prefix += f"user={segment}/"
-        if session_id is not None:
-            prefix += f"session={session_id}/"
-    elif session_id is not None:
-        key_filter = lambda k: f"/session={session_id}/" in k  # noqa: E731
-    tail_tables: dict[str, pa.Table] = {}
-    state: dict[str, Any] = {}
-
-    def read(keys: list[str], vanished: list[str]) -> None:
-        listed: dict[tuple[str, str], list[str]] = defaultdict(list)
-        for k in keys:
-            sk = _session_of(k)
-            if sk is not None:
-                listed[sk].append(k.rsplit("/", 1)[1])
-        clean: dict[str, set[str]] = defaultdict(set)
-        tail: set[tuple[str, str]] = set()
-        for (seg, sid), names in listed.items():
-            m = tables[seg].manifest if seg in tables else None
-            st = m.sessions.get(sid) if m is not None else None
-            if st is not None and tuple(sorted(names)) == tuple(sorted(st.files)):
-                clean[seg].add(sid)
-            else:
-                tail.add((seg, sid))
-        todo = [k for k in keys if _session_of(k) in tail and k not in tail_tables]
-        for key, t in store.index.read_files(todo, cache=False, vanished=vanished):
-            tail_tables[key] = t
-        state.update(clean=clean, tail=tail, keys=[k for k in keys if _session_of(k) in tail])
-
-    store.index.read_listed(prefix, read, key_filter=key_filter)
-    clean, tail = state["clean"], state["tail"]
-    _, tail_rows = store.index._concat([(k, tail_tables[k]) for k in state["keys"] if k in tail_tables],
-                                       CHECKPOINT_SCHEMA)
-
-    in_range = _day_range(since, until)
-    wanted: list[tuple[str, str, str | None]] = []  # (segment, day, listed etag)
-    as_of: list[datetime] = []
-    for seg, ut in sorted(tables.items()):
-        m = ut.manifest
-        if m is None or not clean.get(seg):
-            continue
-        if m.listed_at is not None:
-            as_of.append(m.listed_at)
-        days = set(m.partitions)
-        if session_id is not None:
-            st = m.sessions.get(session_id)
-            days &= set(st.days) if st is not None else set()
-        wanted += [(seg, d, ut.parts.get(d)) for d in sorted(days) if in_range(d) and d in ut.parts]
-    cache = _cache(store)
-
-    def part(item: tuple[str, str, str | None]) -> pa.Table:
-        seg, day, etag = item
-        key = layout.table_partition_key(user_from_segment(seg), day)
-        hit = cache.get(key)
-        if hit is not None and hit[0] == etag:
-            rows = hit[1]
-        else:
-            obj = store.objects.get(key=key)
-            if obj is None:
-                return TABLE_SCHEMA.empty_table()  # never deleted by loomray; someone removed it: no rows
-            try:
-                rows = _decode_partition(obj.data)
-            except Exception as e:  # pyarrow raises several types for bad bytes
-                raise StorageError(f"{store.describe(key)}: unreadable table partition ({e}); run compact() to "
-                                   "rebuild it") from e
-            cache[key] = (obj.etag, rows)
-        ids = pa.array(sorted(clean[seg]), pa.string())
-        return rows.filter(pc.is_in(rows["session_id"], value_set=ids))
-
-    parts = _map(store, part, wanted)
-    table_part = pa.concat_tables(parts) if parts else TABLE_SCHEMA.empty_table()
-    without = sum(1 for seg in {s for s, _ in tail} if tables.get(seg) is None or tables[seg].manifest is None)
-    st = Staleness(min(as_of) if as_of else None, len(state["keys"]), len(tail), without)
-    return table_part, tail_rows, st
-
-

@@ -1,19 +1,30 @@
-"""Test doubles that ship with the library: a moto S3 server on loopback and a fault injector.
+"""Test doubles that ship with the library: a moto S3 server on loopback, a fault injector, suite helpers.
 
 ``MotoS3Server`` runs moto's ``ThreadedMotoServer`` on 127.0.0.1 (a free
 port), hands out fresh buckets so tests are isolated, and builds store URLs
 and options. ``FaultInjector`` hooks a boto3 client's ``before-send`` event and
 fails the next N requests like a real network or an overloaded S3 would
 (503 SlowDown, connection reset, read timeout); botocore's own retry logic
-sees them exactly as it sees real failures.
+sees them exactly as it sees real failures. The functions at the end write
+the checkpoints and journal entries the conformance suite
+(:mod:`storage.conformance`) works with.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import threading
 import uuid
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
+import boto3
+from botocore.awsrequest import AWSResponse
+from botocore.exceptions import ConnectionClosedError, ReadTimeoutError
+
+from storage import open_store
+from storage.rows import CheckpointInfo, CheckpointRow, JournalEntry
 from storage.store import Store
 
 CREDENTIALS = {"key": "testing", "secret": "testing", "region": "us-east-1"}
@@ -23,9 +34,7 @@ class MotoS3Server:
     """moto's S3 on ``127.0.0.1:{free port}``; ``start()`` / ``stop()`` or use as a context manager."""
 
     def __init__(self) -> None:
-        import logging
-
-        from moto.server import ThreadedMotoServer
+        from moto.server import ThreadedMotoServer  # moto is a test dependency, needed only by this server
 
         # werkzeug logs every request line; tests and benches only want failures.
         logging.getLogger("werkzeug").setLevel(logging.ERROR)
@@ -58,8 +67,6 @@ class MotoS3Server:
     def client(self):
         """A plain boto3 client on this server (for test setup and inspection)."""
         if self._client is None:
-            import boto3
-
             self._client = boto3.client("s3", endpoint_url=self.endpoint_url, aws_access_key_id="testing",
                                         aws_secret_access_key="testing", region_name="us-east-1")
         return self._client
@@ -72,8 +79,6 @@ class MotoS3Server:
 
     def open_store(self, bucket: str | None = None, prefix: str = "root", **options: Any) -> Store:
         """A store on a fresh bucket (or ``bucket``) under ``prefix``."""
-        from storage import open_store
-
         bucket = bucket or self.new_bucket()
         return open_store(f"s3://{bucket}/{prefix}", **{**self.options, **options})
 
@@ -123,9 +128,6 @@ class FaultInjector:
                     return None
                 self.remaining -= 1
             self.injected += 1
-        from botocore.awsrequest import AWSResponse
-        from botocore.exceptions import ConnectionClosedError, ReadTimeoutError
-
         if self.kind == "reset":
             raise ConnectionClosedError(endpoint_url=request.url)
         if self.kind == "timeout":
@@ -134,3 +136,40 @@ class FaultInjector:
                         "denied": (403, "AccessDenied")}[self.kind]
         body = f"<Error><Code>{code}</Code><Message>injected</Message></Error>".encode()
         return AWSResponse(request.url, status, {"Content-Type": "application/xml"}, _RawBody(body))
+
+
+# -- helpers of the conformance suite (storage.conformance) and of tests built on it ------------------
+T0 = datetime(2026, 7, 4, 12, 0, tzinfo=timezone.utc)
+
+
+def put_checkpoint(store: Store, session_id: str, checkpoint_id: str, *, user_id=None, turn=1, keep=20, lease=None,
+                   status="active", cost=0.01, created_at=None, payload=None) -> CheckpointRow:
+    """Write a checkpoint whose row fields follow from ``turn`` (created ``turn`` minutes after ``T0``)."""
+    data = payload if payload is not None else json.dumps({"session_id": session_id, "checkpoint_id": checkpoint_id,
+                                                           "turn": turn}).encode()
+    info = CheckpointInfo(session_id=session_id, checkpoint_id=checkpoint_id, user_id=user_id, turn=turn,
+                          created_at=created_at or T0 + timedelta(minutes=turn), position="after_tools",
+                          execution_status=status, message_count=2 * turn, input_tokens=10 * turn,
+                          output_tokens=turn, cost_usd=cost)
+    return store.put_checkpoint(data, info, lease=lease, keep=keep)
+
+
+def all_keys(store: Store) -> list[str]:
+    """Every object key in the store."""
+    return [o.key for o in store.objects.list(prefix="")]
+
+
+def journal_entry(seq, step, run="run1", kind="model", user_id=None, created_at=None) -> JournalEntry:
+    """A journal entry of session ``s1`` created ``seq`` seconds after ``T0``."""
+    return JournalEntry(session_id="s1", user_id=user_id, run_id=run, seq=seq, step_key=step, kind=kind,
+                        input_hash=f"h{seq}", output={"text": f"out {seq}", "n": [seq]},
+                        created_at=created_at or T0 + timedelta(seconds=seq))
+
+
+def fill_sessions(store: Store) -> None:
+    """Three checkpoints in each of sessions s1 and s2 of no user, alice and bob."""
+    for u in (None, "alice", "bob"):
+        for s in ("s1", "s2"):
+            for i in range(3):
+                put_checkpoint(store, s, f"c{i}", user_id=u, turn=i, cost=0.5 * i, keep=0,
+                               status="completed" if i == 2 else "active")

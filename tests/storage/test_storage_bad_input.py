@@ -7,7 +7,7 @@ from datetime import datetime, timezone
 
 import pytest
 
-from storage import InvalidStoreUrl, JournalEntry, SessionRow, open_store
+from storage import CheckpointInfo, InvalidStoreUrl, JournalEntry, SessionRow, open_store
 from storage.errors import InvalidIdError
 
 BAD_IDS = ["a/b", "../x", "..", "a\\b", "x\x00y", "tab\there", "new\nline", "\x7f", "", "x" * 129, "a..b", "/abs"]
@@ -16,8 +16,8 @@ NOW = datetime(2026, 7, 4, tzinfo=timezone.utc)
 
 def _put(store, **ids):
     args = {"session_id": "s1", "checkpoint_id": "c1", "user_id": None, **ids}
-    return store.put_checkpoint(b"{}", turn=0, created_at=NOW, position="after_tools", execution_status="active",
-                                message_count=0, **args)
+    return store.put_checkpoint(b"{}", CheckpointInfo(turn=0, created_at=NOW, position="after_tools",
+                                                      execution_status="active", message_count=0, **args))
 
 
 @pytest.mark.parametrize("bad", BAD_IDS)

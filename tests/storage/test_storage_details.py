@@ -6,15 +6,16 @@ from datetime import datetime, timezone
 
 import pytest
 
-from storage import JournalEntry, Store, open_store
+from storage import CheckpointInfo, JournalEntry, Store, open_store
 from storage.errors import CorruptObjectError
 
 NOW = datetime(2026, 7, 4, tzinfo=timezone.utc)
 
 
 def _put(store, cid, data=b'{"x": 1}', keep=20, session_id="s1"):
-    return store.put_checkpoint(data, session_id=session_id, checkpoint_id=cid, turn=1, created_at=NOW,
-                                position="after_tools", execution_status="active", message_count=1, keep=keep)
+    info = CheckpointInfo(session_id=session_id, checkpoint_id=cid, turn=1, created_at=NOW,
+                          position="after_tools", execution_status="active", message_count=1)
+    return store.put_checkpoint(data, info, keep=keep)
 
 
 def test_payload_bytes_are_stored_without_a_copy():

@@ -6,6 +6,7 @@ from datetime import datetime, timezone
 
 import pytest
 
+from storage import CheckpointInfo
 from storage.errors import StorageError, TransientStorageError
 from storage.testing import FaultInjector
 
@@ -20,8 +21,9 @@ def s3(s3_server):
 
 
 def _put(store, cid="c1"):
-    return store.put_checkpoint(b'{"ok": true}', session_id="s1", checkpoint_id=cid, turn=1, created_at=NOW,
-                                position="after_tools", execution_status="active", message_count=1)
+    return store.put_checkpoint(b'{"ok": true}', CheckpointInfo(session_id="s1", checkpoint_id=cid, turn=1,
+                                                                created_at=NOW, position="after_tools",
+                                                                execution_status="active", message_count=1))
 
 
 @pytest.mark.parametrize("kind,failures", [("slowdown", 2), ("unavailable", 2), ("reset", 2), ("timeout", 2)])

@@ -20,10 +20,13 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
+import storage.backoff as backoff_module
+import storage.checkpoint_rows as checkpoint_rows_module
+import storage.checkpoints as checkpoints_module
 import storage.index as index_module
 import storage.maintenance as maintenance_module
-import storage.store as store_module
-from storage import JournalEntry, SessionRow, Store, errors, layout, open_store
+import storage.pruning as pruning_module
+from storage import CheckpointInfo, JournalEntry, SessionRow, Store, errors, layout, open_store
 from storage.errors import CorruptObjectError, InvalidIdError, LeaseLostError, PreconditionFailed
 from storage.faults import ActorCrashed, Fault, FaultPlan, FaultyObjectStore, Rule, current_actor
 from storage.ids import validate_id
@@ -36,9 +39,10 @@ LEASE = "sessions/_/s1/lease.json"
 def put(store: Store, session_id: str, checkpoint_id: str, *, turn: int = 1, keep: int = 20, lease=None,
         user_id=None, payload: bytes | None = None):
     data = payload if payload is not None else json.dumps({"checkpoint_id": checkpoint_id, "turn": turn}).encode()
-    return store.put_checkpoint(data, session_id=session_id, checkpoint_id=checkpoint_id, user_id=user_id, turn=turn,
-                                created_at=T0 + timedelta(minutes=turn), position="after_tools",
-                                execution_status="active", message_count=turn, lease=lease, keep=keep)
+    info = CheckpointInfo(session_id=session_id, checkpoint_id=checkpoint_id, user_id=user_id, turn=turn,
+                          created_at=T0 + timedelta(minutes=turn), position="after_tools",
+                          execution_status="active", message_count=turn)
+    return store.put_checkpoint(data, info, lease=lease, keep=keep)
 
 
 def snapshot(store: Store) -> dict[str, str]:
@@ -126,7 +130,7 @@ def test_path01_a_writer_outpacing_a_cold_reader_never_makes_the_session_read_as
     catches up, and finds the newest checkpoint, never an empty session. (Found by the durability soak:
     after a bounded number of re-lists, list_checkpoints returned [] while a newer checkpoint existed.)"""
     delays = []
-    monkeypatch.setattr(store_module, "_sleep", delays.append)
+    monkeypatch.setattr(backoff_module, "sleep", delays.append)
     put(store, "s1", "c0000", turn=0, keep=1)
     reader, written = _reader_behind_a_writer(store, rounds=5)
     if read == "list":
@@ -135,7 +139,7 @@ def test_path01_a_writer_outpacing_a_cold_reader_never_makes_the_session_read_as
         raw = reader.get_checkpoint("s1")
         assert raw is not None and hashlib.sha256(raw).hexdigest() == written[-1].sha256
     assert len(written) == 5 and ids(store.list_checkpoints("s1")) == ["c0005"]  # every round really raced
-    assert len(delays) == 5 and all(0 <= d <= store_module._BACKOFF_CAP for d in delays)  # jittered backoff
+    assert len(delays) == 5 and all(0 <= d <= backoff_module.CAP for d in delays)  # jittered backoff
 
 
 @pytest.mark.parametrize("read", ["list", "latest"])
@@ -147,16 +151,16 @@ def test_path01_a_reader_that_never_catches_up_raises_a_typed_error(store, read,
     def wait(seconds):
         now[0] += seconds
 
-    monkeypatch.setattr(store_module, "_sleep", wait)
-    monkeypatch.setattr(store_module, "_clock", lambda: now[0], raising=False)
-    monkeypatch.setattr(store_module, "READ_TIMEOUT", 2.0, raising=False)
+    monkeypatch.setattr(backoff_module, "sleep", wait)
+    monkeypatch.setattr(backoff_module, "clock", lambda: now[0], raising=False)
+    monkeypatch.setattr(checkpoints_module, "READ_TIMEOUT", 2.0, raising=False)
     put(store, "s1", "c0000", turn=0, keep=1)
     reader, written = _reader_behind_a_writer(store, rounds=None)
     with pytest.raises(errors.IndexChangedError, match="s1") as info:
         reader.list_checkpoints("s1") if read == "list" else reader.get_checkpoint("s1")
     assert isinstance(info.value, errors.TransientStorageError)
-    assert len(written) >= 5 and store_module.READ_TIMEOUT - store_module._BACKOFF_CAP <= now[0]
-    assert now[0] <= store_module.READ_TIMEOUT  # it gave up within its budget
+    assert len(written) >= 5 and checkpoints_module.READ_TIMEOUT - backoff_module.CAP <= now[0]
+    assert now[0] <= checkpoints_module.READ_TIMEOUT  # it gave up within its budget
 
 
 def test_path01_index_files_that_keep_vanishing_raise_instead_of_reading_as_empty(store, monkeypatch):
@@ -345,7 +349,7 @@ def test_path03_a_stale_acquirer_after_a_deleted_lease_is_granted_above_every_ep
     complete their acquire (a on a new session, b on top of a); lease.json is deleted; c goes on. c must not
     be granted an epoch below one a or b were granted before it (the durability soak found c granted
     epoch 1 after b had swapped epoch 2 in)."""
-    monkeypatch.setattr(store_module, "_sleep", lambda s: None)  # backoff without waiting: the script orders
+    monkeypatch.setattr(backoff_module, "sleep", lambda s: None)  # backoff without waiting: the script orders
     script = [("c", 0), ("a", 1), ("b", 1), ("vandal", None), ("c", None), ("b", None), ("a", None)]
     grants, _ = _race_for_the_lease(_inner(backend, tmp_path, "s"), 0, script, dies=False)
     assert [name for _, _, name in grants] == ["c", "b", "a"]  # the script really ran c's acquire first
@@ -356,7 +360,7 @@ def test_path03_a_stale_acquirer_after_a_deleted_lease_is_granted_above_every_ep
 def test_path03_epochs_are_granted_strictly_rising_in_every_interleaving(backend, start, tmp_path, monkeypatch):
     """The race of :func:`_race_for_the_lease` in many seeded interleavings, on a new session and on one
     whose lease is held; one acquirer dies between claiming its epoch marker and swapping lease.json."""
-    monkeypatch.setattr(store_module, "_sleep", lambda s: None)
+    monkeypatch.setattr(backoff_module, "sleep", lambda s: None)
     died = 0
     for seed in range(150 if backend == "memory" else 40):
         inner = _inner(backend, tmp_path, f"{seed}-{start}")
@@ -575,8 +579,8 @@ def test_path16_unsafe_ids_are_refused_and_nothing_is_written(store, bad):
     for field in ("session_id", "checkpoint_id", "user_id"):
         args = {"session_id": "s1", "checkpoint_id": "c1", "user_id": None, field: bad}
         with pytest.raises(InvalidIdError) as info:
-            store.put_checkpoint(b"{}", turn=0, created_at=T0, position="after_tools", execution_status="active",
-                                 message_count=0, **args)
+            store.put_checkpoint(b"{}", CheckpointInfo(turn=0, created_at=T0, position="after_tools",
+                                                       execution_status="active", message_count=0, **args))
         assert isinstance(info.value, ValueError)
     for call in (lambda: store.acquire_lease(bad, owner="x"), lambda: store.get_checkpoint(bad),
                  lambda: store.put_session(SessionRow(bad, None, "running", T0)),
@@ -636,7 +640,7 @@ def test_path17_lease_deleted_between_read_and_swap(store):
 
 def test_path17_contended_acquire_backs_off_with_full_jitter_until_it_wins(store, monkeypatch):
     delays = []
-    monkeypatch.setattr(store_module, "_sleep", delays.append, raising=False)
+    monkeypatch.setattr(backoff_module, "sleep", delays.append, raising=False)
     real_put = store.objects.put
     rivals, busy = [], []
 
@@ -654,7 +658,7 @@ def test_path17_contended_acquire_backs_off_with_full_jitter_until_it_wins(store
     lease = store.acquire_lease("s1", owner="me")
     assert [r.epoch for r in rivals] == list(range(1, 21)) and lease.epoch == 21
     assert len(delays) == 20
-    caps = [min(store_module._BACKOFF_CAP, store_module._BACKOFF_BASE * 2 ** (i + 1)) for i in range(20)]
+    caps = [min(backoff_module.CAP, backoff_module.BASE * 2 ** (i + 1)) for i in range(20)]
     assert all(0 <= d <= cap for d, cap in zip(delays, caps, strict=False))  # exponential bound, capped
     assert len(set(delays)) > 1  # full jitter: random in [0, bound], not a fixed schedule
 
@@ -850,9 +854,9 @@ def test_review_r4_a_takeover_spares_rows_written_without_a_lease_and_rows_it_li
 
 def _skewed(monkeypatch, hours: float):
     """Make this process's writes stamp ``written_at`` ``hours`` off (a node whose clock is wrong)."""
-    real = store_module.utcnow
-    monkeypatch.setattr(store_module, "utcnow", lambda: real() + timedelta(hours=hours))
-    return lambda: monkeypatch.setattr(store_module, "utcnow", real)
+    real = checkpoint_rows_module.utcnow
+    monkeypatch.setattr(checkpoint_rows_module, "utcnow", lambda: real() + timedelta(hours=hours))
+    return lambda: monkeypatch.setattr(checkpoint_rows_module, "utcnow", real)
 
 
 def test_review_r3_a_tombstone_stamped_by_a_slow_clock_survives_a_concurrent_compaction(store, monkeypatch):
@@ -971,8 +975,9 @@ OLD = datetime.now(timezone.utc) - timedelta(days=2)
 
 
 def _old_session(store: Store) -> None:
-    store.put_checkpoint(b"c-old", session_id="s1", checkpoint_id="c-old", turn=1, created_at=OLD,
-                         position="after_tools", execution_status="completed", message_count=1)
+    store.put_checkpoint(b"c-old", CheckpointInfo(session_id="s1", checkpoint_id="c-old", turn=1, created_at=OLD,
+                                                  position="after_tools", execution_status="completed",
+                                                  message_count=1))
     store.run_create("s1", run_id="run-1", epoch=1)
     _journal(store, "run-1", ("run_start", "model", "run_end"), created_at=OLD)
 
@@ -991,7 +996,7 @@ def test_review_r6_a_run_recorded_while_prune_works_keeps_its_base_checkpoint(st
     from storage.journal import unfinished_last_run
 
     _old_session(store)
-    real = maintenance_module.unfinished_last_run
+    real = pruning_module.unfinished_last_run
     raced = []
 
     def first_look_then_a_resume_starts(st, sid, uid):
@@ -1001,7 +1006,7 @@ def test_review_r6_a_run_recorded_while_prune_works_keeps_its_base_checkpoint(st
             raced.append(_resume_from_old(store))
         return out
 
-    monkeypatch.setattr(maintenance_module, "unfinished_last_run", first_look_then_a_resume_starts)
+    monkeypatch.setattr(pruning_module, "unfinished_last_run", first_look_then_a_resume_starts)
     report = store.prune(before=datetime.now(timezone.utc) - timedelta(days=1), session_id="s1")
     assert raced and report.checkpoints == 0
     need = unfinished_last_run(store, "s1", None)

@@ -7,7 +7,7 @@ from datetime import datetime, timedelta, timezone
 import pyarrow.dataset as ds
 import pytest
 
-from storage import open_store
+from storage import CheckpointInfo, open_store
 
 NOW = datetime(2026, 7, 4, tzinfo=timezone.utc)
 
@@ -15,9 +15,10 @@ NOW = datetime(2026, 7, 4, tzinfo=timezone.utc)
 def _fill(store):
     for user in (None, "alice"):
         for i in range(3):
-            store.put_checkpoint(b"{}", session_id="sess-a", checkpoint_id=f"c{i}", user_id=user, turn=i,
-                                 created_at=NOW, position="after_tools", execution_status="active",
-                                 message_count=i, cost_usd=0.25 * i, keep=2)
+            store.put_checkpoint(b"{}", CheckpointInfo(session_id="sess-a", checkpoint_id=f"c{i}", user_id=user,
+                                                       turn=i, created_at=NOW, position="after_tools",
+                                                       execution_status="active", message_count=i,
+                                                       cost_usd=0.25 * i), keep=2)
 
 
 def _live_count(table) -> int:

@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 import storage.table as table_module
-from storage import Store, layout, open_store
+from storage import CheckpointInfo, Store, layout, open_store
 from storage.table import Manifest, staleness
 
 T0 = datetime(2026, 7, 4, 22, 0, tzinfo=timezone.utc)  # rows of a session cross midnight: two day partitions
@@ -24,10 +24,11 @@ SESSIONS = ["sess one", "séance 東京", "s'q\"uote*"]
 def put(store: Store, session_id: str, checkpoint_id: str, *, user_id=None, turn: int = 1, keep: int = 20,
         minutes: int | None = None, cost: float | None = None):
     data = json.dumps({"checkpoint_id": checkpoint_id, "turn": turn}).encode()
-    return store.put_checkpoint(data, session_id=session_id, checkpoint_id=checkpoint_id, user_id=user_id, turn=turn,
-                                created_at=T0 + timedelta(minutes=30 * turn if minutes is None else minutes),
-                                position="after_tools", execution_status="completed" if turn % 2 else "active",
-                                message_count=turn, cost_usd=0.1 * turn if cost is None else cost, keep=keep)
+    info = CheckpointInfo(session_id=session_id, checkpoint_id=checkpoint_id, user_id=user_id, turn=turn,
+                          created_at=T0 + timedelta(minutes=30 * turn if minutes is None else minutes),
+                          position="after_tools", execution_status="completed" if turn % 2 else "active",
+                          message_count=turn, cost_usd=0.1 * turn if cost is None else cost)
+    return store.put_checkpoint(data, info, keep=keep)
 
 
 def fill(store: Store, *, turns: int = 5, keep: int = 3) -> None:
@@ -368,3 +369,16 @@ def test_a_row_a_tombstone_in_the_unread_compacted_file_retires_stays_out_of_the
     assert staleness(store.query()).tail_files == 0
     if store.objects.backend != "memory":
         assert_outside_readers_see(store, live(store))
+
+
+def test_a_partition_written_before_a_column_existed_reads_it_as_null():
+    """A compacted partition from before ``spend_usd`` existed reads like a per-session file of that age."""
+    from storage.rows import CheckpointRow, checkpoint_rows_table
+
+    row = CheckpointRow(session_id="s", checkpoint_id="c1", turn=1, created_at=T0, position="after_tools",
+                        execution_status="active", message_count=1, epoch=0, key="k", size=1, sha256="0" * 64,
+                        spend_usd=0.5)
+    rows = checkpoint_rows_table([row], tombstone=False, written_at=T0).select(table_module.TABLE_SCHEMA.names)
+    old = table_module.decode_partition(table_module.encode_partition(rows.drop_columns(["spend_usd"]), 1, "t"))
+    assert old.schema.equals(table_module.TABLE_SCHEMA) and old["spend_usd"].to_pylist() == [None]
+    assert table_module.decode_partition(table_module.encode_partition(rows, 1, "t"))["spend_usd"].to_pylist() == [0.5]

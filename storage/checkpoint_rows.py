@@ -1,0 +1,164 @@
+"""The checkpoint index as rows: parsed index files, each session's live rows, retirement and retention.
+
+Index files are immutable, so a parsed file is cached by key (LRU) for as
+long as a LIST shows it. Retention needs a session's live rows after every
+write: a per-session view of them, refreshed by a full partition LIST on
+first use and every ``_VIEW_REFRESH`` writes, spares a LIST on most writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+from storage import layout
+from storage.errors import IndexChangedError
+from storage.index import ParquetIndex, conform
+from storage.objects import ObjectStore
+from storage.rows import CHECKPOINT_SCHEMA, CheckpointRow, checkpoint_rows_from_table, checkpoint_rows_table, utcnow
+
+log = logging.getLogger("storage")
+_ROW_CACHE_FILES = 16384
+_VIEW_REFRESH = 32
+#: One index file's rows, each with whether it is a tombstone.
+FileRows = list[tuple[CheckpointRow, bool]]
+
+
+def live_of(files: list[FileRows]) -> dict[str, CheckpointRow]:
+    """The rows of ``files`` no tombstone (in any of them) retires, by checkpoint id."""
+    live: dict[str, CheckpointRow] = {}
+    dead: set[str] = set()
+    for rows in files:
+        for row, tomb in rows:
+            if tomb:
+                dead.add(row.checkpoint_id)
+            else:
+                live[row.checkpoint_id] = row
+    return {cid: r for cid, r in live.items() if cid not in dead}
+
+
+@dataclass
+class _View:
+    """A session's live rows as this process knows them, and the writes since they were last listed."""
+
+    rows: dict[str, CheckpointRow]
+    writes: int = 0
+
+
+class CheckpointRows:
+    """Reads and writes checkpoint index rows through a :class:`ParquetIndex`; thread-safe."""
+
+    def __init__(self, objects: ObjectStore, index: ParquetIndex) -> None:
+        self.objects = objects
+        self.index = index
+        self._lock = threading.RLock()
+        #: Parsed rows per immutable index file key (LRU).
+        self._files: OrderedDict[str, FileRows] = OrderedDict()
+        #: Per-session live rows for retention.
+        self._views: dict[tuple[str | None, str], _View] = {}
+
+    def clear_cache(self) -> None:
+        """Forget every parsed file (a cold reader parses them again)."""
+        with self._lock:
+            self._files.clear()
+
+    def file_rows(self, keys: list[str], vanished: list[str] | None = None) -> list[FileRows]:
+        """Parsed rows of each readable index file; files are immutable, so parsing is cached by key.
+
+        Keys gone at GET time are noted in ``vanished`` (see :meth:`ParquetIndex.read_listed`).
+        """
+        with self._lock:
+            parsed = {k: self._files[k] for k in keys if k in self._files}
+        missing = [k for k in keys if k not in parsed]
+        for key, table in self.index.read_files(missing, cache=False, vanished=vanished):
+            try:
+                parsed[key] = checkpoint_rows_from_table(conform(table, CHECKPOINT_SCHEMA))
+            except (KeyError, ValueError, TypeError, pa.ArrowInvalid) as e:
+                log.warning("skipping index file with a foreign schema: %s: %s", self.objects.describe(key), e)
+        with self._lock:
+            for key in missing:
+                if key in parsed:
+                    self._remember(key, parsed[key])
+        return [parsed[k] for k in keys if k in parsed]
+
+    def _remember(self, key: str, rows: FileRows) -> None:
+        self._files[key] = rows
+        self._files.move_to_end(key)
+        while len(self._files) > _ROW_CACHE_FILES:
+            self._files.popitem(last=False)
+
+    @staticmethod
+    def encode(rows: list[CheckpointRow], *, tombstone: bool) -> pa.Table:
+        """``rows`` (or tombstones for them) as one index table, stamped ``written_at`` now."""
+        return checkpoint_rows_table(rows, tombstone=tombstone, written_at=utcnow())
+
+    def write(self, session_id: str, user_id: str | None, rows: list[CheckpointRow], *, tombstone: bool,
+              table: pa.Table | None = None) -> None:
+        """Append ``rows`` as one file in the session's partition; ``table``: them already :meth:`encode`-d."""
+        if table is None:
+            table = self.encode(rows, tombstone=tombstone)
+        partition = layout.index_partition(layout.CHECKPOINT_INDEX, session_id, user_id)
+        key = self.index.write(partition, table, cache=False)
+        with self._lock:
+            self._remember(key, [(r, tombstone) for r in rows])
+
+    def partition_rows(self, session_id: str, user_id: str | None) -> list[FileRows]:
+        """Rows and tombstones of every file of the session's partition, as of one fresh LIST.
+
+        A listed file that vanished before its GET (merged by a compaction)
+        means the LIST is stale: LIST again, never read it as "no rows";
+        :class:`IndexChangedError` when that keeps happening.
+        """
+        partition = layout.index_partition(layout.CHECKPOINT_INDEX, session_id, user_id)
+        return self.index.read_listed(partition, self.file_rows)[1]
+
+    def live(self, session_id: str, user_id: str | None) -> dict[str, CheckpointRow]:
+        """The session's live rows from a fresh LIST of its partition (strongly consistent); refreshes the view."""
+        result = live_of(self.partition_rows(session_id, user_id))
+        with self._lock:
+            self._views[(user_id, session_id)] = _View(dict(result))
+        return result
+
+    def retire(self, session_id: str, user_id: str | None, rows: list[CheckpointRow]) -> None:
+        """Delete objects, then write tombstones (a crash between leaves rows whose object is gone: listings skip them)."""
+        if not rows:
+            return
+        self.objects.delete(keys=[r.key for r in rows])
+        self.write(session_id, user_id, rows, tombstone=True)
+        with self._lock:
+            view = self._views.get((user_id, session_id))
+            if view is not None:
+                for r in rows:
+                    view.rows.pop(r.checkpoint_id, None)
+
+    def apply_retention(self, row: CheckpointRow, keep: int) -> None:
+        """Drop the oldest live checkpoints of ``row``'s session beyond ``keep``, ``row`` just written.
+
+        The session's live rows come from the view, refreshed by a full
+        partition LIST on first use and every ``_VIEW_REFRESH`` writes, so a
+        steady-state write costs no LIST. The view can only miss rows another
+        process wrote; it never deletes beyond the ``keep`` newest rows it knows,
+        so a session never drops below ``keep`` checkpoints.
+        """
+        session_id, user_id = row.session_id, row.user_id
+        with self._lock:
+            view = self._views.get((user_id, session_id))
+            rows = None
+            if view is not None and view.writes < _VIEW_REFRESH:
+                view.rows[row.checkpoint_id] = row
+                view.writes += 1
+                rows = dict(view.rows)
+        if rows is None:
+            try:
+                rows = self.live(session_id, user_id)
+            except IndexChangedError as e:
+                # The write itself is done; retention runs again on the next write.
+                log.warning("retention deferred: %s", e)
+                return
+        if len(rows) > keep:
+            ordered = sorted(rows.values(), key=lambda r: r.order)
+            self.retire(session_id, user_id, ordered[:len(ordered) - keep])

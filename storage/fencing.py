@@ -1,0 +1,157 @@
+"""Checkpoint fences: what a lease takeover records of the checkpoint index, and the rows it retires.
+
+A writer checks its lease before a checkpoint write and, after its row
+landed, the epoch markers (``Leases.confirm``), retiring the row itself when a
+takeover had claimed its epoch by then. A writer that dies between its row
+and that re-check leaves a fenced row that could be "latest". So every
+takeover lists the session's live rows right before its swap and records a
+fence in the new ``lease.json`` (``"checkpoints"``: the highest row it listed
+and up to ``_CHECKPOINT_FENCES`` earlier owners' fences); right after its
+swap it retires the older-epoch rows it did not list, and readers skip rows
+that a recorded fence says landed after a takeover.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from storage import layout
+from storage.checkpoint_rows import CheckpointRows, live_of
+from storage.errors import StorageError
+from storage.objects import ObjectStore
+from storage.rows import CheckpointRow, Lease
+
+log = logging.getLogger("storage")
+#: Earlier owners' checkpoint fences a lease body carries.
+_CHECKPOINT_FENCES = 8
+#: A fence as read back: ``(epoch of the takeover, highest (epoch, checkpoint_id) it listed or None)``.
+Fence = tuple[int, tuple[int, str] | None]
+
+
+def lease_body(data: bytes | None) -> dict[str, Any] | None:
+    """A lease object's JSON body as a dict, or None (missing or unreadable)."""
+    if not data:
+        return None
+    try:
+        body = json.loads(data)
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def parse_fences(items: Any) -> list[Fence]:
+    """The well-formed checkpoint fences among ``items`` (lease.json is not trusted: the worst a forged fence
+    does is hide or retire rows of older epochs, never resurrect one)."""
+    out: list[Fence] = []
+    for item in items if isinstance(items, list) else ():
+        if not isinstance(item, dict):
+            continue
+        epoch, top = item.get("epoch"), item.get("top")
+        if type(epoch) is not int or epoch < 1:
+            continue
+        if top is None:
+            out.append((epoch, None))
+        elif isinstance(top, list) and len(top) == 2 and type(top[0]) is int and isinstance(top[1], str):
+            out.append((epoch, (top[0], top[1])))
+    return out
+
+
+def fenced_by(fences: list[Fence]) -> Callable[[CheckpointRow], bool]:
+    """True for a row of an epoch below a fence's that ranks above what that takeover listed before its swap."""
+    if not fences:
+        return lambda row: False
+    return lambda row: row.epoch > 0 and any(row.epoch < k and (top is None or row.order > top) for k, top in fences)
+
+
+class CheckpointFences:
+    """The checkpoint side of a lease takeover, and the filter readers apply (see the module docstring)."""
+
+    def __init__(self, objects: ObjectStore, rows: CheckpointRows) -> None:
+        self.objects = objects
+        self.rows = rows
+
+    def view(self, session_id: str, user_id: str | None, previous: dict[str, Any] | None
+             ) -> tuple[set[str], dict[str, Any]]:
+        """What an acquire lists of the session's checkpoint rows right before its swap.
+
+        Returns the live checkpoint ids (what :meth:`retire_fenced` spares)
+        and the fence the swap records in the new ``lease.json`` under
+        ``"checkpoints"``: ``top``, the highest live ``[epoch, checkpoint_id]``
+        listed that no earlier fence covers (None: no such row), and ``prev``,
+        the fences of up to ``_CHECKPOINT_FENCES`` earlier owners taken from
+        ``previous`` (the body being replaced). One LIST, plus GETs of index
+        files this Store has not parsed.
+        """
+        chain: list[dict[str, Any]] = []
+        fence = previous.get("checkpoints") if previous is not None else None
+        if previous is not None and isinstance(fence, dict) and type(previous.get("epoch")) is int:
+            chain.append({"epoch": previous["epoch"], "top": fence.get("top")})
+            prev = fence.get("prev")
+            chain += [c for c in (prev if isinstance(prev, list) else []) if isinstance(c, dict)]
+        chain = chain[:_CHECKPOINT_FENCES]
+        live = live_of(self.rows.partition_rows(session_id, user_id))
+        earlier = fenced_by(parse_fences(chain))  # a fenced writer's row not retired yet sets no top
+        top = max((r.order for r in live.values() if not earlier(r)), default=None)
+        return set(live), {"top": list(top) if top is not None else None, "prev": chain}
+
+    def retire_fenced(self, lease: Lease, seen: set[str], fence: dict[str, Any]) -> Lease:
+        """Right after ``lease`` was taken: retire the checkpoint rows fenced writers landed; returns ``lease``.
+
+        The claim of ``lease``'s epoch precedes the listing in :meth:`view`, so
+        every row a writer's re-check acknowledged is listed and spared. A new
+        owner retires every live row of an older epoch that it did not list
+        right before its swap (its own fence), and every row of an epoch below
+        an earlier owner's that ranks above what that owner listed before its
+        swap (the fences its ``lease.json`` carried: a new owner that died
+        before this step is covered by the next one). Rows of epoch 0 were
+        written without a lease and are fenced by nothing. A row that lands
+        after this LIST is retired by its writer's re-check or by the next
+        takeover; until then any row of this owner outranks it. One LIST
+        (cached index files are not read again), plus a DELETE and a PUT when
+        there is something to retire.
+        """
+        earlier = fenced_by(parse_fences(fence.get("prev")))
+
+        def fenced(r: CheckpointRow) -> bool:
+            return 0 < r.epoch < lease.epoch and (r.checkpoint_id not in seen or earlier(r))
+
+        try:
+            doomed = [r for r in self.rows.live(lease.session_id, lease.user_id).values() if fenced(r)]
+            if doomed:
+                log.warning("session %r: retiring %d checkpoint(s) written by a fenced writer after epoch %d was "
+                            "taken: %s", lease.session_id, len(doomed), lease.epoch,
+                            ", ".join(sorted(r.checkpoint_id for r in doomed)))
+                self.rows.retire(lease.session_id, lease.user_id, doomed)
+        except StorageError as e:
+            # The lease is taken and readers skip such rows already (the fence the swap recorded, see
+            # unfenced): the next takeover retires them. Raising would leave the new owner not knowing it
+            # holds the lease.
+            log.warning("session %r: checkpoints a fenced writer may have written before epoch %d was taken are "
+                        "not retired yet (%s)", lease.session_id, lease.epoch, e)
+        return lease
+
+    def unfenced(self, session_id: str, user_id: str | None,
+                 rows: dict[str, CheckpointRow]) -> dict[str, CheckpointRow]:
+        """``rows`` without those the takeovers recorded in ``lease.json`` fenced (one GET, none when no row was
+        written under a lease).
+
+        A row of an older epoch that ranks above what a takeover listed right
+        before its swap landed after it (see :meth:`retire_fenced`): until
+        its writer or the new owner retires it, readers of "latest" and of the
+        list skip it. Called after the index LIST, so a row that LIST shows,
+        landed after a takeover, is judged by that takeover's fence. A missing
+        or unreadable lease fences nothing here.
+        """
+        if not any(r.epoch for r in rows.values()):
+            return rows  # written without a lease: nothing to fence
+        obj = self.objects.get(key=layout.lease_key(session_id, user_id))
+        body = lease_body(obj.data if obj is not None else None)
+        fence = body.get("checkpoints") if body is not None else None
+        if body is None or not isinstance(fence, dict) or type(body.get("epoch")) is not int:
+            return rows
+        fenced = fenced_by(parse_fences([{"epoch": body["epoch"], "top": fence.get("top")},
+                                         *(fence.get("prev") or ())]))
+        return {cid: r for cid, r in rows.items() if not fenced(r)}

@@ -1,0 +1,121 @@
+"""The :class:`~storage.store.Store`'s session index and active-session markers.
+
+Session status rows are appended to ``index/sessions/user={u}/session={s}/``
+on every status change; the latest ``updated_at`` wins. An active marker is
+one small object per session a supervisor currently owns (``active/{u}/{s}.json``),
+deleted when it finishes, so "what is active" is one LIST whose size follows
+the active sessions, not every session ever run.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from storage import layout
+from storage.ids import user_from_segment, user_segment, validate_id
+from storage.index import ParquetIndex
+from storage.objects import ObjectStore
+from storage.rows import SESSION_SCHEMA, SessionRow, as_utc, session_rows_from_table, session_rows_table
+
+log = logging.getLogger("storage")
+ANY: Any = ...  # "any user" in queries; None means "no user"
+_ACTIVE = "active/"
+
+
+def _active_key(session_id: str, user_id: str | None) -> str:
+    return f"{_ACTIVE}{user_segment(user_id)}/{validate_id(session_id, 'session_id')}.json"
+
+
+def latest_sessions(rows: list[SessionRow]) -> list[SessionRow]:
+    """Latest row per (user, session), newest first; a later row wins a tie on updated_at."""
+    latest: dict[tuple[str | None, str], SessionRow] = {}
+    for row in rows:  # rows arrive in file (write) order
+        k = (row.user_id, row.session_id)
+        if k not in latest or row.updated_at >= latest[k].updated_at:
+            latest[k] = row
+    return sorted(latest.values(), key=lambda r: r.updated_at, reverse=True)
+
+
+class SessionMethods:
+    """Session index and active-marker operations of :class:`~storage.store.Store`."""
+
+    objects: ObjectStore
+    index: ParquetIndex
+
+    def put_session(self, row: SessionRow) -> None:
+        """Append a status row for the session."""
+        validate_id(row.session_id, "session_id")
+        row = SessionRow(**{**row.__dict__, "updated_at": as_utc(row.updated_at)})
+        partition = layout.index_partition(layout.SESSION_INDEX, row.session_id, row.user_id)
+        self.index.write(partition, session_rows_table([row]))
+
+    def _session_table(self, prefix: str) -> pa.Table:
+        """Session rows under ``prefix``; rows whose ids differ from their file's partition are dropped.
+
+        A row in ``user=u/session=s/`` speaks for that session only: one that
+        names another (copied or forged by whoever can write the bucket) must
+        never make a reader, such as the supervisor, act on that other session.
+        """
+        tables: dict[str, pa.Table] = {}
+
+        def read(keys: list[str], vanished: list[str]) -> None:
+            for key, table in self.index.read_files([k for k in keys if k not in tables], vanished=vanished):
+                tables[key] = table
+
+        keys, _ = self.index.read_listed(prefix, read)
+        pairs = [(k, self._own_session_rows(k, tables[k])) for k in keys if k in tables]
+        return self.index.concat(pairs, SESSION_SCHEMA)[1]
+
+    def _own_session_rows(self, key: str, table: pa.Table) -> pa.Table:
+        """The rows of index file ``key`` whose (user, session) match the hive partition the file is in."""
+        parts = dict(seg.split("=", 1) for seg in key.split("/") if "=" in seg)
+        if "session" not in parts or "user" not in parts or not {"session_id", "user_id"} <= set(table.column_names):
+            return table  # not a partition file, or a foreign schema that the reader skips anyway
+        user = user_from_segment(parts["user"])
+        same = pc.equal(table["session_id"], parts["session"])
+        same = pc.and_(same, pc.is_null(table["user_id"]) if user is None else pc.equal(table["user_id"], user))
+        same = pc.fill_null(same, False)
+        if pc.all(same).as_py():
+            return table
+        log.warning("ignoring %d session row(s) that name another session than their partition: %s",
+                    table.num_rows - pc.sum(same).as_py(), self.objects.describe(key))
+        return table.filter(same)
+
+    def get_session(self, session_id: str, *, user_id: str | None = None) -> SessionRow | None:
+        """The session's latest status row, or None."""
+        prefix = layout.index_partition(layout.SESSION_INDEX, session_id, user_id)
+        rows = session_rows_from_table(self._session_table(prefix))
+        return latest_sessions(rows)[0] if rows else None
+
+    def list_sessions(self, *, status: str | None = None, user_id: Any = ANY) -> list[SessionRow]:
+        """The latest row of every session (of ``user_id``; ``...`` = any user), filtered by status."""
+        prefix = layout.SESSION_INDEX if user_id is ANY else f"{layout.SESSION_INDEX}user={user_segment(user_id)}/"
+        rows = latest_sessions(session_rows_from_table(self._session_table(prefix)))
+        return [r for r in rows if status is None or r.status == status]
+
+    # -- active-session markers ----------------------------------------------
+    def put_active(self, session_id: str, *, user_id: str | None = None, data: bytes = b"{}") -> None:
+        """Mark the session active (``data``: the caller's small JSON note); overwrites an earlier mark."""
+        self.objects.put(key=_active_key(session_id, user_id), data=bytes(data))
+
+    def get_active(self, session_id: str, *, user_id: str | None = None) -> bytes | None:
+        """The session's active mark, or None when it is not marked."""
+        obj = self.objects.get(key=_active_key(session_id, user_id))
+        return None if obj is None else obj.data
+
+    def delete_active(self, session_id: str, *, user_id: str | None = None) -> None:
+        """Remove the session's active mark (absent is fine)."""
+        self.objects.delete(keys=[_active_key(session_id, user_id)])
+
+    def list_active(self) -> list[tuple[str | None, str]]:
+        """``(user_id, session_id)`` of every marked session: one LIST, no GET."""
+        out = []
+        for info in self.objects.list(prefix=_ACTIVE):
+            user, _, name = info.key[len(_ACTIVE):].partition("/")
+            if name.endswith(".json") and "/" not in name:
+                out.append((user_from_segment(user), name[:-len(".json")]))
+        return out
