@@ -8,24 +8,30 @@ model, tools, tuning), so it can be rebuilt in another process.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
 
 from loomray import control
 from loomray.config import Tuning
-from loomray.errors import InvalidIdError, LoomrayUserError
+from loomray.errors import CheckpointNotFound, InvalidIdError, LoomrayUserError
 from loomray.events import EmitFn
 from loomray.ids import new_id
 from loomray.models.base import Model
 from loomray.models.resolve import resolve_model
 from loomray.records import Checkpoint, CheckpointMeta, RunResult
-from loomray.session import CheckpointNotFound, RunRequest
+from loomray.run_request import RunRequest
+from loomray.runtime.base import Runtime
+from loomray.runtime.inproc import InProcRuntime
 from loomray.tools import as_tools
 from storage.errors import InvalidIdError as StorageInvalidIdError
 from storage.ids import user_segment, validate_id
 
+T = TypeVar("T")
 
-def _run_sync(coro: Any) -> Any:
+
+def _run_sync(coro: Coroutine[Any, Any, T]) -> T:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
@@ -57,7 +63,7 @@ class Agent:
         *,
         model: str | Model,
         tools: Sequence[Any] = (),
-        runtime: Any = None,
+        runtime: Runtime | None = None,
         tuning: Tuning | None = None,
         name: str | None = None,
     ) -> None:
@@ -69,14 +75,10 @@ class Agent:
             raise TypeError(f"tuning must be a loomray.Tuning, got {type(tuning).__name__}")
         tuning.checkpoint_config()  # raises TypeError for a wrong checkpoint type
         name = "agent" if name is None else _check_id(name, "Agent name")
-        if runtime is None:
-            from loomray.runtime.inproc import InProcRuntime
-
-            runtime = InProcRuntime()
         self.instructions = instructions
         self.model: Model = resolve_model(model)
         self.tools = as_tools(tools)
-        self.runtime = runtime
+        self.runtime: Runtime = InProcRuntime() if runtime is None else runtime
         self.tuning = tuning
         self.name = name
 
@@ -169,8 +171,8 @@ class Agent:
         if from_checkpoint != "latest":
             # The newest readable checkpoint continues in place, still by its id: "latest" may name a newer,
             # unreadable one, and an explicit valid id must always work.
-            rows = await asyncio.to_thread(self.runtime.store.list_checkpoints, session_id, user_id=user_id, limit=1)
-            if not (rows and rows[0].checkpoint_id == from_checkpoint):
+            newest = await self.runtime.list_checkpoints(session_id, limit=1, user_id=user_id)
+            if not (newest and newest[0].checkpoint_id == from_checkpoint):
                 await self._require_checkpoint(session_id, from_checkpoint, user_id)
                 fork_of, target = session_id, new_id("sess")
         if approvals:
@@ -204,10 +206,10 @@ class Agent:
         emit, extra_tools, output_schema, fields = _split_kwargs(run_kwargs)
         _check_ids(session_id, user_id, from_checkpoint)
         if from_checkpoint == "latest":
-            rows = await asyncio.to_thread(self.runtime.store.list_checkpoints, session_id, user_id=user_id, limit=1)
-            if not rows:
+            newest = await self.runtime.list_checkpoints(session_id, limit=1, user_id=user_id)
+            if not newest:
                 raise CheckpointNotFound(f"session {session_id!r} (user {user_id!r}) has no checkpoint to fork")
-            from_checkpoint = rows[0].checkpoint_id
+            from_checkpoint = newest[0].checkpoint_id
         else:
             await self._require_checkpoint(session_id, from_checkpoint, user_id)
         requests = [RunRequest(kind="resume", prompt=p, session_id=new_id("sess"), user_id=user_id,
@@ -263,8 +265,7 @@ class Agent:
     async def list_checkpoints(self, session_id: str, *, limit: int = 50, user_id: str | None = None) -> list[CheckpointMeta]:
         """Checkpoints of ``session_id`` for ``user_id``, newest first, without messages."""
         _check_ids(session_id, user_id)
-        lister = getattr(self.runtime, "list_checkpoints", None)
-        return [] if lister is None else await lister(session_id, limit=limit, user_id=user_id)
+        return await self.runtime.list_checkpoints(session_id, limit=limit, user_id=user_id)
 
     async def get_checkpoint(self, session_id: str, checkpoint_id: str = "latest", *,
                              user_id: str | None = None) -> Checkpoint | None:
@@ -274,8 +275,7 @@ class Agent:
         storage error) raises ``CheckpointException``.
         """
         _check_ids(session_id, user_id, checkpoint_id)
-        getter = getattr(self.runtime, "get_checkpoint", None)
-        return None if getter is None else await getter(session_id, checkpoint_id, user_id=user_id)
+        return await self.runtime.get_checkpoint(session_id, checkpoint_id, user_id=user_id)
 
     # -- sync twins ------------------------------------------------------------
     def run_sync(self, prompt: str, **kwargs: Any) -> RunResult:
@@ -326,7 +326,8 @@ def _check_ids(session_id: Any, user_id: Any, checkpoint_id: str = "latest") -> 
 _RUN_FIELDS = ("metadata", "context", "effort")
 
 
-def _split_kwargs(kwargs: dict[str, Any]) -> tuple[Any, Any, Any, dict[str, Any]]:
+def _split_kwargs(kwargs: dict[str, Any]) -> tuple[EmitFn | None, Sequence[Any], Any, dict[str, Any]]:
+    """``run``'s keyword arguments passed on by ``resume`` and ``fork``: emit, extra tools, output schema, fields."""
     unknown = set(kwargs) - {"emit", "extra_tools", "output_schema", *_RUN_FIELDS}
     if unknown:
         raise TypeError(f"unexpected keyword argument(s): {sorted(unknown)}")
@@ -334,9 +335,7 @@ def _split_kwargs(kwargs: dict[str, Any]) -> tuple[Any, Any, Any, dict[str, Any]
     return kwargs.get("emit"), kwargs.get("extra_tools", ()), kwargs.get("output_schema"), fields
 
 
-def _output_type(output_schema: Any) -> Any:
-    from pydantic import BaseModel
-
+def _output_type(output_schema: Any) -> type[BaseModel] | None:
     if output_schema is None:
         return None
     if isinstance(output_schema, type) and issubclass(output_schema, BaseModel):

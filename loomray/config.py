@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:  # annotations only: the records need the storage package; configuration does not
+    from loomray.records import Usage
 
 _POSITIONS = ("after_tools", "after_model", "both")
 _DURABILITY = ("sync", "async")
@@ -105,7 +108,7 @@ class Tuning:
         if self.compact_keep_last < 2:
             raise ValueError("Tuning.compact_keep_last must be at least 2")
 
-    def over_budget(self, usage: Any) -> str | None:
+    def over_budget(self, usage: Usage) -> str | None:
         """Why the next model call would exceed a limit given ``usage`` (the spend so far), or None.
 
         See the class docstring: a limit is exceeded once the spend so far reached it.

@@ -1,11 +1,14 @@
-"""Exception roots.
+"""Every loomray exception, under one root (:class:`LoomrayError`).
 
 ``LoomrayUserError`` is a caller's mistake (bad arguments, unknown model,
-missing credentials); ``LoomrayRunError`` is a run that failed. Both pickle
-cleanly so they can cross a Ray actor boundary.
+missing credentials, a checkpoint that does not exist); ``LoomrayRunError`` is
+a run that failed; ``CheckpointException`` is a checkpoint that could not be
+read or written. All pickle cleanly so they can cross a Ray actor boundary.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from storage.errors import InvalidIdError as _StorageInvalidIdError
 
@@ -43,6 +46,10 @@ class CheckpointException(LoomrayError):
     """A checkpoint could not be read, validated, serialized or written."""
 
 
+class CheckpointNotFound(LoomrayUserError, CheckpointException):
+    """The checkpoint a resume or fork names does not exist (for this user)."""
+
+
 class ModelConfigError(LoomrayUserError):
     """A model name cannot be resolved, or its SDK extra or credentials are missing."""
 
@@ -50,17 +57,19 @@ class ModelConfigError(LoomrayUserError):
 class ModelError(LoomrayRunError):
     """A model provider call failed (after the SDK's own retries)."""
 
-    def __init__(self, message: str, *, provider: str | None = None, model: str | None = None, status: int | None = None):
+    def __init__(self, message: str, *, provider: str | None = None, model: str | None = None,
+                 status: int | None = None) -> None:
         super().__init__(message)
         self.provider = provider
         self.model = model
         self.status = status
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
         return (_rebuild_model_error, (type(self), str(self), self.provider, self.model, self.status))
 
 
-def _rebuild_model_error(cls, message, provider, model, status):
+def _rebuild_model_error(cls: type[ModelError], message: str, provider: str | None, model: str | None,
+                         status: int | None) -> ModelError:
     return cls(message, provider=provider, model=model, status=status)
 
 
@@ -74,3 +83,7 @@ class ModelBadRequestError(ModelError):
 
 class MaxTurnsExceeded(LoomrayRunError):
     """The loop hit ``Tuning.max_turns`` before the model stopped."""
+
+
+class OutputValidationError(LoomrayRunError):
+    """The model's final answer did not satisfy ``output_schema`` after the allowed retries."""

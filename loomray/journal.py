@@ -23,7 +23,7 @@ key and pass it on to the external system. Idempotency keys are matched
 within the run being continued or replayed, not across a session's runs.
 
 Nothing here knows about storage: persistence is the injected
-:class:`JournalSink`; ``loomray.session`` adapts the store to it.
+:class:`JournalSink`; ``loomray.run_writes`` adapts the store to it.
 """
 
 from __future__ import annotations
@@ -70,6 +70,15 @@ class JournalSink(Protocol):
 CONTROL_KINDS = ("signal", "pause", "approval")
 #: The kinds replay may answer from (run_start, run_end and seals are not steps).
 STEP_KINDS = ("model", "tool", *CONTROL_KINDS)
+
+#: Kinds of a run's first and last journal records (the values of ``storage.journal.RUN_START`` and
+#: ``RUN_END``, which this module, knowing nothing of storage, does not import).
+RUN_START_KIND = "run_start"
+RUN_END_KIND = "run_end"
+#: Step keys of those two records. Stored values (existing journals hold them), hence the hyphen of a
+#: step key next to the underscore of a kind.
+RUN_START_STEP_KEY = "run-start"
+RUN_END_STEP_KEY = "run-end"
 
 
 def model_step_key(turn: int) -> str:
@@ -174,6 +183,19 @@ class StepRunner:
         if self.sink is not None:
             await self.sink.append(rec)
         self._index(rec)
+
+    async def record_run_start(self, spec_hash: str, output: dict[str, Any]) -> None:
+        """Journal the run's start (its spec and where it starts). Without a sink nothing is recorded, but the
+        start still takes its seq, so a run numbers its steps alike with or without a journal."""
+        if self.sink is None:
+            self.seq += 1
+            return
+        await self.record(RUN_START_KIND, RUN_START_STEP_KEY, spec_hash, output)
+
+    async def record_run_end(self, output: dict[str, Any]) -> None:
+        """Journal the run's end (nothing without a sink): recovery then finds the run finished."""
+        if self.sink is not None:
+            await self.record(RUN_END_KIND, RUN_END_STEP_KEY, "", output)
 
     async def _notify(self, event: Event) -> None:
         if self.emit is not None:

@@ -24,6 +24,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from loomray.runtime.actors import ACTIVE_STATES
+from storage import SessionRow, Store
 
 log = logging.getLogger("loomray.runtime.active")
 
@@ -47,7 +48,7 @@ def parse(raw: bytes | None) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-async def mark(store: Any, session_id: str, user_id: str | None, placement: str) -> None:
+async def mark(store: Store, session_id: str, user_id: str | None, placement: str) -> None:
     """Mark the session active; a failure is logged (the session then is only adoptable by a full scan)."""
     try:
         await asyncio.to_thread(store.put_active, session_id, user_id=user_id, data=note(placement))
@@ -55,7 +56,7 @@ async def mark(store: Any, session_id: str, user_id: str | None, placement: str)
         log.warning("could not mark session %r active: %s: %s", session_id, type(e).__name__, e)
 
 
-async def clear(store: Any, session_id: str, user_id: str | None) -> None:
+async def clear(store: Store, session_id: str, user_id: str | None) -> None:
     """Remove the session's mark; a failure is logged (a later pass removes the stale mark)."""
     try:
         await asyncio.to_thread(store.delete_active, session_id, user_id=user_id)
@@ -63,8 +64,8 @@ async def clear(store: Any, session_id: str, user_id: str | None) -> None:
         log.warning("could not clear the active mark of session %r: %s: %s", session_id, type(e).__name__, e)
 
 
-async def candidates(store: Any, watched: Callable[[tuple[str | None, str]], bool],
-                     foreign: bool = False) -> list[tuple[Any, dict[str, Any]]]:
+async def candidates(store: Store, watched: Callable[[tuple[str | None, str]], bool],
+                     foreign: bool = False) -> list[tuple[SessionRow, dict[str, Any]]]:
     """``(session row, mark)`` of every marked, still active session for which ``watched(key)`` is false.
 
     With ``foreign`` (an operator's ``supervise``: the cluster that ran the
@@ -74,7 +75,7 @@ async def candidates(store: Any, watched: Callable[[tuple[str | None, str]], boo
     """
     keys = [k for k in await asyncio.to_thread(store.list_active) if not watched(k)]
 
-    async def one(key: tuple[str | None, str]) -> tuple[Any, dict[str, Any]] | None:
+    async def one(key: tuple[str | None, str]) -> tuple[SessionRow, dict[str, Any]] | None:
         user_id, session_id = key
         raw, row = await asyncio.gather(asyncio.to_thread(store.get_active, session_id, user_id=user_id),
                                         asyncio.to_thread(store.get_session, session_id, user_id=user_id))
@@ -97,7 +98,7 @@ async def candidates(store: Any, watched: Callable[[tuple[str | None, str]], boo
     return found
 
 
-def _stale(row: Any, info: dict[str, Any]) -> bool:
+def _stale(row: SessionRow | None, info: dict[str, Any]) -> bool:
     """A mark nobody needs: its session finished after it was marked, or never started at all."""
     try:
         since = datetime.fromisoformat(info["since"])

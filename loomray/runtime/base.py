@@ -1,9 +1,10 @@
 """The runtime seam: where a run executes and where its state lives.
 
 An :class:`~loomray.Agent` turns each call into a
-:class:`~loomray.session.RunRequest` and hands it to its runtime. In-process
-runtimes call :func:`~loomray.session.execute_request` directly; the Ray
-runtime overrides :meth:`Runtime.execute` (one session actor per request) and
+:class:`~loomray.session.RunRequest` and hands it to its runtime; it reaches
+the store only through the runtime's methods. In-process runtimes call
+:func:`~loomray.session.execute_request` directly; the Ray runtime overrides
+:meth:`Runtime.execute` (one session actor per request) and
 :meth:`Runtime.execute_many` (parallel actors for fan-out forks).
 Checkpoint reads go straight to ``self.store`` from the caller's process, and
 so do control requests (``signal``, ``pause``, ``cancel``, ``decide``: objects
@@ -16,24 +17,31 @@ import asyncio
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from loomray.records import Checkpoint, CheckpointMeta, RunResult, load_checkpoint
+from pydantic import BaseModel
 
-if TYPE_CHECKING:  # pragma: no cover
+from loomray import control
+from loomray.events import EmitFn
+from loomray.records import Checkpoint, CheckpointMeta, RunResult, load_checkpoint
+from loomray.run_request import RunRequest
+from loomray.session import execute_request
+from loomray.session_store import SessionStore
+
+if TYPE_CHECKING:  # the Agent module imports this one
     from loomray.agent import Agent
-    from loomray.events import EmitFn
-    from loomray.session import RunRequest
 
 
 class Runtime:
     """Base runtime: in-process execution against ``self.store``.
 
-    ``max_checkpoints_per_session`` is the retention per session (< 1 keeps all).
+    ``max_checkpoints_per_session`` is the retention per session (< 1 keeps
+    all). A runtime built without a store (``store=None``) lists no
+    checkpoints and finds none.
     """
 
-    store: Any
+    store: SessionStore
     max_checkpoints_per_session: int
 
-    def __init__(self, store: Any, *, max_checkpoints_per_session: int = 20) -> None:
+    def __init__(self, store: SessionStore, *, max_checkpoints_per_session: int = 20) -> None:
         if isinstance(max_checkpoints_per_session, bool) or not isinstance(max_checkpoints_per_session, int):
             raise TypeError("max_checkpoints_per_session must be an int")
         self.store = store
@@ -51,11 +59,9 @@ class Runtime:
         *,
         emit: EmitFn | None = None,
         extra_tools: Sequence[Any] = (),
-        output_type: Any = None,
+        output_type: type[BaseModel] | None = None,
     ) -> RunResult:
         """Run one request to completion and return its result."""
-        from loomray.session import execute_request
-
         return await execute_request(agent, request, self.store, max_checkpoints_per_session=self.keep,
                                      emit=emit, extra_tools=extra_tools, output_type=output_type)
 
@@ -66,21 +72,24 @@ class Runtime:
         *,
         emit: EmitFn | None = None,
         extra_tools: Sequence[Any] = (),
-        output_type: Any = None,
+        output_type: type[BaseModel] | None = None,
     ) -> list[RunResult]:
         """Run several requests at once (fan-out); results in request order."""
         return list(await asyncio.gather(*(
             self.execute(agent, r, emit=emit, extra_tools=extra_tools, output_type=output_type) for r in requests)))
 
     # -- reads -------------------------------------------------------------
-    async def list_checkpoints(self, session_id: str, *, limit: int = 50, user_id: str | None = None) -> list[CheckpointMeta]:
+    async def list_checkpoints(self, session_id: str, *, limit: int | None = 50,
+                               user_id: str | None = None) -> list[CheckpointMeta]:
         """Newest first, no payload; ``[]`` for an unknown session or a runtime without a store."""
         if self.store is None:
             return []
         rows = await asyncio.to_thread(self.store.list_checkpoints, session_id, user_id=user_id, limit=limit)
-        return [CheckpointMeta(session_id=r.session_id, checkpoint_id=r.checkpoint_id, turn=r.turn,
-                               created_at=r.created_at, user_id=r.user_id, execution_status=r.execution_status,
-                               position=r.position, message_count=r.message_count, epoch=r.epoch) for r in rows]
+        # Validated as the model's fields say (the index stores statuses and positions as plain strings).
+        return [CheckpointMeta.model_validate({
+            "session_id": r.session_id, "checkpoint_id": r.checkpoint_id, "turn": r.turn, "created_at": r.created_at,
+            "user_id": r.user_id, "execution_status": r.execution_status, "position": r.position,
+            "message_count": r.message_count, "epoch": r.epoch}) for r in rows]
 
     async def get_checkpoint(self, session_id: str, checkpoint_id: str = "latest", *,
                              user_id: str | None = None) -> Checkpoint | None:
@@ -95,32 +104,23 @@ class Runtime:
     # cancel the remote task at once) but must keep writing the objects: they are what makes control durable.
     async def signal(self, session_id: str, text: str, *, user_id: str | None = None) -> str:
         """Store a signal for the session's next pass boundary; returns its id."""
-        from loomray import control
-
         return await asyncio.to_thread(control.send_signal, self.store, session_id, user_id, text)
 
     async def pause(self, session_id: str, *, user_id: str | None = None) -> str | None:
         """Ask the session to pause at its next pass boundary; returns the request's id (None: paused already)."""
-        from loomray import control
-
         return await asyncio.to_thread(control.request_pause, self.store, session_id, user_id)
 
     async def cancel(self, session_id: str, *, user_id: str | None = None) -> None:
         """Cancel the session; returns once the cancel is acknowledged (see :mod:`loomray.control`)."""
-        from loomray import control
-
         await control.cancel_session_async(self.store, session_id, user_id)
 
     async def decide(self, session_id: str, call_id: str, decision: Any, *, user_id: str | None = None,
                      check_pending: bool = True) -> bool:
         """Record a decision on a tool call the session waits on; False when the same one was recorded."""
-        from loomray import control
-
         return await asyncio.to_thread(control.record_decision, self.store, session_id, user_id, call_id, decision,
                                        source="api", check_pending=check_pending)
 
     def close(self) -> None:
         """Release the store's clients."""
-        close = getattr(self.store, "close", None)
-        if close is not None:
-            close()
+        if self.store is not None:
+            self.store.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from loomray.runtime.base import Runtime
+from storage import Store, open_store
 
 
 class InProcRuntime(Runtime):
@@ -11,9 +12,9 @@ class InProcRuntime(Runtime):
     State lives as long as this runtime object; nothing survives the process.
     """
 
-    def __init__(self, max_checkpoints_per_session: int = 20) -> None:
-        from storage import open_store
+    store: Store
 
+    def __init__(self, max_checkpoints_per_session: int = 20) -> None:
         super().__init__(open_store("memory://"), max_checkpoints_per_session=max_checkpoints_per_session)
 
     def __repr__(self) -> str:

@@ -6,6 +6,8 @@ import os
 from typing import Any
 
 from loomray.runtime.base import Runtime
+from loomray.session_store import SessionStore
+from storage import open_store
 
 
 class LocalRuntime(Runtime):
@@ -16,10 +18,9 @@ class LocalRuntime(Runtime):
     ``region`` go to the S3 backend), or an already opened store.
     """
 
-    def __init__(self, store: Any, max_checkpoints_per_session: int = 20, **storage_options: Any) -> None:
+    def __init__(self, store: str | os.PathLike[str] | SessionStore, max_checkpoints_per_session: int = 20,
+                 **storage_options: Any) -> None:
         if isinstance(store, (str, os.PathLike)):
-            from storage import open_store
-
             store = open_store(os.fspath(store), **storage_options)
         elif storage_options:
             raise TypeError("storage options only apply when store is a path or URL")

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import pytest
+from agent_helpers import tool_calls
 
 from loomray.runtime import InProcRuntime, LocalRuntime
+
+
+@pytest.fixture(autouse=True)
+def _no_lookups_yet():
+    """Every test starts with no ``agent_helpers.lookup`` call counted."""
+    tool_calls.clear()
 
 
 @pytest.fixture(params=["inproc", "local", "s3"])
@@ -64,13 +71,13 @@ class FailingCheckpoints(StoreWrapper):
         self.failures = failures
         self.attempts = 0
 
-    def put_checkpoint(self, data, **kw):
+    def put_checkpoint(self, data, info, **kw):
         self.attempts += 1
         if self.failures is None or self.failures > 0:
             if self.failures is not None:
                 self.failures -= 1
             raise OSError("disk full (injected)")
-        return self._inner.put_checkpoint(data, **kw)
+        return self._inner.put_checkpoint(data, info, **kw)
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from loomray.models import ScriptedModel
 from loomray.models.base import ModelResponse
 from loomray.models.scripted import count_calls
 from loomray.records import Message, Usage
-from storage import layout
+from storage import CheckpointInfo, layout
 from storage.rows import CHECKPOINT_SCHEMA, CheckpointRow, checkpoint_rows_from_table, checkpoint_rows_table
 
 PASSES = 4  # tool passes; one more pass gives the final answer
@@ -231,8 +231,10 @@ async def test_spend_after_a_resume_counts_only_new_calls(tmp_path, runtime):
 
 
 def test_index_rows_without_the_spend_column_read_as_none():
-    row = CheckpointRow("s", None, "c1", 1, datetime.now(timezone.utc), "after_tools", "active", 2, 10, 5, 0.25,
-                        None, None, "agent", 1, "k", 10, "0" * 64, spend_usd=0.25)
+    row = CheckpointRow(session_id="s", checkpoint_id="c1", turn=1, created_at=datetime.now(timezone.utc),
+                        position="after_tools", execution_status="active", message_count=2, input_tokens=10,
+                        output_tokens=5, cost_usd=0.25, agent_id="agent", epoch=1, key="k", size=10,
+                        sha256="0" * 64, spend_usd=0.25)
     table = checkpoint_rows_table([row], tombstone=False, written_at=datetime.now(timezone.utc))
     assert checkpoint_rows_from_table(table)[0][0].spend_usd == 0.25
     old = table.drop_columns(["spend_usd"])  # a file written before the column existed
@@ -246,9 +248,10 @@ def test_an_old_index_file_still_lists(tmp_path):
     store = open_store(tmp_path / "d")
     try:
         data = b'{"x": 1}'
-        row = store.put_checkpoint(data, session_id="s", checkpoint_id="ckpt-new", turn=2,
-                                   created_at=datetime.now(timezone.utc), position="after_tools",
-                                   execution_status="active", message_count=1, cost_usd=0.5, spend_usd=0.5, keep=0)
+        row = store.put_checkpoint(data, CheckpointInfo(session_id="s", checkpoint_id="ckpt-new", turn=2,
+                                                        created_at=datetime.now(timezone.utc), position="after_tools",
+                                                        execution_status="active", message_count=1, cost_usd=0.5,
+                                                        spend_usd=0.5), keep=0)
         old_row = CheckpointRow(**{**row.__dict__, "checkpoint_id": "ckpt-old", "turn": 1,
                                    "key": layout.checkpoint_key("s", None, "ckpt-old")})
         store.objects.put(key=old_row.key, data=data)

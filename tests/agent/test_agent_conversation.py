@@ -3,39 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from agent_helpers import Crash, crash_at, lookup, tool_calls
 
 from loomray import Agent, Tuning
 from loomray.models import ScriptedModel
 from loomray.models.scripted import count_calls
-
-tool_calls: dict[str, int] = {}
-
-
-def lookup(key: str) -> str:
-    """Look something up."""
-    tool_calls[key] = tool_calls.get(key, 0) + 1
-    return f"value of {key}"
-
-
-@pytest.fixture(autouse=True)
-def _reset():
-    tool_calls.clear()
-
-
-class Crash(Exception):
-    """Stands in for the process dying at a chosen point (raised from the emit callback)."""
-
-
-def crash_at(event_type: str, nth: int = 1):
-    seen = {"n": 0}
-
-    def emit(event):
-        if event.type == event_type:
-            seen["n"] += 1
-            if seen["n"] == nth:
-                raise Crash(f"{event_type} #{nth}")
-
-    return emit
 
 
 def contents(messages) -> list[tuple[str, str]]:

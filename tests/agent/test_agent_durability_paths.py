@@ -20,6 +20,7 @@ from loomray.errors import DurabilityLost, InvalidIdError, LoomrayUserError
 from loomray.models import ScriptedModel
 from loomray.runtime import LocalRuntime
 from loomray.session import RunRequest
+from storage import CheckpointInfo
 from storage.errors import CorruptObjectError, StorageError, TransientStorageError
 from storage.objects import ObjectStore
 from storage.store import Store
@@ -176,12 +177,12 @@ async def test_path6_journal_only_run_stops_when_the_store_becomes_unreachable(t
 
 def test_path6_a_failed_lease_reread_of_the_journal_stops_the_run(tmp_path):
     """The journal's periodic lease re-read is an ownership check too: failing it is not just a warning."""
-    from loomray.session import _GuardedJournal, _WriteGuard
+    from loomray.run_writes import GuardedJournal, WriteGuard
 
     rt, objects = faulty_runtime(tmp_path)
     lease = rt.store.acquire_lease("s6r", owner="test")
-    guard = _WriteGuard(rt.store, lease)
-    journal = _GuardedJournal(rt.store, guard)
+    guard = WriteGuard(rt.store, lease)
+    journal = GuardedJournal(rt.store, guard)
     journal.check_lease(lease)  # readable: fine
     guard.check()
     objects.should_fail = lambda op, key: op == "get" and key.endswith("lease.json")
@@ -297,9 +298,9 @@ async def test_path11_every_checkpoint_load_failure_is_a_checkpoint_exception(tm
 
     # An unknown schema version.
     raw = b'{"schema_version": "9.9", "session_id": "s11", "turn": 1}'
-    rt.store.put_checkpoint(raw, session_id="s11", checkpoint_id="ckpt-future", turn=1,
-                            created_at=datetime.now(timezone.utc), position="after_tools", execution_status="active",
-                            message_count=0, keep=0)
+    rt.store.put_checkpoint(raw, CheckpointInfo(session_id="s11", checkpoint_id="ckpt-future", turn=1,
+                                                created_at=datetime.now(timezone.utc), position="after_tools",
+                                                execution_status="active", message_count=0), keep=0)
     with pytest.raises(CheckpointException, match="9.9"):
         await agent.get_checkpoint("s11", "ckpt-future")
     rt.close()
@@ -362,9 +363,9 @@ async def test_path14_repair_orders_tool_result_before_user_message(runtime):
     from loomray import Checkpoint
 
     ckpt = Checkpoint(session_id="s14", turn=0, position="after_model", messages=messages, message_count=4)
-    runtime.store.put_checkpoint(ckpt.to_json_bytes(), session_id="s14", checkpoint_id=ckpt.checkpoint_id, turn=0,
-                                 created_at=ckpt.created_at, position="after_model", execution_status="active",
-                                 message_count=4)
+    runtime.store.put_checkpoint(ckpt.to_json_bytes(), CheckpointInfo(
+        session_id="s14", checkpoint_id=ckpt.checkpoint_id, turn=0, created_at=ckpt.created_at,
+        position="after_model", execution_status="active", message_count=4))
 
     result = await agent.resume("go on", session_id="s14")
     assert calls == ["k0"]

@@ -136,3 +136,11 @@ def test_tool_step_keys_are_valid_ids_and_stay_distinct():
     assert len(set(keys)) == len(ids) and keys[0] == "t0007-tool-call_1"
     for key in keys:
         validate_id(key)
+
+
+def test_the_journal_writes_the_run_start_and_end_kinds_storage_reads():
+    """``loomray.journal`` knows nothing of storage, so it spells the two kinds itself; they must match."""
+    from loomray.journal import RUN_END_KIND, RUN_START_KIND
+    from storage import journal as stored
+
+    assert (RUN_START_KIND, RUN_END_KIND) == (stored.RUN_START, stored.RUN_END)

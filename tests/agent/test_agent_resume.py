@@ -3,35 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from agent_helpers import Crash, crash_at, lookup, tool_calls
 
 from loomray import Agent, CheckpointConfig, CheckpointMeta, Tuning
 from loomray.errors import CheckpointException
 from loomray.models import ScriptedModel
-
-
-class Crash(Exception):
-    """Stands in for the process dying at a chosen point (raised from the emit callback)."""
-
-
-def crash_at(event_type: str, nth: int = 1):
-    seen = {"n": 0}
-
-    def emit(event):
-        if event.type == event_type:
-            seen["n"] += 1
-            if seen["n"] == nth:
-                raise Crash(f"{event_type} #{nth}")
-
-    return emit
-
-
-calls_by_tool: dict[str, int] = {}
-
-
-def lookup(key: str) -> str:
-    """Look something up."""
-    calls_by_tool[key] = calls_by_tool.get(key, 0) + 1
-    return f"value of {key}"
 
 
 def echo_last_user(request):
@@ -47,11 +23,6 @@ def scripted(n_tool_passes=4, tail=3):
 def agent_for(runtime, model=None, position="after_tools"):
     return Agent("You look things up.", model=model or scripted(), tools=[lookup], runtime=runtime,
                  tuning=Tuning(checkpoint=CheckpointConfig(position=position)))
-
-
-@pytest.fixture(autouse=True)
-def _reset_tool_counts():
-    calls_by_tool.clear()
 
 
 async def test_restored_turns_are_not_rebilled(runtime):
@@ -73,7 +44,7 @@ async def test_restored_turns_are_not_rebilled(runtime):
     assert result.messages[: len(latest.messages)] == latest.messages
     assert result.messages[len(latest.messages)].content == "pick it up where you left off"
     assert result.output == "answer to: pick it up where you left off"
-    assert calls_by_tool == {"k0": 1, "k1": 1, "k2": 1, "k3": 1}
+    assert tool_calls == {"k0": 1, "k1": 1, "k2": 1, "k3": 1}
 
 
 async def test_prompt_none_appends_the_continuation_nudge(runtime):
@@ -154,7 +125,7 @@ async def test_resume_without_checkpoint_falls_back_to_journal_replay(runtime):
     assert not again.resumed_from_checkpoint and again.resume_position is None
     assert again.model_calls == 0 and model.calls == 5  # every step replayed from the journal
     assert again.replayed_steps == 9 and again.messages == first.messages and again.output == first.output
-    assert calls_by_tool == {"k0": 1, "k1": 1, "k2": 1, "k3": 1}
+    assert tool_calls == {"k0": 1, "k1": 1, "k2": 1, "k3": 1}
     assert sum(e.type == "replayed_step" for e in events) == 9
     assert not any(e.type == "determinism_violation" for e in events)
 
@@ -207,7 +178,7 @@ async def test_half_written_pass_runs_its_tools_before_the_next_model_call(runti
         await agent.run("task", session_id="hw", emit=crash_at("tool_call", 3))
     latest = await agent.get_checkpoint("hw")
     assert latest.position == "after_model" and latest.messages[-1].tool_calls
-    assert "k2" not in calls_by_tool
+    assert "k2" not in tool_calls
     result = await agent.resume("go on", session_id="hw")
     assert result.resume_position == "after_model"
     i = len(latest.messages)
@@ -217,19 +188,19 @@ async def test_half_written_pass_runs_its_tools_before_the_next_model_call(runti
         last_asst = [m for m in req.messages if m.role == "assistant"]
         answered = {m.tool_call_id for m in req.messages if m.role == "tool"}
         assert all(c.id in answered for m in last_asst for c in m.tool_calls)
-    assert calls_by_tool["k2"] == 1
+    assert tool_calls["k2"] == 1
 
 
 async def test_half_written_pass_replays_a_journaled_tool_result(runtime):
     agent = agent_for(runtime, position="both")
     with pytest.raises(Crash):  # the tool of pass 1 ran and was journaled; its after_tools checkpoint never came
         await agent.run("task", session_id="hw2", emit=crash_at("tool_result", 2))
-    assert calls_by_tool == {"k0": 1, "k1": 1}
+    assert tool_calls == {"k0": 1, "k1": 1}
     latest = await agent.get_checkpoint("hw2")
     assert latest.position == "after_model" and latest.turn == 1
     events = []
     result = await agent.resume(session_id="hw2", emit=events.append)
-    assert calls_by_tool == {"k0": 1, "k1": 1, "k2": 1, "k3": 1}  # k1 was not run again
+    assert tool_calls == {"k0": 1, "k1": 1, "k2": 1, "k3": 1}  # k1 was not run again
     assert any(e.type == "tool_result" and e.replayed for e in events)
     assert result.messages[len(latest.messages)].content == "value of k1"
 
@@ -289,4 +260,4 @@ async def test_a_crashed_resume_reissued_continues_without_rebilling(runtime):
     assert result.model_calls == 2 and model.calls == 5 and result.turns == 5
     assert result.replayed_steps == 1  # the paid-for answer of pass 2 came from the journal
     assert [m.content for m in result.messages if m.role == "user"] == ["task", "go on"]
-    assert calls_by_tool == {"k0": 1, "k1": 1, "k2": 1, "k3": 1}
+    assert tool_calls == {"k0": 1, "k1": 1, "k2": 1, "k3": 1}

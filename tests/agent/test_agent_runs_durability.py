@@ -21,6 +21,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from agent_helpers import Crash, crash_at, lookup, tool_calls
 
 import loomray.session as session_mod
 from loomray import Agent, CheckpointConfig, Tuning
@@ -33,36 +34,6 @@ from storage.rows import JournalEntry
 CHILD = Path(__file__).with_name("crash_child.py")
 REPO = Path(__file__).resolve().parents[2]
 PASSES = 4  # tool passes; one more pass gives the final answer
-
-
-class Crash(Exception):
-    """Stands in for the process dying at a chosen point (raised from the emit callback)."""
-
-
-def crash_at(event_type: str, nth: int = 1):
-    seen = {"n": 0}
-
-    def emit(event):
-        if event.type == event_type:
-            seen["n"] += 1
-            if seen["n"] == nth:
-                raise Crash(f"{event_type} #{nth}")
-
-    return emit
-
-
-tool_calls: dict[str, int] = {}
-
-
-def lookup(key: str) -> str:
-    """Look something up."""
-    tool_calls[key] = tool_calls.get(key, 0) + 1
-    return f"value of {key}"
-
-
-@pytest.fixture(autouse=True)
-def _reset():
-    tool_calls.clear()
 
 
 def scripted(final: str = "report: done") -> ScriptedModel:

@@ -1,0 +1,320 @@
+"""Recovery planning: where a run starts, decided from what the store holds, without reading it.
+
+The recovery rule (docs/contracts.md): a request whose spec equals the
+session's last, unfinished run continues that run under the same
+``run_id``: the latest checkpoint of that run is restored (if any) and every
+journaled step with the same inputs is answered from the journal.
+``resume(None)`` from "latest" continues such a run the same way, with the
+run's own stored request. Any other request starts a new run: from the
+checkpoint it names (a resume or fork), from the session's latest checkpoint
+when that one ended a run (sessions remember), from a fresh transcript, or,
+for a resume with no checkpoint at all, from a fresh transcript that replays
+the session's last run.
+
+Everything here is a pure function of values the takeover read
+(:mod:`loomray.takeover`): the session's last run, the continued run's
+journal, the latest checkpoint, run records and the request. The functions
+come in the order the takeover needs them: which run the request continues
+(:func:`run_to_continue`), which checkpoint a new run may start from
+(:func:`new_run_checkpoint`) and where it starts (:func:`new_run_start`),
+where a continued run first started (:func:`recorded_start`,
+:func:`restart`), and finally the frozen :class:`RunPlan`
+(:func:`plan_run`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+from loomray.control import consumed_names
+from loomray.errors import CheckpointNotFound, LoomrayUserError
+from loomray.journal import STEP_KINDS, JournalRecord, approval_step_key, tool_step_key
+from loomray.loop import CONTINUE_NUDGE, LoopState, dangling_tool_calls, run_of_cursor
+from loomray.records import Checkpoint, Message, RunResult
+from loomray.run_request import RunRequest
+from storage.journal import JournalRun
+from storage.rows import JournalEntry, RunRecord
+
+#: The session's logger: a run's warnings keep one name, whichever module logs them.
+log = logging.getLogger("loomray.session")
+
+
+def journal_records(entries: Iterable[JournalEntry], keys: Iterable[str] | None = None) -> list[JournalRecord]:
+    """The steps among ``entries`` replay may answer from (only those of ``keys`` when given)."""
+    wanted = None if keys is None else set(keys)
+    return [JournalRecord(seq=e.seq, step_key=e.step_key, kind=e.kind, input_hash=e.input_hash, output=e.output)
+            for e in entries if e.kind in STEP_KINDS and (wanted is None or e.step_key in wanted)]
+
+
+@dataclass(frozen=True)
+class LastRun:
+    """The session's last run, by store order (its run record), else by sorted journal run id (old sessions).
+
+    ``start``, ``done`` and ``entries`` are the run as replay sees it once
+    this incarnation sealed it: what a fenced writer appended during the
+    takeover, a ``run_end`` included, does not decide whether it finished.
+    """
+
+    run_id: str | None = None
+    record: RunRecord | None = None
+    journal: JournalRun | None = None
+    start: JournalEntry | None = None
+    done: bool = False
+    entries: tuple[JournalEntry, ...] = ()
+
+    @property
+    def spec(self) -> str | None:
+        """The spec hash of the request that started the run."""
+        if self.record is not None and self.record.spec_hash:
+            return self.record.spec_hash
+        return self.start.input_hash if self.start is not None else None
+
+    @property
+    def unfinished(self) -> bool:
+        """A run that started (recorded or journaled) and did not journal its end: recovery may continue it."""
+        return self.run_id is not None and not self.done and (self.record is not None or self.start is not None)
+
+
+def run_to_continue(request: RunRequest, last: LastRun, known_runs: Sequence[str]) -> tuple[str | None, RunRequest]:
+    """The run ``request`` continues (None: it starts a new one), and the request that run executes.
+
+    ``known_runs`` are the session's journaled run ids; they matter only for
+    a request naming a ``run_id`` other than the last run's.
+    """
+    if request.run_id is not None:
+        known = request.run_id == last.run_id or request.run_id in known_runs
+        return (request.run_id if known else None), request
+    if not last.unfinished:
+        return None, request
+    if last.spec == request.spec_hash():
+        return last.run_id, request
+    if request.continues_last_run():
+        return last.run_id, stored_request(last, request)
+    return None, request
+
+
+def stored_request(last: LastRun, request: RunRequest) -> RunRequest:
+    """The last run's own request (from its run record), with the caller's live context/metadata if given."""
+    raw = last.record.request if last.record is not None else None
+    if not raw:
+        return request
+    try:
+        stored = RunRequest.model_validate(raw)
+    except ValueError as e:
+        log.warning("run record of run %s of session %r holds an unreadable request (%s); using the caller's",
+                    last.run_id, request.session_id, e)
+        return request
+    if (stored.session_id, stored.user_id) != (request.session_id, request.user_id):
+        log.warning("run record of run %s names session %r/user %r, not %r/%r; using the caller's request",
+                    last.run_id, stored.session_id, stored.user_id, request.session_id, request.user_id)
+        return request
+    update = {k: getattr(request, k) for k in ("context", "metadata") if getattr(request, k) is not None}
+    return stored.model_copy(update=update) if update else stored
+
+
+class CheckpointRef(NamedTuple):
+    """A checkpoint to read: its session and its id (or ``"latest"``)."""
+
+    session_id: str
+    checkpoint_id: str
+
+
+@dataclass(frozen=True)
+class Start:
+    """Where a run's transcript begins: what its ``run_start`` records, and the checkpoint that names."""
+
+    #: The ``run_start`` output: kind, prompt, and the base (``base_checkpoint_id``, ``source_session``,
+    #: ``replay_from``, ``fallback``) recovery reads to begin the run the same way again.
+    output: dict[str, Any]
+    #: The checkpoint whose transcript the run restores (None: a fresh transcript).
+    checkpoint: Checkpoint | None = None
+    #: ``forked_from`` of the restored state.
+    forked_from: str | None = None
+
+    @property
+    def replay_from(self) -> str | None:
+        """The run whose journaled steps this run may replay (a fallback run re-runs its source run)."""
+        return self.output.get("replay_from")
+
+
+def new_run_checkpoint(request: RunRequest, last: LastRun) -> CheckpointRef | None:
+    """The checkpoint a new run may start from, read before :func:`new_run_start` (None: nothing to read)."""
+    sid = request.session_id
+    if request.kind == "run":
+        if request.prompt is None:
+            raise LoomrayUserError(f"run() on session {sid!r} needs a prompt")
+        # Sessions remember: a session that ran before continues its conversation from its latest checkpoint
+        # if that checkpoint ended a run. (No run before: a new session, nothing to read.)
+        return CheckpointRef(sid, "latest") if last.run_id is not None else None
+    return CheckpointRef(request.fork_of or sid, request.from_checkpoint)
+
+
+def new_run_start(request: RunRequest, found: Checkpoint | None, last: LastRun) -> Start:
+    """Where a new run begins, given the checkpoint :func:`new_run_checkpoint` named (None: absent or unread)."""
+    sid, uid = request.session_id, request.user_id
+    if request.kind == "run":
+        if found is not None and found.execution_status == "completed":
+            return Start({"kind": "run", "prompt": request.prompt, "base_checkpoint_id": found.checkpoint_id,
+                          "source_session": sid}, found, request.fork_of or found.forked_from)
+        return Start({"kind": "run", "prompt": request.prompt})
+    source, wanted = request.fork_of or sid, request.from_checkpoint
+    if found is None and (request.fork_of or wanted != "latest"):
+        raise CheckpointNotFound(f"session {source!r} (user {uid!r}) has no checkpoint {wanted!r}")
+    if found is not None:
+        nudged = request.prompt if request.prompt is not None else CONTINUE_NUDGE
+        return Start({"kind": "resume", "prompt": nudged, "base_checkpoint_id": found.checkpoint_id,
+                      "source_session": source}, found, request.fork_of or found.forked_from)
+    # Fallback: no checkpoint. Re-run against the session's last run, replaying its journaled steps.
+    last_prompt = last.start.output.get("prompt") if last.start is not None else None
+    prompt = request.prompt if request.prompt is not None else last_prompt
+    if prompt is None:
+        raise LoomrayUserError(f"session {sid!r} (user {uid!r}) has no checkpoint and no run to resume; pass a prompt")
+    output: dict[str, Any] = {"kind": "run", "prompt": prompt, "fallback": True}
+    if last.run_id is not None and prompt == last_prompt:
+        output["replay_from"] = last.run_id
+    return Start(output)
+
+
+def recorded_start(request: RunRequest, record: RunRecord | None) -> dict[str, Any] | None:
+    """The ``run_start`` output of a recorded run whose ``run_start`` is missing (None: begin it as new).
+
+    A crash right after the run record, or a failed write that was only a
+    warning, leaves such a run. A run that continued a finished conversation
+    begins from the checkpoint its record names, not from today's latest.
+    """
+    if request.kind == "run" and record is not None and record.base_checkpoint_id:
+        return {"kind": "run", "prompt": request.prompt, "base_checkpoint_id": record.base_checkpoint_id,
+                "source_session": record.base_session_id or request.session_id}
+    return None
+
+
+def start_checkpoint(start_output: dict[str, Any], session_id: str) -> CheckpointRef | None:
+    """The checkpoint a ``run_start`` output names as the run's base (None: a fresh transcript)."""
+    base_id = start_output.get("base_checkpoint_id")
+    return CheckpointRef(start_output.get("source_session") or session_id, base_id) if base_id else None
+
+
+def restart(request: RunRequest, run_id: str, start_output: dict[str, Any], found: Checkpoint | None) -> Start:
+    """Where a continued run without a checkpoint of its own begins: where its first attempt began.
+
+    ``found`` is the checkpoint :func:`start_checkpoint` named, as read.
+    """
+    base = start_checkpoint(start_output, request.session_id)
+    if base is None:  # a fresh transcript (a fallback one replays its source run)
+        return Start(start_output)
+    if found is None:
+        raise CheckpointNotFound(f"session {base.session_id!r} (user {request.user_id!r}) has no checkpoint "
+                                 f"{base.checkpoint_id!r}, where run {run_id} started")
+    forked_from = base.session_id if base.session_id != request.session_id else found.forked_from
+    return Start(start_output, found, forked_from)
+
+
+def written_by(checkpoint: Checkpoint | None, run_id: str) -> bool:
+    """True when ``run_id`` wrote ``checkpoint`` (its cursor names the run)."""
+    return checkpoint is not None and run_of_cursor(checkpoint.cursor) == run_id
+
+
+def pending_tool_steps(checkpoint: Checkpoint) -> tuple[str, frozenset[str]] | None:
+    """The run whose journal may hold the results of ``checkpoint``'s dangling tool calls, and their step keys.
+
+    Those results are replayed so the calls do not run twice; None when
+    there are none to look up.
+    """
+    pending = dangling_tool_calls(list(checkpoint.messages))
+    source_run = run_of_cursor(checkpoint.cursor)
+    if not pending or not source_run:
+        return None
+    turn = checkpoint.turn
+    return source_run, frozenset(k for c in pending for k in (tool_step_key(turn, c.id), approval_step_key(turn, c.id)))
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Where a run starts, decided before its first step; the run reads it and never changes it."""
+
+    run_id: str
+    #: The request the run executes: the caller's, or for ``resume(None)`` continuing an unfinished run,
+    #: that run's own stored request (so its model requests, and their journal hashes, are unchanged).
+    request: RunRequest
+    #: The ``run_start`` output (journaled by the run unless it is ``continuing``).
+    start_output: dict[str, Any]
+    #: Appended to the restored or fresh transcript (None: the restored transcript holds it already).
+    prompt: str | None
+    #: The checkpoint whose transcript the run restores (None: a fresh transcript).
+    restored: Checkpoint | None
+    forked_from: str | None
+    #: Journal records replay may answer from.
+    prior: tuple[JournalRecord, ...] = ()
+    #: Where the run's own journal records continue.
+    next_seq: int = 0
+    #: The run's ``run_start`` is journaled already: it continues an unfinished run.
+    continuing: bool = False
+    #: The restored checkpoint already finished this run (a crash after its final write).
+    finished: bool = False
+    #: Control requests whose consumption the continued run or the session's last run journaled.
+    consumed: frozenset[str] = field(default_factory=frozenset)
+
+    @property
+    def resume_position(self) -> str | None:
+        """``position`` of the checkpoint the run restores (None: none)."""
+        return self.restored.position if self.restored is not None else None
+
+    @property
+    def resume_status(self) -> str | None:
+        """``execution_status`` of the checkpoint the run restores (None: none)."""
+        return self.restored.execution_status if self.restored is not None else None
+
+    def initial_state(self, *, agent_id: str, instructions: str, epoch: int) -> LoopState:
+        """The loop's starting state: the restored transcript, else ``instructions`` as the system message."""
+        request, ckpt = self.request, self.restored
+        if ckpt is None:
+            messages = [Message(role="system", content=instructions)] if instructions else []
+            return LoopState(session_id=request.session_id, user_id=request.user_id, run_id=self.run_id,
+                             agent_id=agent_id, messages=messages, epoch=epoch)
+        return LoopState(session_id=request.session_id, user_id=request.user_id, run_id=self.run_id,
+                         agent_id=agent_id, messages=list(ckpt.messages), turn=ckpt.turn, usage=ckpt.cumulative_usage,
+                         parent_checkpoint_id=ckpt.checkpoint_id, forked_from=self.forked_from, epoch=epoch)
+
+    def finished_result(self) -> RunResult:
+        """The result of a run whose restored checkpoint already finished it."""
+        ckpt = self.restored
+        assert ckpt is not None and self.finished
+        return RunResult(output=ckpt.messages[-1].content if ckpt.messages else "", messages=list(ckpt.messages),
+                         usage=ckpt.cumulative_usage, session_id=ckpt.session_id, user_id=ckpt.user_id,
+                         run_id=self.run_id, turns=ckpt.turn, checkpoint_id=ckpt.checkpoint_id,
+                         resumed_from_checkpoint=True, resume_position=ckpt.position, forked_from=ckpt.forked_from)
+
+
+def plan_run(request: RunRequest, run_id: str, start: Start, *, journal: JournalRun | None = None,
+             latest: Checkpoint | None = None, replay: Sequence[JournalEntry] = (),
+             pending: Sequence[JournalRecord] = (), last_entries: Sequence[JournalEntry] = ()) -> RunPlan:
+    """The plan of run ``run_id`` executing ``request``.
+
+    ``journal`` is the journal of the unfinished run it continues (None: a
+    new run); with a ``run_start`` in it the run continues (its ``start``
+    came from there), else the run begins as new and its journaled steps
+    replay. ``latest`` is the session's latest checkpoint: when this run
+    wrote it, the run restores it as is. ``replay`` are the entries of the
+    run ``start`` replays, ``pending`` the journaled results of the start
+    checkpoint's dangling tool calls, ``last_entries`` the session's last
+    run as replay sees it (for the control requests it consumed).
+    """
+    continuing = journal is not None and journal.start is not None
+    own = continuing and written_by(latest, run_id)
+    entries = journal_records(journal.entries) if journal is not None else []
+    prior = journal_records(replay) + entries
+    restored: Checkpoint | None
+    if own:
+        assert latest is not None
+        restored, prompt, forked_from = latest, None, latest.forked_from
+    else:
+        restored, prompt, forked_from = start.checkpoint, start.output.get("prompt"), start.forked_from
+        prior += pending
+    return RunPlan(
+        run_id=run_id, request=request, start_output=start.output, prompt=prompt, restored=restored,
+        forked_from=forked_from, prior=tuple(prior), next_seq=journal.max_seq + 1 if journal is not None else 0,
+        continuing=continuing, finished=own and restored is not None and restored.execution_status == "completed",
+        consumed=frozenset(consumed_names(prior) | consumed_names(last_entries)))

@@ -1,0 +1,50 @@
+"""``RunRequest``: one run or resume of a session, as the runtimes pass it on."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from loomray.journal import input_hash
+
+
+class RunRequest(BaseModel):
+    """One run or resume, as plain JSON (it crosses process and actor boundaries).
+
+    ``fork_of`` names the source session when this request starts a fork:
+    ``from_checkpoint`` is then a checkpoint of that session and
+    ``session_id`` the fork's new id.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    kind: Literal["run", "resume"] = "run"
+    prompt: str | None = None
+    session_id: str
+    user_id: str | None = None
+    from_checkpoint: str = "latest"
+    run_id: str | None = None
+    metadata: dict[str, Any] | None = None
+    context: Any = None
+    output_schema: dict[str, Any] | None = None
+    effort: str | None = None
+    fork_of: str | None = None
+
+    def spec_hash(self) -> str:
+        """What makes two requests "the same run" for the recovery rule."""
+        return input_hash(self.model_dump(mode="json", include={
+            "kind", "prompt", "session_id", "user_id", "from_checkpoint", "fork_of", "output_schema", "effort"}))
+
+    def continues_last_run(self) -> bool:
+        """``resume(None)`` in place: it continues an unfinished last run exactly as a re-issued ``run()`` does."""
+        return (self.kind == "resume" and self.prompt is None and self.from_checkpoint == "latest"
+                and self.fork_of is None and self.run_id is None)
+
+    def stored_json(self) -> dict[str, Any]:
+        """The request as its run record stores it.
+
+        In-process callers may pass live objects as context; the stored request names them instead.
+        """
+        return json.loads(self.model_dump_json(fallback=lambda v: f"<unserializable {type(v).__name__}>"))

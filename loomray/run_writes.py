@@ -1,0 +1,229 @@
+"""A run's writes to its store: the journal sink, the write guard, and the writes in flight.
+
+Every failed checkpoint or journal write is judged by one :class:`WriteGuard`:
+a warning while the writer can prove it owns the session, else the run
+stops before its next step. :class:`StoreJournalSink` adapts the store to
+the journal seam (``loomray.journal.JournalSink``) and re-reads the lease so
+that a fenced run stops soon. :class:`InflightWrites` lets a cancel wait for
+the writes a run already started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from loomray.errors import DurabilityLost
+from loomray.journal import JournalRecord
+from loomray.run_request import RunRequest
+from loomray.session_store import SessionStore
+from storage.errors import CorruptObjectError, LeaseLostError
+from storage.rows import JournalEntry, Lease
+
+#: The session's logger: a run's warnings keep one name, whichever module logs them.
+log = logging.getLogger("loomray.session")
+
+#: A run whose journal appends do not read the lease still re-reads it this often (seconds).
+LEASE_RECHECK_S = 10.0
+
+#: Write errors no retry can fix (a bad id, a wrong type, a bug): they stop the run instead of being logged.
+_NON_TRANSIENT = (TypeError, ValueError, AttributeError, NotImplementedError)
+
+
+class InflightWrites:
+    """The store writes a run has started: each runs in a worker thread that outlives a cancelled awaiter, so
+    a cancel waits for them (:meth:`drain`) before it is acknowledged."""
+
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Future[Any]] = set()
+
+    async def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        fut = asyncio.ensure_future(asyncio.to_thread(fn, *args, **kwargs))
+        self.tasks.add(fut)
+        fut.add_done_callback(self._done)
+        return await asyncio.shield(fut)
+
+    def _done(self, fut: asyncio.Future[Any]) -> None:
+        self.tasks.discard(fut)
+        if not fut.cancelled():
+            fut.exception()  # retrieved: its awaiter may have been cancelled
+
+    async def drain(self) -> None:
+        while self.tasks:
+            await asyncio.wait(list(self.tasks))
+
+
+class WriteGuard:
+    """Decides what a failed checkpoint or journal write means for the run.
+
+    A transient failure while the writer can still prove it holds the lease is
+    a warning: the run goes on and recovery redoes what was not recorded. Any
+    other failure stops the run before its next step, and the guard remembers
+    it so the loop sees it even when the write happened in the background or
+    the journal sink swallowed it:
+
+    - fencing (``LeaseLostError``): a newer owner exists;
+    - a non-transient error (``InvalidIdError``, ``TypeError``, ...): retrying
+      cannot help, and logging it as an ordinary failed write would hide it;
+    - the lease cannot be read after the failure, or when the journal sink
+      re-reads it (store unreachable, lease unreadable): ownership is
+      unprovable, so :class:`DurabilityLost`;
+    - ``CorruptObjectError`` on a write, once ownership is proven.
+
+    The lease is read only after a failure, so the happy path costs nothing.
+    """
+
+    def __init__(self, store: SessionStore, lease: Lease) -> None:
+        self.store, self.lease = store, lease
+        #: The first error that stopped the run (raised again by :meth:`check`).
+        self.fatal: BaseException | None = None
+        #: Writes that failed (as warnings) since the last checkpoint written: the run's end is not durable.
+        self.undurable = 0
+
+    def failed(self, what: str, error: BaseException) -> None:
+        """Classify ``error`` raised by writing ``what``: return if it is only a warning, else raise.
+
+        Synchronous (it may read the lease): call it from a worker thread.
+        """
+        if self.fatal is not None:
+            raise self.fatal
+        if isinstance(error, (LeaseLostError, *_NON_TRANSIENT)):
+            self.fatal = error
+            raise error
+        try:
+            self.store.check_lease(self.lease)
+        except LeaseLostError as e:
+            self.fatal = e
+            raise
+        except Exception as e:
+            self.lease_unreadable(e, after=f"{what} could not be written ({type(error).__name__}: {error})")
+        if isinstance(error, CorruptObjectError):
+            self.fatal = error
+            raise error
+        self.undurable += 1  # only a warning: the run goes on, but what it did since its last checkpoint is at risk
+
+    def durable(self) -> None:
+        """A checkpoint was written: everything the run did so far is durable again."""
+        self.undurable = 0
+
+    def lease_unreadable(self, error: BaseException, *, after: str = "") -> None:
+        """Reading the lease failed with ``error`` (not fencing): ownership is unprovable; raise DurabilityLost."""
+        if self.fatal is not None:
+            raise self.fatal
+        lease = self.lease
+        self.fatal = DurabilityLost(
+            f"session {lease.session_id!r} (user {lease.user_id!r}): {after + ', and ' if after else ''}"
+            f"the lease could not be read to prove that this writer ({lease.owner}, epoch {lease.epoch}) still "
+            f"owns the session ({type(error).__name__}: {error}); the run stops before its next step")
+        raise self.fatal from error
+
+    def is_fatal(self, error: BaseException) -> bool:
+        """True for the errors :meth:`failed` raised to stop the run (and for fencing)."""
+        return error is self.fatal or isinstance(error, LeaseLostError)
+
+    def check(self) -> None:
+        """Raise the error that stopped the run, if any."""
+        if self.fatal is not None:
+            raise self.fatal
+
+
+class JournalStore(Protocol):
+    """What the journal sink writes to: appends and lease reads."""
+
+    def journal_append(self, entry: JournalEntry) -> None: ...
+
+    def check_lease(self, lease: Lease) -> None: ...
+
+
+class GuardedJournal:
+    """The store as the journal sink sees it: failed appends and lease re-reads go through the :class:`WriteGuard`.
+
+    The sink logs and swallows ordinary failures; the guard remembers the
+    ones that must stop the run, and the loop checks it before every step.
+    """
+
+    def __init__(self, store: SessionStore, guard: WriteGuard) -> None:
+        self._store, self._guard = store, guard
+
+    def journal_append(self, entry: JournalEntry) -> None:
+        try:
+            self._store.journal_append(entry)
+        except Exception as e:
+            self._guard.failed(f"journal entry {entry.step_key} of run {entry.run_id}", e)
+            raise
+
+    def check_lease(self, lease: Lease) -> None:
+        try:
+            self._store.check_lease(lease)
+        except LeaseLostError:
+            raise
+        except Exception as e:
+            self._guard.lease_unreadable(e)
+
+
+class StoreJournalSink:
+    """The journal seam: one create-only object per step, stamped with the lease's epoch.
+
+    An append is one PUT: it does not read the lease. Fencing is the next
+    incarnation's job: its seal makes replay ignore whatever this writer
+    appends once fenced (``storage.journal``). So that a fenced run stops
+    anyway, and soon, the lease is read again
+
+    - before a model call (:meth:`before_model_call`), unless it was read
+      since the previous one: every checkpoint write reads it
+      (:meth:`lease_read_by_checkpoint`), so a run that writes a checkpoint
+      every pass pays nothing, and one that does not pays one GET per pass.
+      A fenced writer makes at most one more model call (the pass it was in);
+    - after an append at most every ``recheck_s`` seconds (a long pass).
+    """
+
+    def __init__(self, store: JournalStore, request: RunRequest, run_id: str, lease: Lease,
+                 recheck_s: float = LEASE_RECHECK_S, inflight: InflightWrites | None = None) -> None:
+        self.store, self.request, self.run_id, self.lease = store, request, run_id, lease
+        self.inflight = inflight or InflightWrites()
+        self.recheck_s = recheck_s
+        self._checked = time.monotonic()
+        # Read since the previous model call? The plan read it right before the run's first step.
+        self._read = True
+
+    def lease_read_by_checkpoint(self) -> None:
+        """A checkpoint write started: it reads the lease (before and after its PUT), and a failed read or
+        fencing stops the run before its next step (the write guard), so the next model call needs no read."""
+        self._read = True
+
+    async def before_model_call(self) -> None:
+        """Read the lease unless it was read since the previous model call; raises if fenced or unreadable."""
+        if not self._read:
+            # Through the guard: fenced is LeaseLostError, unreadable is DurabilityLost; either stops the run
+            # before the model is billed.
+            await asyncio.to_thread(self.store.check_lease, self.lease)
+            self._checked = time.monotonic()
+        self._read = False
+
+    async def append(self, record: JournalRecord) -> None:
+        entry = JournalEntry(session_id=self.request.session_id, user_id=self.request.user_id, run_id=self.run_id,
+                             seq=record.seq, step_key=record.step_key, kind=record.kind,
+                             input_hash=record.input_hash, output=record.output, epoch=self.lease.epoch)
+        try:
+            await self.inflight.run(self.store.journal_append, entry)
+        except LeaseLostError:
+            raise
+        except Exception as e:  # the step already happened; losing its record only costs a re-run later
+            log.warning("journal entry %s of session %r could not be written (the run goes on): %s: %s",
+                        record.step_key, self.request.session_id, type(e).__name__, e)
+        if time.monotonic() - self._checked >= self.recheck_s:
+            await self._recheck_lease()
+
+    async def _recheck_lease(self) -> None:
+        self._checked = time.monotonic()
+        try:
+            await asyncio.to_thread(self.store.check_lease, self.lease)
+            self._read = True
+        except LeaseLostError:
+            raise
+        except Exception as e:  # unreadable now: the next checkpoint write or recheck decides
+            log.warning("lease of session %r could not be re-read: %s: %s", self.request.session_id,
+                        type(e).__name__, e)

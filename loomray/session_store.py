@@ -1,0 +1,76 @@
+"""``SessionStore``: the part of :class:`storage.Store` a session run and the runtimes use.
+
+A run takes the session's lease, fences and reads the journal, records its
+run, writes checkpoints, journal entries and status rows; a runtime lists and
+reads checkpoints; both hand the store to :mod:`loomray.control` for control
+requests (objects under ``control/``, status rows). Typing those callers with this protocol instead of the
+whole ``Store`` keeps the seam visible: a store wrapper (fault injection, a
+write counter) needs only these methods to stand in for the real one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from storage.journal import JournalRun, Listing
+from storage.objects import ObjectStore
+from storage.rows import CheckpointInfo, CheckpointRow, JournalEntry, Lease, RunRecord, SessionRow
+
+
+class SessionStore(Protocol):
+    """What :func:`loomray.session.execute_request` and :class:`loomray.runtime.Runtime` call on a store."""
+
+    #: The backend: a run on ``memory`` needs no polling for a cancel written by another process.
+    objects: ObjectStore
+
+    # -- lease ---------------------------------------------------------------
+    def acquire_lease(self, session_id: str, *, user_id: str | None = None, owner: str,
+                      timeout: float = ..., note: Any = None) -> Lease: ...
+
+    def check_lease(self, lease: Lease) -> None: ...
+
+    # -- journal and run records ---------------------------------------------------
+    def journal_listing(self, session_id: str, *, user_id: str | None = None,
+                        run_id: str | None = None) -> Listing: ...
+
+    def journal_seal_listed(self, session_id: str, run_id: str, *, user_id: str | None = None, lease: Lease,
+                            listed: Any) -> JournalEntry: ...
+
+    def journal_complete_fences(self, session_id: str, *, user_id: str | None = None, chain: Any,
+                                listed: Any) -> int: ...
+
+    def journal_seal(self, session_id: str, run_id: str, *, user_id: str | None = None, lease: Lease,
+                     seen_before: Any = None, known: JournalRun | None = None) -> JournalRun: ...
+
+    def journal_read(self, session_id: str, run_id: str, *, user_id: str | None = None) -> JournalRun: ...
+
+    def journal_list(self, session_id: str, run_id: str, *, user_id: str | None = None,
+                     include_fenced: bool = False) -> list[JournalEntry]: ...
+
+    def journal_runs(self, session_id: str, *, user_id: str | None = None) -> list[str]: ...
+
+    def journal_append(self, entry: JournalEntry, *, lease: Lease | None = None) -> None: ...
+
+    def last_run(self, session_id: str, *, user_id: str | None = None) -> RunRecord | None: ...
+
+    def run_create(self, session_id: str, *, user_id: str | None = None, run_id: str,
+                   **fields: Any) -> RunRecord: ...
+
+    # -- checkpoints and status rows ----------------------------------------------
+    def put_checkpoint(self, data: bytes, info: CheckpointInfo, *, lease: Lease | None = None,
+                       keep: int = 20) -> CheckpointRow: ...
+
+    def list_checkpoints(self, session_id: str, *, user_id: str | None = None,
+                         limit: int | None = 50) -> list[CheckpointRow]: ...
+
+    def get_checkpoint(self, session_id: str, checkpoint_id: str = "latest", *,
+                       user_id: str | None = None) -> bytes | None: ...
+
+    def put_session(self, row: SessionRow) -> None: ...
+
+    def get_session(self, session_id: str, *, user_id: str | None = None) -> SessionRow | None: ...
+
+    # -- the store itself ------------------------------------------------------------
+    def describe(self, key: str | None = None) -> str: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,215 @@
+"""What a new owner of a session does before a run's first step: lease, fence, read, plan, record.
+
+A run owns its session's lease for as long as it runs (every write carries
+it). Taking it fences whatever older writer may still be alive: the runs
+that writer may append to are listed right before the lease swap and sealed
+right after it (:mod:`storage.journal`), so whatever it appends from then
+on is never replayed. Then the takeover reads what recovery needs (the
+session's last run, the continued run's journal, checkpoints, journals to
+replay), leaves the decisions to :mod:`loomray.recovery`, records a run that
+is not the session's last one yet (store order) and proves it still holds
+the lease before the run's first step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+from loomray.journal import JournalRecord
+from loomray.records import Checkpoint, load_checkpoint
+from loomray.recovery import (
+    CheckpointRef,
+    LastRun,
+    RunPlan,
+    Start,
+    journal_records,
+    new_run_checkpoint,
+    new_run_start,
+    pending_tool_steps,
+    plan_run,
+    recorded_start,
+    restart,
+    run_to_continue,
+    start_checkpoint,
+    written_by,
+)
+from loomray.run_request import RunRequest
+from loomray.session_store import SessionStore
+from storage.journal import FenceNote, JournalRun, Listing
+from storage.rows import JournalEntry, Lease
+
+#: The session's logger: a run's warnings keep one name, whichever module logs them.
+log = logging.getLogger("loomray.session")
+
+#: The journal keys of each run the pre-lease listing showed (run id -> keys).
+Seen = dict[str, frozenset[str]]
+
+
+def pre_lease_listing(store: SessionStore, request: RunRequest) -> Listing:
+    """What a new owner must fence, listed right before its lease swap.
+
+    The session's last run (the run its old owner may still be appending to)
+    and the run the request names. Right after the lease, each is sealed
+    above its listed keys, so whatever the old owner appends from then on is
+    never replayed.
+    """
+    return store.journal_listing(request.session_id, user_id=request.user_id, run_id=request.run_id)
+
+
+def take_lease(store: SessionStore, request: RunRequest, owner: str) -> tuple[Lease, FenceNote]:
+    """Take the session's lease; the note holds the listing the swap recorded and the predecessors' fences.
+
+    Listed right before the lease swap (what the seals go above), and
+    recorded by that swap, so the fence survives this process dying between
+    taking the lease and sealing (``storage.journal.FenceNote``).
+    """
+    fence = FenceNote(lambda: pre_lease_listing(store, request))
+    lease = store.acquire_lease(request.session_id, user_id=request.user_id, owner=owner, note=fence)
+    return lease, fence
+
+
+def fence_session(store: SessionStore, session_id: str, user_id: str | None, *, owner: str) -> Lease:
+    """Take the session's lease and seal the runs its old owner may still append to; return the lease.
+
+    What a new owner does before its first step, without running anything:
+    afterwards whatever an older writer does is not durable (its checkpoint
+    writes are refused or retired, its journal entries above the seals are
+    never replayed). ``loomray cancel`` uses it.
+    """
+    lease, fence = take_lease(store, RunRequest(session_id=session_id, user_id=user_id), owner)
+    _seal_listed(store, session_id, user_id, lease, fence)
+    return lease
+
+
+def _seal_listed(store: SessionStore, sid: str, uid: str | None, lease: Lease, fence: FenceNote) -> set[str]:
+    """Seal the runs the pre-lease listing showed (one PUT per run) and write the seals earlier owners
+    recorded in the lease but never wrote; return the sealed run ids."""
+    for run_id, keys in fence.listing.runs.items():
+        store.journal_seal_listed(sid, run_id, user_id=uid, lease=lease, listed=keys)
+    if fence.chain:
+        store.journal_complete_fences(sid, user_id=uid, chain=fence.chain, listed=dict(fence.listing.runs))
+    return set(fence.listing.runs)
+
+
+def _seen_keys(seen: Seen, run_id: str) -> frozenset[str]:
+    """The run's keys in the pre-lease listing; a run that listing did not show was empty then (all of it
+    is new)."""
+    return seen.get(run_id, frozenset())
+
+
+def read_last_run(store: SessionStore, sid: str, uid: str | None, lease: Lease, seen: Seen,
+                  sealed: set[str]) -> LastRun:
+    """The session's last run as replay will see it once this incarnation sealed it."""
+    record = store.last_run(sid, user_id=uid)
+    if record is not None:
+        run_id: str | None = record.run_id
+    else:
+        runs = store.journal_runs(sid, user_id=uid)
+        run_id = runs[-1] if runs else None
+    if run_id is None:
+        return LastRun()
+    journal = view = store.journal_read(sid, run_id, user_id=uid)
+    if run_id not in sealed:  # not sealed yet: judge it as its seal will make it
+        view = journal.sealed_view(lease, _seen_keys(seen, run_id))
+    return LastRun(run_id, record, journal, view.start, view.finished, tuple(view.entries))
+
+
+def plan_takeover(store: SessionStore, request: RunRequest, lease: Lease, fence: FenceNote,
+                  new_run_id: Callable[[], str]) -> RunPlan:
+    """Fence, read and plan the run ``request`` asks for, record it, and prove the lease; see the module."""
+    sid, uid = request.session_id, request.user_id
+    seen = dict(fence.listing.runs)
+    sealed = _seal_listed(store, sid, uid, lease, fence)
+    last = read_last_run(store, sid, uid, lease, seen, sealed)
+    known: Sequence[str] = ()
+    if request.run_id is not None and request.run_id != last.run_id:
+        known = store.journal_runs(sid, user_id=uid)
+    run_id, request = run_to_continue(request, last, known)
+    if last.unfinished and last.run_id not in sealed and last.run_id != run_id:
+        assert last.run_id is not None
+        # Not continued by this request: its old incarnation may still append; fence it.
+        store.journal_seal(sid, last.run_id, user_id=uid, lease=lease, seen_before=_seen_keys(seen, last.run_id),
+                           known=last.journal)
+    if run_id is None:
+        plan = _plan_new_run(store, request, request.run_id or new_run_id(), last)
+    else:
+        known_journal = last.journal if run_id == last.run_id else None
+        if run_id not in sealed:
+            journal = store.journal_seal(sid, run_id, user_id=uid, lease=lease, seen_before=_seen_keys(seen, run_id),
+                                         known=known_journal)
+        else:
+            journal = known_journal if known_journal is not None else store.journal_read(sid, run_id, user_id=uid)
+        plan = _plan_continued_run(store, request, run_id, journal, last)
+    if last.record is None or last.record.run_id != plan.run_id:
+        _record_run(store, plan, lease.epoch)
+    # Appends do not read the lease, so prove ownership once before the first step: a takeover that
+    # listed the session before this plan's record landed (and so could not seal the run it is about
+    # to start) took the lease before this read, which then fences this writer here.
+    store.check_lease(lease)
+    return plan
+
+
+def _plan_new_run(store: SessionStore, request: RunRequest, run_id: str, last: LastRun,
+                  journal: JournalRun | None = None) -> RunPlan:
+    """A new run, or a recorded one whose ``run_start`` is missing (``journal``: its steps, replayed)."""
+    uid = request.user_id
+    ref = new_run_checkpoint(request, last)
+    start = new_run_start(request, _load(store, ref, uid), last)
+    replay = store.journal_list(request.session_id, start.replay_from, user_id=uid) if start.replay_from else []
+    return plan_run(request, run_id, start, journal=journal, replay=replay,
+                    pending=_pending_tool_records(store, start.checkpoint, uid), last_entries=last.entries)
+
+
+def _plan_continued_run(store: SessionStore, request: RunRequest, run_id: str, journal: JournalRun,
+                        last: LastRun) -> RunPlan:
+    """The plan that continues unfinished run ``run_id``: same run id, its journal replayed."""
+    sid, uid = request.session_id, request.user_id
+    if journal.start is None:
+        # Recorded, but its run_start is missing: begin it as its request says, replaying what it journaled.
+        output = recorded_start(request, last.record if run_id == last.run_id else None)
+        if output is None:
+            return _plan_new_run(store, request, run_id, LastRun(entries=last.entries), journal)
+        start = restart(request, run_id, output, _load(store, start_checkpoint(output, sid), uid))
+        return plan_run(request, run_id, start, journal=journal, last_entries=last.entries,
+                        pending=_pending_tool_records(store, start.checkpoint, uid))
+    output = dict(journal.start.output)
+    replay_from = output.get("replay_from")
+    replay = store.journal_list(sid, replay_from, user_id=uid) if replay_from else []
+    latest = _load(store, CheckpointRef(sid, "latest"), uid)
+    if written_by(latest, run_id):  # this run already checkpointed: restore its newest snapshot
+        return plan_run(request, run_id, Start(output), journal=journal, latest=latest, replay=replay,
+                        last_entries=last.entries)
+    start = restart(request, run_id, output, _load(store, start_checkpoint(output, sid), uid))
+    return plan_run(request, run_id, start, journal=journal, latest=latest, replay=replay,
+                    pending=_pending_tool_records(store, start.checkpoint, uid), last_entries=last.entries)
+
+
+def _load(store: SessionStore, ref: CheckpointRef | None, user_id: str | None) -> Checkpoint | None:
+    """The checkpoint ``ref`` names, or None (also for no ref); a failed load is a ``CheckpointException``."""
+    if ref is None:
+        return None
+    return load_checkpoint(store, ref.session_id, ref.checkpoint_id, user_id=user_id)
+
+
+def _pending_tool_records(store: SessionStore, ckpt: Checkpoint | None, user_id: str | None) -> list[JournalRecord]:
+    """Journaled results of the restored checkpoint's dangling tool calls (so they are not run twice)."""
+    steps = pending_tool_steps(ckpt) if ckpt is not None else None
+    if ckpt is None or steps is None:
+        return []
+    source_run, keys = steps
+    try:
+        entries: list[JournalEntry] = store.journal_list(ckpt.session_id, source_run, user_id=user_id)
+    except Exception as e:  # the journal is an optimisation here: without it the tools run again
+        log.warning("could not read journal of run %s of session %r: %s", source_run, ckpt.session_id, e)
+        return []
+    return journal_records(entries, keys)
+
+
+def _record_run(store: SessionStore, plan: RunPlan, epoch: int) -> None:
+    """Record the run at the session's next store-sequenced slot, its request and base beside it."""
+    request, out = plan.request, plan.start_output
+    base = out.get("base_checkpoint_id")
+    store.run_create(request.session_id, user_id=request.user_id, run_id=plan.run_id, request=request.stored_json(),
+                     spec_hash=request.spec_hash(), base_session_id=out.get("source_session") if base else None,
+                     base_checkpoint_id=base, replay_from=out.get("replay_from"), epoch=epoch)

@@ -1,0 +1,33 @@
+"""Helpers several agent tests share: a crash injected through ``emit``, and a ``lookup`` tool that counts calls.
+
+``tool_calls`` is cleared before every test of this directory (``conftest.py``).
+"""
+
+from __future__ import annotations
+
+
+class Crash(Exception):
+    """Stands in for the process dying at a chosen point (raised from the emit callback)."""
+
+
+def crash_at(event_type: str, nth: int = 1):
+    """An ``emit`` callback that raises :class:`Crash` at the ``nth`` event of ``event_type``."""
+    seen = {"n": 0}
+
+    def emit(event):
+        if event.type == event_type:
+            seen["n"] += 1
+            if seen["n"] == nth:
+                raise Crash(f"{event_type} #{nth}")
+
+    return emit
+
+
+#: How often :func:`lookup` ran, by key.
+tool_calls: dict[str, int] = {}
+
+
+def lookup(key: str) -> str:
+    """Look something up."""
+    tool_calls[key] = tool_calls.get(key, 0) + 1
+    return f"value of {key}"
