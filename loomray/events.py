@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from loomray.records import Message, ToolCall, Usage, utcnow
 
@@ -181,6 +181,4 @@ async def deliver(emit: EmitFn | None, event: Event) -> None:
 
 def event_from_dict(data: dict[str, Any]) -> Event:
     """Rebuild a typed event from its JSON dict (e.g. after crossing an actor boundary)."""
-    from pydantic import TypeAdapter
-
     return TypeAdapter(AnyEvent).validate_python(data)

@@ -8,6 +8,7 @@ Nothing here is ever pickled into storage.
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timezone
 from typing import Any, Literal
 
@@ -143,8 +144,12 @@ class Checkpoint(BaseModel):
     pending_approvals: list[str] | None = None
     messages: list[Message] = Field(default_factory=list)
 
-    def validate(self) -> Checkpoint:  # type: ignore[override]
-        """Raise :class:`CheckpointException` if this checkpoint is not usable."""
+    def checked(self) -> Checkpoint:
+        """This checkpoint, once it is known usable; :class:`CheckpointException` if it is not.
+
+        Named apart from pydantic's ``validate``: this checks what field validation cannot
+        (a readable schema version, a transcript as long as ``message_count`` says, an aware timestamp).
+        """
         if self.schema_version not in READABLE_SCHEMA_VERSIONS:
             raise CheckpointException(
                 f"checkpoint {self.checkpoint_id!r} of session {self.session_id!r} has schema_version "
@@ -181,31 +186,16 @@ class Checkpoint(BaseModel):
             ckpt = cls.model_validate(data)
         except ValidationError as e:
             raise CheckpointException(f"invalid checkpoint data: {e}") from e
-        return ckpt.validate()
+        return ckpt.checked()
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> Checkpoint:
         """Parse JSON bytes; raise :class:`CheckpointException` on corrupt or invalid data."""
-        import json
-
         try:
             data = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as e:
             raise CheckpointException(f"checkpoint is not valid JSON (corrupt or truncated): {e}") from e
         return cls.from_dict(data)
-
-    def meta(self) -> CheckpointMeta:
-        return CheckpointMeta(
-            session_id=self.session_id,
-            checkpoint_id=self.checkpoint_id,
-            turn=self.turn,
-            created_at=self.created_at,
-            user_id=self.user_id,
-            execution_status=self.execution_status,
-            position=self.position,
-            message_count=self.message_count if self.message_count is not None else len(self.messages),
-            epoch=self.epoch,
-        )
 
 
 def load_checkpoint(store: Any, session_id: str, checkpoint_id: str = "latest", *,

@@ -22,11 +22,12 @@ import asyncio
 import inspect
 import json
 import re
+import typing
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from loomray.records import Message, ToolCall
 
@@ -123,10 +124,8 @@ class Tool:
             if annotation is inspect.Parameter.empty:
                 annotation = Any
             default = ... if param.default is inspect.Parameter.empty else param.default
-            from pydantic import Field
-
             fields[pname] = (annotation, Field(default, description=arg_docs.get(pname)))
-        self.args_model: type[BaseModel] = create_model(  # type: ignore[call-overload]
+        self.args_model: type[BaseModel] = create_model(
             f"{self.name}_args", __config__=ConfigDict(extra="forbid"), **fields
         )
 
@@ -182,8 +181,6 @@ class Tool:
 
 
 def _type_hints(fn: Callable[..., Any]) -> dict[str, Any]:
-    import typing
-
     # ToolContext is resolvable even when the tool's module imported it locally (string annotations).
     return typing.get_type_hints(fn, localns={"ToolContext": ToolContext})
 

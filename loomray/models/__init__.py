@@ -1,7 +1,7 @@
 """Models: the :class:`Model` protocol, :class:`ScriptedModel`, and name resolution.
 
-Provider adapters (``claude-*``, ``gpt-*``) are loaded by :func:`resolve_model`
-only when asked for, so their SDKs stay optional.
+A provider adapter (``claude-*``, ``gpt-*``) imports its SDK only when one of
+its models is built by :func:`resolve_model`, so the SDKs stay optional.
 """
 
 from loomray.models.base import Model, ModelRequest, ModelResponse

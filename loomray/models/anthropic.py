@@ -176,7 +176,8 @@ def to_anthropic(messages: Iterable[Message]) -> tuple[str | None, list[dict[str
             )
             wire.append({"role": "assistant", "content": blocks})
         elif m.role == "tool":
-            block = {"type": "tool_result", "tool_use_id": wire_id(m.tool_call_id), "content": m.content}
+            block: dict[str, Any] = {"type": "tool_result", "tool_use_id": wire_id(m.tool_call_id),
+                                     "content": m.content}
             if m.is_error:
                 block["is_error"] = True
             last = wire[-1] if wire else None

@@ -48,7 +48,10 @@ class ModelResponse(BaseModel):
 class Model(Protocol):
     """What the loop calls. ``name`` is what a checkpoint records, never the client."""
 
-    name: str
+    @property
+    def name(self) -> str:
+        """The model's name as :func:`loomray.models.resolve_model` takes it back (an attribute will do)."""
+        ...
 
     async def complete(self, request: ModelRequest) -> ModelResponse: ...
 

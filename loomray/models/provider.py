@@ -16,11 +16,13 @@ attempt. What is left after them becomes a typed error naming provider and model
 from __future__ import annotations
 
 import asyncio
+import importlib
 import os
 from collections.abc import Mapping
 from typing import Any
 
 from loomray.errors import ModelAuthError, ModelBadRequestError, ModelConfigError, ModelError
+from loomray.models.names import provider_for
 from loomray.models.pricing import PriceTable, load_prices
 from loomray.records import Usage
 
@@ -78,8 +80,6 @@ class ProviderModel:
     @property
     def name(self) -> str:
         """The string that resolves back to this adapter (what a checkpoint records)."""
-        from loomray.models.resolve import provider_for
-
         try:
             if provider_for(self.model) == (self.provider, self.model):
                 return self.model
@@ -107,8 +107,6 @@ class ProviderModel:
     # -- SDK and credentials ---------------------------------------------
 
     def _sdk(self) -> Any:
-        import importlib
-
         try:
             return importlib.import_module(self.sdk_module)
         except ImportError as e:

@@ -102,7 +102,9 @@ class ResearchModel:
                 aspect = _ASPECTS[(index // len(_STEPS)) % len(_ASPECTS)]
                 step = _STEPS[index % len(_STEPS)]
             else:  # then one search / read / note round on the follow-up request
+                assert followup is not None  # not a planned pass, so the condition above found a follow-up
                 aspect, step = followup[:60], _STEPS[since]
+            args: dict[str, str | float]
             if step == "search":
                 args = {"query": f"{topic} {aspect}"}
                 text = f"Looking into {aspect} of {topic}."

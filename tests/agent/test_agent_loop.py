@@ -148,11 +148,11 @@ async def test_async_durability_overlaps_upload_with_next_model_call():
         def __getattr__(self, name):
             return getattr(self._inner, name)
 
-        def put_checkpoint(self, data, **kw):
+        def put_checkpoint(self, data, info, **kw):
             uploading.set()
             gate.wait(timeout=2)  # the upload "takes" until the model has been called again
             uploading.clear()
-            return self._inner.put_checkpoint(data, **kw)
+            return self._inner.put_checkpoint(data, info, **kw)
 
     class Watching(ScriptedModel):
         async def complete(self, request):

@@ -6,7 +6,8 @@ import sys
 import pytest
 
 from loomray.errors import LoomrayUserError, ModelConfigError
-from loomray.models.resolve import provider_for, resolve_model
+from loomray.models.names import provider_for
+from loomray.models.resolve import resolve_model
 from loomray.models.scripted import ScriptedModel
 
 needs_anthropic = pytest.mark.skipif(

@@ -1,0 +1,276 @@
+"""OpenTelemetry GenAI spans from a run's events (see :mod:`loomray.telemetry`, Traces).
+
+OpenTelemetry is an optional extra (``loomray[otel]``): it is imported when
+tracing is enabled, never at module level, so ``import loomray`` works without it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from importlib.metadata import version
+from typing import Any
+
+from loomray.events import (
+    CheckpointEvent,
+    CompactionEvent,
+    DeterminismViolation,
+    Event,
+    ModelCall,
+    ModelResponseEvent,
+    ReplayedStep,
+    RunEnd,
+    RunError,
+    RunStart,
+    ToolCallEvent,
+    ToolResultEvent,
+)
+from loomray.records import ToolCall
+from loomray.telemetry.registry import RunInfo, add_observer, observers, remove_observer
+
+log = logging.getLogger("loomray.telemetry")
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+def _ns(at: datetime) -> int:
+    """Nanoseconds since the epoch of a timezone-aware datetime (exact to the microsecond)."""
+    if at.tzinfo is None:
+        at = at.replace(tzinfo=timezone.utc)
+    return (at - _EPOCH) // timedelta(microseconds=1) * 1000
+
+
+def _version() -> str | None:
+    try:
+        return version("loomray")
+    except Exception:
+        return None
+
+
+@dataclass
+class _ModelStep:
+    """A model call whose span opened at ``model_call`` and closes at its ``model_response``."""
+
+    start_ns: int
+    turn: int
+    step_key: str | None
+
+
+@dataclass
+class _ToolStep:
+    """A tool call whose span opened at ``tool_call`` and closes at its ``tool_result``."""
+
+    start_ns: int
+    turn: int
+    call: ToolCall
+
+
+class _RunSpans:
+    """One run's ``invoke_agent`` span (None: its ``run_start`` was not seen) and its steps in flight."""
+
+    def __init__(self, span: Any) -> None:
+        self.span = span
+        self.model: dict[int, _ModelStep] = {}
+        self.tools: dict[str, _ToolStep] = {}
+
+
+class TracingObserver:
+    """Turns a run's events into OpenTelemetry GenAI spans (see the module docstring)."""
+
+    #: Runs whose spans are tracked at once; older ones (runs that never ended, e.g. cancelled) are forgotten.
+    MAX_RUNS = 4096
+
+    def __init__(self, tracer_provider: Any = None) -> None:
+        from opentelemetry import trace  # the optional extra: only once tracing is enabled
+
+        self._trace = trace
+        self.tracer_provider = tracer_provider
+        self._tracer = trace.get_tracer("loomray", _version(), tracer_provider=tracer_provider)
+        self._runs: OrderedDict[tuple[str, str | None], _RunSpans] = OrderedDict()
+        self._lock = threading.Lock()
+
+    # -- helpers
+
+    def _attrs(self, event: Event, info: RunInfo, **extra: Any) -> dict[str, Any]:
+        attrs = {
+            "gen_ai.conversation.id": event.session_id,
+            "loomray.session_id": event.session_id,
+            "loomray.run_id": event.run_id,
+            "loomray.epoch": info.epoch,
+            "loomray.turn": event.turn,
+            **extra,
+        }
+        return {k: v for k, v in attrs.items() if v is not None}
+
+    def _run(self, event: Event) -> _RunSpans | None:
+        with self._lock:
+            return self._runs.get((event.session_id, event.run_id))
+
+    def _pop_run(self, event: Event) -> _RunSpans | None:
+        with self._lock:
+            return self._runs.pop((event.session_id, event.run_id), None)
+
+    def _child(self, run: _RunSpans | None, name: str, kind: Any, start_ns: int, attrs: dict[str, Any]) -> Any:
+        context = self._trace.set_span_in_context(run.span) if run is not None and run.span is not None else None
+        return self._tracer.start_span(name, context=context, kind=kind, attributes=attrs, start_time=start_ns)
+
+    def _error(self, span: Any, error_type: str, description: str | None = None) -> None:
+        span.set_attribute("error.type", error_type)
+        span.set_status(self._trace.Status(self._trace.StatusCode.ERROR, description))
+
+    # -- the events
+
+    def on_event(self, event: Event, info: RunInfo) -> None:
+        if isinstance(event, RunStart):
+            self._run_start(event, info)
+        elif isinstance(event, ModelCall):
+            self._ensure(event).model[event.turn] = _ModelStep(_ns(event.at), event.turn, event.step_key)
+        elif isinstance(event, ModelResponseEvent):
+            self._model_response(event, info)
+        elif isinstance(event, ToolCallEvent):
+            self._ensure(event).tools[event.tool_call.id] = _ToolStep(_ns(event.at), event.turn, event.tool_call)
+        elif isinstance(event, ToolResultEvent):
+            self._tool_result(event, info)
+        elif isinstance(event, (CheckpointEvent, ReplayedStep, DeterminismViolation, CompactionEvent)):
+            current = self._run(event)
+            if current is not None and current.span is not None:
+                fields = event.model_dump(mode="json", exclude={"type", "session_id", "run_id", "at"})
+                current.span.add_event(f"loomray.{event.type}", {f"loomray.{k}": v for k, v in fields.items()
+                                                                 if isinstance(v, (str, bool, int, float))},
+                                       timestamp=_ns(event.at))
+        elif isinstance(event, RunEnd):
+            ended = self._pop_run(event)
+            if ended is not None and ended.span is not None:
+                span = ended.span
+                span.set_attribute("loomray.stop_reason", event.stop_reason)
+                span.set_attribute("loomray.model_calls", event.model_calls)
+                span.set_attribute("loomray.turns", event.turn)
+                span.end(end_time=_ns(event.at))
+        elif isinstance(event, RunError):
+            self._run_error(event, info)
+
+    def _ensure(self, event: Event) -> _RunSpans:
+        """The run's state; a run whose ``run_start`` this observer did not see gets one without a run span."""
+        key = (event.session_id, event.run_id)
+        with self._lock:
+            run = self._runs.get(key)
+            if run is None:
+                run = self._runs[key] = _RunSpans(None)
+                self._trim()
+            return run
+
+    def _trim(self) -> None:
+        while len(self._runs) > self.MAX_RUNS:
+            self._runs.popitem(last=False)
+
+    def _run_start(self, event: RunStart, info: RunInfo) -> None:
+        name = f"invoke_agent {info.agent_name}" if info.agent_name else "invoke_agent"
+        attrs = self._attrs(event, info, **{
+            "gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": info.agent_name,
+            "gen_ai.request.model": info.model, "gen_ai.provider.name": info.provider,
+            "loomray.run.kind": event.kind,
+            "loomray.restored_checkpoint_id": event.restored_checkpoint_id, "loomray.node_id": info.node_id,
+        })
+        # Parent: the span current where the run was started (the caller's, in process), if any.
+        span = self._tracer.start_span(name, kind=self._trace.SpanKind.INTERNAL, attributes=attrs,
+                                       start_time=_ns(event.at))
+        with self._lock:
+            old = self._runs.pop((event.session_id, event.run_id), None)
+            self._runs[(event.session_id, event.run_id)] = _RunSpans(span)
+            self._trim()
+        if old is not None and old.span is not None:  # a run_start without an end before it: not exported
+            log.debug("run %s of session %r started again before it ended", event.run_id, event.session_id)
+
+    def _model_response(self, event: ModelResponseEvent, info: RunInfo) -> None:
+        run = self._run(event)
+        pending = run.model.pop(event.turn, None) if run is not None else None
+        if event.replayed:
+            return  # answered from the journal: the call that really ran was traced when it ran
+        end = _ns(event.at)
+        u = event.usage
+        attrs = self._attrs(event, info, **{
+            "gen_ai.operation.name": "chat", "gen_ai.request.model": info.model,
+            "gen_ai.provider.name": info.provider, "gen_ai.agent.name": info.agent_name,
+            "gen_ai.usage.input_tokens": u.input_tokens, "gen_ai.usage.output_tokens": u.output_tokens,
+            "gen_ai.usage.cache_read.input_tokens": u.cache_read_tokens or None,
+            "gen_ai.usage.cache_creation.input_tokens": u.cache_write_tokens or None,
+            "loomray.usage.cost_usd": u.cost_usd, "loomray.step_key": pending.step_key if pending else None,
+            "loomray.tool_calls": len(event.message.tool_calls),
+        })
+        name = f"chat {info.model}" if info.model else "chat"
+        span = self._child(run, name, self._trace.SpanKind.CLIENT, pending.start_ns if pending else end, attrs)
+        span.end(end_time=end)
+
+    def _tool_span(self, run: _RunSpans | None, pending: _ToolStep, event: Event, info: RunInfo, name: str) -> Any:
+        call = pending.call
+        attrs = self._attrs(event, info, **{
+            "gen_ai.operation.name": "execute_tool", "gen_ai.tool.name": name, "gen_ai.tool.call.id": call.id,
+            "gen_ai.tool.type": "function", "gen_ai.agent.name": info.agent_name,
+            "loomray.turn": pending.turn,
+        })
+        return self._child(run, f"execute_tool {name}", self._trace.SpanKind.INTERNAL, pending.start_ns, attrs)
+
+    def _tool_result(self, event: ToolResultEvent, info: RunInfo) -> None:
+        run = self._run(event)
+        pending = run.tools.pop(event.tool_call_id, None) if run is not None else None
+        if event.replayed:
+            return
+        if pending is None:
+            pending = _ToolStep(_ns(event.at), event.turn, ToolCall(id=event.tool_call_id, name=event.name))
+        span = self._tool_span(run, pending, event, info, event.name)
+        if event.is_error:
+            self._error(span, "tool_error", event.content[:200])
+        span.end(end_time=_ns(event.at))
+
+    def _run_error(self, event: RunError, info: RunInfo) -> None:
+        run = self._pop_run(event)
+        if run is None:
+            return
+        end = _ns(event.at)
+        # Steps the failure interrupted: they started (e.g. the model call that raised), so they are traced.
+        for model_step in run.model.values():
+            attrs = self._attrs(event, info, **{
+                "gen_ai.operation.name": "chat", "gen_ai.request.model": info.model,
+                "gen_ai.provider.name": info.provider, "gen_ai.agent.name": info.agent_name,
+                "loomray.turn": model_step.turn, "loomray.step_key": model_step.step_key})
+            span = self._child(run, f"chat {info.model}" if info.model else "chat", self._trace.SpanKind.CLIENT,
+                               model_step.start_ns, attrs)
+            self._error(span, event.error_type, event.error)
+            span.end(end_time=end)
+        for tool_step in run.tools.values():
+            span = self._tool_span(run, tool_step, event, info, tool_step.call.name)
+            self._error(span, event.error_type, event.error)
+            span.end(end_time=end)
+        if run.span is not None:
+            self._error(run.span, event.error_type, event.error)
+            run.span.end(end_time=end)
+
+
+def enable_tracing(tracer_provider: Any = None) -> TracingObserver:
+    """Emit OpenTelemetry GenAI spans for the runs executed in this process; returns the observer.
+
+    ``tracer_provider`` defaults to the global one (``opentelemetry.trace.
+    set_tracer_provider``). Calling it again with the same provider returns the
+    observer already registered. Needs ``pip install 'loomray[otel]'``. Runs on
+    Ray execute in worker processes: call this there too, e.g. from a
+    ``runtime_env={"worker_process_setup_hook": ...}`` function.
+    """
+    try:
+        import opentelemetry.trace  # noqa: F401  - the optional extra: fail here, with the pip hint
+    except ImportError as e:
+        raise ImportError("loomray tracing needs OpenTelemetry: pip install 'loomray[otel]'") from e
+    for o in observers():
+        if isinstance(o, TracingObserver) and o.tracer_provider is tracer_provider:
+            return o
+    return add_observer(TracingObserver(tracer_provider))
+
+
+def disable_tracing() -> None:
+    """Unregister every tracing observer of this process (spans still open are dropped)."""
+    for o in observers():
+        if isinstance(o, TracingObserver):
+            remove_observer(o)
+
