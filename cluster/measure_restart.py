@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from loomray.testing import local_cluster
+from loomray.testing.cluster import local_cluster
 
 HERE = Path(__file__).resolve().parent
 AGENTS = HERE.parent / "tests" / "ray"
@@ -39,8 +39,7 @@ async def _until(predicate, timeout=60.0):
 async def _one(lc, runtime, agents, i: int) -> dict:
     import ray
 
-    from loomray.runtime.actors import NAMESPACE, session_actor_name
-    from loomray.runtime.ray_runtime import set_agent_ref
+    from loomray.runtime.actors import NAMESPACE, session_actor_name, set_agent_ref
 
     sid = f"measure-{i}"
     agent = copy.copy(agents.nodekill)

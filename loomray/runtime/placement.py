@@ -38,12 +38,15 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from loomray.runtime.actors import NAMESPACE, RuntimeConfig
+from loomray.runtime.actors import RuntimeConfig
+from loomray.runtime.connection import NAMESPACE
 from loomray.runtime.hosts import (
     HOST_PREFIX,
     ActivationHandle,
@@ -118,7 +121,7 @@ def hosts_wanted(node: dict[str, Any], config: RuntimeConfig) -> int:
 
 
 def pick(hosts: list[HostRecord], *, capacity: int, avoid_node: str | None = None,
-         exclude: set[str] = frozenset()) -> HostRecord | None:
+         exclude: AbstractSet[str] = frozenset()) -> HostRecord | None:
     """The host a new activation goes to, or None when every live host is full (pure; see the module doc)."""
     live = [h for h in hosts if h.alive and h.name not in exclude and h.load < capacity]
     if not live:
@@ -190,7 +193,8 @@ class HostPool:
         while True:
             host = await self._reserve(pool_key, options, config, avoid_node, tried)
             try:
-                await asyncio.wait_for(asyncio.shield(host.ready), max(0.1, deadline - time.monotonic()))
+                if host.ready is not None:  # set when the pool made or found the host
+                    await asyncio.wait_for(asyncio.shield(host.ready), max(0.1, deadline - time.monotonic()))
                 await host.handle.activate.remote(config, agent, request_json, events_to)
             except (ray.exceptions.RayActorError, asyncio.TimeoutError) as e:
                 # The host died, never came up, or is unreachable right now: place elsewhere.
@@ -268,8 +272,6 @@ class HostPool:
 
     def _create(self, pool_key: str, options: dict[str, Any], config: RuntimeConfig, *,
                 node_id: str | None) -> HostRecord:
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
         name = host_actor_name()
         opts = {**options, "name": name, "namespace": NAMESPACE, "lifetime": "detached", "max_restarts": 0,
                 "max_task_retries": 0,

@@ -21,88 +21,32 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 
+from loomray.agent import Agent
 from loomray.errors import LoomrayRunError, LoomrayUserError
+from loomray.events import EmitFn, deliver, event_from_dict
+from loomray.ids import new_id
 from loomray.records import RunResult
-from loomray.runtime.actors import (  # noqa: F401  (re-exported for callers of this module)
-    DEFAULT_STANDBY_ACTORS,
-    NAMESPACE,
-    SUPERVISOR_NAME,
-    AgentSpec,
-    Outcome,
-    RuntimeConfig,
-    agent_ref_allowed,
-    check_ref,
-    resolve_ref,
-    set_agent_ref,
-)
+from loomray.runtime.actors import DEFAULT_STANDBY_ACTORS, AgentSpec, Outcome, RuntimeConfig, agent_ref_allowed
 from loomray.runtime.base import Runtime
-from loomray.runtime.supervisor import Supervisor
-
-if TYPE_CHECKING:  # pragma: no cover
-    from loomray.agent import Agent
-    from loomray.events import EmitFn
-    from loomray.session import RunRequest
+from loomray.runtime.connection import connect, normalize_store_url
+from loomray.runtime.supervisor import get_supervisor
+from loomray.session import RunRequest
+from storage import open_store
 
 log = logging.getLogger("loomray.runtime.ray")
 
 #: How long a driver waits for a replacement supervisor to adopt its session.
 _READOPT_TIMEOUT_S = 60.0
-
-
-#: Serialises connecting: runs gathered on a fresh runtime reach ``connect`` from several threads at once.
-_CONNECT_LOCK = threading.Lock()
-
-
-def connect(address: str | None = None) -> None:
-    """Connect this process to Ray (``address``, else ``RAY_ADDRESS``, else a local instance) if not yet.
-
-    Safe to call from several threads at once: exactly one of them calls ``ray.init``.
-    """
-    if ray.is_initialized():
-        return
-    with _CONNECT_LOCK:
-        if not ray.is_initialized():
-            ray.init(address=address or os.environ.get("RAY_ADDRESS"), namespace=NAMESPACE, log_to_driver=False)
-
-
-def _head_node_id() -> str | None:
-    for node in ray.nodes():
-        if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
-            return node["NodeID"]
-    return None
-
-
-def get_supervisor(config: RuntimeConfig, *, timeout: float = 120.0) -> Any:
-    """The cluster's supervisor actor, created (detached, preferably on the head) if missing.
-
-    Raises :class:`LoomrayUserError` when the running supervisor serves another store.
-    """
-    options: dict[str, Any] = {
-        "name": SUPERVISOR_NAME, "namespace": NAMESPACE, "lifetime": "detached", "get_if_exists": True,
-        # Every session has a watcher here and every waiting driver a result() call in flight.
-        "num_cpus": 0, "max_restarts": -1, "max_concurrency": 100_000,
-    }
-    if _head_node_id() is not None:
-        # Worker nodes come and go; the head lives as long as the cluster. A resource,
-        # not soft node affinity: soft affinity to the head was measured landing on a
-        # worker about half the time, and a head re-created with a new node id (GCS
-        # fault tolerance) still carries this resource.
-        options["resources"] = {"node:__internal_head__": 0.001}
-    handle = ray.remote(Supervisor).options(**options).remote(config)
-    info = ray.get(handle.ready.remote(), timeout=timeout)
-    if info["store"] != config.store_url:
-        raise LoomrayUserError(
-            f"the loomray supervisor on this cluster serves store {info['store']!r}, not {config.store_url!r}")
-    return handle
 
 
 def supervise(store_url: str, *, address: str | None = None, storage_options: dict[str, Any] | None = None,
@@ -191,11 +135,7 @@ class RayRuntime(Runtime):
             raise TypeError("RayRuntime needs a store URL or path (actors on other nodes open it themselves)")
         if actor_options is not None and not isinstance(actor_options, dict):
             raise TypeError(f"actor_options must be a dict, got {type(actor_options).__name__}")
-        from storage import open_store
-
-        url = os.fspath(store)
-        if "://" not in url:
-            url = os.path.abspath(url)  # actors do not share the driver's working directory
+        url = normalize_store_url(store)  # actors do not share the driver's working directory
         super().__init__(open_store(url, **storage_options), max_checkpoints_per_session=max_checkpoints_per_session)
         self.address = address
         check_placement(placement, hosts_per_node, sessions_per_host)
@@ -284,10 +224,6 @@ class RayRuntime(Runtime):
 
     async def _pump_events(self, session_id: str, user_id: str | None, emit: EmitFn) -> None:
         """Deliver the session's events to ``emit`` until the run is over and they are all delivered."""
-        import json
-
-        from loomray.events import deliver, event_from_dict
-
         cursor = 0
         while True:
             handle = self._supervisor
@@ -314,8 +250,6 @@ class RayRuntime(Runtime):
         dict (``total``, ``queued``, ``running``, ``completed``, ``failed``,
         ``max_running``, ``limit``) whenever it changes.
         """
-        from loomray.ids import new_id
-
         spec = AgentSpec.of(agent, extra_tools)
         self._allow(spec)
         fanout_id = new_id("fanout")
@@ -338,6 +272,8 @@ class RayRuntime(Runtime):
         return [_result(o, r.session_id) for o, r in zip(outcomes, requests, strict=False)]
 
     async def _watch_fanout(self, fanout_id: str, run: asyncio.Task) -> None:
+        """Pass the fan-out's progress to ``on_fork_progress`` whenever it changes, until ``run`` ends."""
+        report = self.on_fork_progress
         last = None
         while True:
             done = run.done()
@@ -346,9 +282,9 @@ class RayRuntime(Runtime):
             except Exception as e:
                 log.warning("fan-out progress unavailable: %s", e)
                 return
-            if progress is not None and progress != last:
+            if progress is not None and progress != last and report is not None:
                 last = progress
-                result = self.on_fork_progress(progress)
+                result = report(progress)
                 if asyncio.iscoroutine(result):
                     await result
             if done:
@@ -370,9 +306,6 @@ class RayRuntime(Runtime):
         A reference that does not import, or names no Agent, raises
         :class:`LoomrayUserError` here.
         """
-        from loomray.ids import new_id
-        from loomray.session import RunRequest
-
         if not resume and not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
         request = RunRequest(kind="resume" if resume else "run", prompt=prompt,

@@ -40,8 +40,8 @@ def supervisor(tmp_path, monkeypatch):
             sup.watched.append(w)
 
         monkeypatch.setattr(ray, "get_actor", no_actor)
-        monkeypatch.setattr(sup, "_live_handle", no_handle, raising=False)
-        sup._watch = watch
+        monkeypatch.setattr(sup._watcher, "attach", no_handle)
+        monkeypatch.setattr(sup._watcher, "watch", watch)
         sup.watched = []
         return sup
 
@@ -125,7 +125,7 @@ async def test_path08_submitted_and_operator_allowed_references(tmp_path):
     rt._allow(AgentSpec(ref="ops.x:agent"))  # already covered by a pattern
     assert rt.config.allowed_agents == ("ops.*:agent", "mine.agents:agent")
     sup = Supervisor(rt.config)
-    assert sup._allows("mine.agents:agent") and not sup._allows("evil:agent")
+    assert sup._adoption.allows("mine.agents:agent") and not sup._adoption.allows("evil:agent")
     sup.allow(["evil:agent"])  # what ready(allow=...) does for `loomray supervise --allow-agent`
-    assert sup._allows("evil:agent")
+    assert sup._adoption.allows("evil:agent")
     rt.close()

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from loomray.testing import local_cluster, wait_for
+from loomray.testing import wait_for
+from loomray.testing.cluster import local_cluster
 
 ray = pytest.importorskip("ray")
 
@@ -170,7 +171,7 @@ async def test_a_replacement_supervisor_attaches_to_a_session_on_a_standby(env):
 
 async def test_claim_prefers_warm_standbys_off_the_avoided_node(monkeypatch):
     from loomray.runtime.actors import RuntimeConfig, standby_options
-    from loomray.runtime.supervisor import StandbyPool, _Standby
+    from loomray.runtime.standby import Standby, StandbyPool
 
     config = RuntimeConfig(store_url="/tmp/x", actor_options={"resources": {"gpu_box": 1}})
     key = standby_options(config)[0]
@@ -186,7 +187,7 @@ async def test_claim_prefers_warm_standbys_off_the_avoided_node(monkeypatch):
             fut.set_result(None)
         elif state == "failed":
             fut.set_exception(RuntimeError("died"))
-        return _Standby(name, key, handle=None, ready=fut, node_id=node)
+        return Standby(name, key, handle=None, ready=fut, node_id=node)
 
     pool._free[key] = [standby("failed", "b", "failed"), standby("starting", None, "starting"),
                        standby("on-a", "a", "warm"), standby("on-gone-node", "c", "warm"), standby("on-b", "b", "warm")]

@@ -1,4 +1,4 @@
-"""loomray.testing.local_cluster: loopback nodes, pinning, node removal, clean teardown.
+"""loomray.testing.cluster.local_cluster: loopback nodes, pinning, node removal, clean teardown.
 
 One 3-node cluster for the whole module (a start costs ~5 s on CI's 2 cores).
 """
@@ -8,7 +8,8 @@ import warnings
 
 import pytest
 
-from loomray.testing import local_cluster, node_resource, pid_alive, wait_for, wait_until_dead
+from loomray.testing import pid_alive, wait_for
+from loomray.testing.cluster import local_cluster, node_resource, wait_until_dead
 
 ray = pytest.importorskip("ray")
 

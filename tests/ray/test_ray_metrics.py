@@ -245,7 +245,7 @@ def cluster_run(tmp_path_factory):
     """One cluster, one session (3 passes, a checkpoint after each) run by a session actor."""
     pytest.importorskip("opentelemetry.sdk")
     from loomray.runtime import RayRuntime
-    from loomray.testing import local_cluster
+    from loomray.testing.cluster import local_cluster
 
     root = tmp_path_factory.mktemp("ray-metrics")
     (root / "telemetry").mkdir()

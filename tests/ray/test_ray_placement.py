@@ -147,8 +147,8 @@ async def test_periodic_pass_reads_only_active_sessions(tmp_path, monkeypatch):
     # A stale mark: its session finished after it was marked (a supervisor died before clearing it).
     store.put_active("done-00001", data=json.dumps({"since": (now - timedelta(hours=1)).isoformat()}).encode())
 
+    monkeypatch.setattr(RuntimeConfig, "open_store", lambda self: store)
     sup = Supervisor(RuntimeConfig(store_url=str(root), allowed_agents=("m.agents:*",)))
-    sup._store = store
     monkeypatch.setattr(ray, "nodes", lambda: [{"NodeID": "node-1", "Alive": True}])
     watched = []
 
@@ -158,8 +158,8 @@ async def test_periodic_pass_reads_only_active_sessions(tmp_path, monkeypatch):
     async def watch(w):
         watched.append(w)  # the session stays watched: its done future never resolves here
 
-    monkeypatch.setattr(sup, "_live_handle", no_handle)
-    sup._watch = watch
+    monkeypatch.setattr(sup._watcher, "attach", no_handle)
+    monkeypatch.setattr(sup._watcher, "watch", watch)
 
     objects.reset()
     adopted = await sup._adopt()
@@ -199,7 +199,7 @@ def test_a_frozen_executor_finishes_what_it_took_and_starts_nothing_new():
     """What a host or session actor does when its raylet dies: the writes under way land, no new one starts."""
     import threading
 
-    from loomray.runtime.hosts import DrainableExecutor, raylet_pid
+    from loomray.runtime.raylet_watch import DrainableExecutor, raylet_pid
 
     assert raylet_pid() is None  # this test process was not started by a raylet: no watchdog here
     release, ran = threading.Event(), []

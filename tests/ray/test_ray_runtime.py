@@ -25,7 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from loomray.testing import local_cluster, pid_alive, wait_for
+from loomray.testing import pid_alive, wait_for
+from loomray.testing.cluster import local_cluster
 
 ray = pytest.importorskip("ray")
 
@@ -78,7 +79,7 @@ def placed(request, env):
 
 def _driver_agent(agent, ref, runtime):
     """The test's handle on a ``ray_agents`` agent: same config, the Ray runtime, and its reference."""
-    from loomray.runtime.ray_runtime import set_agent_ref
+    from loomray.runtime.actors import set_agent_ref
 
     mine = copy.copy(agent)
     mine.runtime = runtime

@@ -12,11 +12,13 @@ pytest.importorskip("ray")
 
 from loomray.errors import LoomrayUserError  # noqa: E402
 from loomray.runtime.actors import AgentSpec, RuntimeConfig, check_ref, set_agent_ref  # noqa: E402
-from loomray.runtime.supervisor import EVENT_BUFFER, Supervisor, _EventLog, _Watched  # noqa: E402
+from loomray.runtime.event_relay import EVENT_BUFFER, EventLog  # noqa: E402
+from loomray.runtime.supervisor import Supervisor  # noqa: E402
+from loomray.runtime.watcher import WatchedSession  # noqa: E402
 
 
 def _watched(sid, finished_at=None):
-    w = _Watched(sid, None, "{}", AgentSpec(ref="m:a"), done=asyncio.get_running_loop().create_future())
+    w = WatchedSession(sid, None, "{}", AgentSpec(ref="m:a"), done=asyncio.get_running_loop().create_future())
     if finished_at is not None:
         w.finished_at = finished_at
         w.done.set_result(None)
@@ -28,14 +30,14 @@ async def test_finished_sessions_are_forgotten_after_a_while(tmp_path):
     now = time.monotonic()
     for sid, at in (("old", now - 61), ("recent", now - 1), ("running", None)):
         sup._sessions[(None, sid)] = _watched(sid, at)
-        sup._events[(None, sid)] = _EventLog()
+        sup._events.logs[(None, sid)] = EventLog()
     sup._forget()
     assert set(k[1] for k in sup._sessions) == {"recent", "running"}
-    assert set(k[1] for k in sup._events) == {"recent", "running"}
+    assert set(k[1] for k in sup._events.logs) == {"recent", "running"}
 
 
 async def test_event_log_is_bounded_and_reports_what_was_dropped():
-    log = _EventLog()
+    log = EventLog()
     log.extend([str(i) for i in range(EVENT_BUFFER + 5)])
     events, cursor, dropped = log.since(0)
     assert dropped == 5 and events[0] == "5" and cursor == EVENT_BUFFER + 5

@@ -1,0 +1,133 @@
+"""Adoption: which active sessions of the store a supervisor takes over, and which it refuses.
+
+A supervisor's state is derived, never authoritative: on first use, when
+``supervise()`` asks, and every ``reconcile_interval_s`` it adopts every
+session marked active in the store (:mod:`loomray.runtime.active`) whose
+``pending``/``running`` row a Ray actor owned (``node_id`` set) and whose
+epoch is still the session's current one, attaching to the live actor or
+restarting it the way it ran. So a killed supervisor, or one on a new cluster
+pointed at the same store, picks up every active session.
+
+The store is not trusted to choose code or targets: a session is restarted
+only when its agent reference is allowed here (the operator's patterns, and
+every reference submitted to this supervisor) and its stored request is for
+the very session and user it is stored under. A refused session is marked
+failed with the reason, so it is not tried again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from loomray.records import utcnow
+from loomray.runtime import active
+from loomray.runtime.actors import AgentSpec, RuntimeConfig, agent_ref_allowed, check_pattern
+from loomray.runtime.watcher import WatchedSession
+from loomray.session import RunRequest
+from storage import SessionRow
+
+log = logging.getLogger("loomray.runtime.adoption")
+
+
+def same_request(a: str, b: str) -> bool:
+    """Two run requests as JSON are the same request (whatever their key order or spacing)."""
+    try:
+        return json.loads(a) == json.loads(b)
+    except ValueError:
+        return a == b
+
+
+class AdoptionPolicy:
+    """Decides, row by row, whether the supervisor takes over an active session of the store."""
+
+    def __init__(self, config: RuntimeConfig, store: Any) -> None:
+        self._config = config
+        self._store = store
+        #: Agent reference patterns adopted sessions may use: the config's, the operator's, and every
+        #: reference submitted here.
+        self._allowed: set[str] = set(config.allowed_agents)
+
+    def allow(self, patterns: Iterable[str]) -> None:
+        """Allow more agent references (patterns as in ``RuntimeConfig.allowed_agents``) for adopted sessions."""
+        self._allowed.update(check_pattern(p) for p in patterns)
+
+    def allows(self, ref: str) -> bool:
+        """Whether an adopted session may import agent reference ``ref``."""
+        return agent_ref_allowed(ref, self._allowed)
+
+    async def review(self, row: SessionRow, placement: str | None, current: WatchedSession | None,
+                     known_nodes: set[str] | None) -> WatchedSession | None:
+        """The session to watch for ``row``, or None when it is not this supervisor's to restart.
+
+        ``current`` is what the supervisor holds for the session; ``placement``
+        the one its active mark names; ``known_nodes`` the nodes of this
+        cluster (None: take sessions of any cluster, see ``Supervisor``).
+        """
+        # node_id is set only by a Ray session actor: rows of in-process runtimes are not ours.
+        if (current is not None and not current.done.done()) or not row.node_id:
+            return None
+        if known_nodes is not None and row.node_id not in known_nodes:
+            return None  # another cluster's session: restarting it here would fence it
+        # The request lives in the run's record, beside the session's objects (never in the index).
+        request_json = await asyncio.to_thread(self.request_of, row)
+        if request_json is None:
+            return None
+        if current is not None and same_request(current.request_json, request_json):
+            return None  # we finished this very run; the row is only behind
+        # A newer lease than the row's means a live owner elsewhere took over: not ours to restart.
+        if row.epoch < await asyncio.to_thread(self._store.current_epoch, row.session_id, user_id=row.user_id):
+            return None
+        refusal = self.refusal(row, request_json)
+        if refusal is not None:
+            await self.refuse(row, refusal)
+            return None
+        agent = AgentSpec(ref=row.agent_ref) if row.agent_ref else None
+        w = WatchedSession(row.session_id, row.user_id, request_json, agent, last_node=row.node_id, epoch=row.epoch)
+        placement = placement or self._config.placement
+        if placement != self._config.placement:
+            w.config = dataclasses.replace(self._config, placement=placement)  # restart it the way it ran
+        return w
+
+    def request_of(self, row: SessionRow) -> str | None:
+        """The JSON run request of the run ``row`` reports, or None (not known yet: try next pass).
+
+        It is the request in the session's last run record when that record is
+        the row's run; a session written before run records keeps it in the row.
+        """
+        record = self._store.last_run(row.session_id, user_id=row.user_id)
+        if record is not None:
+            if record.run_id != row.run_id or not record.request:
+                return None  # a newer run started and its row is not written yet, or nothing to re-run
+            return json.dumps(record.request)
+        return row.spec_json or None
+
+    def refusal(self, row: SessionRow, request_json: str) -> str | None:
+        """Why a session read from the store must not be restarted here, or None (see the module docstring)."""
+        try:
+            request = RunRequest.model_validate_json(request_json)
+        except ValueError as e:
+            return f"its stored run request is unreadable: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        if (request.session_id, request.user_id) != (row.session_id, row.user_id):
+            return (f"its stored run request is for session {request.session_id!r} (user {request.user_id!r}), "
+                    f"not for the session it is stored under")
+        if row.agent_ref and not self.allows(row.agent_ref):
+            return (f"agent reference {row.agent_ref!r} is not allowed on this supervisor "
+                    "(allow it with `loomray supervise --allow-agent` or RayRuntime(allowed_agents=...))")
+        return None
+
+    async def refuse(self, row: SessionRow, reason: str) -> None:
+        """Log the refusal and mark the session failed with it (it is not adopted, and not retried)."""
+        log.warning("supervisor refuses to restart session %r (user %r): %s", row.session_id, row.user_id, reason)
+        failed = SessionRow(session_id=row.session_id, user_id=row.user_id, status="failed", updated_at=utcnow(),
+                            run_id=row.run_id, agent_ref=row.agent_ref, epoch=row.epoch, node_id=row.node_id,
+                            error=f"refused by the supervisor: {reason}")
+        try:
+            await asyncio.to_thread(self._store.put_session, failed)
+        except Exception as e:
+            log.warning("could not mark session %r failed: %s", row.session_id, e)
+        await active.clear(self._store, row.session_id, row.user_id)

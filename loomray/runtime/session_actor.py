@@ -1,0 +1,355 @@
+"""The session actor: one Ray actor (one worker process) hosting one session's run.
+
+What travels to it (config, agent spec, outcome) is in
+:mod:`loomray.runtime.actors`; the detached ``Supervisor`` that owns the
+session actors lives in :mod:`loomray.runtime.supervisor`.
+
+How the pieces fit (docs/ray-notes.md has the measurements behind the choices):
+
+- A **SessionActor** hosts one run. Its constructor opens the store from a URL
+  plus options and loads the agent (by an importable ``module:attr`` reference
+  or by value); ``run()`` calls :func:`loomray.session.execute_request`, which
+  takes the session lease (epoch + 1), restores the latest checkpoint of an
+  unfinished run and answers journaled steps without calling the model again.
+  ``run()`` is idempotent: a second call joins the run in flight, which is how
+  a watcher re-attaches after ``ActorUnavailableError`` or a supervisor restart.
+  Session actors are *detached* and ``max_restarts=0``: they outlive the driver
+  and the supervisor, and only the supervisor restarts them, so every restart
+  is a fresh lease epoch decided in one place.
+- The **Supervisor** (detached, ``loomray:supervisor``) starts session actors,
+  watches each by awaiting its ``run()`` ObjectRef, and on ``ActorDiedError``
+  starts a new incarnation, preferring a live node other than the dead one.
+  Its state is derived from the store's session index: on start it adopts
+  every ``pending``/``running`` row that a Ray actor owned (``node_id`` set),
+  attaching to the live actor by name or restarting it.
+- **Standbys**: with ``standby_actors`` (default 8) the supervisor keeps that
+  many SessionActors started ahead of need (process up, imports done, store
+  open; ``loomray/standby/...``). A starting session claims one and
+  ``begin()`` makes it that session's actor, so a burst of forks does not
+  wait for worker processes (~0.6 s of CPU each) to start; a claimed standby
+  serves its one session only, exactly like an actor started for it.
+- **Fencing**: an incarnation that loses the lease gets ``LeaseLostError`` on its
+  next write; ``run()`` returns outcome ``fenced`` and the supervisor stops the
+  actor without restarting it (a newer owner exists).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+import ray
+from ray import cloudpickle
+
+from loomray.records import load_checkpoint
+from loomray.runtime.actors import (
+    NAMESPACE,
+    STANDBY_CHECK_S,
+    STANDBY_ORPHAN_CHECKS,
+    SUPERVISOR_NAME,
+    AgentSpec,
+    Outcome,
+    RuntimeConfig,
+    json_key,
+)
+from loomray.runtime.raylet_watch import node_lost, watch_raylet
+from loomray.session import RunRequest, execute_request
+from storage.errors import LeaseLostError
+
+log = logging.getLogger("loomray.runtime.session_actor")
+
+def _portable(e: BaseException) -> BaseException | None:
+    """``e`` if it can cross to another process (Ray pickles it), else None."""
+    try:
+        cloudpickle.loads(cloudpickle.dumps(e))
+    except Exception:
+        return None
+    return e
+
+
+class SessionActor:
+    """Hosts one session's run. Created by the Supervisor, never restarted by Ray.
+
+    ``request_json`` is a :class:`loomray.session.RunRequest` as JSON. The
+    constructor does the cheap, failure-prone parts (store, agent, request) so
+    a bad configuration fails actor creation with a clear error. With
+    ``events_to`` (the supervisor's handle) every event of the run is sent
+    there in ordered batches, for a driver that passed ``emit``; the batches
+    still in flight are flushed before ``run()`` returns.
+
+    **Standby.** Built with ``standby_pool`` (the supervisor's pool key) and no
+    request, the actor is a *standby*: its process is up, loomray and the
+    store's modules are imported and the store is open, but it hosts nothing.
+    :meth:`begin` (called once, by the supervisor) makes it the actor of one
+    session, doing what the constructor would have done; from then on it is
+    an ordinary session actor, for that session only: a standby that took a
+    session's agent or request never serves another one (it exits when that
+    session ends, or when ``begin`` fails). A standby that finds no supervisor
+    on the cluster for ``STANDBY_ORPHAN_CHECKS`` checks in a row exits.
+    """
+
+    def __init__(self, config: RuntimeConfig, agent: AgentSpec | None = None, request_json: str | None = None,
+                 events_to: Any = None, store: Any = None, *, standby_pool: str | None = None) -> None:
+        ctx = ray.get_runtime_context()
+        self._node_id = ctx.get_node_id()
+        self._owner = f"ray:{ctx.get_actor_id()}@{self._node_id[:12]}:{os.getpid()}"
+        self._config = config
+        self._store = store
+        self._request: Any = None
+        self._request_json: str | None = None
+        self._standby_pool = standby_pool
+        #: Set by :meth:`begin` before anything of the session is loaded: never reused after that.
+        self._claimed = False
+        self._standby_watch: asyncio.Task | None = None
+        self._task: asyncio.Task | None = None
+        self._started = time.time()
+        self._events_to = events_to
+        self._pending: list[str] = []
+        self._flushing: asyncio.Task | None = None
+        self._turn = 0
+        self._checkpoint_turn: int | None = None
+        self._epoch: int | None = None
+        self._epoch_task: asyncio.Task | None = None
+        self._events = 0
+        #: The session's latest checkpoint, read and validated here so an unreadable one fails the
+        #: constructor (typed error, no restart loop) and status knows the turn before the run starts.
+        #: ``run()`` restores it into the loop (after taking the lease) through ``execute_request``.
+        self._restored_turn: int | None = None
+        self._restored_checkpoint_id: str | None = None
+        if request_json is None:
+            if standby_pool is None or agent is not None:
+                raise ValueError("a SessionActor needs a request, or standby_pool and nothing else")
+            self._warm_up()
+            return
+        self._load(config, agent, request_json, events_to, store)
+
+    def _load(self, config: RuntimeConfig, agent: AgentSpec | None, request_json: str, events_to: Any,
+              store: Any) -> None:
+        """Take on the session: agent, request, store, its latest checkpoint (the constructor's failure-prone part)."""
+        if agent is None:
+            raise ValueError("a session actor needs its agent")
+        self._config = config
+        self._agent_spec = agent
+        self._agent, self._extra_tools = agent.load()
+        self._request = RunRequest.model_validate_json(request_json)
+        self._request_json = request_json
+        # A dense host passes the store it shares among its sessions (loomray.runtime.hosts); a
+        # standby passes the one it opened while it waited.
+        self._store = config.open_store() if store is None else store
+        self._events_to = events_to
+        self._started = time.time()
+        ckpt = load_checkpoint(self._store, self._request.session_id, "latest", user_id=self._request.user_id)
+        if ckpt is not None:
+            self._restored_turn, self._restored_checkpoint_id = ckpt.turn, ckpt.checkpoint_id
+            self._turn = ckpt.turn
+
+    # -- standby -------------------------------------------------------------------
+    def _warm_up(self) -> None:
+        """Pay now what a session's start would: the open store (this module imported the run's path)."""
+        self._store = self._config.open_store()
+        self._warm_store = _store_key(self._config)
+
+    async def standby(self) -> dict[str, Any]:
+        """This actor as a standby: its pool key, node, pid, and (once claimed) its session.
+
+        The supervisor awaits it after creating a standby (it returns once the
+        process is warm) and when it finds standbys after a restart. The first
+        call starts the check that ends an orphaned standby.
+        """
+        if self._standby_watch is None and not self._claimed and self._standby_pool is not None:
+            self._standby_watch = asyncio.get_running_loop().create_task(self._orphan_watch())
+        return {"pool": self._standby_pool, "node_id": self._node_id, "pid": os.getpid(), "claimed": self._claimed,
+                "session_id": None if self._request is None else self._request.session_id,
+                "user_id": None if self._request is None else self._request.user_id,
+                "finished": self._task is not None and self._task.done()}
+
+    async def _orphan_watch(self) -> None:
+        missed = 0
+        while not self._claimed:
+            await asyncio.sleep(STANDBY_CHECK_S)
+            if self._claimed:
+                return
+            try:
+                await asyncio.to_thread(ray.get_actor, SUPERVISOR_NAME, NAMESPACE)
+                missed = 0
+            except ValueError:
+                missed += 1
+            except Exception:  # GCS briefly unreachable: not evidence of anything
+                continue
+            if missed >= STANDBY_ORPHAN_CHECKS and not self._claimed:
+                log.info("standby %s: no supervisor on the cluster; exiting", self._owner)
+                _kill_self()
+                return
+
+    async def begin(self, config: RuntimeConfig, agent: AgentSpec, request_json: str,
+                    events_to: Any = None) -> dict[str, Any]:
+        """Make this standby the actor of the session ``request_json`` (once; then it is a session actor).
+
+        Raises what the constructor would (bad agent, unreadable checkpoint);
+        the supervisor then discards this process and starts the session the
+        ordinary way, which reports the error.
+        """
+        if self._claimed or self._standby_pool is None:
+            raise RuntimeError("this actor is not an unclaimed standby")
+        self._claimed = True
+        if self._standby_watch is not None:
+            self._standby_watch.cancel()
+        warm = self._store if getattr(self, "_warm_store", None) == _store_key(config) else None
+        if warm is None and self._store is not None:
+            close = getattr(self._store, "close", None)
+            if close is not None:
+                close()
+        self._load(config, agent, request_json, events_to, warm)
+        return {"node_id": self._node_id, "pid": os.getpid(), "owner": self._owner}
+
+    async def run(self) -> Outcome:
+        """Run (or join the run in flight) and return its outcome. Never raises for a run's failure."""
+        if self._request is None:
+            raise RuntimeError("a standby has no session to run (begin() first)")
+        if self._task is None:
+            # Stop and exit as soon as this node's raylet dies rather than run on for ~2 s as a zombie
+            # (created first: it installs the executor the run's writes go through).
+            self._watchdog = asyncio.get_running_loop().create_task(watch_raylet(self._run_tasks))
+            self._task = asyncio.get_running_loop().create_task(self._execute())
+        outcome = await asyncio.shield(self._task)
+        if node_lost():  # stopped because this node is lost: never answer; the caller sees this actor die
+            await asyncio.Event().wait()
+        watchdog = getattr(self, "_watchdog", None)
+        if watchdog is not None:
+            watchdog.cancel()  # the run is over: nothing left to stop
+        return outcome
+
+    def _run_tasks(self) -> list[asyncio.Task]:
+        """The run's task, for :func:`watch_raylet` to cancel when this node is lost."""
+        return [] if self._task is None else [self._task]
+
+    async def _execute(self) -> Outcome:
+        try:
+            result = await execute_request(
+                self._agent, self._request, self._store,
+                max_checkpoints_per_session=self._config.max_checkpoints_per_session,
+                extra_tools=self._extra_tools, owner=self._owner, emit=self._on_event,
+                agent_ref=self._agent_spec.ref, node_id=self._node_id,
+            )
+            outcome = Outcome(status="completed", result_json=result.model_dump_json(), turn=result.turns,
+                              node_id=self._node_id)
+        except LeaseLostError as e:
+            # A newer incarnation (or another runtime) owns the session: stop, write nothing more.
+            log.warning("session %r fenced on node %s: %s", self._request.session_id, self._node_id, e)
+            outcome = Outcome(status="fenced", error=str(e), error_type=type(e).__name__, exception=_portable(e),
+                              node_id=self._node_id)
+        except asyncio.CancelledError:
+            outcome = Outcome(status="cancelled", node_id=self._node_id)
+        except Exception as e:  # the run's own failure: reported, never retried (it would fail again)
+            outcome = Outcome(status="failed", error=f"{type(e).__name__}: {e}", error_type=type(e).__name__,
+                              exception=_portable(e), node_id=self._node_id)
+        if self._epoch_task is not None:
+            await asyncio.wait([self._epoch_task], timeout=10)
+        outcome.epoch = self._epoch
+        if outcome.turn is None:
+            outcome.turn = self._turn
+        await self._flush_all()
+        # Nobody may come to collect (a supervisor mid-restart): do not linger forever as a detached actor.
+        self._schedule_linger()
+        return outcome
+
+    def _schedule_linger(self) -> None:
+        """After the outcome: exit in ``linger_s`` unless collected first (a host overrides this)."""
+        asyncio.get_running_loop().call_later(self._config.linger_s, _kill_self)
+
+    # -- events ------------------------------------------------------------------
+    async def _on_event(self, event: Any) -> None:
+        self._events += 1
+        self._turn = event.turn
+        if event.type == "checkpoint" and event.ok:
+            self._checkpoint_turn = event.turn
+        if event.type == "run_start" and self._epoch_task is None:
+            # The lease was taken just before the run started; read its epoch off the loop's path.
+            self._epoch_task = asyncio.get_running_loop().create_task(self._read_epoch())
+        if self._events_to is not None:
+            self._pending.append(event.model_dump_json())
+            if self._flushing is None or self._flushing.done():
+                self._flushing = asyncio.get_running_loop().create_task(self._flush())
+
+    async def _read_epoch(self) -> None:
+        try:
+            self._epoch = await asyncio.to_thread(self._store.current_epoch, self._request.session_id,
+                                                  user_id=self._request.user_id)
+        except Exception as e:  # only for status reports
+            log.debug("could not read the epoch of %r: %s", self._request.session_id, e)
+
+    async def _flush(self) -> None:
+        """Send pending events in order, one batch at a time (the loop never waits for this)."""
+        while self._pending:
+            batch, self._pending = self._pending, []
+            try:
+                await self._events_to.push_events.remote(self._request.session_id, self._request.user_id, batch)
+            except Exception as e:  # the driver's stream is best-effort; the run does not depend on it
+                log.warning("dropped %d event(s) of %r: %s", len(batch), self._request.session_id, e)
+                try:  # a supervisor re-created under its name gets the next batches
+                    self._events_to = ray.get_actor(SUPERVISOR_NAME, namespace=NAMESPACE)
+                except ValueError:
+                    pass
+
+    async def _flush_all(self) -> None:
+        if self._events_to is None:
+            return
+        try:
+            if self._flushing is not None:
+                await asyncio.wait_for(asyncio.shield(self._flushing), timeout=10)
+            await asyncio.wait_for(self._flush(), timeout=10)
+        except asyncio.TimeoutError:
+            log.warning("event stream of %r did not drain in 10 s", self._request.session_id)
+
+    # -- queries -------------------------------------------------------------------
+    async def progress(self) -> dict[str, Any]:
+        """Cheap live status: passes completed, the turn of the latest checkpoint written, epoch, node."""
+        return {"turn": self._turn, "checkpoint_turn": self._checkpoint_turn, "epoch": self._epoch,
+                "restored_turn": self._restored_turn, "restored_checkpoint_id": self._restored_checkpoint_id,
+                "node_id": self._node_id, "events": self._events,
+                "finished": self._task is not None and self._task.done()}
+
+    async def info(self) -> dict[str, Any]:
+        """Where and what this incarnation is (for status and tests)."""
+        return {"session_id": None if self._request is None else self._request.session_id,
+                "user_id": None if self._request is None else self._request.user_id,
+                "request_json": self._request_json,
+                "node_id": self._node_id, "pid": os.getpid(), "owner": self._owner,
+                "finished": self._task is not None and self._task.done(), "started": self._started}
+
+    async def cancel(self) -> None:
+        """Stop the run in flight (its last checkpoint stays; it can be resumed)."""
+        if self._task is not None:
+            self._task.cancel()
+
+    def stop(self) -> None:
+        """Exit this actor process cleanly (called once its outcome is collected)."""
+        close = getattr(self._store, "close", None)
+        if close is not None:
+            close()
+        ray.actor.exit_actor()
+
+
+def _store_key(config: RuntimeConfig) -> str:
+    """What identifies an open store: its URL and options."""
+    return json_key([config.store_url, config.storage_options])
+
+
+def _kill_self() -> None:
+    """End this actor for good (a detached actor nobody collects would live forever)."""
+    ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+
+#: ``ray.remote(SessionActor)``, made once per process by :func:`session_actor_class`.
+_REMOTE_CLASS: Any = None
+
+
+def session_actor_class() -> Any:
+    """``ray.remote(SessionActor)``, made once per process (each new ActorClass exports the class again)."""
+    global _REMOTE_CLASS
+    if _REMOTE_CLASS is None:
+        _REMOTE_CLASS = ray.remote(SessionActor)
+    return _REMOTE_CLASS

@@ -1,0 +1,271 @@
+"""Watching sessions: start a session's actor, await its run, restart it where it died, record its end.
+
+The supervisor watches each session by awaiting its actor's ``run()``
+ObjectRef. A session starts on a standby actor of the :class:`StandbyPool`
+when one is free (actor placement), else in an actor of its own, or as an
+activation on a session host (dense placement, :mod:`loomray.runtime.placement`).
+When the actor dies (``ActorDiedError``: its node, OOM, a kill) the watcher
+starts a new incarnation from the store, preferring a live node other than
+the dead one; the new lease epoch fences a partitioned old incarnation. An
+actor that failed to construct, an agent passed by value whose actor is gone
+and a session past ``max_restarts_per_session`` are marked failed instead:
+restarting them would fail again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from loomray import telemetry
+from loomray.errors import LoomrayRunError
+from loomray.records import utcnow
+from loomray.runtime import active
+from loomray.runtime.actors import AgentSpec, Outcome, RuntimeConfig, session_actor_name, session_actor_options
+from loomray.runtime.connection import NAMESPACE
+from loomray.runtime.placement import HostPool
+from loomray.runtime.session_actor import session_actor_class
+from loomray.runtime.standby import STANDBY_BEGIN_TIMEOUT_S, StandbyPool
+from storage import SessionRow
+
+log = logging.getLogger("loomray.runtime.watcher")
+
+
+def _new_outcome_future() -> asyncio.Future[Outcome]:
+    """A session's outcome, to come (made in the supervisor's event loop)."""
+    return asyncio.get_running_loop().create_future()
+
+
+@dataclass
+class WatchedSession:
+    """The supervisor's view of one session."""
+
+    session_id: str
+    user_id: str | None
+    request_json: str
+    agent: AgentSpec | None
+    handle: Any = None
+    incarnation: int = 0
+    last_node: str | None = None
+    #: Resolves with the session's :class:`Outcome` once its run ended (or it was given up).
+    done: asyncio.Future[Outcome] = field(default_factory=_new_outcome_future)
+    task: asyncio.Task | None = None
+    stream_events: bool = False
+    epoch: int | None = None
+    turn: int | None = None
+    #: The submitting runtime's config (retention, actor options); None = the supervisor's.
+    config: RuntimeConfig | None = None
+    finished_at: float | None = None
+    error: str | None = None
+    #: The actor hosting it: its own session actor, or (dense placement) a session host.
+    host: str | None = None
+
+
+class SessionWatcher:
+    """Starts, watches and restarts one supervisor's sessions (see the module docstring)."""
+
+    def __init__(self, config: RuntimeConfig, store: Any) -> None:
+        self._config = config
+        self._store = store
+        #: Starts made by watchers (a lost actor replaced, an adopted session whose actor was gone).
+        self.restarts = 0
+        #: Session hosts for dense placement, made on first use.
+        self._hosts: HostPool | None = None
+        #: Standby session actors for actor placement (``RuntimeConfig.standby_actors``), made on first use.
+        self._standby: StandbyPool | None = None
+
+    def config_of(self, w: WatchedSession) -> RuntimeConfig:
+        """The config a session runs with: its submitting runtime's, else the supervisor's."""
+        return w.config or self._config
+
+    def standby_pool(self) -> StandbyPool:
+        """The actor placement's pool of standby session actors (created on first use)."""
+        if self._standby is None:
+            self._standby = StandbyPool()
+        return self._standby
+
+    def host_pool(self) -> HostPool:
+        """The dense placement's host pool (created on first use, in the supervisor actor)."""
+        if self._hosts is None:
+            self._hosts = HostPool(ray.get_runtime_context().current_actor)
+        return self._hosts
+
+    # -- starting ----------------------------------------------------------------
+    async def start(self, w: WatchedSession, *, avoid_node: str | None) -> Any:
+        """Start the session's next incarnation (not on ``avoid_node`` if another can take it); its handle."""
+        if w.agent is None:
+            raise LoomrayRunError(
+                f"session {w.session_id!r} cannot be restarted: its agent was passed by value and its actor is "
+                "gone; submit it by reference (module:attr) to make it recoverable")
+        config = self.config_of(w)
+        if config.placement == "dense":  # an activation on a session host: no process start
+            activation = await self.host_pool().activate(config, w.agent, w.request_json, w.session_id, w.user_id,
+                                                          avoid_node=avoid_node, stream_events=w.stream_events)
+            w.incarnation += 1
+            w.host = activation.host_name
+            return activation
+        handle = await self._start_on_standby(w, config, avoid_node=avoid_node)
+        if handle is not None:
+            return handle
+        return await self._start_own_actor(w, config, avoid_node=avoid_node)
+
+    async def _start_own_actor(self, w: WatchedSession, config: RuntimeConfig, *, avoid_node: str | None) -> Any:
+        """Create the session's own actor, named after it; attach to one that runs this very request already."""
+        options = session_actor_options(config, w.session_id, w.user_id, avoid_node=avoid_node)
+        w.host = options["name"]
+        actor_cls = session_actor_class()
+        me = ray.get_runtime_context().current_actor
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                handle = actor_cls.options(**options).remote(config, w.agent, w.request_json,
+                                                             me if w.stream_events else None)
+                break
+            except ValueError as e:  # the name is held by another incarnation
+                existing = await self._existing(options["name"], w.request_json)
+                if existing is not None:
+                    return existing
+                if time.monotonic() > deadline:
+                    raise
+                log.info("actor name %s busy (%s); retrying", options["name"], e)
+                await asyncio.sleep(0.2)
+        w.incarnation += 1
+        return handle
+
+    async def _start_on_standby(self, w: WatchedSession, config: RuntimeConfig, *,
+                                avoid_node: str | None) -> Any | None:
+        """Give the session to a standby actor of the pool: its handle, or None (start one the ordinary way).
+
+        A standby that died or does not answer is discarded and the next one
+        tried. One whose ``begin`` raised (the session's agent or checkpoint
+        is unusable) is discarded too, and None makes the caller start the
+        session's own actor, whose constructor fails and reports it as always.
+        """
+        pool = self.standby_pool()
+        pool.want(config)  # the first session of a config starts its pool (0: none, or empties it)
+        if not config.standby_actors:
+            return None
+        me = ray.get_runtime_context().current_actor
+        while True:
+            s = pool.claim(config, avoid_node=avoid_node)
+            if s is None:
+                pool.stats["missed"] += 1
+                return None
+            # A standby still starting is waited for like a new actor would be; a warm one answers at once.
+            timeout = STANDBY_BEGIN_TIMEOUT_S if s.warm() else None
+            try:
+                await asyncio.wait_for(s.handle.begin.remote(config, w.agent, w.request_json,
+                                                             me if w.stream_events else None), timeout)
+            except (ray.exceptions.RayActorError, asyncio.TimeoutError) as e:
+                pool.discard(s, e)  # dead or unreachable: try the next one
+                continue
+            except Exception as e:
+                pool.discard(s, e)
+                return None
+            pool.stats["claimed"] += 1
+            w.incarnation += 1
+            w.host = s.name
+            return s.handle
+
+    async def _existing(self, name: str, request_json: str) -> Any | None:
+        """An actor already holding ``name``: attach if it runs this very request, else stop it.
+
+        A leftover from an earlier request of the same session (finished, not
+        yet collected) must not answer for this one.
+        """
+        try:
+            handle = ray.get_actor(name, namespace=NAMESPACE)
+            info = await handle.info.remote()
+        except (ValueError, ray.exceptions.RayActorError):
+            return None  # gone meanwhile; the caller retries creation
+        if info.get("request_json") == request_json and not info.get("finished"):
+            return handle
+        ray.kill(handle, no_restart=True)
+        return None
+
+    async def attach(self, w: WatchedSession) -> Any | None:
+        """The running session actor or activation of an adopted session, or None (gone: restart it)."""
+        name = session_actor_name(w.session_id, w.user_id)
+        try:
+            handle = ray.get_actor(name, namespace=NAMESPACE)
+            w.host = name
+            return handle
+        except ValueError:
+            pass
+        if self.config_of(w).placement == "actor":  # it may run on a standby it claimed
+            try:
+                found = await self.standby_pool().find(w.session_id, w.user_id)
+            except Exception as e:  # an optimisation: without it the session is restarted (a new epoch)
+                log.warning("could not look for standby-born actors: %s: %s", type(e).__name__, e)
+                found = None
+            if found is not None:
+                w.host, handle = found
+                return handle
+        activation = await self.host_pool().find(w.session_id, w.user_id)
+        if activation is not None:
+            w.host = activation.host_name
+        return activation
+
+    # -- watching ----------------------------------------------------------------
+    async def watch(self, w: WatchedSession) -> None:
+        """Await the actor's run; restart it on death; resolve ``w.done`` with the outcome."""
+        while True:
+            if w.handle is None:
+                if w.incarnation >= self._config.max_restarts_per_session:
+                    return await self.finish(w, Outcome(status="failed", error="restart limit reached",
+                                                        error_type="RestartLimit"), mark_failed=True)
+                try:
+                    w.handle = await self.start(w, avoid_node=w.last_node)
+                    self.restarts += 1
+                    telemetry.record_restart(self.config_of(w).placement)
+                except LoomrayRunError as e:
+                    return await self.finish(w, Outcome(status="failed", error=str(e), error_type=type(e).__name__),
+                                             mark_failed=True)
+            try:
+                outcome = await w.handle.run.remote()
+            except ray.exceptions.ActorUnavailableError:
+                # Not death: the node is unreachable but not yet declared dead. run() is idempotent; rejoin.
+                await asyncio.sleep(0.2)
+                continue
+            except ray.exceptions.RayActorError as e:
+                if e.actor_init_failed:  # the constructor raised (bad store options, broken agent): would recur
+                    return await self.finish(w, Outcome(status="failed", error=str(e), error_type="ActorInitFailed"),
+                                             mark_failed=True)
+                log.warning("session %r lost its actor (%s); restarting", w.session_id, type(e).__name__)
+                w.handle = None
+                continue
+            except Exception as e:  # anything else would recur on a restart: report, do not loop
+                return await self.finish(w, Outcome(status="failed", error=f"{type(e).__name__}: {e}",
+                                                    error_type=type(e).__name__), mark_failed=True)
+            w.last_node = outcome.node_id or w.last_node
+            w.epoch = outcome.epoch or w.epoch
+            return await self.finish(w, outcome, mark_failed=False)
+
+    async def finish(self, w: WatchedSession, outcome: Outcome, *, mark_failed: bool) -> None:
+        """Record the session's end: active mark cleared, row marked failed if asked, actor stopped, ``done``."""
+        if outcome.status != "fenced":  # fenced: a newer owner holds the session, and the mark is its
+            await active.clear(self._store, w.session_id, w.user_id)
+        if mark_failed:
+            row = SessionRow(session_id=w.session_id, user_id=w.user_id, status="failed", updated_at=utcnow(),
+                             agent_ref=w.agent.ref if w.agent else None,
+                             node_id=w.last_node, error=outcome.error, epoch=w.epoch or 0)
+            try:
+                await asyncio.to_thread(self._store.put_session, row)
+            except Exception as e:
+                log.warning("could not mark session %r failed: %s", w.session_id, e)
+        if w.handle is not None:
+            try:
+                await w.handle.stop.remote()
+            except ray.exceptions.RayActorError:
+                pass  # exit_actor ends the call with an actor error; that is the clean path
+        w.error = outcome.error
+        if outcome.turn is not None:
+            w.turn = outcome.turn
+        w.finished_at = time.monotonic()
+        if not w.done.done():
+            w.done.set_result(outcome)
