@@ -43,7 +43,6 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loomray import Agent, Tuning  # noqa: E402

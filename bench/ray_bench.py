@@ -5,7 +5,7 @@
 
 For each placement (``actor``: one Ray actor per session; ``dense``: sessions
 hosted many per host actor) a fresh local cluster
-(``loomray.testing.local_cluster``: a head plus two worker raylets on
+(``loomray.testing.cluster.local_cluster``: a head plus two worker raylets on
 127.0.0.1 with 2 CPUs each, tuned failure detection) and a local-directory
 store (dense first; before each, the 1-minute load is let fall below the core
 count, at most 90 s, 5 s with ``--quick``). Sessions need the ``loomray_session`` resource only
@@ -66,7 +66,8 @@ import ray  # noqa: E402
 from loomray import Agent, Tuning  # noqa: E402
 from loomray.models import ScriptedModel  # noqa: E402
 from loomray.runtime import RayRuntime  # noqa: E402
-from loomray.testing import _descendants, local_cluster  # noqa: E402  (first: pins Ray to 127.0.0.1)
+from loomray.testing import descendants  # noqa: E402
+from loomray.testing.cluster import local_cluster  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -123,7 +124,7 @@ class MemorySampler:
     def sample() -> tuple[int, int]:
         """(bytes of RSS summed, processes) over the descendants of this process."""
         total = n = 0
-        for pid, _ in _descendants(os.getpid()):
+        for pid, _ in descendants(os.getpid()):
             try:
                 with open(f"/proc/{pid}/statm") as f:
                     total += int(f.read().split()[1]) * PAGE

@@ -17,7 +17,7 @@
 #   PYTHON              interpreter with loomray installed (default: python3)
 #
 # The nodes are held by one daemon process (cluster/local_daemon.py, built on
-# loomray.testing.local_cluster) rather than `ray start`: on one machine
+# loomray.testing.cluster.local_cluster) rather than `ray start`: on one machine
 # `ray start --address=127.0.0.1:...` cannot join a loopback-only head (see
 # docs/ray-notes.md). `stop` signals only that daemon (and, after a grace
 # period, processes naming our run dir); it never runs `ray stop`, which would

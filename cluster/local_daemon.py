@@ -3,7 +3,7 @@
     python cluster/local_daemon.py RUN_DIR NUM_NODES PORT
 
 Writes ``RUN_DIR/address`` once every node is up and removes it on exit. The
-cluster is :func:`loomray.testing.local_cluster` (loopback only, fast failure
+cluster is :func:`loomray.testing.cluster.local_cluster` (loopback only, fast failure
 detection unless ``LOOMRAY_FAST_FAILOVER=0``), not ``ray start``: a node started
 with ``ray start --address=127.0.0.1:...`` either refuses to join (when
 ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``) or rewrites 127.0.0.1 to the host's
@@ -18,7 +18,7 @@ import sys
 import threading
 from pathlib import Path
 
-from loomray.testing import local_cluster
+from loomray.testing.cluster import local_cluster
 
 
 def main() -> None:

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import ray  # noqa: E402  (after loomray.testing, which pins Ray to loopback)
 
-from loomray.testing import FAST_FAILURE_DETECTION, local_cluster, pid_alive, wait_for, wait_until_dead
+from loomray.testing import pid_alive, wait_for
+from loomray.testing.cluster import FAST_FAILURE_DETECTION, local_cluster, wait_until_dead
 
 
 @ray.remote(num_cpus=0)

@@ -18,7 +18,7 @@ import tempfile
 from loomray import Agent, Tuning
 from loomray.models.research import ResearchModel, research_tools
 from loomray.runtime import RayRuntime
-from loomray.testing import local_cluster  # first: pins Ray to 127.0.0.1
+from loomray.testing.cluster import local_cluster  # first: pins Ray to 127.0.0.1
 
 SESSION = "fanout-demo"
 PROMPTS = ["Focus on costs.", "Focus on latency.", "Focus on failure modes.", "Focus on operations."]

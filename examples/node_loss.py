@@ -20,7 +20,7 @@ import time
 from loomray import Agent, Tuning
 from loomray.models.research import ResearchModel, research_tools
 from loomray.runtime import InProcRuntime, RayRuntime
-from loomray.testing import local_cluster  # first: pins Ray to 127.0.0.1
+from loomray.testing.cluster import local_cluster  # first: pins Ray to 127.0.0.1
 
 SESSION = "node-loss-demo"
 PROMPT = "how Ray detects a lost node"

@@ -14,11 +14,19 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 import pytest
+from control_tools import (
+    DEADLINE_S,
+    Gate,
+    effects,
+    lookup,
+    reset_effects,  # noqa: F401 - an autouse fixture: importing it applies it to this module
+    transfer,
+    user_texts,
+)
 
 from loomray import Agent, CheckpointConfig, Tuning, tool
 from loomray.errors import LoomrayUserError
@@ -29,27 +37,6 @@ from storage import layout
 
 CHILD = Path(__file__).with_name("crash_child.py")
 REPO = Path(__file__).resolve().parents[2]
-DEADLINE_S = 60.0
-
-effects: list[str] = []
-
-
-@pytest.fixture(autouse=True)
-def _reset():
-    effects.clear()
-
-
-def lookup(key: str) -> str:
-    """Look something up."""
-    effects.append(key)
-    return f"value of {key}"
-
-
-@tool(requires_approval=True)
-def transfer(amount: int) -> str:
-    """Move money."""
-    effects.append(f"transfer-{amount}")
-    return f"moved {amount}"
 
 
 @tool(requires_approval=lambda call: call.arguments.get("amount", 0) > 100)
@@ -74,10 +61,6 @@ def journal(store, session_id: str, user_id=None) -> list:
     return [e for run in runs for e in store.journal_list(session_id, run, user_id=user_id)]
 
 
-def user_texts(messages) -> list[str]:
-    return [m.content for m in messages if m.role == "user"]
-
-
 async def until(predicate, what: str, timeout: float = DEADLINE_S) -> None:
     """Poll ``predicate`` (sync) until true; fail after ``timeout`` seconds."""
     deadline = time.monotonic() + timeout
@@ -85,50 +68,6 @@ async def until(predicate, what: str, timeout: float = DEADLINE_S) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.01)
-
-
-class Gate:
-    """A tool that blocks until released: ``started`` is set once it runs (async or sync flavour)."""
-
-    def __init__(self) -> None:
-        self.started = threading.Event()
-        self.release = threading.Event()
-        self.finished = threading.Event()
-        self.cancelled = False
-
-    def async_tool(self):
-        gate = self
-
-        async def slow(key: str) -> str:
-            """Take a while."""
-            gate.started.set()
-            try:
-                while not gate.release.is_set():
-                    await asyncio.sleep(0.005)
-            except asyncio.CancelledError:
-                gate.cancelled = True
-                raise
-            effects.append(f"slow-{key}")
-            gate.finished.set()
-            return f"slow {key}"
-
-        return slow
-
-    def sync_tool(self):
-        gate = self
-
-        def slow(key: str) -> str:
-            """Take a while (in a worker thread)."""
-            gate.started.set()
-            gate.release.wait(DEADLINE_S)
-            effects.append(f"slow-{key}")
-            gate.finished.set()
-            return f"slow {key}"
-
-        return slow
-
-    async def wait_started(self) -> None:
-        assert await asyncio.to_thread(self.started.wait, DEADLINE_S), "the tool never started"
 
 
 # -- approvals -------------------------------------------------------------------------------------------
@@ -425,10 +364,10 @@ async def test_a_pause_recorded_before_a_crash_still_stops_the_run(tmp_path, run
         def __getattr__(self, name):
             return getattr(self._inner, name)
 
-        def put_checkpoint(self, data, **kw):
-            if kw["execution_status"] == "paused":
+        def put_checkpoint(self, data, info, **kw):
+            if info.execution_status == "paused":
                 raise Crash()
-            return self._inner.put_checkpoint(data, **kw)
+            return self._inner.put_checkpoint(data, info, **kw)
 
     real = runtime.store
     runtime.store = DiesAtPausedCheckpoint(real)

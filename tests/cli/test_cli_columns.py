@@ -61,7 +61,7 @@ def assert_fits(text: str, width: int = 80) -> None:
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """s-one and s-two (no user), s-one of user alice, and two forks of s-one (30-character sess... ids)."""
-    from loomray.demo import research_agent
+    from loomray.cli.demo_agent import research_agent
     from loomray.runtime import LocalRuntime
 
     root = tmp_path_factory.mktemp("cli-columns") / "store"
@@ -142,7 +142,7 @@ def test_fork_prints_new_session_ids_whole(store, tmp_path):
     before = {s["session_id"] for s in _sessions(mine)}
     base = ok_json(run_cli("checkpoints", "s-two", "--json", store=mine))[-3]
     long_prompt = "Add a long section on the costs of running many agents, with numbers and a table. " * 2
-    out = ok(run_cli("fork", "s-two", "--from", base["checkpoint_id"], "--agent", "loomray.demo:research_agent",
+    out = ok(run_cli("fork", "s-two", "--from", base["checkpoint_id"], "--agent", "loomray.cli.demo_agent:research_agent",
                      "--prompt", long_prompt, "--prompt", "Risks?", store=mine, timeout=120))
     assert_fits(out)
     new = {s["session_id"] for s in _sessions(mine)} - before
@@ -169,7 +169,7 @@ def test_json_times_are_iso_8601_with_T_and_zone_and_money_is_rounded(store):
 
 
 def test_emit_json_and_money_formatting(capsys):
-    from loomray.cli_common import emit_json, money, time_cells
+    from loomray.cli.output import emit_json, money, time_cells
 
     emit_json({"at": datetime(2026, 5, 1, 12, 0, 0), "cost_usd": 0.22175700000000004,
                "rows": [{"own_spend_usd": 1 / 3, "turn": 1.123456789}], "sum(cost_usd)": 2.0000000001})

@@ -9,58 +9,25 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 
 import pytest
 from click.testing import CliRunner
+from control_tools import (
+    DEADLINE_S,
+    Gate,
+    effects,
+    lookup,
+    reset_effects,  # noqa: F401 - an autouse fixture: importing it applies it to this module
+    transfer,
+    user_texts,
+)
 
-from loomray import Agent, CheckpointConfig, Tuning, tool
+from loomray import Agent, CheckpointConfig, Tuning
 from loomray.cli import main
 from loomray.models import ScriptedModel
 from loomray.models.scripted import count_calls
 from loomray.runtime import LocalRuntime
 from storage import layout
-
-DEADLINE_S = 60.0
-effects: list[str] = []
-
-
-@pytest.fixture(autouse=True)
-def _reset():
-    effects.clear()
-
-
-def lookup(key: str) -> str:
-    """Look something up."""
-    effects.append(key)
-    return f"value of {key}"
-
-
-@tool(requires_approval=True)
-def transfer(amount: int) -> str:
-    """Move money."""
-    effects.append(f"transfer-{amount}")
-    return f"moved {amount}"
-
-
-class Gate:
-    def __init__(self) -> None:
-        self.started = threading.Event()
-        self.release = threading.Event()
-        gate = self
-
-        async def slow(key: str) -> str:
-            """Take a while."""
-            gate.started.set()
-            while not gate.release.is_set():
-                await asyncio.sleep(0.005)
-            effects.append(f"slow-{key}")
-            return f"slow {key}"
-
-        self.tool = tool(slow)
-
-    async def wait_started(self) -> None:
-        assert await asyncio.to_thread(self.started.wait, DEADLINE_S), "the tool never started"
 
 
 @pytest.fixture
@@ -81,10 +48,6 @@ def cli(store_dir, *args: str):
 async def acli(store_dir, *args: str):
     """:func:`cli` from a worker thread, so a session on this event loop keeps running meanwhile."""
     return await asyncio.to_thread(cli, store_dir, *args)
-
-
-def user_texts(messages) -> list[str]:
-    return [m.content for m in messages if m.role == "user"]
 
 
 async def test_approve_from_the_cli_then_resume_runs_the_call_once(store_dir, tmp_path):
@@ -134,7 +97,7 @@ def test_mistakes_are_one_line_and_exit_2(store_dir, tmp_path):
 async def test_signal_from_the_cli_is_delivered_once_while_the_session_runs(store_dir, tmp_path):
     gate = Gate()
     calls = tmp_path / "calls"
-    agent = make_agent(store_dir, [{"tool": "slow", "args": {"key": "a"}}, "done"], gate.tool, calls=calls)
+    agent = make_agent(store_dir, [{"tool": "slow", "args": {"key": "a"}}, "done"], gate.async_tool(), calls=calls)
     task = asyncio.ensure_future(agent.run("go", session_id="c4"))
     await gate.wait_started()
     out = await acli(store_dir, "signal", "c4", "prefer short answers", "--json")
@@ -154,7 +117,7 @@ async def test_pause_from_the_cli_then_resume(store_dir, tmp_path):
     gate = Gate()
     calls = tmp_path / "calls"
     script = [{"tool": "slow", "args": {"key": "a"}}, {"tool": "lookup", "args": {"key": "b"}}, "done"]
-    agent = make_agent(store_dir, script, gate.tool, calls=calls)
+    agent = make_agent(store_dir, script, gate.async_tool(), calls=calls)
     task = asyncio.ensure_future(agent.run("go", session_id="c5"))
     await gate.wait_started()
     out = await acli(store_dir, "pause", "c5")
@@ -170,7 +133,7 @@ async def test_pause_from_the_cli_then_resume(store_dir, tmp_path):
 async def test_cancel_from_the_cli_stops_a_running_session(store_dir, tmp_path):
     gate = Gate()
     calls = tmp_path / "calls"
-    agent = make_agent(store_dir, [{"tool": "slow", "args": {"key": "a"}}, "done"], gate.tool, calls=calls)
+    agent = make_agent(store_dir, [{"tool": "slow", "args": {"key": "a"}}, "done"], gate.async_tool(), calls=calls)
     task = asyncio.ensure_future(agent.run("go", session_id="c6"))
     await gate.wait_started()
     out = await acli(store_dir, "cancel", "c6", "--json")
@@ -189,7 +152,7 @@ async def test_cancel_from_the_cli_stops_a_running_session(store_dir, tmp_path):
 async def test_logs_prints_every_event_oldest_first_and_follows_a_run(store_dir, tmp_path):
     gate = Gate()
     agent = make_agent(store_dir, [{"tool": "transfer", "args": {"amount": 2}}, "first done",
-                                   {"tool": "slow", "args": {"key": "z"}}, "second done"], gate.tool)
+                                   {"tool": "slow", "args": {"key": "z"}}, "second done"], gate.async_tool())
     await agent.run("pay", session_id="c7")
     await agent.resume(None, session_id="c7", approvals={"s0000_0": "no thanks"})
     out = cli(store_dir, "logs", "c7")

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from loomray.testing import local_cluster, wait_for
+from loomray.testing import wait_for
+from loomray.testing.cluster import local_cluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 

@@ -40,7 +40,7 @@ def ok_json(out: subprocess.CompletedProcess) -> object:
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """Three finished sessions: s-one and s-two (no user), s-one of user alice."""
-    from loomray.demo import research_agent
+    from loomray.cli.demo_agent import research_agent
     from loomray.runtime import LocalRuntime
 
     root = tmp_path_factory.mktemp("cli-store") / "store"
@@ -137,7 +137,7 @@ def test_resume_and_fork_in_process_by_agent_reference(store, tmp_path):
 
     mine = tmp_path / "store"
     shutil.copytree(store, mine)
-    res = ok_json(run_cli("resume", "s-one", "Add a section on costs.", "--agent", "loomray.demo:research_agent",
+    res = ok_json(run_cli("resume", "s-one", "Add a section on costs.", "--agent", "loomray.cli.demo_agent:research_agent",
                           "--json", store=mine))
     assert res["session_id"] == "s-one" and res["resumed_from_checkpoint"] is True
     assert res["turns"] == TURNS + 4 and res["model_calls"] == 4  # search, fetch, note, revised report
@@ -167,8 +167,8 @@ def test_resume_and_fork_in_process_by_agent_reference(store, tmp_path):
     (["resume", "s-two"], {}, "no stored agent reference"),
     (["fork", "s-one", "--prompt", "x", "--agent", "no_such_module:agent"], {}, "cannot import agent reference"),
     (["submit", "no_such_module:agent", "hi", "--session", "s9"], {}, "cannot import agent reference"),
-    (["submit", "loomray.demo:INSTRUCTIONS", "hi"], {}, "not a loomray Agent"),
-    (["submit", "loomray.demo", "hi"], {}, "must look like"),
+    (["submit", "loomray.cli.demo_agent:INSTRUCTIONS", "hi"], {}, "not a loomray Agent"),
+    (["submit", "loomray.cli.demo_agent", "hi"], {}, "must look like"),
     (["submit", "examples.demo_agent:agent", "hi"], {}, "no Ray cluster given"),
     (["submit", "examples.demo_agent:agent", "hi", "--address", "127.0.0.1:1"], {}, "no Ray cluster answers"),
     (["demo", "--model", "claude-opus-4-7"], {"ANTHROPIC_API_KEY": "", "ANTHROPIC_AUTH_TOKEN": ""}, "ANTHROPIC"),

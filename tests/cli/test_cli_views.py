@@ -60,7 +60,7 @@ class _Failing:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    from loomray.demo import research_agent
+    from loomray.cli.demo_agent import research_agent
     from loomray.runtime import LocalRuntime
 
     root = tmp_path_factory.mktemp("cli-views") / "store"

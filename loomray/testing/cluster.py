@@ -1,4 +1,4 @@
-"""Test helpers for Ray, shipped with the library: a multi-node cluster on one machine.
+"""A multi-node Ray cluster on one machine, for tests, examples, benches and ``loomray demo``.
 
 ``local_cluster()`` starts several raylets on this machine with
 :class:`ray.cluster_utils.Cluster`, all bound to 127.0.0.1, and connects this
@@ -13,7 +13,7 @@ rather than ``ActorDiedError``. Measured numbers are in docs/ray-notes.md.
 
 Example::
 
-    from loomray.testing import local_cluster, wait_until_dead
+    from loomray.testing.cluster import local_cluster, wait_until_dead
 
     with local_cluster(num_nodes=3) as lc:
         actor = MyActor.options(scheduling_strategy=lc.pin(lc.workers[0])).remote()
@@ -25,29 +25,33 @@ worker process is still starting as the nodes go), disconnects the driver,
 stops every node and then checks that no
 process this helper started (raylets, GCS, workers) is left; stragglers are
 killed by pid and reported as a warning.
+
+Importing this module imports Ray; it applies loomray's Ray environment
+defaults first, so a process that only uses this module still binds to
+127.0.0.1.
 """
 
 from __future__ import annotations
 
-import os
+from loomray.runtime.connection import apply_ray_env_defaults
 
-# Ray reads this once, when ``ray._private.ray_constants`` is first imported, to
-# decide whether to bind to the host's address or to loopback. Set it before
-# importing Ray so a process that only uses this module still binds to 127.0.0.1.
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Ray reads these once, when first imported: they must be set before the imports below.
+apply_ray_env_defaults()
 
 import contextlib  # noqa: E402
-import signal  # noqa: E402
+import os  # noqa: E402
 import time  # noqa: E402
-import warnings  # noqa: E402
-from collections.abc import Callable, Iterator  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
-from typing import Any, TypeVar
+from typing import Any  # noqa: E402
 
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
+
+from loomray.runtime.actors import STANDBY_PREFIX, SUPERVISOR_NAME  # noqa: E402
+from loomray.runtime.connection import NAMESPACE  # noqa: E402
+from loomray.testing.processes import Process, descendants, process_alive, reap  # noqa: E402
 
 __all__ = [
     "FAST_FAILURE_DETECTION",
@@ -55,7 +59,6 @@ __all__ = [
     "LocalCluster",
     "local_cluster",
     "node_resource",
-    "wait_for",
     "wait_until_dead",
 ]
 
@@ -73,8 +76,6 @@ FAST_FAILURE_DETECTION: dict[str, Any] = {
     "health_check_failure_threshold": 5,
 }
 
-T = TypeVar("T")
-
 
 def node_resource(index: int) -> str:
     """The custom resource name ``local_cluster`` gives node ``index`` (0 = head).
@@ -83,31 +84,6 @@ def node_resource(index: int) -> str:
     by name, which survives across a cluster restart where node ids do not.
     """
     return f"loomray_node_{index}"
-
-
-def pid_alive(pid: int) -> bool:
-    """True while a process with ``pid`` exists (signal 0 probes without touching it)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
-def wait_for(predicate: Callable[[], T], *, timeout: float, interval: float = 0.05, what: str = "condition") -> T:
-    """Poll ``predicate`` until it returns a truthy value; return that value.
-
-    Raises ``TimeoutError`` naming ``what`` when ``timeout`` seconds pass first.
-    Exceptions raised by ``predicate`` propagate (they are not retried).
-    """
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() >= deadline:
-            raise TimeoutError(f"timed out after {timeout:.1f}s waiting for {what}")
-        time.sleep(interval)
 
 
 def wait_until_dead(actor: ray.actor.ActorHandle, *, timeout: float, probe: str = "__ray_ready__") -> ray.exceptions.ActorDiedError:
@@ -149,28 +125,27 @@ class LocalCluster:
     worker_resources: dict[str, float] = field(default_factory=dict)
     nodes: list[Any] = field(default_factory=list)
     removed: list[Any] = field(default_factory=list)
-    _added: int = 0
-    _index: dict[str, int] = field(default_factory=dict)
-    #: Pids that existed before the cluster started (not ours to reap).
-    _preexisting: set[tuple[int, int]] = field(default_factory=set)
-    #: Every process seen under this cluster, so teardown can check they all exited.
-    _started: set[tuple[int, int]] = field(default_factory=set)
-
+    #: Processes that existed before the cluster started (not ours to reap).
+    preexisting: set[Process] = field(default_factory=set)
     #: After exit: pids that had not exited on their own and were killed (should be empty).
     leftover: list[int] = field(default_factory=list)
+    #: Every process seen under this cluster, so teardown can check they all exited.
+    _started: set[Process] = field(default_factory=set, init=False)
+    _index: dict[str, int] = field(default_factory=dict, init=False)
 
-    def started_processes(self) -> list[int]:
-        """Pids of the processes seen under this cluster (raylets, GCS, workers, ...)."""
-        if ray.is_initialized():
-            self._snapshot()
-        return sorted(p for p, _ in self._started)
+    def __post_init__(self) -> None:
+        head = self.cluster.head_node
+        if head is None:
+            raise ValueError("a LocalCluster needs a Ray cluster whose head node has started")
+        self.nodes.append(head)
+        self._index[head.node_id] = 0
 
     def any_started_alive(self) -> bool:
         """True while any process seen under this cluster is still running."""
-        return any(_alive(p) for p in self._started)
+        return any(process_alive(p) for p in self._started)
 
     def _snapshot(self) -> None:
-        self._started |= _descendants(os.getpid()) - self._preexisting
+        self._started |= descendants(os.getpid()) - self.preexisting
 
     @property
     def address(self) -> str:
@@ -191,13 +166,17 @@ class LocalCluster:
         """Hex node ids of the live nodes, head first."""
         return [n.node_id for n in self.nodes]
 
+    def node_index(self, node_id: str) -> int | None:
+        """The number node ``node_id`` was added as (0 = the head), removed nodes included; None if unknown."""
+        return self._index.get(node_id)
+
     def add_node(self, *, num_cpus: float | None = None, resources: dict[str, float] | None = None, **node_args: Any) -> Any:
         """Start one more raylet on loopback and wait until it has joined; return it.
 
         The node gets the custom resource :func:`node_resource` ``(i)`` (i counts
         every node ever added, so names are never reused after a removal).
         """
-        index = self._added
+        index = len(self._index)
         res = {node_resource(index): 1.0, **(self.worker_resources if resources is None else resources)}
         node = self.cluster.add_node(
             num_cpus=self.num_cpus_per_node if num_cpus is None else num_cpus,
@@ -205,7 +184,6 @@ class LocalCluster:
             resources=res,
             **node_args,
         )
-        self._added += 1
         self._index[node.node_id] = index
         self.nodes.append(node)
         return node
@@ -243,6 +221,32 @@ class LocalCluster:
     def alive_node_ids(self) -> set[str]:
         """Node ids the GCS currently considers alive (its view, not ours)."""
         return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+
+    def shut_down(self) -> None:
+        """Stop the cluster (see :func:`local_cluster`) and check that every process it started is gone."""
+        # Collect what we started before stopping it: once a raylet dies its
+        # workers are re-parented and can no longer be found from here.
+        self._snapshot()
+        if ray.is_initialized():
+            _stop_standbys()
+            ray.shutdown()
+        self.cluster.shutdown()
+        self.leftover = reap(self._started)
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str] | None) -> Iterator[None]:
+    """``env`` set in ``os.environ`` for the duration, the previous values restored after."""
+    saved = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @contextlib.contextmanager
@@ -286,56 +290,33 @@ def local_cluster(
         raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
     if connect and ray.is_initialized():
         raise RuntimeError("this process is already connected to Ray; call ray.shutdown() first")
-    saved_env = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
     config = {**(FAST_FAILURE_DETECTION if fast_failure_detection else {}), **(system_config or {})}
-    cluster: Cluster | None = None
-    lc: LocalCluster | None = None
-    before = _descendants(os.getpid())
-    try:
-        cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": num_cpus_per_node,
-                "node_ip_address": LOOPBACK,
-                "resources": {node_resource(0): 1.0, **(head_resources or {})},
-                "include_dashboard": include_dashboard,
-                "_system_config": config,
-                **(head_node_args or {}),
-            },
-            shutdown_at_exit=True,
-        )
+    before = descendants(os.getpid())
+    with _environment(env):
+        cluster = _start_head(before, {
+            "num_cpus": num_cpus_per_node, "node_ip_address": LOOPBACK,
+            "resources": {node_resource(0): 1.0, **(head_resources or {})},
+            "include_dashboard": include_dashboard, "_system_config": config, **(head_node_args or {})})
         lc = LocalCluster(cluster=cluster, namespace=namespace, num_cpus_per_node=num_cpus_per_node,
-                          worker_resources=dict(worker_resources or {}), _preexisting=before)
-        lc.nodes.append(cluster.head_node)
-        lc._index[cluster.head_node.node_id] = 0
-        lc._added = 1
-        for _ in range(num_nodes - 1):
-            lc.add_node(resources=worker_resources)
-        cluster.wait_for_nodes()
-        if connect:
-            ray.init(address=cluster.address, namespace=namespace, **(init_kwargs or {}))
-        yield lc
-    finally:
-        # Collect what we started before stopping it: once a raylet dies its
-        # workers are re-parented and can no longer be found from here.
-        started = _descendants(os.getpid()) - before
-        if lc is not None:
-            started |= lc._started
-        if ray.is_initialized():
-            _stop_standbys()
-            ray.shutdown()
-        if cluster is not None:
-            cluster.shutdown()
-        leftover = _reap(started)
-        if lc is not None:
-            lc._started = started
-            lc.leftover = leftover
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+                          worker_resources=dict(worker_resources or {}), preexisting=before)
+        try:
+            for _ in range(num_nodes - 1):
+                lc.add_node(resources=worker_resources)
+            cluster.wait_for_nodes()
+            if connect:
+                ray.init(address=cluster.address, namespace=namespace, **(init_kwargs or {}))
+            yield lc
+        finally:
+            lc.shut_down()
+
+
+def _start_head(before: set[Process], head_node_args: dict[str, Any]) -> Cluster:
+    """A Ray cluster with its head node started; if that fails, no process it started is left behind."""
+    try:
+        return Cluster(initialize_head=True, shutdown_at_exit=True, head_node_args=head_node_args)
+    except BaseException:
+        reap(descendants(os.getpid()) - before)
+        raise
 
 
 def _stop_standbys() -> None:
@@ -347,8 +328,6 @@ def _stop_standbys() -> None:
     as a leftover). Best effort: the nodes stop next anyway.
     """
     try:
-        from loomray.runtime.actors import NAMESPACE, STANDBY_PREFIX, SUPERVISOR_NAME
-
         named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a.get("namespace") == NAMESPACE]
     except Exception:
         return
@@ -357,68 +336,3 @@ def _stop_standbys() -> None:
     for name in ordered:
         with contextlib.suppress(Exception):
             ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
-
-
-def _proc_stat(pid: int) -> list[bytes] | None:
-    """Fields 3.. of /proc/PID/stat (state, ppid, ...), or None if the process is gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            # The command name (field 2) may contain spaces and parentheses.
-            return f.read().rsplit(b")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def _descendants(root: int) -> set[tuple[int, int]]:
-    """``(pid, start_time)`` of every live descendant of ``root`` (Linux /proc; empty elsewhere).
-
-    The start time makes the identity safe against pid reuse: we must never
-    signal a process some other user started after ours exited.
-    """
-    children: dict[int, list[tuple[int, int]]] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return set()
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        fields = _proc_stat(int(entry))
-        if fields is None:
-            continue
-        # fields[1] is the parent pid, fields[19] the start time (stat fields 4 and 22).
-        children.setdefault(int(fields[1]), []).append((int(entry), int(fields[19])))
-    found: set[tuple[int, int]] = set()
-    stack = [root]
-    while stack:
-        for child in children.get(stack.pop(), ()):
-            if child not in found:
-                found.add(child)
-                stack.append(child[0])
-    return found
-
-
-def _alive(proc: tuple[int, int]) -> bool:
-    fields = _proc_stat(proc[0])
-    # A zombie has exited and only waits for its parent; a different start time is another process.
-    return fields is not None and fields[0] != b"Z" and int(fields[19]) == proc[1]
-
-
-def _reap(procs: set[tuple[int, int]], grace: float = 10.0) -> list[int]:
-    """Wait for ``procs`` to exit; SIGKILL, report and return the pids of any that outlive ``grace``."""
-    try:
-        wait_for(lambda: not any(_alive(p) for p in procs), timeout=grace, interval=0.1, what="cluster processes to exit")
-        return []
-    except TimeoutError:
-        pass
-    left = sorted(p for p in procs if _alive(p))
-    for pid, _ in left:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-    if left:
-        warnings.warn(
-            f"local_cluster: killed {len(left)} leftover process(es) after shutdown: {[p for p, _ in left]}",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-    return [p for p, _ in left]

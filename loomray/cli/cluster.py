@@ -1,0 +1,255 @@
+"""Commands on a Ray cluster: ``submit``, ``status`` and ``supervise``.
+
+- ``submit`` hands a run to the cluster's supervisor by importable agent
+  reference (``module:attr``) and returns as soon as the session actor is
+  created; the detached supervisor owns the run, so it goes on after this
+  process exits, and the session row keeps the reference, so even a
+  supervisor that dies with the actor can restart it.
+- ``status`` asks the supervisor when a cluster is reachable and falls back to
+  the store's session index otherwise.
+- ``supervise`` keeps the supervisor alive until Ctrl-C.
+
+Ray is imported only inside the commands that need it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import click
+from rich.text import Text
+
+from loomray.cli.common import (
+    STATUS_STYLE,
+    CliError,
+    address_option,
+    check_id,
+    console,
+    err_console,
+    first_line,
+    guarded,
+    json_option,
+    open_store_or_fail,
+    store_option,
+    store_url_or_fail,
+    user_option,
+)
+from loomray.cli.output import emit_json, parse_iso, time_cells
+from loomray.cli.ray_access import join_cluster, placement_option, ray_get, reachable, require_address
+from loomray.cli.runs import load_agent
+from loomray.cli.tables import Col, fit_table
+from loomray.errors import LoomrayUserError
+from loomray.ids import new_id
+from loomray.runtime.connection import NAMESPACE, normalize_store_url
+from storage import ANY, SessionRow, Store
+
+
+@click.command()
+@click.argument("agent_ref", metavar="MODULE:AGENT")
+@click.argument("prompt")
+@click.option("--session", "session_id", default=None, help="Session id (default: a new sess... id).")
+@user_option
+@store_option
+@address_option
+@placement_option
+@json_option
+@guarded
+def submit(agent_ref: str, prompt: str, session_id: str | None, user_id: str | None, store_url: str | None,
+           address: str | None, placement: str, as_json: bool) -> None:
+    """Start a run on the cluster and return at once; the supervisor owns it from here.
+
+    MODULE:AGENT is an importable loomray.Agent (e.g. examples.demo_agent:agent);
+    every node of the cluster must be able to import it.
+    """
+    session_id = check_id(session_id, "session_id") or new_id("sess")
+    check_id(user_id, "user_id")
+    url = normalize_store_url(store_url_or_fail(store_url))
+    open_store_or_fail(url, create=True).close()  # a bad URL is a one-line error here, not in an actor
+    load_agent(agent_ref)  # an unknown reference fails here, before anything reaches the cluster
+    address = require_address(address)
+    started = time.monotonic()
+    with err_console.status(f"handing the run to the supervisor at {address} ..."):
+        join_cluster(address)
+        from loomray.runtime.actors import session_actor_name  # imports Ray
+        from loomray.runtime.ray_runtime import RayRuntime
+
+        runtime = RayRuntime(url, address=address, placement=placement)
+        # By reference only: the row keeps the reference, so any supervisor can restart the session.
+        # Returns once the actor is constructed (an agent the workers cannot import fails here).
+        runtime.submit_sync(agent_ref, prompt, session_id=session_id, user_id=user_id)
+    info = {"session_id": session_id, "user_id": user_id, "agent_ref": agent_ref, "store": url,
+            "address": address, "placement": placement,
+            "actor": session_actor_name(session_id, user_id) if placement == "actor" else None,
+            "submitted_in_s": round(time.monotonic() - started, 3)}
+    if as_json:
+        emit_json(info)
+        return
+    console.print(f"submitted session [bold]{session_id}[/] ({agent_ref}) to {address}; it runs without this process")
+    console.print(f"  follow it:  loomray status --store {url}\n"
+                  f"              loomray checkpoints {session_id} --store {url}", highlight=False)
+
+
+def _live_status(address: str, store_url: str) -> tuple[list[dict[str, Any]] | None, str]:
+    """The supervisor's view, or None and why not."""
+    if not reachable(address):
+        return None, f"no Ray cluster answers at {address}"
+    join_cluster(address)
+    import ray  # heavy: only when a cluster answers
+
+    from loomray.runtime.actors import SUPERVISOR_NAME
+
+    try:
+        handle = ray.get_actor(SUPERVISOR_NAME, namespace=NAMESPACE)
+    except ValueError:
+        return None, f"no loomray supervisor on {address} yet"
+    info = ray_get(handle.ready.remote(), timeout=60)
+    if info["store"] != store_url:
+        return None, f"the supervisor on {address} serves store {info['store']!r}"
+    return ray_get(handle.status.remote(), timeout=60), f"supervisor on {address}"
+
+
+def _turns(store: Store, user_id: str | None) -> dict[tuple[str | None, str], int]:
+    """Latest checkpoint turn per (user, session), from one index scan."""
+    table = store.query(user_id=ANY if user_id is None else user_id, columns=["user_id", "session_id", "turn"])
+    out: dict[tuple[str | None, str], int] = {}
+    for row in table.to_pylist():
+        key = (row["user_id"], row["session_id"])
+        out[key] = max(out.get(key, -1), row["turn"])
+    return out
+
+
+def _merged_sessions(rows: list[SessionRow], live: list[dict[str, Any]] | None, turns: dict[tuple[str | None, str], int],
+                     user_id: str | None) -> list[dict[str, Any]]:
+    """The index's session rows, updated with what the supervisor knows of each; newest first."""
+    merged: dict[tuple[str | None, str], dict[str, Any]] = {}
+    for r in rows:
+        merged[(r.user_id, r.session_id)] = {
+            "session_id": r.session_id, "user_id": r.user_id, "status": r.status, "updated_at": r.updated_at,
+            "epoch": r.epoch, "node_id": r.node_id, "agent_ref": r.agent_ref, "error": r.error,
+            "turn": turns.get((r.user_id, r.session_id)), "incarnation": None, "supervised": False,
+            "host": None, "placement": None}
+    for s in live or []:
+        if user_id is not None and s["user_id"] != user_id:
+            continue
+        d = merged.setdefault((s["user_id"], s["session_id"]), {
+            "session_id": s["session_id"], "user_id": s["user_id"], "status": None, "updated_at": None,
+            "epoch": None, "node_id": None, "agent_ref": None, "error": None, "turn": None})
+        d.update(incarnation=s.get("incarnation"), supervised=True, live_state=s.get("status"))
+        for k in ("node_id", "host", "placement", "epoch", "turn", "error"):
+            if s.get(k) is not None:
+                d[k] = s[k]
+        if d["live_state"] == "running" or d["status"] is None:
+            d["status"] = d["live_state"]
+    return sorted(merged.values(), key=lambda d: str(d["updated_at"] or ""), reverse=True)
+
+
+def _short_host(host: str | None) -> str:
+    """A dense host as ``host/{id}``; a session actor (its own host) as ``actor``."""
+    if not host:
+        return "-"
+    return host.removeprefix("loomray/") if host.startswith("loomray/host/") else "actor"
+
+
+def _print_sessions(out: list[dict[str, Any]], supervised: bool) -> None:
+    """The sessions table: only the columns that say something here, and of those as many as fit the terminal.
+
+    Optional ones go first (``--json`` has everything); the session id, its
+    status and the time are never cut.
+    """
+    cols = [Col("session")] + ([Col("user", drop=2)] if any(d["user_id"] for d in out) else [])
+    cols += [Col("status"), Col("turn", drop=3, justify="right"), Col("epoch", drop=5, justify="right")]
+    cols += [Col("restarts", drop=4, justify="right")] if supervised else []
+    cols += [Col("node", drop=7)] + ([Col("host", drop=6)] if any(d.get("host") for d in out) else [])
+    cols += [Col("updated"), Col("agent", drop=8)]
+    updated = time_cells([parse_iso(d["updated_at"]) for d in out])
+    rows = []
+    for d, when in zip(out, updated, strict=False):
+        st = d["status"] or "-"
+        rows.append({"session": d["session_id"], "user": d["user_id"] or "-",
+                     "status": Text(st, style=STATUS_STYLE.get(st, "")),
+                     "turn": "-" if d["turn"] is None else str(d["turn"]),
+                     "epoch": "-" if d["epoch"] is None else str(d["epoch"]),
+                     "restarts": "-" if d.get("incarnation") is None else str(max(0, d["incarnation"] - 1)),
+                     "node": (d["node_id"] or "-")[:8], "host": _short_host(d.get("host")),
+                     "updated": when, "agent": d["agent_ref"] or "-"})
+    console.print(fit_table(cols, rows, title="sessions (times UTC)", title_justify="left"))
+    for d in out:
+        if d["status"] == "failed" and d["error"]:
+            err_console.print(f"  {d['session_id']}: {first_line(d['error'])}", highlight=False)
+
+
+@click.command()
+@store_option
+@address_option
+@click.option("--user", "user_id", default=None, help="Only this user's sessions.")
+@click.option("--limit", default=100, show_default=True, type=click.IntRange(1, 100_000))
+@json_option
+@guarded
+def status(store_url: str | None, address: str | None, user_id: str | None, limit: int, as_json: bool) -> None:
+    """Sessions and their state: from the supervisor when a cluster is reachable, else the store's index."""
+    check_id(user_id, "user_id")
+    url = normalize_store_url(store_url_or_fail(store_url))
+    store = open_store_or_fail(url)
+    rows = store.list_sessions(user_id=ANY if user_id is None else user_id)
+    live, source = (None, "no cluster given (--address / RAY_ADDRESS)")
+    if address:
+        live, source = _live_status(address, url)
+    out = _merged_sessions(rows, live, _turns(store, user_id), user_id)[:limit]
+    if as_json:
+        emit_json({"source": "supervisor+index" if live is not None else "index", "note": source, "sessions": out})
+        return
+    err_console.print(f"sessions from {'the ' + source + ' and ' if live is not None else ''}"
+                      f"the session index of {store.describe()}"
+                      + ("" if live is not None else f" ({source})"), highlight=False)
+    if not out:
+        console.print("no sessions")
+        return
+    _print_sessions(out, live is not None)
+
+
+@click.command("supervise")
+@store_option
+@address_option
+@click.option("--interval", default=5.0, show_default=True, type=click.FloatRange(0.1, 3600),
+              help="Seconds between liveness checks of the supervisor actor.")
+@click.option("--allow-agent", "allowed_agents", multiple=True, metavar="MODULE:AGENT",
+              envvar="LOOMRAY_ALLOW_AGENTS",
+              help="An agent reference (glob wildcards allowed, e.g. 'examples.*:agent') that sessions read from "
+                   "the store may run; repeatable. Sessions with any other stored reference are refused "
+                   "(marked failed). Env: LOOMRAY_ALLOW_AGENTS, space-separated.")
+@guarded
+def supervise_cmd(store_url: str | None, address: str | None, interval: float,
+                  allowed_agents: tuple[str, ...]) -> None:
+    """Keep the cluster's supervisor alive (re-create it if it dies) until Ctrl-C; run it on the head.
+
+    Only agent references given with --allow-agent, or submitted to this
+    supervisor, are imported for sessions it adopts from the store.
+    """
+    from loomray.runtime.actors import check_pattern  # imports Ray
+    from loomray.runtime.ray_runtime import supervise
+
+    for pattern in allowed_agents:
+        try:
+            check_pattern(pattern)
+        except LoomrayUserError as e:
+            raise CliError(str(e)) from e
+    url = normalize_store_url(store_url_or_fail(store_url))
+    open_store_or_fail(url, create=True).close()
+    address = require_address(address)
+    join_cluster(address)
+    stop = threading.Event()
+
+    def report(line: str) -> None:
+        err_console.print(f"[dim]{time.strftime('%H:%M:%S')}[/] {line}", highlight=False)
+
+    try:
+        supervise(url, address=address, interval_s=interval, stop=stop, report=report,
+                  allowed_agents=tuple(allowed_agents))
+    except KeyboardInterrupt:
+        stop.set()
+        report("stopped; the supervisor actor keeps running on the cluster")
+
+
+CLUSTER_COMMANDS: tuple[click.Command, ...] = (submit, status, supervise_cmd)

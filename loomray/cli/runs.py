@@ -1,0 +1,233 @@
+"""``resume`` and ``fork``: continue a session, or fan out from one of its checkpoints.
+
+Both run on the cluster given by ``--address`` / ``RAY_ADDRESS``; without
+one they run in this process against the store (same journal, same
+checkpoints, same results), which needs no cluster at all. The agent comes
+from ``--agent module:attr``, else from the reference stored with the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import sys
+from collections.abc import Awaitable, Sequence
+from typing import Any, TypeVar
+
+import click
+
+from loomray.agent import Agent
+from loomray.cli.common import (
+    CliError,
+    address_option,
+    check_id,
+    console,
+    first_line,
+    guarded,
+    json_option,
+    open_store_or_fail,
+    store_option,
+    store_url_or_fail,
+    unknown_session,
+    user_option,
+)
+from loomray.cli.output import emit_json, excerpt
+from loomray.cli.progress import run_progress
+from loomray.cli.ray_access import join_cluster, placement_option, require_address
+from loomray.cli.tables import Col, fit_table
+from loomray.errors import LoomrayUserError
+from loomray.ids import new_id
+from loomray.records import RunResult, load_checkpoint
+from loomray.run_request import RunRequest
+from loomray.runtime import LocalRuntime, Runtime
+from loomray.runtime.connection import normalize_store_url
+from loomray.session import execute_request
+from storage import Store
+
+T = TypeVar("T")
+
+
+def load_agent(ref: str) -> Agent:
+    """Import the agent at ``module:attr`` (the current directory is importable, as with uvicorn/celery)."""
+    from loomray.runtime.actors import resolve_ref  # imports Ray
+
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj = resolve_ref(ref)
+    except LoomrayUserError as e:  # not importable, malformed, or not an Agent: the message names the reference
+        raise CliError(first_line(str(e))) from e
+    except Exception as e:  # the module raised while importing (e.g. a missing API key)
+        raise CliError(f"agent reference {ref!r} failed to load: {type(e).__name__}: {first_line(str(e))}") from e
+    if not isinstance(obj, Agent):
+        raise CliError(f"agent reference {ref!r} names a {type(obj).__name__}, not a loomray Agent")
+    return obj
+
+
+class _AgentRefLocalRuntime(LocalRuntime):
+    """``LocalRuntime`` that writes the agent's reference into the session rows (``LocalRuntime`` writes none)."""
+
+    async def execute(self, agent: Agent, request: RunRequest, *, emit: Any = None, extra_tools: Sequence[Any] = (),
+                      output_type: Any = None) -> RunResult:
+        return await execute_request(agent, request, self.store, max_checkpoints_per_session=self.keep,
+                                     emit=emit, extra_tools=extra_tools, output_type=output_type,
+                                     agent_ref=getattr(agent, "loomray_ref", None))
+
+
+def in_process_runtime(store_url: str) -> LocalRuntime:
+    """The runtime of ``resume``/``fork`` without a cluster: this process, keeping sessions resumable by reference."""
+    return _AgentRefLocalRuntime(store_url)
+
+
+def runtime_for(store_url: str, address: str | None, placement: str = "actor") -> Runtime:
+    """The cluster at ``address`` (checked and joined), else :func:`in_process_runtime`."""
+    if not address:
+        return in_process_runtime(store_url)
+    require_address(address)
+    join_cluster(address)
+    from loomray.runtime.ray_runtime import RayRuntime  # imports Ray
+
+    return RayRuntime(normalize_store_url(store_url), address=address, placement=placement)
+
+
+def agent_for(session_id: str, user_id: str | None, store: Store, agent_ref: str | None) -> tuple[Agent, str]:
+    """The agent that continues ``session_id``: ``--agent``, else the reference stored with the session."""
+    row = store.get_session(session_id, user_id=user_id)
+    if agent_ref is None:
+        if row is None and not store.list_checkpoints(session_id, user_id=user_id, limit=1):
+            raise unknown_session(store, session_id, user_id)
+        agent_ref = row.agent_ref if row is not None else None
+        if not agent_ref:
+            raise CliError(f"session {session_id!r} has no stored agent reference (it was run in-process); "
+                           "pass --agent module:attr")
+    return load_agent(agent_ref), agent_ref
+
+
+def bind(agent: Agent, ref: str, runtime: Runtime) -> Agent:
+    """A copy of ``agent`` on ``runtime`` that remembers its reference (restartable by the supervisor)."""
+    from loomray.runtime.actors import set_agent_ref  # imports Ray
+
+    mine = copy.copy(agent)
+    mine.runtime = runtime
+    return set_agent_ref(mine, ref)
+
+
+def result_dict(r: RunResult) -> dict[str, Any]:
+    """A run's result as ``--json`` prints it."""
+    return {"session_id": r.session_id, "turns": r.turns, "model_calls": r.model_calls,
+            "checkpoint_id": r.checkpoint_id, "resumed_from_checkpoint": r.resumed_from_checkpoint,
+            "input_tokens": r.usage.input_tokens, "output_tokens": r.usage.output_tokens, "cost_usd": r.usage.cost_usd,
+            "output": r.output}
+
+
+async def _latest_turn(store: Store, session_id: str, user_id: str | None) -> int | None:
+    rows = await asyncio.to_thread(store.list_checkpoints, session_id, user_id=user_id, limit=1)
+    return rows[0].turn if rows else None
+
+
+async def with_progress(work: Awaitable[T], store: Store, sessions: Sequence[tuple[str, str]], user_id: str | None,
+                        base_turn: int | None) -> T:
+    """Await ``work`` while showing, per ``(session, label)``, how many passes it has checkpointed so far."""
+    task = asyncio.ensure_future(work)
+    with run_progress() as progress:
+        bars = {sid: progress.add_task(label, total=None, info="starting") for sid, label in sessions}
+        while not task.done():
+            await asyncio.wait({task}, timeout=0.5)
+            for sid, bar in bars.items():
+                turn = await _latest_turn(store, sid, user_id)
+                if turn is not None:
+                    done = turn - (base_turn or 0)
+                    progress.update(bar, info=f"turn {turn} (+{max(done, 0)})")
+        for bar in bars.values():
+            progress.update(bar, total=1, completed=1)
+    return task.result()
+
+
+@click.command()
+@click.argument("session_id")
+@click.argument("prompt", required=False)
+@click.option("--from", "from_checkpoint", default="latest", show_default=True,
+              help="Checkpoint to continue from; an older one forks into a new session.")
+@click.option("--agent", "agent_ref", default=None, metavar="MODULE:AGENT",
+              help="Agent to continue with (default: the one stored with the session).")
+@user_option
+@store_option
+@address_option
+@json_option
+@guarded
+def resume(session_id: str, prompt: str | None, from_checkpoint: str, agent_ref: str | None, user_id: str | None,
+           store_url: str | None, address: str | None, as_json: bool) -> None:
+    """Continue a session (on the cluster with --address, else in this process) and print the result."""
+    check_id(session_id, "session_id")
+    check_id(user_id, "user_id")
+    if from_checkpoint != "latest":
+        check_id(from_checkpoint, "checkpoint_id")
+    store = open_store_or_fail(store_url)
+    agent, ref = agent_for(session_id, user_id, store, agent_ref)
+    bound = bind(agent, ref, runtime_for(store_url_or_fail(store_url), address))
+    base = store.list_checkpoints(session_id, user_id=user_id, limit=1)
+    work = bound.resume(prompt, session_id=session_id, from_checkpoint=from_checkpoint, user_id=user_id)
+    result = asyncio.run(with_progress(work, store, [(session_id, f"resume {session_id}")], user_id,
+                                       base[0].turn if base else None))
+    if as_json:
+        emit_json(result_dict(result))
+        return
+    where = "in place" if result.session_id == session_id else f"as new session {result.session_id} (a fork)"
+    console.print(f"resumed {session_id} {where}: {result.turns} turns, {result.model_calls} model calls, "
+                  f"checkpoint {result.checkpoint_id}", highlight=False)
+    console.print(excerpt(result.output, 600), highlight=False)
+
+
+def _fork_base(store: Store, session_id: str, user_id: str | None, from_checkpoint: str) -> tuple[str, int]:
+    """The checkpoint to fork from (``latest`` resolved) and its turn."""
+    if from_checkpoint == "latest":
+        rows = store.list_checkpoints(session_id, user_id=user_id, limit=1)
+        if not rows:
+            raise CliError(f"session {session_id!r} has no checkpoint to fork from")
+        return rows[0].checkpoint_id, rows[0].turn
+    check_id(from_checkpoint, "checkpoint_id")
+    base = load_checkpoint(store, session_id, from_checkpoint, user_id=user_id)
+    if base is None:
+        raise CliError(f"session {session_id!r} has no checkpoint {from_checkpoint!r}")
+    return from_checkpoint, base.turn
+
+
+@click.command()
+@click.argument("session_id")
+@click.option("--from", "from_checkpoint", default="latest", show_default=True, help="Checkpoint to fork from.")
+@click.option("--prompt", "prompts", multiple=True, required=True, help="One fork per --prompt.")
+@click.option("--agent", "agent_ref", default=None, metavar="MODULE:AGENT",
+              help="Agent to run the forks (default: the one stored with the session).")
+@user_option
+@store_option
+@address_option
+@placement_option
+@json_option
+@guarded
+def fork(session_id: str, from_checkpoint: str, prompts: tuple[str, ...], agent_ref: str | None,
+         user_id: str | None, store_url: str | None, address: str | None, placement: str, as_json: bool) -> None:
+    """Fan out: one new session per --prompt, all from one checkpoint, running at once."""
+    check_id(session_id, "session_id")
+    check_id(user_id, "user_id")
+    store = open_store_or_fail(store_url)
+    agent, ref = agent_for(session_id, user_id, store, agent_ref)
+    from_checkpoint, base_turn = _fork_base(store, session_id, user_id, from_checkpoint)
+    runtime = runtime_for(store_url_or_fail(store_url), address, placement)
+    bound = bind(agent, ref, runtime)
+    # Built here (as Agent.fork does) so the new session ids are known and their progress can be shown.
+    requests = [RunRequest(kind="resume", prompt=p, session_id=new_id("sess"), user_id=user_id,
+                           from_checkpoint=from_checkpoint, fork_of=session_id) for p in prompts]
+    labels = [(r.session_id, f"fork {i + 1}: {excerpt(r.prompt or '', 32)}") for i, r in enumerate(requests)]
+    results = asyncio.run(with_progress(runtime.execute_many(bound, requests), store, labels, user_id, base_turn))
+    if as_json:
+        emit_json([{**result_dict(r), "prompt": q.prompt, "forked_from": session_id,
+                    "from_checkpoint": from_checkpoint} for r, q in zip(results, requests, strict=False)])
+        return
+    # The new session ids are what the next command needs: printed whole, whatever the terminal's width.
+    cols = [Col("session"), Col("turns", justify="right"), Col("calls", "model calls", drop=2, justify="right"),
+            Col("prompt", wrap=True, min_wrap=12), Col("output", wrap=True, drop=1)]
+    rows = [{"session": r.session_id, "prompt": q.prompt or "", "turns": str(r.turns), "calls": str(r.model_calls),
+             "output": excerpt(r.output, 80)} for r, q in zip(results, requests, strict=False)]
+    console.print(fit_table(cols, rows, title=f"{len(results)} forks of {session_id} from {from_checkpoint} "
+                                              f"(turn {base_turn})"))

@@ -1,0 +1,293 @@
+"""Commands on a store, no cluster needed: ``checkpoints`` [``quarantine``], ``show``, ``compact``,
+``lease repair``, ``tree`` and ``timeline``.
+
+``query`` and ``prune`` live in :mod:`loomray.cli.query` and
+:mod:`loomray.cli.prune`, the steering commands in :mod:`loomray.cli.steering`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import click
+from rich.text import Text
+
+from loomray.cli.common import (
+    STATUS_STYLE,
+    CliError,
+    check_id,
+    console,
+    err_console,
+    first_line,
+    guarded,
+    json_option,
+    open_session_store,
+    open_store_or_fail,
+    session_exists,
+    store_option,
+    unknown_session,
+    user_option,
+    who,
+)
+from loomray.cli.output import emit_json, money, row_dict, time_cells
+from loomray.cli.progress import Activity, progress_option
+from loomray.cli.tables import Col, fit_table
+from loomray.cli.timeline_view import session_timeline, timeline_table
+from loomray.cli.tree_view import fork_tree, tree_html, tree_json, tree_table
+from loomray.errors import CheckpointException
+from loomray.records import Checkpoint
+from storage.errors import InvalidIdError, LeaseCorruptError, StorageError
+from storage.layout import lease_key
+
+
+class _ListByDefault(click.Group):
+    """A group whose first argument, unless it names a subcommand, goes to its ``list`` subcommand.
+
+    So ``loomray checkpoints SESSION`` keeps listing, and ``loomray checkpoints
+    quarantine SESSION CKPT`` runs the subcommand (``loomray checkpoints list
+    quarantine`` lists a session named "quarantine").
+    """
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        if not args or (args[0] not in self.commands and args[0] not in ctx.help_option_names):
+            args = ["list", *args]
+        return super().parse_args(ctx, args)
+
+
+@click.group(cls=_ListByDefault)
+def checkpoints() -> None:
+    """A session's checkpoints: list (the default) or quarantine.
+
+    ``loomray checkpoints SESSION`` lists them, newest first;
+    ``loomray checkpoints quarantine SESSION CKPT`` moves a bad one aside.
+    """
+
+
+@checkpoints.command("list")
+@click.argument("session_id")
+@store_option
+@user_option
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 10_000))
+@json_option
+@guarded
+def checkpoints_list(session_id: str, store_url: str | None, user_id: str | None, limit: int, as_json: bool) -> None:
+    """List a session's checkpoints, newest first."""
+    store = open_session_store(store_url, session_id, user_id)
+    rows = store.list_checkpoints(session_id, user_id=user_id, limit=limit)
+    if not rows and not session_exists(store, session_id, user_id):
+        raise unknown_session(store, session_id, user_id)
+    if as_json:
+        emit_json([row_dict(r) for r in rows])
+        return
+    if not rows:
+        err_console.print(f"session {session_id!r} has no checkpoints (it ran without checkpointing)")
+        return
+    # Optional columns go first when the terminal is narrow (--json has everything); ids, statuses and
+    # times are never cut: the id is what people copy into the next command.
+    cols = [Col("checkpoint"), Col("turn", justify="right"), Col("status"), Col("created", drop=2),
+            Col("cost", drop=3, justify="right"), Col("tokens", drop=4, justify="right"),
+            Col("epoch", drop=5, justify="right"), Col("after", drop=6), Col("messages", drop=7, justify="right")]
+    created = time_cells([r.created_at for r in rows])
+    cells = [{"checkpoint": r.checkpoint_id, "turn": str(r.turn), "after": r.position.removeprefix("after_"),
+              "status": Text(r.execution_status, style=STATUS_STYLE.get(r.execution_status, "")),
+              "messages": str(r.message_count), "tokens": str(r.input_tokens + r.output_tokens),
+              "cost": money(r.cost_usd), "epoch": str(r.epoch), "created": t} for r, t in zip(rows, created, strict=False)]
+    console.print(fit_table(cols, cells, title=f"checkpoints of {session_id} (times UTC)"))
+
+
+@checkpoints.command("quarantine")
+@click.argument("session_id")
+@click.argument("checkpoint_id")
+@store_option
+@user_option
+@json_option
+@guarded
+def checkpoints_quarantine(session_id: str, checkpoint_id: str, store_url: str | None, user_id: str | None,
+                           as_json: bool) -> None:
+    """Move a bad checkpoint aside (to the session's quarantine/) and retire its index row.
+
+    "latest" and listings no longer see it; the bytes stay for inspection.
+    """
+    check_id(session_id, "session_id")
+    check_id(user_id, "user_id")
+    check_id(checkpoint_id, "checkpoint_id")
+    store = open_store_or_fail(store_url)
+    moved = store.quarantine_checkpoint(session_id, checkpoint_id, user_id=user_id)
+    if as_json:
+        emit_json({"session_id": session_id, "user_id": user_id, "checkpoint_id": checkpoint_id,
+                   "quarantine_key": moved})
+        return
+    where = f"bytes moved to {store.describe(moved)}" if moved else "its object was already gone"
+    console.print(f"checkpoint {checkpoint_id} of session {session_id} quarantined: {where}; "
+                  "its index row is retired", highlight=False, soft_wrap=True)
+
+
+@click.command()
+@click.argument("session_id")
+@click.argument("checkpoint_id", default="latest")
+@store_option
+@user_option
+@click.option("--messages/--no-messages", default=True, help="Print the transcript.")
+@json_option
+@guarded
+def show(session_id: str, checkpoint_id: str, store_url: str | None, user_id: str | None,
+         messages: bool, as_json: bool) -> None:
+    """Show one checkpoint (default: the latest) with its transcript."""
+    check_id(session_id, "session_id")
+    check_id(user_id, "user_id")
+    if checkpoint_id != "latest":
+        check_id(checkpoint_id, "checkpoint_id")
+    store = open_store_or_fail(store_url)
+    try:
+        raw = store.get_checkpoint(session_id, checkpoint_id, user_id=user_id)
+    except InvalidIdError:
+        raise
+    except StorageError as e:  # what the API raises for any failed load, with the storage error as its cause
+        raise CheckpointException(f"checkpoint {checkpoint_id!r} of session {session_id!r} could not be loaded: "
+                                  f"{type(e).__name__}: {e}") from e
+    if raw is None:
+        what = "unknown session" if not session_exists(store, session_id, user_id) else f"no checkpoint {checkpoint_id!r} for session"
+        raise CliError(f"{what} {who(session_id, user_id)}")
+    ckpt = Checkpoint.from_json(raw)
+    if as_json:
+        click.echo(raw.decode("utf-8"))
+        return
+    u = ckpt.cumulative_usage
+    cost = "cost unknown" if u.cost_usd is None else money(u.cost_usd)
+    console.print(
+        f"[bold]{ckpt.session_id}[/] {ckpt.checkpoint_id}  turn {ckpt.turn}  {ckpt.position}  "
+        f"{ckpt.execution_status}  {len(ckpt.messages)} messages  "
+        f"{u.input_tokens}+{u.output_tokens} tokens  {cost}"
+        + (f"  forked from {ckpt.forked_from}" if ckpt.forked_from else "")
+    )
+    if messages:
+        for m in ckpt.messages:
+            text = m.content if len(m.content) <= 400 else m.content[:400] + " ..."
+            calls = "".join(f"\n    -> {c.name}({json.dumps(c.arguments)[:120]})" for c in m.tool_calls)
+            console.print(f"[cyan]{m.role}[/]: {text}{calls}", highlight=False)
+
+
+@click.command()
+@store_option
+@progress_option
+@json_option
+@guarded
+def compact(store_url: str | None, show_progress: bool, as_json: bool) -> None:
+    """Merge small Parquet index files and drop tombstoned rows."""
+    with Activity("compact", show_progress) as activity:
+        store = open_store_or_fail(store_url)
+        if activity.enabled:
+            activity.step("listing index files")
+            n = len(store.index_files("checkpoints")) + len(store.index_files("sessions"))
+            activity.step(f"merging {n} index files, partition by partition")
+        report = store.compact()
+    if as_json:
+        emit_json(row_dict(report))
+    else:
+        console.print(
+            f"index files {report.files_before} -> {report.files_after}, {report.rows} rows kept, "
+            f"{report.tombstones_dropped} tombstoned rows dropped"
+        )
+
+
+@click.group()
+def lease() -> None:
+    """Repair a session's lease (lease.json)."""
+
+
+@lease.command("repair")
+@click.argument("session_id")
+@store_option
+@user_option
+@json_option
+@guarded
+def lease_repair(session_id: str, store_url: str | None, user_id: str | None, as_json: bool) -> None:
+    """Rewrite an unreadable or missing lease.json above every epoch the session used.
+
+    The new epoch fences every holder: a running writer stops at its next lease
+    check, and the session's next incarnation takes the epoch after it. A
+    healthy lease is left alone.
+    """
+    store = open_session_store(store_url, session_id, user_id)
+    key = lease_key(session_id, user_id)
+    epoch: int | None
+    try:
+        epoch, state, problem = store.current_epoch(session_id, user_id=user_id), "ok", None
+        if store.objects.get(key=key) is None:
+            state = "missing"
+    except LeaseCorruptError as e:
+        epoch, state, problem = None, "corrupt", first_line(str(e))
+    if state == "missing" and not epoch and not session_exists(store, session_id, user_id):
+        raise unknown_session(store, session_id, user_id)
+    repaired = state != "ok"
+    if repaired:
+        epoch = store.repair_lease(session_id, user_id=user_id, owner="loomray lease repair").epoch
+    if as_json:
+        emit_json({"session_id": session_id, "user_id": user_id, "state": state, "repaired": repaired,
+                   "epoch": epoch, "problem": problem})
+    elif not repaired:
+        console.print(f"the lease of session {session_id} is healthy (epoch {epoch}): nothing to repair",
+                      highlight=False, soft_wrap=True)
+    else:
+        console.print(f"{store.describe(key)} was {state}" + (f" ({problem})" if problem else "")
+                      + f"; rewritten at epoch {epoch}, above every epoch the session used", highlight=False,
+                      soft_wrap=True)
+
+
+@click.command()
+@click.argument("session_id")
+@store_option
+@user_option
+@click.option("--html", "html_path", default=None, metavar="FILE", type=click.Path(dir_okay=False),
+              help="Also write the tree as a self-contained HTML page to FILE.")
+@json_option
+@guarded
+def tree(session_id: str, store_url: str | None, user_id: str | None, html_path: str | None, as_json: bool) -> None:
+    """The fork tree of a session: its forks, their forks, and so on.
+
+    Per session: the parent checkpoint it was forked from, its turns, its
+    status and its own spend (its cost minus what its parent checkpoint had
+    already cost).
+    """
+    store = open_session_store(store_url, session_id, user_id)
+    root = fork_tree(store, session_id, user_id)
+    if html_path:
+        try:
+            with open(html_path, "w", encoding="utf-8") as f:
+                f.write(tree_html(root, store_desc=store.describe()))
+        except OSError as e:
+            raise CliError(f"cannot write {html_path!r}: {e.strerror or e}") from e
+    if as_json:
+        emit_json(tree_json(root) | ({"html": html_path} if html_path else {}))
+        return
+    table, summary = tree_table(root)
+    console.print(table)
+    console.print(summary, highlight=False)
+    if html_path:
+        err_console.print(f"wrote {html_path}", highlight=False, soft_wrap=True)
+
+
+@click.command()
+@click.argument("session_id")
+@store_option
+@user_option
+@json_option
+@guarded
+def timeline(session_id: str, store_url: str | None, user_id: str | None, as_json: bool) -> None:
+    """A session's incarnations, by lease epoch: owner and node, start, end, and why it started and ended.
+
+    Read from the epoch markers, lease.json, the status rows, the run records,
+    the journal and the checkpoints the store still holds.
+    """
+    store = open_session_store(store_url, session_id, user_id)
+    data = session_timeline(store, session_id, user_id)
+    if as_json:
+        emit_json(data)
+        return
+    console.print(timeline_table(data))
+    if data["current_epoch"] is not None:
+        console.print(f"lease: epoch {data['current_epoch']}, owner {data['lease_owner'] or '-'}", highlight=False,
+                      soft_wrap=True)
+
+
+STORE_COMMANDS: tuple[click.Command, ...] = (checkpoints, show, compact, lease, tree, timeline)
