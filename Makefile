@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: demo test soak bench install clean
+.PHONY: demo test lint soak bench install clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -20,6 +20,11 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# Lint and types: ruff (style, imports, no private-name imports) and mypy over the library packages.
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check loomray storage tests bench examples cluster
+	$(VENV)/bin/mypy
 
 # Fault-injection soak: `make soak SEEDS=2000` runs seeds 0..1999 over memory, local and S3 (moto) stores;
 # a failing seed prints the one command that replays it, e.g. `make soak SEED=1234 SCENARIO=zombie BACKEND=local`.
