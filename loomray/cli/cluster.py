@@ -37,7 +37,7 @@ from loomray.cli.common import (
     user_option,
 )
 from loomray.cli.output import emit_json, parse_iso, time_cells
-from loomray.cli.ray_access import join_cluster, placement_option, ray_get, reachable, require_address
+from loomray.cli.ray_access import join_cluster, leave_cluster, placement_option, ray_get, reachable, require_address
 from loomray.cli.runs import load_agent
 from loomray.cli.tables import Col, fit_table
 from loomray.errors import LoomrayUserError
@@ -244,12 +244,29 @@ def supervise_cmd(store_url: str | None, address: str | None, interval: float,
     def report(line: str) -> None:
         err_console.print(f"[dim]{time.strftime('%H:%M:%S')}[/] {line}", highlight=False)
 
+    failure: list[BaseException] = []
+
+    def keep_alive() -> None:
+        try:
+            supervise(url, address=address, interval_s=interval, stop=stop, report=report,
+                      allowed_agents=tuple(allowed_agents))
+        except BaseException as e:  # handed to the main thread, which reports it
+            failure.append(e)
+
+    # The loop runs beside the main thread, which only waits: Ctrl-C is seen at once wherever the loop
+    # is blocked inside Ray, and the command never depends on Ray turning SIGINT into an exception.
+    loop = threading.Thread(target=keep_alive, name="loomray-supervise", daemon=True)
+    loop.start()
     try:
-        supervise(url, address=address, interval_s=interval, stop=stop, report=report,
-                  allowed_agents=tuple(allowed_agents))
+        while loop.is_alive():
+            loop.join(0.5)
     except KeyboardInterrupt:
         stop.set()
         report("stopped; the supervisor actor keeps running on the cluster")
+        leave_cluster()
+        return
+    if failure:
+        raise failure[0]
 
 
 CLUSTER_COMMANDS: tuple[click.Command, ...] = (submit, status, supervise_cmd)

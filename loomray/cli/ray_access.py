@@ -7,7 +7,10 @@ store-side commands and ``loomray --help`` never import it.
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import sys
+import threading
 from typing import Any
 
 import click
@@ -47,6 +50,24 @@ def require_address(address: str | None) -> str:
 def join_cluster(address: str) -> None:
     """Join the cluster quietly (Ray's INFO lines would drown the command's output)."""
     connect(address, logging_level=logging.WARNING)
+
+
+def leave_cluster(timeout_s: float = 15.0) -> None:
+    """Disconnect this driver; when Ray does not let go within ``timeout_s``, exit the process anyway.
+
+    Used where a foreground command ends on Ctrl-C: what it started on the cluster is detached and keeps
+    running, so nothing is lost by not waiting for the driver's own teardown, which on a loaded machine
+    has been seen to hang at interpreter exit.
+    """
+    import ray  # heavy: only the commands that talk to a cluster import it
+
+    shutdown = threading.Thread(target=ray.shutdown, name="loomray-leave-cluster", daemon=True)
+    shutdown.start()
+    shutdown.join(timeout_s)
+    if shutdown.is_alive():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def ray_get(ref: Any, timeout: float | None = None) -> Any:
