@@ -242,6 +242,18 @@ class RayRuntime(Runtime):
             if batch["done"] and not batch["events"]:
                 return
 
+    async def cancel(self, session_id: str, *, user_id: str | None = None) -> None:
+        """Cancel durably (as every runtime does), then have the session's actor stop its run at once.
+
+        Once the durable part returns nothing the session does is made durable (it is fenced); telling its
+        actor spares the run the wait for its next look at the store, so an in-flight tool stops now.
+        """
+        await super().cancel(session_id, user_id=user_id)
+        try:
+            await self._call("cancel", session_id, user_id)
+        except Exception as e:  # the run still stops at its next look at the store
+            log.info("session %r: telling its actor to stop failed (%s); it stops at its next look", session_id, e)
+
     async def execute_many(self, agent: Agent, requests: Sequence[RunRequest], *, emit: EmitFn | None = None,
                            extra_tools: Sequence[Any] = (), output_type: Any = None) -> list[RunResult]:
         """Fan-out: one actor per request, at most ``max_concurrent_forks`` at once; results in request order.

@@ -44,6 +44,7 @@ from typing import Any
 import ray
 from ray import cloudpickle
 
+from loomray import control
 from loomray.records import load_checkpoint
 from loomray.runtime.actors import (
     NAMESPACE,
@@ -321,8 +322,17 @@ class SessionActor:
                 "finished": self._task is not None and self._task.done(), "started": self._started}
 
     async def cancel(self) -> None:
-        """Stop the run in flight (its last checkpoint stays; it can be resumed)."""
-        if self._task is not None:
+        """Stop the run in flight now, as its cancel watcher does when it finds the session's cancel request.
+
+        The durable part of a cancel (the request object, the fence, the ``cancelled`` status) is written by
+        whoever cancels (``Runtime.cancel``); this only spares the run its next look at the store.
+        """
+        if self._task is None or self._request is None:
+            return
+        handles = control.local_runs(self._store, self._request.session_id, self._request.user_id)
+        for handle in handles:
+            handle.request_cancel()
+        if not handles:  # not registered yet (or already gone): nothing of the run may go on
             self._task.cancel()
 
     def stop(self) -> None:

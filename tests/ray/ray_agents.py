@@ -18,7 +18,7 @@ import time
 import uuid
 from pathlib import Path
 
-from loomray import Agent, Tuning
+from loomray import Agent, CheckpointConfig, Tuning, tool
 from loomray.models import ScriptedModel
 
 ROOT = Path(os.environ.get("LOOMRAY_RAY_TEST_DIR", "/tmp/loomray-ray-test"))
@@ -158,3 +158,47 @@ def isolation_agent(kind: str) -> Agent:
     }[kind]
     return Agent(f"{kind} agent", model=ScriptedModel(script), tools=[block, noop], tuning=Tuning(checkpoint=True),
                  name=f"iso-{kind}")
+
+
+def steered(name: str, script: list, position: str = "after_tools", **tuning) -> Agent:
+    """An agent to steer on the cluster: ``transfer`` needs approval; ``hold`` runs while the file ``hold`` exists.
+
+    Both leave files in the agent's directory: ``transfer-*`` per run of the transfer, ``held-*`` when
+    ``hold`` starts and ``done-*`` when it returns, so tests count effects across processes and nodes.
+    """
+    workdir = ROOT / name
+    workdir.mkdir(parents=True, exist_ok=True)
+
+    @tool(requires_approval=True)
+    def transfer(amount: int) -> str:
+        """Move money (a person approves each call)."""
+        (workdir / f"transfer-{uuid.uuid4().hex}").write_text(str(amount))
+        return f"moved {amount}"
+
+    async def hold(key: str) -> str:
+        """Slow work that lasts while the file ``hold`` exists."""
+        (workdir / f"held-{uuid.uuid4().hex}").write_text(key)
+        deadline = time.monotonic() + 60
+        while (workdir / "hold").exists() and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        (workdir / f"done-{uuid.uuid4().hex}").write_text(key)
+        return f"held {key}"
+
+    model = ScriptedModel(script, counter_path=workdir / "model-calls")
+    return Agent(f"{name} agent", model=model, tools=[transfer, hold], name=name,
+                 tuning=Tuning(checkpoint=CheckpointConfig(position=position), **tuning))
+
+
+def files(name: str, prefix: str) -> int:
+    """How many ``{prefix}-*`` marker files agent ``name`` left."""
+    return len(list((ROOT / name).glob(f"{prefix}-*")))
+
+
+#: Stops for approval, then (approved) finishes; (denied) tells the model.
+approve = steered("approve", [{"tool": "transfer", "args": {"amount": 5}}, "transfer settled"])
+deny = steered("deny", [{"tool": "transfer", "args": {"amount": 9}}, "transfer refused"])
+#: A signal sent while ``hold`` runs arrives at the next pass boundary, before the second model call.
+signalled = steered("signalled", [{"tool": "hold", "args": {"key": "a"}}, "heard you"])
+#: Cancelled while ``hold`` runs.
+cancelled = steered("cancelled", [{"tool": "hold", "args": {"key": "a"}}, {"tool": "hold", "args": {"key": "b"}},
+                                  "never reached"], position="both", durability="async")

@@ -44,7 +44,9 @@ def env(tmp_path_factory):
     sys.path.insert(0, str(HERE))
     pythonpath = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
     with local_cluster(num_nodes=3, namespace="loomray", worker_resources=SESSION_RESOURCE,
-                       env={"PYTHONPATH": pythonpath, "LOOMRAY_RAY_TEST_DIR": str(root / "agents")}) as lc:
+                       env={"PYTHONPATH": pythonpath, "LOOMRAY_RAY_TEST_DIR": str(root / "agents"),
+                            # Only RayRuntime.cancel's direct path can stop a run within the cancel test's deadline.
+                            "LOOMRAY_CANCEL_POLL_S": "60"}) as lc:
         import ray_agents
 
         from loomray.runtime import RayRuntime
@@ -584,3 +586,89 @@ def test_supervise_keeper_recreates_a_killed_supervisor(env):
         stop.set()
         keeper.join(timeout=30)
     assert not keeper.is_alive()
+
+
+# -- steering on the cluster: approvals, signals, cancel ---------------------------------------------------
+def _user_texts(messages):
+    return [m.content for m in messages if m.role == "user"]
+
+
+async def test_a_session_waiting_for_approval_holds_no_process_and_completes_after_its_node_is_lost(env):
+    lc, runtime, agents = env
+    store, sid = runtime.store, "s-approve"
+    agent = _driver_agent(agents.approve, "ray_agents:approve", runtime)
+    waiting = await agent.run("pay the bill", session_id=sid)
+    assert waiting.stop_reason == "awaiting_approval" and agents.files("approve", "transfer") == 0
+    [call] = waiting.pending_approvals
+    row = store.get_session(sid)
+    assert row.status == "awaiting_approval" and row.node_id
+    # While it waits nothing of the session runs: its actor is gone, no process of its own.
+    info = await runtime.session(sid)
+    assert info is None or info.get("pid") is None, info
+    victim = lc.node_of(row.node_id)
+    assert victim is not None and victim is not lc.head
+    lc.remove_node(victim)  # the node it ran on is lost while it waits
+
+    done = await asyncio.wait_for(agent.resume(None, session_id=sid, approvals={call.id: True}), 90)
+    assert done.stop_reason == "completed" and done.output == "transfer settled"
+    assert agents.files("approve", "transfer") == 1  # the approved call ran once
+    assert sorted(agents.model_calls("approve")) == [0, 1]  # and no model call was repeated
+    final = store.get_session(sid)
+    assert final.status == "completed" and final.node_id != victim.node_id
+    lc.add_node()  # give later tests two session nodes again
+
+
+async def test_a_denial_on_the_cluster_reaches_the_model_as_the_calls_error(env):
+    lc, runtime, agents = env
+    agent = _driver_agent(agents.deny, "ray_agents:deny", runtime)
+    waiting = await agent.run("pay", session_id="s-deny")
+    [call] = waiting.pending_approvals
+    done = await agent.resume(None, session_id="s-deny", approvals={call.id: "over the limit"})
+    assert done.stop_reason == "completed" and done.output == "transfer refused"
+    assert agents.files("deny", "transfer") == 0
+    [result] = [m for m in done.messages if m.role == "tool"]
+    assert result.is_error and result.tool_call_id == call.id and "over the limit" in result.content
+    assert sorted(agents.model_calls("deny")) == [0, 1]
+
+
+async def test_a_signal_during_a_tool_call_on_the_cluster_is_delivered_once(env):
+    lc, runtime, agents = env
+    sid, hold = "s-signal", agents.ROOT / "signalled" / "hold"
+    agent = _driver_agent(agents.signalled, "ray_agents:signalled", runtime)
+    hold.write_text("")
+    run = asyncio.ensure_future(agent.run("go", session_id=sid))
+    try:
+        await _until(lambda: agents.files("signalled", "held") == 1, 60, "the held tool call")
+        await agent.signal(sid, "use metric units")
+    finally:
+        hold.unlink()
+    result = await asyncio.wait_for(run, 60)
+    assert result.stop_reason == "completed" and result.output == "heard you"
+    assert _user_texts(result.messages) == ["go", "use metric units"]
+    assert result.messages[-2].content == "use metric units"  # at the boundary, before the second model call
+    assert sorted(agents.model_calls("signalled")) == [0, 1]
+
+
+async def test_a_cancel_during_a_long_tool_call_on_the_cluster_makes_nothing_durable_afterwards(env):
+    lc, runtime, agents = env
+    store, sid, hold = runtime.store, "s-cancel", agents.ROOT / "cancelled" / "hold"
+    agent = _driver_agent(agents.cancelled, "ray_agents:cancelled", runtime)
+    hold.write_text("")
+    run = asyncio.ensure_future(agent.run("go", session_id=sid))
+    try:
+        await _until(lambda: agents.files("cancelled", "held") == 1, 60, "the held tool call")
+        await agent.cancel(sid)
+        acked = [r.checkpoint_id for r in store.list_checkpoints(sid, limit=None)]
+        # The run stops at once, its tool call still held (the actors' own look at the store is 60 s away).
+        result = await asyncio.wait_for(run, 20)
+    finally:
+        hold.unlink()
+    assert result.stop_reason == "cancelled"
+    assert store.get_session(sid).status == "cancelled"
+    # The session's actor is gone and wrote nothing after the cancel was acknowledged.
+    info = await runtime.session(sid)
+    assert info is None or info.get("pid") is None, info
+    assert [r.checkpoint_id for r in store.list_checkpoints(sid, limit=None)] == acked
+    assert agents.files("cancelled", "done") == 0 and sorted(agents.model_calls("cancelled")) == [0]
+    again = await agent.resume(None, session_id=sid)
+    assert again.stop_reason == "cancelled" and sorted(agents.model_calls("cancelled")) == [0]
