@@ -13,8 +13,12 @@ What a person watching sees, step by step:
    against the journal's model entries per lease epoch);
 5. three forks fan out from the checkpoint taken before the report was
    written, each with its own follow-up prompt, one actor each;
-6. the Parquet index is queried with DuckDB (a table);
-7. the cluster is shut down and checked gone; the data stays on disk.
+6. a small publishing session is steered while it runs: a signal sent
+   during a tool call reaches the model once, at the next pass boundary; its
+   ``publish`` call waits for approval with no process of its own, and once
+   approved a new actor continues the same run and publishes once;
+7. the Parquet index is queried with DuckDB (a table);
+8. the cluster is shut down and checked gone; the data stays on disk.
 
 ``--model claude-opus-4-7`` (with ``ANTHROPIC_API_KEY``) swaps in a real
 provider; a missing key is one clear line before any cluster starts.

@@ -21,6 +21,7 @@ from rich.table import Table
 from loomray.agent import Agent
 from loomray.cli.common import console, sql_to_arrow
 from loomray.cli.demo_agent import Pace
+from loomray.cli.demo_steer import steer, story
 from loomray.cli.progress import run_progress
 from loomray.cli.ray_access import ray_get
 from loomray.errors import LoomrayRunError
@@ -104,7 +105,7 @@ def _quiet_node_deaths() -> Iterator[None]:
 
 
 def run_demo(agent: Agent, store_url: str, log_path: str, *, pace: Pace, nodes: int, model: str) -> str:
-    """Steps 1-6 of the demo; returns the main session id. The cluster is gone on return."""
+    """Steps 1-7 of the demo; returns the main session id. The cluster is gone on return."""
     from loomray.testing.cluster import local_cluster  # imports Ray
 
     t0 = time.monotonic()
@@ -118,7 +119,7 @@ def run_demo(agent: Agent, store_url: str, log_path: str, *, pace: Pace, nodes: 
         sid = _DemoRun(lc, agent, store_url, log_path, pace, model.startswith("demo:")).run()
         with console.status("stopping the cluster ..."):
             cluster.close()
-    _step(6, "cleanup", "cluster stopped, every process it started is gone"
+    _step(7, "cleanup", "cluster stopped, every process it started is gone"
           + (f" ([red]{len(lc.leftover)} had to be killed[/])" if lc.leftover else "") + ".")
     return sid
 
@@ -146,7 +147,7 @@ class _Watch:
 
 
 class _DemoRun:
-    """Steps 2-5 on a running cluster: the main session, the kill, the proof, the forks and the query."""
+    """Steps 2-6 on a running cluster: the main session, the kill, the proof, the forks, steering, the query."""
 
     def __init__(self, lc: LocalCluster, agent: Agent, store_url: str, log_path: str, pace: Pace,
                  demo_model: bool) -> None:
@@ -175,6 +176,7 @@ class _DemoRun:
         result = RunResult.model_validate_json(outcome.result_json)
         self._prove(sid, result, watch)
         self._forks(sid)
+        self._steer()
         _query(self.store)
         self.store.close()
         self.runtime.close()
@@ -285,6 +287,16 @@ class _DemoRun:
                           (notes[-1] if notes else res.output.splitlines()[0])[:48])
         console.print(table)
 
+    def _steer(self) -> None:
+        """Step 5: a signal to a running session, then an approval it waits for (see loomray.cli.demo_steer)."""
+        import asyncio
+
+        with console.status("steering a publishing session: a signal, then an approval ..."):
+            sid, _, done = asyncio.run(steer(self.runtime, self.log_path, self.pace.fetch_s))
+        body, table = story(sid, done, self.log_path)
+        _step(5, "steer a running session", body)
+        console.print(table)
+
     def _follow_forks(self, requests: list[RunRequest], refs: list[Any], base_turn: int) -> dict[str, str]:
         """Show each fork's passes until all end; returns the node each ran on, by session id."""
         import ray
@@ -328,7 +340,7 @@ def _query(store: Store) -> None:
         out = sql_to_arrow(con, _SQL)
         con.close()
         sql = _SQL
-    _step(5, "query the Parquet index", f"{len(store.index_files())} index files, {table.num_rows} live checkpoint "
+    _step(6, "query the Parquet index", f"{len(store.index_files())} index files, {table.num_rows} live checkpoint "
           f"rows, read straight from the store with DuckDB over Arrow:\n[dim]{sql}[/]")
     t = Table()
     for name in out.column_names:

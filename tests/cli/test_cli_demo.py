@@ -25,7 +25,7 @@ def test_demo_fast_kills_a_node_recovers_forks_and_queries(tmp_path):
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-3000:]
     assert "Traceback" not in text
-    for step in ("step 1", "step 2", "step 3", "step 4", "step 5", "step 6", "demo complete"):
+    for step in ("step 1", "step 2", "step 3", "step 4", "step 5", "step 6", "step 7", "demo complete"):
         assert step in text, step
     assert "killing worker-" in text and "recovered: a new incarnation took the lease (epoch 2)" in text
     assert "each served exactly once" in text
@@ -33,14 +33,26 @@ def test_demo_fast_kills_a_node_recovers_forks_and_queries(tmp_path):
     assert "loomray checkpoints sess" in text and f"--store {store}" in text
 
     # What the demo says happened is what the store holds.
+    from loomray.cli.demo_agent import RESEARCH_AGENT_REF
+    from loomray.cli.demo_steer import SIGNAL
+    from loomray.records import load_checkpoint
     from storage import open_store
 
     st = open_store(store)
     sessions = st.list_sessions()
-    main = [s for s in sessions if s.epoch == 2]
+    main = [s for s in sessions if s.epoch == 2 and s.agent_ref == RESEARCH_AGENT_REF]
     assert len(main) == 1 and main[0].status == "completed"  # the killed session, continued by a 2nd incarnation
     sid = main[0].session_id
     assert st.list_checkpoints(sid, limit=1)[0].turn == 10  # 9 passes + report, --fast
-    forks = [s for s in sessions if s.session_id != sid]
+    # Step 5, the steering round: the signal reached the model once; the approved call ran once.
+    assert "awaiting_approval" in text and "published once" in text
+    others = [s for s in sessions if s.session_id != sid]
+    [publisher] = [s for s in others if st.list_checkpoints(s.session_id, limit=1)[0].forked_from is None]
+    assert publisher.status == "completed" and publisher.epoch == 2  # stopped to wait, then a new incarnation
+    messages = load_checkpoint(st, publisher.session_id).messages
+    assert [m.content for m in messages if m.role == "user"].count(SIGNAL) == 1
+    assert [m.content for m in messages if m.role == "tool" and m.name == "publish"] == [
+        "published as 'Durable agents on Ray'"]
+    forks = [s for s in others if s.session_id != publisher.session_id]
     assert len(forks) == 3 and {s.status for s in forks} == {"completed"}
     assert {st.list_checkpoints(s.session_id, limit=1)[0].forked_from for s in forks} == {sid}
