@@ -196,9 +196,33 @@ def files(name: str, prefix: str) -> int:
 
 #: Stops for approval, then (approved) finishes; (denied) tells the model.
 approve = steered("approve", [{"tool": "transfer", "args": {"amount": 5}}, "transfer settled"])
+approve_dense = steered("approve_dense", [{"tool": "transfer", "args": {"amount": 5}}, "transfer settled"])
 deny = steered("deny", [{"tool": "transfer", "args": {"amount": 9}}, "transfer refused"])
 #: A signal sent while ``hold`` runs arrives at the next pass boundary, before the second model call.
 signalled = steered("signalled", [{"tool": "hold", "args": {"key": "a"}}, "heard you"])
 #: Cancelled while ``hold`` runs.
-cancelled = steered("cancelled", [{"tool": "hold", "args": {"key": "a"}}, {"tool": "hold", "args": {"key": "b"}},
-                                  "never reached"], position="both", durability="async")
+cancelled, cancelled_dense = (
+    steered(name, [{"tool": "hold", "args": {"key": "a"}}, {"tool": "hold", "args": {"key": "b"}}, "never reached"],
+            position="both", durability="async") for name in ("cancelled", "cancelled_dense"))
+
+
+def priced(name: str, **tuning) -> Agent:
+    """Four priced lookup passes and a report; every call costs what its transcript costs (``price_per_mtok``)."""
+    workdir = ROOT / name
+    workdir.mkdir(parents=True, exist_ok=True)
+
+    def lookup(key: str) -> str:
+        """Look something up."""
+        (workdir / f"lookup-{uuid.uuid4().hex}").write_text(key)
+        return f"value of {key} " * 20
+
+    script = [{"tool": "lookup", "args": {"key": f"k{i}"}} for i in range(4)] + ["report: done"]
+    model = ScriptedModel(script, counter_path=workdir / "model-calls", price_per_mtok=1000.0)
+    return Agent(f"{name} agent", model=model, tools=[lookup], name=name, tuning=Tuning(checkpoint=True, **tuning))
+
+
+#: The same agent, once with a token limit the first call reaches and once without.
+budget_low = priced("budget", max_tokens=1)
+budget_high = priced("budget")
+#: A fork tree's spend.
+spend = priced("spend")

@@ -593,12 +593,13 @@ def _user_texts(messages):
     return [m.content for m in messages if m.role == "user"]
 
 
-async def test_a_session_waiting_for_approval_holds_no_process_and_completes_after_its_node_is_lost(env):
-    lc, runtime, agents = env
-    store, sid = runtime.store, "s-approve"
-    agent = _driver_agent(agents.approve, "ray_agents:approve", runtime)
+async def test_a_session_waiting_for_approval_holds_no_process_and_completes_after_its_node_is_lost(placed):
+    lc, runtime, agents, suffix = placed
+    name = "approve" + suffix
+    store, sid = runtime.store, "s-" + name
+    agent = _driver_agent(getattr(agents, name), f"ray_agents:{name}", runtime)
     waiting = await agent.run("pay the bill", session_id=sid)
-    assert waiting.stop_reason == "awaiting_approval" and agents.files("approve", "transfer") == 0
+    assert waiting.stop_reason == "awaiting_approval" and agents.files(name, "transfer") == 0
     [call] = waiting.pending_approvals
     row = store.get_session(sid)
     assert row.status == "awaiting_approval" and row.node_id
@@ -611,8 +612,8 @@ async def test_a_session_waiting_for_approval_holds_no_process_and_completes_aft
 
     done = await asyncio.wait_for(agent.resume(None, session_id=sid, approvals={call.id: True}), 90)
     assert done.stop_reason == "completed" and done.output == "transfer settled"
-    assert agents.files("approve", "transfer") == 1  # the approved call ran once
-    assert sorted(agents.model_calls("approve")) == [0, 1]  # and no model call was repeated
+    assert agents.files(name, "transfer") == 1  # the approved call ran once
+    assert sorted(agents.model_calls(name)) == [0, 1]  # and no model call was repeated
     final = store.get_session(sid)
     assert final.status == "completed" and final.node_id != victim.node_id
     lc.add_node()  # give later tests two session nodes again
@@ -649,14 +650,15 @@ async def test_a_signal_during_a_tool_call_on_the_cluster_is_delivered_once(env)
     assert sorted(agents.model_calls("signalled")) == [0, 1]
 
 
-async def test_a_cancel_during_a_long_tool_call_on_the_cluster_makes_nothing_durable_afterwards(env):
-    lc, runtime, agents = env
-    store, sid, hold = runtime.store, "s-cancel", agents.ROOT / "cancelled" / "hold"
-    agent = _driver_agent(agents.cancelled, "ray_agents:cancelled", runtime)
+async def test_a_cancel_during_a_long_tool_call_on_the_cluster_makes_nothing_durable_afterwards(placed):
+    lc, runtime, agents, suffix = placed
+    name = "cancelled" + suffix
+    store, sid, hold = runtime.store, "s-" + name, agents.ROOT / name / "hold"
+    agent = _driver_agent(getattr(agents, name), f"ray_agents:{name}", runtime)
     hold.write_text("")
     run = asyncio.ensure_future(agent.run("go", session_id=sid))
     try:
-        await _until(lambda: agents.files("cancelled", "held") == 1, 60, "the held tool call")
+        await _until(lambda: agents.files(name, "held") == 1, 60, "the held tool call")
         await agent.cancel(sid)
         acked = [r.checkpoint_id for r in store.list_checkpoints(sid, limit=None)]
         # The run stops at once, its tool call still held (the actors' own look at the store is 60 s away).
@@ -669,6 +671,35 @@ async def test_a_cancel_during_a_long_tool_call_on_the_cluster_makes_nothing_dur
     info = await runtime.session(sid)
     assert info is None or info.get("pid") is None, info
     assert [r.checkpoint_id for r in store.list_checkpoints(sid, limit=None)] == acked
-    assert agents.files("cancelled", "done") == 0 and sorted(agents.model_calls("cancelled")) == [0]
+    assert agents.files(name, "done") == 0 and sorted(agents.model_calls(name)) == [0]
     again = await agent.resume(None, session_id=sid)
-    assert again.stop_reason == "cancelled" and sorted(agents.model_calls("cancelled")) == [0]
+    assert again.stop_reason == "cancelled" and sorted(agents.model_calls(name)) == [0]
+
+
+async def test_a_budget_stop_on_the_cluster_resumes_with_a_raised_limit_without_repeating_a_call(env):
+    lc, runtime, agents = env
+    low = _driver_agent(agents.budget_low, "ray_agents:budget_low", runtime)
+    stopped = await low.run("task", session_id="s-budget")
+    assert stopped.stop_reason == "budget_exceeded" and agents.model_calls("budget") == [0]
+    assert runtime.store.get_session("s-budget").status == "budget_exceeded"
+    high = _driver_agent(agents.budget_high, "ray_agents:budget_high", runtime)
+    done = await high.resume(None, session_id="s-budget")
+    assert done.stop_reason == "completed" and done.output == "report: done" and done.run_id == stopped.run_id
+    assert sorted(agents.model_calls("budget")) == [0, 1, 2, 3, 4]  # every reply once: none repeated
+    assert agents.files("budget", "lookup") == 4
+
+
+async def test_a_fork_tree_on_the_cluster_counts_every_billed_call_once(env):
+    lc, runtime, agents = env
+    store = runtime.store
+    agent = _driver_agent(agents.spend, "ray_agents:spend", runtime)
+    source = await agent.run("task", session_id="s-spend")
+    base = sorted(store.list_checkpoints("s-spend", limit=None), key=lambda r: r.turn)[1]  # after the 2nd pass
+    forks = await agent.fork("s-spend", from_checkpoint=base.checkpoint_id, prompts=["again", "once more"])
+    assert [f.stop_reason for f in forks] == ["completed", "completed"]
+    tree = [r for sid in ["s-spend", *(f.session_id for f in forks)] for r in store.list_checkpoints(sid, limit=None)]
+    assert all(r.spend_usd is not None and r.spend_usd >= 0 for r in tree)
+    # What the calls were billed: the source's whole run, plus what each fork spent past its base checkpoint.
+    billed = source.usage.cost_usd + sum(f.usage.cost_usd - base.cost_usd for f in forks)
+    assert sum(r.spend_usd for r in tree) == pytest.approx(billed)
+    assert sum(r.cost_usd for r in tree if r.session_id != "s-spend") > billed - source.usage.cost_usd  # totals
