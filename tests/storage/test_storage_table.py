@@ -60,14 +60,14 @@ def outside_reads(store: Store) -> dict[str, set[tuple]]:
         glob = f"{root}/index/table/*/*/*.parquet"
         out["pyarrow"] = _rows(pq.read_table(f"{root}/index/table", partitioning=None))
         out["duckdb"] = _rows(duckdb.sql(f"select {cols} from read_parquet('{glob}', hive_partitioning=false)")
-                              .fetch_arrow_table())
+                              .to_arrow_table())
         out["polars"] = _rows(pl.scan_parquet(glob, hive_partitioning=False).collect().to_arrow())
     else:
         out["pyarrow"] = _rows(pq.read_table(f"{root}/index/table", filesystem=fs, partitioning=None))
         con = duckdb.connect()
         con.register_filesystem(fs)  # DuckDB reads s3:// through fsspec (s3fs): no httpfs extension download
         out["duckdb"] = _rows(con.sql(f"select {cols} from read_parquet('s3://{root}/index/table/*/*/*.parquet', "
-                                      "hive_partitioning=false)").fetch_arrow_table())
+                                      "hive_partitioning=false)").to_arrow_table())
         con.close()
         o = store.objects._fs_options
         opts = {"aws_endpoint_url": o["endpoint_url"], "aws_access_key_id": o["key"],
