@@ -87,3 +87,15 @@ class MaxTurnsExceeded(LoomrayRunError):
 
 class OutputValidationError(LoomrayRunError):
     """The model's final answer did not satisfy ``output_schema`` after the allowed retries."""
+
+
+class SessionNotHosted(LoomrayRunError):
+    """The host holds no activation of this session (it finished and was collected, or never came)."""
+
+
+class SessionStartError(LoomrayUserError, LoomrayRunError):
+    """A session could not be activated: its agent, request or store is unusable.
+
+    A user error for the caller of ``submit`` and a run error for a restart
+    (the supervisor marks the session failed instead of retrying).
+    """

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from loomray.errors import LoomrayRunError, LoomrayUserError
+from loomray.errors import SessionNotHosted, SessionStartError
 from loomray.runtime.actors import AgentSpec, RuntimeConfig
 from loomray.runtime.raylet_watch import DrainableExecutor, watch_raylet
 from loomray.runtime.session_actor import SessionActor
@@ -78,18 +78,6 @@ HOST_THREADS = 256
 def host_actor_name() -> str:
     """A fresh, unique host actor name (``loomray/host/{12 hex}``)."""
     return f"{HOST_PREFIX}{uuid.uuid4().hex[:12]}"
-
-
-class SessionNotHosted(LoomrayRunError):
-    """The host holds no activation of this session (it finished and was collected, or never came)."""
-
-
-class SessionStartError(LoomrayUserError, LoomrayRunError):
-    """A session could not be activated: its agent, request or store is unusable.
-
-    A user error for the caller of ``submit`` and a run error for a restart
-    (the supervisor marks the session failed instead of retrying).
-    """
 
 
 class Activation(SessionActor):

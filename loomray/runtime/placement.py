@@ -45,13 +45,13 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from loomray.errors import SessionStartError
 from loomray.runtime.actors import RuntimeConfig
 from loomray.runtime.connection import NAMESPACE
 from loomray.runtime.hosts import (
     HOST_PREFIX,
     ActivationHandle,
     SessionHost,
-    SessionStartError,
     host_actor_name,
 )
 
