@@ -6,6 +6,7 @@ Ray is imported by the functions that use it: importing this module (every
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -289,8 +290,6 @@ class _DemoRun:
 
     def _steer(self) -> None:
         """Step 5: a signal to a running session, then an approval it waits for (see loomray.cli.demo_steer)."""
-        import asyncio
-
         with console.status("steering a publishing session: a signal, then an approval ..."):
             sid, _, done = asyncio.run(steer(self.runtime, self.log_path, self.pace.fetch_s))
         body, table = story(sid, done, self.log_path)
