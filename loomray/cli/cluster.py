@@ -5,8 +5,9 @@
   created; the detached supervisor owns the run, so it goes on after this
   process exits, and the session row keeps the reference, so even a
   supervisor that dies with the actor can restart it.
-- ``status`` asks the supervisor when a cluster is reachable and falls back to
-  the store's session index otherwise.
+- ``status`` asks the store's supervisor when a cluster is reachable (and lists
+  every supervisor on it: one per store) and falls back to the store's session
+  index otherwise.
 - ``supervise`` keeps the supervisor alive until Ctrl-C.
 
 Ray is imported only inside the commands that need it.
@@ -38,6 +39,7 @@ from loomray.cli.common import (
 )
 from loomray.cli.output import emit_json, parse_iso, time_cells
 from loomray.cli.ray_access import join_cluster, leave_cluster, placement_option, ray_get, reachable, require_address
+from loomray.cli.ray_options import actor_options_flags, actor_options_from
 from loomray.cli.runs import load_agent
 from loomray.cli.tables import Col, fit_table
 from loomray.errors import LoomrayUserError
@@ -54,18 +56,28 @@ from storage import ANY, SessionRow, Store
 @store_option
 @address_option
 @placement_option
+@actor_options_flags
+@click.option("--wait", "wait", is_flag=True,
+              help="Stay until the run ends and exit 0 only if it completed (what a Ray Job's entrypoint wants: "
+                   "`ray job submit -- loomray submit --wait ...`). Node loss meanwhile is recovered by the "
+                   "supervisor, not by this process.")
 @json_option
 @guarded
 def submit(agent_ref: str, prompt: str, session_id: str | None, user_id: str | None, store_url: str | None,
-           address: str | None, placement: str, as_json: bool) -> None:
+           address: str | None, placement: str, standby_actors: int, actor_options: str | None,
+           resources: str | None, runtime_env: str | None, wait: bool, as_json: bool) -> None:
     """Start a run on the cluster and return at once; the supervisor owns it from here.
 
     MODULE:AGENT is an importable loomray.Agent (e.g. examples.demo_agent:agent);
-    every node of the cluster must be able to import it.
+    every node of the cluster must be able to import it. --actor-options,
+    --resources and --runtime-env are stored with the session: every later
+    incarnation of it (after node loss, or adopted by a new supervisor) runs
+    with them.
     """
     session_id = check_id(session_id, "session_id") or new_id("sess")
     check_id(user_id, "user_id")
     url = normalize_store_url(store_url_or_fail(store_url))
+    options = actor_options_from(actor_options, resources, runtime_env)
     open_store_or_fail(url, create=True).close()  # a bad URL is a one-line error here, not in an actor
     load_agent(agent_ref)  # an unknown reference fails here, before anything reaches the cluster
     address = require_address(address)
@@ -75,14 +87,19 @@ def submit(agent_ref: str, prompt: str, session_id: str | None, user_id: str | N
         from loomray.runtime.actors import session_actor_name  # imports Ray
         from loomray.runtime.ray_runtime import RayRuntime
 
-        runtime = RayRuntime(url, address=address, placement=placement)
+        runtime = RayRuntime(url, address=address, placement=placement, actor_options=options,
+                             standby_actors=standby_actors)
         # By reference only: the row keeps the reference, so any supervisor can restart the session.
         # Returns once the actor is constructed (an agent the workers cannot import fails here).
         runtime.submit_sync(agent_ref, prompt, session_id=session_id, user_id=user_id)
-    info = {"session_id": session_id, "user_id": user_id, "agent_ref": agent_ref, "store": url,
-            "address": address, "placement": placement,
-            "actor": session_actor_name(session_id, user_id) if placement == "actor" else None,
-            "submitted_in_s": round(time.monotonic() - started, 3)}
+    info: dict[str, Any] = {
+        "session_id": session_id, "user_id": user_id, "agent_ref": agent_ref, "store": url, "address": address,
+        "placement": placement, "actor_options": options,
+        "actor": session_actor_name(url, session_id, user_id) if placement == "actor" else None,
+        "submitted_in_s": round(time.monotonic() - started, 3)}
+    if wait:
+        _wait_for(runtime, info, as_json)
+        return
     if as_json:
         emit_json(info)
         return
@@ -91,23 +108,76 @@ def submit(agent_ref: str, prompt: str, session_id: str | None, user_id: str | N
                   f"              loomray checkpoints {session_id} --store {url}", highlight=False)
 
 
-def _live_status(address: str, store_url: str) -> tuple[list[dict[str, Any]] | None, str]:
-    """The supervisor's view, or None and why not."""
+def _wait_for(runtime: Any, info: dict[str, Any], as_json: bool) -> None:
+    """``submit --wait``: report the run's end; exit 1 unless it completed."""
+    import asyncio
+
+    if not as_json:
+        err_console.print(f"submitted session {info['session_id']}; waiting for it to end ...", highlight=False)
+    try:
+        result = asyncio.run(runtime.wait(info["session_id"], user_id=info["user_id"]))
+    except Exception as e:  # the run failed (or was fenced, cancelled): its error, in one line
+        info.update(status="failed", error=f"{type(e).__name__}: {first_line(str(e))}")
+    else:
+        info.update(status=result.stop_reason, error=None, turns=result.turns, output=result.output)
+    if as_json:
+        emit_json(info)
+    elif info["error"]:
+        err_console.print(f"session {info['session_id']} failed: {info['error']}", highlight=False)
+    else:
+        console.print(f"session [bold]{info['session_id']}[/] ended: {info['status']}")
+    if info["status"] != "completed":
+        raise SystemExit(1)
+
+
+def _supervisors() -> list[dict[str, Any]]:
+    """Every loomray supervisor on the joined cluster (one per store): name, store, sessions watched, restarts."""
+    import ray  # heavy: only when a cluster answers
+
+    from loomray.runtime.actors import SUPERVISOR_PREFIX
+
+    out: list[dict[str, Any]] = []
+    for a in sorted(ray.util.list_named_actors(all_namespaces=True), key=lambda a: str(a.get("name"))):
+        name = str(a.get("name", ""))
+        if a.get("namespace") != NAMESPACE or not name.startswith(SUPERVISOR_PREFIX):
+            continue
+        try:
+            info = ray_get(ray.get_actor(name, namespace=NAMESPACE).ready.remote(), timeout=60)
+        except Exception as e:  # dying or restarting: listed, with why it did not answer
+            out.append({"name": name, "store": None, "sessions": None, "restarts": None,
+                        "error": first_line(str(e)) or type(e).__name__})
+            continue
+        out.append({"name": name, "store": info["store"], "sessions": info["sessions"],
+                    "restarts": info["restarts"], "error": None})
+    return out
+
+
+def _live_status(address: str, store_url: str) -> tuple[list[dict[str, Any]] | None, str, list[dict[str, Any]]]:
+    """The store's supervisor's view (or None and why not), and every supervisor on the cluster."""
     if not reachable(address):
-        return None, f"no Ray cluster answers at {address}"
+        return None, f"no Ray cluster answers at {address}", []
     join_cluster(address)
     import ray  # heavy: only when a cluster answers
 
-    from loomray.runtime.actors import SUPERVISOR_NAME
+    from loomray.runtime.actors import supervisor_name
 
+    supervisors = _supervisors()
     try:
-        handle = ray.get_actor(SUPERVISOR_NAME, namespace=NAMESPACE)
+        handle = ray.get_actor(supervisor_name(store_url), namespace=NAMESPACE)
     except ValueError:
-        return None, f"no loomray supervisor on {address} yet"
-    info = ray_get(handle.ready.remote(), timeout=60)
-    if info["store"] != store_url:
-        return None, f"the supervisor on {address} serves store {info['store']!r}"
-    return ray_get(handle.status.remote(), timeout=60), f"supervisor on {address}"
+        return None, f"no loomray supervisor for this store on {address} yet", supervisors
+    return ray_get(handle.status.remote(), timeout=60), f"supervisor on {address}", supervisors
+
+
+def _print_supervisors(supervisors: list[dict[str, Any]], store_url: str) -> None:
+    """The cluster's supervisors, one line each; this store's marked."""
+    cols = [Col("store"), Col("sessions", justify="right"), Col("restarts", drop=2, justify="right"),
+            Col("actor", drop=1)]
+    rows = [{"store": ("* " if s["store"] == store_url else "  ") + (s["store"] or f"(no answer: {s['error']})"),
+             "sessions": "-" if s["sessions"] is None else str(s["sessions"]),
+             "restarts": "-" if s["restarts"] is None else str(s["restarts"]), "actor": s["name"]}
+            for s in supervisors]
+    console.print(fit_table(cols, rows, title="supervisors on the cluster (* this store)", title_justify="left"))
 
 
 def _turns(store: Store, user_id: str | None) -> dict[tuple[str | None, str], int]:
@@ -149,7 +219,7 @@ def _short_host(host: str | None) -> str:
     """A dense host as ``host/{id}``; a session actor (its own host) as ``actor``."""
     if not host:
         return "-"
-    return host.removeprefix("loomray/") if host.startswith("loomray/host/") else "actor"
+    return "host/" + host.rsplit("/", 1)[-1] if host.startswith("loomray/host/") else "actor"
 
 
 def _print_sessions(out: list[dict[str, Any]], supervised: bool) -> None:
@@ -193,13 +263,18 @@ def status(store_url: str | None, address: str | None, user_id: str | None, limi
     url = normalize_store_url(store_url_or_fail(store_url))
     store = open_store_or_fail(url)
     rows = store.list_sessions(user_id=ANY if user_id is None else user_id)
-    live, source = (None, "no cluster given (--address / RAY_ADDRESS)")
+    live: list[dict[str, Any]] | None = None
+    source = "no cluster given (--address / RAY_ADDRESS)"
+    supervisors: list[dict[str, Any]] = []
     if address:
-        live, source = _live_status(address, url)
+        live, source, supervisors = _live_status(address, url)
     out = _merged_sessions(rows, live, _turns(store, user_id), user_id)[:limit]
     if as_json:
-        emit_json({"source": "supervisor+index" if live is not None else "index", "note": source, "sessions": out})
+        emit_json({"source": "supervisor+index" if live is not None else "index", "note": source,
+                   "supervisors": supervisors, "sessions": out})
         return
+    if supervisors:
+        _print_supervisors(supervisors, url)
     err_console.print(f"sessions from {'the ' + source + ' and ' if live is not None else ''}"
                       f"the session index of {store.describe()}"
                       + ("" if live is not None else f" ({source})"), highlight=False)
@@ -219,13 +294,18 @@ def status(store_url: str | None, address: str | None, user_id: str | None, limi
               help="An agent reference (glob wildcards allowed, e.g. 'examples.*:agent') that sessions read from "
                    "the store may run; repeatable. Sessions with any other stored reference are refused "
                    "(marked failed). Env: LOOMRAY_ALLOW_AGENTS, space-separated.")
+@actor_options_flags
 @guarded
 def supervise_cmd(store_url: str | None, address: str | None, interval: float,
-                  allowed_agents: tuple[str, ...]) -> None:
-    """Keep the cluster's supervisor alive (re-create it if it dies) until Ctrl-C; run it on the head.
+                  allowed_agents: tuple[str, ...], standby_actors: int, actor_options: str | None,
+                  resources: str | None, runtime_env: str | None) -> None:
+    """Keep the store's supervisor alive (re-create it if it dies) until Ctrl-C; run it on the head.
 
-    Only agent references given with --allow-agent, or submitted to this
-    supervisor, are imported for sessions it adopts from the store.
+    Each store has its own supervisor; any number share a cluster. Only agent
+    references given with --allow-agent, or submitted to this supervisor, are
+    imported for sessions it adopts from the store. --actor-options,
+    --resources and --runtime-env apply to adopted sessions that did not
+    store their own (a session submitted with them keeps its own).
     """
     from loomray.runtime.actors import check_pattern  # imports Ray
     from loomray.runtime.ray_runtime import supervise
@@ -236,6 +316,7 @@ def supervise_cmd(store_url: str | None, address: str | None, interval: float,
         except LoomrayUserError as e:
             raise CliError(str(e)) from e
     url = normalize_store_url(store_url_or_fail(store_url))
+    options = actor_options_from(actor_options, resources, runtime_env)
     open_store_or_fail(url, create=True).close()
     address = require_address(address)
     join_cluster(address)
@@ -249,7 +330,7 @@ def supervise_cmd(store_url: str | None, address: str | None, interval: float,
     def keep_alive() -> None:
         try:
             supervise(url, address=address, interval_s=interval, stop=stop, report=report,
-                      allowed_agents=tuple(allowed_agents))
+                      allowed_agents=tuple(allowed_agents), actor_options=options, standby_actors=standby_actors)
         except BaseException as e:  # handed to the main thread, which reports it
             failure.append(e)
 

@@ -55,14 +55,14 @@ def _step(n: int, title: str, body: str) -> None:
     console.print(Panel(body, title=f"[bold]step {n}[/] · {title}", title_align="left", border_style="cyan"))
 
 
-def _actor_info(session_id: str, timeout: float = 10.0) -> dict[str, Any] | None:
+def _actor_info(store_url: str, session_id: str, timeout: float = 10.0) -> dict[str, Any] | None:
     """Where the session's current incarnation runs, or None while there is none."""
     import ray
 
     from loomray.runtime.actors import session_actor_name
 
     try:
-        handle = ray.get_actor(session_actor_name(session_id), namespace=NAMESPACE)
+        handle = ray.get_actor(session_actor_name(store_url, session_id), namespace=NAMESPACE)
         return ray.get(handle.info.remote(), timeout=timeout)
     except Exception:  # gone, dying, or not yet created: the caller asks again later
         return None
@@ -209,7 +209,7 @@ class _DemoRun:
         """Record where the first incarnation runs, and, after the kill, the one that took over."""
         if not watch.incarnations or (watch.killed_at is not None and len(watch.incarnations) == 1
                                       and watch.recovered_in is not None):
-            info = _actor_info(sid, timeout=2)
+            info = _actor_info(self.runtime.config.store_url, sid, timeout=2)
             if info is not None and all(i["pid"] != info["pid"] for i in watch.incarnations):
                 watch.incarnations.append(info)
         if watch.killed_at is not None and watch.recovered_in is None and self.store.current_epoch(sid) >= 2:
@@ -309,7 +309,7 @@ class _DemoRun:
                 _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.3)
                 for r, b in zip(requests, bars, strict=False):
                     if r.session_id not in nodes:
-                        info = _actor_info(r.session_id, timeout=2)
+                        info = _actor_info(self.runtime.config.store_url, r.session_id, timeout=2)
                         if info is not None:
                             nodes[r.session_id] = _node_label(self.lc, info["node_id"])
                     got = self.store.list_checkpoints(r.session_id, limit=1)

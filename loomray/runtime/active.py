@@ -8,8 +8,9 @@ its outcome. A pass is then one LIST of the marks plus, for each marked
 session nobody here watches, a handful of reads (its mark, its session row,
 its lease): O(active sessions), independent of how many sessions ever ran.
 
-A mark carries the session's placement (``actor`` or ``dense``), so an
-adopted session is restarted the way it ran. A mark whose session row is
+A mark carries the session's placement (``actor`` or ``dense``) and its own
+actor options (resources, CPUs, memory, runtime env: those that are JSON), so
+an adopted session is restarted the way it ran, on the nodes it asked for. A mark whose session row is
 finished and newer than the mark is stale (a supervisor died between the
 outcome and the cleanup) and is removed by the pass that finds it.
 """
@@ -32,9 +33,12 @@ log = logging.getLogger("loomray.runtime.active")
 _ORPHAN_AFTER_S = 3600.0
 
 
-def note(placement: str) -> bytes:
-    """The mark's body: placement and when the session was marked."""
-    return json.dumps({"v": 1, "placement": placement, "since": datetime.now(timezone.utc).isoformat()}).encode()
+def note(placement: str, actor_options: dict[str, Any] | None = None) -> bytes:
+    """The mark's body: placement, the session's own actor options (JSON ones) and when it was marked."""
+    body: dict[str, Any] = {"v": 1, "placement": placement, "since": datetime.now(timezone.utc).isoformat()}
+    if actor_options:
+        body["actor_options"] = actor_options
+    return json.dumps(body).encode()
 
 
 def parse(raw: bytes | None) -> dict[str, Any]:
@@ -48,10 +52,11 @@ def parse(raw: bytes | None) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-async def mark(store: Store, session_id: str, user_id: str | None, placement: str) -> None:
+async def mark(store: Store, session_id: str, user_id: str | None, placement: str,
+               actor_options: dict[str, Any] | None = None) -> None:
     """Mark the session active; a failure is logged (the session then is only adoptable by a full scan)."""
     try:
-        await asyncio.to_thread(store.put_active, session_id, user_id=user_id, data=note(placement))
+        await asyncio.to_thread(store.put_active, session_id, user_id=user_id, data=note(placement, actor_options))
     except Exception as e:
         log.warning("could not mark session %r active: %s: %s", session_id, type(e).__name__, e)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import fnmatch
+import hashlib
 import importlib
 import json
 import random
@@ -34,14 +35,16 @@ from loomray.errors import LoomrayUserError
 from loomray.runtime.connection import NAMESPACE
 from storage import open_store
 
-#: The detached supervisor's actor name (namespace ``loomray``): one per cluster.
-SUPERVISOR_NAME = "loomray:supervisor"
+#: Name prefix of the detached supervisors (namespace ``loomray``): one per store, any number per
+#: cluster, each named ``loomray:supervisor:{store key}`` (see :func:`supervisor_name`).
+SUPERVISOR_PREFIX = "loomray:supervisor:"
 
 #: Session rows in these states are live work a supervisor must own.
 ACTIVE_STATES = ("pending", "running")
 
-#: Name prefix of standby session actors (namespace ``loomray``): pre-started, claimed by one session each.
-#: A ``/`` never occurs in a session actor's name (ids refuse it), so the names cannot collide.
+#: Name prefix of standby session actors (namespace ``loomray``): pre-started, claimed by one session each,
+#: ``loomray/standby/{store key}/{12 hex}``. A ``/`` never occurs in a session actor's name (ids refuse
+#: it), so the names cannot collide.
 STANDBY_PREFIX = "loomray/standby/"
 #: Default of ``RuntimeConfig.standby_actors`` (and ``RayRuntime(standby_actors=...)``).
 DEFAULT_STANDBY_ACTORS = 8
@@ -50,14 +53,33 @@ STANDBY_ORPHAN_CHECKS = 2
 STANDBY_CHECK_S = 30.0
 
 
-def standby_actor_name() -> str:
-    """A fresh, unique standby actor name (``loomray/standby/{12 hex}``)."""
-    return f"{STANDBY_PREFIX}{uuid.uuid4().hex[:12]}"
+def store_key(store_url: str) -> str:
+    """A short, stable name for a store (12 hex of the SHA-256 of its normalized URL).
+
+    Every actor loomray names carries it, so the supervisors, session actors,
+    standbys and hosts of two stores on one cluster never meet.
+    """
+    return hashlib.sha256(store_url.encode()).hexdigest()[:12]
 
 
-def session_actor_name(session_id: str, user_id: str | None = None) -> str:
-    """``loomray:{user or _}:{session_id}``, the actor's name in the ``loomray`` namespace."""
-    return f"loomray:{user_id or '_'}:{session_id}"
+def supervisor_name(store_url: str) -> str:
+    """``loomray:supervisor:{store key}``: the name of the supervisor that serves ``store_url``."""
+    return f"{SUPERVISOR_PREFIX}{store_key(store_url)}"
+
+
+def standby_prefix(store_url: str) -> str:
+    """``loomray/standby/{store key}/``: the name prefix of the standby actors of ``store_url``'s supervisor."""
+    return f"{STANDBY_PREFIX}{store_key(store_url)}/"
+
+
+def standby_actor_name(store_url: str) -> str:
+    """A fresh, unique standby actor name for ``store_url`` (``loomray/standby/{store key}/{12 hex}``)."""
+    return f"{standby_prefix(store_url)}{uuid.uuid4().hex[:12]}"
+
+
+def session_actor_name(store_url: str, session_id: str, user_id: str | None = None) -> str:
+    """``loomray:{store key}:{user or _}:{session_id}``, the actor's name in the ``loomray`` namespace."""
+    return f"loomray:{store_key(store_url)}:{user_id or '_'}:{session_id}"
 
 
 _REF = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
@@ -133,6 +155,49 @@ def check_standby_actors(value: Any) -> int:
     return value
 
 
+#: Actor options loomray sets itself for every session actor, standby and host: not the caller's to choose.
+_RESERVED_OPTIONS = ("name", "namespace", "lifetime", "get_if_exists", "max_restarts", "max_task_retries",
+                     "max_concurrency", "concurrency_groups")
+
+
+def check_actor_options(options: Any) -> dict[str, Any]:
+    """Validate ``actor_options`` the way Ray's ``.options()`` will, but now; return them.
+
+    Raises :class:`LoomrayUserError` for a non-dict, an option loomray sets
+    itself (name, lifetime, restarts, concurrency), or anything Ray refuses
+    (an unknown keyword, a negative or non-numeric resource, ``CPU`` in
+    ``resources``, a ``runtime_env`` that is not a dict), so a bad option
+    fails where the runtime or command is built, not in the supervisor.
+    """
+    if not isinstance(options, dict):
+        raise LoomrayUserError(f"actor_options must be a dict, got {type(options).__name__}")
+    reserved = sorted(set(options) & set(_RESERVED_OPTIONS))
+    if reserved:
+        raise LoomrayUserError(f"actor_options may not set {', '.join(reserved)}: loomray sets them itself")
+    try:
+        from ray._common.ray_option_utils import validate_actor_options
+    except ImportError:  # Ray before 2.47 kept it private
+        from ray._private.ray_option_utils import validate_actor_options  # type: ignore[no-redef]  # noqa: PLC2701
+    try:
+        validate_actor_options(options, in_options=True)
+    except (TypeError, ValueError) as e:
+        raise LoomrayUserError(f"actor_options {options!r} are not valid Ray actor options: {e}") from e
+    return options
+
+
+def storable_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The options that survive as JSON (resources, CPUs, memory, runtime env, labels); objects such as a
+    scheduling strategy stay behind (they cannot be stored, and name nodes that may be gone by then)."""
+    kept = {}
+    for k, v in options.items():
+        try:
+            json.dumps(v)
+        except (TypeError, ValueError):
+            continue
+        kept[k] = v
+    return kept
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     """What every actor needs to reach the store and to behave; plain data.
@@ -178,6 +243,7 @@ class RuntimeConfig:
         if isinstance(self.allowed_agents, str):
             raise TypeError("allowed_agents must be a list of patterns, not one string")
         check_standby_actors(self.standby_actors)
+        check_actor_options(self.actor_options)
         object.__setattr__(self, "allowed_agents", tuple(check_pattern(p) for p in self.allowed_agents))
 
     def open_store(self) -> Any:
@@ -252,7 +318,7 @@ def session_actor_options(config: RuntimeConfig, session_id: str, user_id: str |
     user's, prefer (softly) a live node other than the one that failed.
     """
     options: dict[str, Any] = {
-        "name": session_actor_name(session_id, user_id),
+        "name": session_actor_name(config.store_url, session_id, user_id),
         "namespace": NAMESPACE,
         "lifetime": "detached",
         "num_cpus": 0,

@@ -24,9 +24,10 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+from loomray.errors import LoomrayUserError
 from loomray.records import utcnow
 from loomray.runtime import active
-from loomray.runtime.actors import AgentSpec, RuntimeConfig, agent_ref_allowed, check_pattern
+from loomray.runtime.actors import AgentSpec, RuntimeConfig, agent_ref_allowed, check_actor_options, check_pattern
 from loomray.runtime.watcher import WatchedSession
 from loomray.session import RunRequest
 from storage import SessionRow
@@ -60,13 +61,14 @@ class AdoptionPolicy:
         """Whether an adopted session may import agent reference ``ref``."""
         return agent_ref_allowed(ref, self._allowed)
 
-    async def review(self, row: SessionRow, placement: str | None, current: WatchedSession | None,
+    async def review(self, row: SessionRow, mark: dict[str, Any], current: WatchedSession | None,
                      known_nodes: set[str] | None) -> WatchedSession | None:
         """The session to watch for ``row``, or None when it is not this supervisor's to restart.
 
-        ``current`` is what the supervisor holds for the session; ``placement``
-        the one its active mark names; ``known_nodes`` the nodes of this
-        cluster (None: take sessions of any cluster, see ``Supervisor``).
+        ``current`` is what the supervisor holds for the session; ``mark`` its
+        active mark (placement and actor options it ran with; ``{}`` when
+        unknown); ``known_nodes`` the nodes of this cluster (None: take
+        sessions of any cluster, see ``Supervisor``).
         """
         # node_id is set only by a Ray session actor: rows of in-process runtimes are not ours.
         if (current is not None and not current.done.done()) or not row.node_id:
@@ -88,10 +90,24 @@ class AdoptionPolicy:
             return None
         agent = AgentSpec(ref=row.agent_ref) if row.agent_ref else None
         w = WatchedSession(row.session_id, row.user_id, request_json, agent, last_node=row.node_id, epoch=row.epoch)
-        placement = placement or self._config.placement
-        if placement != self._config.placement:
-            w.config = dataclasses.replace(self._config, placement=placement)  # restart it the way it ran
+        w.config = self.config_for(mark)
         return w
+
+    def config_for(self, mark: dict[str, Any]) -> RuntimeConfig | None:
+        """The config an adopted session restarts with: the placement and actor options it ran with, as its
+        active mark recorded them (None: the supervisor's own). Options the mark holds but Ray would refuse
+        (a bucket is not trusted) are dropped with a warning, and the supervisor's apply."""
+        changes: dict[str, Any] = {}
+        placement = mark.get("placement")
+        if placement in ("actor", "dense") and placement != self._config.placement:
+            changes["placement"] = placement
+        options = mark.get("actor_options")
+        if options is not None and options != self._config.actor_options:
+            try:
+                changes["actor_options"] = check_actor_options(options)
+            except LoomrayUserError as e:
+                log.warning("ignoring the stored actor options of an adopted session: %s", e)
+        return dataclasses.replace(self._config, **changes) if changes else None
 
     def request_of(self, row: SessionRow) -> str | None:
         """The JSON run request of the run ``row`` reports, or None (not known yet: try next pass).

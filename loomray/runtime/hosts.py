@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from loomray.errors import SessionNotHosted, SessionStartError
-from loomray.runtime.actors import AgentSpec, RuntimeConfig
+from loomray.runtime.actors import AgentSpec, RuntimeConfig, store_key
 from loomray.runtime.raylet_watch import DrainableExecutor, watch_raylet
 from loomray.runtime.session_actor import SessionActor
 from loomray.session import RunRequest
@@ -67,17 +67,22 @@ if TYPE_CHECKING:  # pragma: no cover
 
 log = logging.getLogger("loomray.runtime.hosts")
 
-#: Name prefix of host actors (namespace ``loomray``). A ``/`` can never occur in a session
-#: actor's name (ids refuse it), so host and session actor names cannot collide.
+#: Name prefix of host actors (namespace ``loomray``), ``loomray/host/{store key}/{12 hex}``. A ``/``
+#: can never occur in a session actor's name (ids refuse it), so host and session actor names cannot collide.
 HOST_PREFIX = "loomray/host/"
 #: Threads of a host's default executor: store calls and sync tools of all its sessions.
 #: Threads start on demand, so an idle host holds few.
 HOST_THREADS = 256
 
 
-def host_actor_name() -> str:
-    """A fresh, unique host actor name (``loomray/host/{12 hex}``)."""
-    return f"{HOST_PREFIX}{uuid.uuid4().hex[:12]}"
+def host_prefix(store_url: str) -> str:
+    """``loomray/host/{store key}/``: the name prefix of the hosts of ``store_url``'s supervisor."""
+    return f"{HOST_PREFIX}{store_key(store_url)}/"
+
+
+def host_actor_name(store_url: str) -> str:
+    """A fresh, unique host actor name for ``store_url`` (``loomray/host/{store key}/{12 hex}``)."""
+    return f"{host_prefix(store_url)}{uuid.uuid4().hex[:12]}"
 
 
 class Activation(SessionActor):

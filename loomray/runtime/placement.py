@@ -49,10 +49,10 @@ from loomray.errors import SessionStartError
 from loomray.runtime.actors import RuntimeConfig
 from loomray.runtime.connection import NAMESPACE
 from loomray.runtime.hosts import (
-    HOST_PREFIX,
     ActivationHandle,
     SessionHost,
     host_actor_name,
+    host_prefix,
 )
 
 log = logging.getLogger("loomray.runtime.placement")
@@ -143,7 +143,9 @@ def pick(hosts: list[HostRecord], *, capacity: int, avoid_node: str | None = Non
 class HostPool:
     """The supervisor's hosts, grouped by host options; see the module docstring."""
 
-    def __init__(self, supervisor: Any = None) -> None:
+    def __init__(self, store_url: str, supervisor: Any = None) -> None:
+        #: The store whose sessions these hosts run: host names carry the store's key.
+        self._store_url = store_url
         #: The supervisor's own handle, passed to activations that stream events.
         self._supervisor = supervisor
         self._hosts: dict[str, HostRecord] = {}
@@ -272,7 +274,7 @@ class HostPool:
 
     def _create(self, pool_key: str, options: dict[str, Any], config: RuntimeConfig, *,
                 node_id: str | None) -> HostRecord:
-        name = host_actor_name()
+        name = host_actor_name(self._store_url)
         opts = {**options, "name": name, "namespace": NAMESPACE, "lifetime": "detached", "max_restarts": 0,
                 "max_task_retries": 0,
                 # Every hosted session keeps a run() call open here, plus progress and activation calls.
@@ -308,7 +310,7 @@ class HostPool:
             log.warning("could not list named actors: %s", e)
             return 0
         found = [a["name"] for a in named if a.get("namespace") == NAMESPACE
-                 and str(a.get("name", "")).startswith(HOST_PREFIX) and a["name"] not in self._hosts]
+                 and str(a.get("name", "")).startswith(host_prefix(self._store_url)) and a["name"] not in self._hosts]
 
         async def one(name: str) -> None:
             try:

@@ -2,7 +2,8 @@
 
 The driver side is thin. ``execute`` ships the agent (by value, plus the
 importable reference registered with :func:`set_agent_ref`) and the request JSON to the
-``loomray:supervisor`` actor, which starts a ``SessionActor`` and restarts it
+store's supervisor actor (``loomray:supervisor:{store key}``; one per store,
+any number per cluster), which starts a ``SessionActor`` and restarts it
 from the store if its node dies; the driver then waits for the outcome.
 Checkpoint reads (``list_checkpoints``, ``get_checkpoint``) go straight to the
 store from this process, exactly as with ``LocalRuntime``.

@@ -16,7 +16,7 @@ How the pieces fit (docs/ray-notes.md has the measurements behind the choices):
   Session actors are *detached* and ``max_restarts=0``: they outlive the driver
   and the supervisor, and only the supervisor restarts them, so every restart
   is a fresh lease epoch decided in one place.
-- The **Supervisor** (detached, ``loomray:supervisor``) starts session actors,
+- The **Supervisor** (detached, ``loomray:supervisor:{store key}``, one per store) starts session actors,
   watches each by awaiting its ``run()`` ObjectRef, and on ``ActorDiedError``
   starts a new incarnation, preferring a live node other than the dead one.
   Its state is derived from the store's session index: on start it adopts
@@ -50,11 +50,11 @@ from loomray.runtime.actors import (
     NAMESPACE,
     STANDBY_CHECK_S,
     STANDBY_ORPHAN_CHECKS,
-    SUPERVISOR_NAME,
     AgentSpec,
     Outcome,
     RuntimeConfig,
     json_key,
+    supervisor_name,
 )
 from loomray.runtime.raylet_watch import node_lost, watch_raylet
 from loomray.session import RunRequest, execute_request
@@ -174,7 +174,7 @@ class SessionActor:
             if self._claimed:
                 return
             try:
-                await asyncio.to_thread(ray.get_actor, SUPERVISOR_NAME, NAMESPACE)
+                await asyncio.to_thread(ray.get_actor, supervisor_name(self._config.store_url), NAMESPACE)
                 missed = 0
             except ValueError:
                 missed += 1
@@ -291,7 +291,7 @@ class SessionActor:
             except Exception as e:  # the driver's stream is best-effort; the run does not depend on it
                 log.warning("dropped %d event(s) of %r: %s", len(batch), self._request.session_id, e)
                 try:  # a supervisor re-created under its name gets the next batches
-                    self._events_to = ray.get_actor(SUPERVISOR_NAME, namespace=NAMESPACE)
+                    self._events_to = ray.get_actor(supervisor_name(self._config.store_url), namespace=NAMESPACE)
                 except ValueError:
                     pass
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import ray
 
-from loomray.runtime.actors import STANDBY_PREFIX, RuntimeConfig, standby_actor_name, standby_options
+from loomray.runtime.actors import RuntimeConfig, standby_actor_name, standby_options, standby_prefix
 from loomray.runtime.connection import NAMESPACE
 from loomray.runtime.session_actor import session_actor_class
 
@@ -87,7 +87,9 @@ class StandbyPool:
     attach to.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, store_url: str) -> None:
+        #: The store whose sessions this pool serves: its standbys' names carry the store's key.
+        self._store_url = store_url
         self._free: dict[str, list[Standby]] = {}
         #: Pool key -> (target size, config to create standbys with, their Ray options).
         self._want: dict[str, tuple[int, RuntimeConfig, dict[str, Any]]] = {}
@@ -173,7 +175,7 @@ class StandbyPool:
 
     def _create(self, key: str, config: RuntimeConfig, options: dict[str, Any]) -> asyncio.Future:
         """Start one standby of pool ``key``; returns the future of its readiness (it joins the free list now)."""
-        name = standby_actor_name()
+        name = standby_actor_name(self._store_url)
         handle = session_actor_class().options(**options, name=name).remote(config, standby_pool=key)
         s = Standby(name, key, handle)
         self._known.add(name)
@@ -278,7 +280,7 @@ class StandbyPool:
         known_before = set(self._known)
         named = await asyncio.to_thread(ray.util.list_named_actors, True)
         names = {a["name"] for a in named if a.get("namespace") == NAMESPACE
-                 and str(a.get("name", "")).startswith(STANDBY_PREFIX)}
+                 and str(a.get("name", "")).startswith(standby_prefix(self._store_url))}
         self._known -= known_before - names  # those are gone: keeps the set as small as the live ones
         free = {s.name for f in self._free.values() for s in f}
         directory: dict[tuple[str | None, str], tuple[str, Any, bool]] = {}

@@ -36,7 +36,14 @@ import ray
 from loomray import telemetry
 from loomray.errors import LoomrayUserError
 from loomray.runtime import active
-from loomray.runtime.actors import SUPERVISOR_NAME, AgentSpec, Outcome, RuntimeConfig, session_actor_name
+from loomray.runtime.actors import (
+    AgentSpec,
+    Outcome,
+    RuntimeConfig,
+    session_actor_name,
+    storable_options,
+    supervisor_name,
+)
 from loomray.runtime.adoption import AdoptionPolicy
 from loomray.runtime.compaction import Compaction
 from loomray.runtime.connection import NAMESPACE
@@ -157,7 +164,7 @@ class Supervisor:
         adopted = []
         for row, mark in marked:
             current = self._sessions.get((row.user_id, row.session_id))
-            w = await self._adoption.review(row, mark.get("placement"), current, known)
+            w = await self._adoption.review(row, mark, current, known)
             if w is None:
                 continue
             self._track(w)
@@ -205,13 +212,14 @@ class Supervisor:
                     else contextlib.nullcontext())
         with starting:
             await self._start_watched(w, placement)
-        return {"session_id": w.session_id, "user_id": w.user_id, "actor": session_actor_name(w.session_id, w.user_id),
+        return {"session_id": w.session_id, "user_id": w.user_id, "actor": session_actor_name(self._config.store_url, w.session_id, w.user_id),
                 "node_id": w.last_node}
 
     async def _start_watched(self, w: WatchedSession, placement: str) -> None:
         """Mark the session active, start its first incarnation and its watcher; learn its node."""
         # Marked before it starts, so a supervisor that dies in between still leaves it findable.
-        await active.mark(self._store, w.session_id, w.user_id, placement)
+        await active.mark(self._store, w.session_id, w.user_id, placement,
+                          storable_options(self._watcher.config_of(w).actor_options))
         try:
             w.handle = await self._watcher.start(w, avoid_node=None)
         except BaseException:
@@ -358,12 +366,15 @@ def _head_node_id() -> str | None:
 
 
 def get_supervisor(config: RuntimeConfig, *, timeout: float = 120.0) -> Any:
-    """The cluster's supervisor actor, created (detached, preferably on the head) if missing.
+    """The supervisor of ``config``'s store on this cluster, created (detached, preferably on the head) if missing.
 
-    Raises :class:`LoomrayUserError` when the running supervisor serves another store.
+    Each store has its own (named from the store, :func:`supervisor_name`), so
+    any number of stores share a cluster. Raises :class:`LoomrayUserError` when
+    the actor under that name serves another store (a hash collision: not
+    expected to happen, checked all the same).
     """
     options: dict[str, Any] = {
-        "name": SUPERVISOR_NAME, "namespace": NAMESPACE, "lifetime": "detached", "get_if_exists": True,
+        "name": supervisor_name(config.store_url), "namespace": NAMESPACE, "lifetime": "detached", "get_if_exists": True,
         # Every session has a watcher here and every waiting driver a result() call in flight.
         "num_cpus": 0, "max_restarts": -1, "max_concurrency": 100_000,
     }
@@ -377,5 +388,6 @@ def get_supervisor(config: RuntimeConfig, *, timeout: float = 120.0) -> Any:
     info: dict[str, Any] = ray.get(handle.ready.remote(), timeout=timeout)
     if info["store"] != config.store_url:
         raise LoomrayUserError(
-            f"the loomray supervisor on this cluster serves store {info['store']!r}, not {config.store_url!r}")
+            f"the loomray supervisor {supervisor_name(config.store_url)!r} serves store {info['store']!r}, "
+            f"not {config.store_url!r}")
     return handle

@@ -86,13 +86,13 @@ class SessionWatcher:
     def standby_pool(self) -> StandbyPool:
         """The actor placement's pool of standby session actors (created on first use)."""
         if self._standby is None:
-            self._standby = StandbyPool()
+            self._standby = StandbyPool(self._config.store_url)
         return self._standby
 
     def host_pool(self) -> HostPool:
         """The dense placement's host pool (created on first use, in the supervisor actor)."""
         if self._hosts is None:
-            self._hosts = HostPool(ray.get_runtime_context().current_actor)
+            self._hosts = HostPool(self._config.store_url, ray.get_runtime_context().current_actor)
         return self._hosts
 
     # -- starting ----------------------------------------------------------------
@@ -190,7 +190,7 @@ class SessionWatcher:
 
     async def attach(self, w: WatchedSession) -> Any | None:
         """The running session actor or activation of an adopted session, or None (gone: restart it)."""
-        name = session_actor_name(w.session_id, w.user_id)
+        name = session_actor_name(self._config.store_url, w.session_id, w.user_id)
         try:
             handle = ray.get_actor(name, namespace=NAMESPACE)
             w.host = name

@@ -20,7 +20,7 @@ Example::
         lc.remove_node(lc.workers[0])
         wait_until_dead(actor, timeout=10)
 
-Teardown kills loomray's supervisor and standby session actors (so no
+Teardown kills loomray's supervisors and standby session actors (so no
 worker process is still starting as the nodes go), disconnects the driver,
 stops every node and then checks that no
 process this helper started (raylets, GCS, workers) is left; stragglers are
@@ -49,7 +49,7 @@ import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
-from loomray.runtime.actors import STANDBY_PREFIX, SUPERVISOR_NAME  # noqa: E402
+from loomray.runtime.actors import STANDBY_PREFIX, SUPERVISOR_PREFIX  # noqa: E402
 from loomray.runtime.connection import NAMESPACE  # noqa: E402
 from loomray.testing.processes import Process, descendants, process_alive, reap  # noqa: E402
 
@@ -331,8 +331,8 @@ def _stop_standbys() -> None:
         named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a.get("namespace") == NAMESPACE]
     except Exception:
         return
-    # The supervisor first, so it starts no more standbys.
-    ordered = [n for n in named if n == SUPERVISOR_NAME] + [n for n in named if n.startswith(STANDBY_PREFIX)]
+    # The supervisors first, so they start no more standbys.
+    ordered = [n for n in named if n.startswith(SUPERVISOR_PREFIX)] + [n for n in named if n.startswith(STANDBY_PREFIX)]
     for name in ordered:
         with contextlib.suppress(Exception):
             ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from loomray.runtime.actors import session_actor_name, supervisor_name
+from loomray.runtime.connection import normalize_store_url
 from loomray.testing import wait_for
 from loomray.testing.cluster import local_cluster
 
@@ -34,15 +36,19 @@ TURNS = 9  # 8 research passes + the report
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     store = tmp_path_factory.mktemp("cli-ray") / "store"
-    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    agents_dir = tmp_path_factory.mktemp("cli-ray-agents")
+    pythonpath = os.pathsep.join(p for p in (str(REPO), str(REPO / "tests" / "ray"), os.environ.get("PYTHONPATH"))
+                                 if p)
     # The delay reaches the workers (through the raylets' environment) and the CLI processes alike.
-    with local_cluster(num_nodes=2, connect=False, env={"PYTHONPATH": pythonpath, "LOOMRAY_DEMO_DELAY": "0.8"}) as lc:
-        yield lc.address, store
+    # The worker (not the head) has the loomray_session resource, as on a real cluster.
+    env = {"PYTHONPATH": pythonpath, "LOOMRAY_DEMO_DELAY": "0.8", "LOOMRAY_RAY_TEST_DIR": str(agents_dir)}
+    with local_cluster(num_nodes=2, connect=False, env=env, worker_resources={"loomray_session": 100}) as lc:
+        yield lc.address, store, lc, agents_dir
     assert lc.leftover == []
 
 
 def cli(cluster, *args: str, address: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
-    addr, store = cluster
+    addr, store = cluster[:2]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(LOOMRAY_STORE=str(store), COLUMNS="200")
     extra = ["--address", addr] if address else []
@@ -124,7 +130,8 @@ def test_dense_placement_from_the_cli_and_status_shows_the_host(cluster):
     live = {s["session_id"]: s for s in ok_json(cli(cluster, "status", "--json"))["sessions"]}
     assert live[sid]["placement"] == "dense" and live[sid]["host"].startswith("loomray/host/")
     assert live[sid]["node_id"] == store.get_session(sid).node_id
-    assert live["s-sub"]["placement"] == "actor" and live["s-sub"]["host"] == "loomray:_:s-sub"
+    assert live["s-sub"]["placement"] == "actor"
+    assert live["s-sub"]["host"] == session_actor_name(normalize_store_url(str(cluster[1])), "s-sub")
     table = cli(cluster, "status")
     assert table.returncode == 0 and "host/" in table.stdout
 
@@ -138,7 +145,7 @@ def test_resume_on_the_cluster_continues_in_place(cluster):
 
 
 def test_supervise_runs_in_the_foreground_until_ctrl_c(cluster):
-    addr, store = cluster
+    addr, store = cluster[:2]
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.Popen([*CMD, "supervise", "--store", str(store), "--address", addr, "--interval", "0.5"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
@@ -166,3 +173,76 @@ def test_supervise_runs_in_the_foreground_until_ctrl_c(cluster):
             proc.wait()
     assert proc.returncode == 0, rest
     assert "stopped" in rest and "Traceback" not in rest
+
+
+def in_ray(cluster, code: str) -> str:
+    """Run ``code`` in a fresh Python process joined to the cluster (namespace ``loomray``); its stdout."""
+    script = f"import ray\nray.init(address={cluster[0]!r}, namespace='loomray', logging_level='ERROR')\n{code}"
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_two_stores_get_two_supervisors_and_stored_resources_survive_node_loss_and_adoption(cluster):
+    """Two stores on one cluster, each session submitted with --resources: node loss restarts both on the
+    one node that still has the resource, and a new supervisor adopting one restarts it there too, though
+    nothing but the store tells it the session's resources."""
+    from storage import open_store
+
+    addr, store_a, lc, agents = cluster
+    stores = {"placed_a": normalize_store_url(str(store_a)), "placed_b": normalize_store_url(str(store_a.parent / "b"))}
+    worker = lc.workers[0]
+    for name in stores:
+        (agents / name).mkdir(exist_ok=True)
+        (agents / name / "hold").write_text("")  # every incarnation holds in its first tool step until released
+    for name, url in stores.items():
+        info = ok_json(cli(cluster, "submit", f"ray_agents:{name}", "go", "--session", f"s-{name}", "--store", url,
+                           "--resources", '{"loomray_session": 1}', "--standby-actors", "0", "--json"))
+        assert info["actor_options"] == {"resources": {"loomray_session": 1}}
+    opened = {name: open_store(url) for name, url in stores.items()}
+
+    def placed(name: str, epoch: int) -> str | None:
+        """The node of the session's incarnation ``epoch`` once it holds in its first step, else None."""
+        row = opened[name].get_session(f"s-{name}")
+        holding = list((agents / name).glob("holding-*"))
+        return row.node_id if row is not None and row.epoch == epoch and len(holding) == epoch else None
+
+    wait_for(lambda: all(placed(n, 1) for n in stores), timeout=90, what="both sessions to start")
+    assert {placed(n, 1) for n in stores} == {worker.node_id}  # the head has no loomray_session
+    live = ok_json(cli(cluster, "status", "--json", "--store", stores["placed_a"]))
+    by_store = {s["store"]: s for s in live["supervisors"]}
+    assert set(stores.values()) <= set(by_store)  # one supervisor per store, both listed
+    assert {by_store[u]["name"] for u in stores.values()} == {supervisor_name(u) for u in stores.values()}
+
+    spare = lc.add_node()  # the only other node with loomray_session
+    lc.remove_node(worker)
+    wait_for(lambda: all(placed(n, 2) for n in stores), timeout=90, what="both sessions restarted")
+    assert {placed(n, 2) for n in stores} == {spare.node_id}
+
+    # A new supervisor for store a, started without --resources, adopts the session with its own.
+    host = {s["session_id"]: s for s in ok_json(cli(cluster, "status", "--json", "--store", stores["placed_a"]))[
+        "sessions"]}["s-placed_a"]["host"]
+    in_ray(cluster, f"ray.kill(ray.get_actor({supervisor_name(stores['placed_a'])!r}))\n"
+                    f"ray.kill(ray.get_actor({host!r}))")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    keeper = subprocess.Popen([*CMD, "supervise", "--store", stores["placed_a"], "--address", addr, "--interval",
+                               "0.5", "--standby-actors", "0", "--allow-agent", "ray_agents:*"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=REPO)
+    try:
+        wait_for(lambda: placed("placed_a", 3), timeout=90, what="the adopted session to restart")
+        assert placed("placed_a", 3) == spare.node_id  # not the head, which soft affinity would have chosen
+        for name in stores:
+            (agents / name / "hold").unlink()
+        for name in stores:
+            wait_for(lambda n=name: opened[n].get_session(f"s-{n}").status == "completed", timeout=90,
+                     what=f"{name} to complete")
+            calls = [int(x) for x in (agents / name / "model-calls").read_text().split()]
+            assert sorted(calls) == list(range(9))  # every model reply served once across all incarnations
+    finally:
+        keeper.send_signal(signal.SIGINT)
+        try:
+            keeper.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            keeper.kill()
+            keeper.wait()

@@ -110,6 +110,9 @@ zombie = make("zombie", 0.2)
 restart = make("restart", 0.5)
 #: Streams its events to the driver.
 streamed = make("streamed", 0.0)
+# The command-line tests' two stores: a session in each, submitted with --resources.
+placed_a = make("placed_a", 0.1)
+placed_b = make("placed_b", 0.1)
 #: One quick answer per turn: the source and the forks of the fan-out test.
 quick = Agent("quick agent", model=ScriptedModel([f"answer {i}" for i in range(4)]),
               tuning=Tuning(checkpoint=True), name="quick")

@@ -108,7 +108,7 @@ async def test_a_fork_burst_takes_the_standbys_then_starts_its_own_actors(env):
     assert len(on_standby) == POOL  # every warm standby was used ...
     # ... and the rest started their own actors, named after their sessions, as without a pool.
     assert sorted(h for h in hosts if not h.startswith(STANDBY_PREFIX)) == sorted(
-        session_actor_name(f.session_id) for f, h in zip(forks, hosts, strict=False) if not h.startswith(STANDBY_PREFIX))
+        session_actor_name(runtime.config.store_url, f.session_id) for f, h in zip(forks, hosts, strict=False) if not h.startswith(STANDBY_PREFIX))
     after = await _warm(runtime)
     assert after["claimed"] - before["claimed"] == POOL and after["missed"] - before["missed"] == 4 - POOL
 
@@ -144,7 +144,7 @@ def gated_step() -> str:
 
 async def test_a_replacement_supervisor_attaches_to_a_session_on_a_standby(env):
     _, runtime, root = env
-    from loomray.runtime.actors import NAMESPACE, STANDBY_PREFIX, SUPERVISOR_NAME
+    from loomray.runtime.actors import NAMESPACE, STANDBY_PREFIX, supervisor_name
 
     await _warm(runtime)
     agent = _agent(runtime, [{"tool": "gated_step", "args": {}}, "after the gate"], tools=[gated_step])
@@ -153,7 +153,7 @@ async def test_a_replacement_supervisor_attaches_to_a_session_on_a_standby(env):
     info = await runtime.session("s-adopted")
     assert info["host"].startswith(STANDBY_PREFIX) and info["pid"] == int((root / "waiting").read_text())
 
-    ray.kill(ray.get_actor(SUPERVISOR_NAME, namespace=NAMESPACE))  # the driver's next call makes a new one
+    ray.kill(ray.get_actor(supervisor_name(runtime.config.store_url), namespace=NAMESPACE))  # the driver's next call makes a new one
     # The replacement adopts the session from the store while it still waits at the gate.
     adopted = await runtime.session("s-adopted")
     assert adopted["host"] == info["host"] and adopted["pid"] == info["pid"] and adopted["status"] == "running"

@@ -65,8 +65,7 @@ def test_placement_avoids_the_lost_node_and_full_or_dead_hosts():
 
 
 def test_hosts_follow_actor_options_resources_and_cpus():
-    cfg = RuntimeConfig(store_url="/tmp/x", placement="dense",
-                        actor_options={"name": "ignored", "lifetime": "ignored", "resources": {"loomray_session": 1}})
+    cfg = RuntimeConfig(store_url="/tmp/x", placement="dense", actor_options={"resources": {"loomray_session": 1}})
     key, options = host_options(cfg)
     assert options == {"num_cpus": 0, "resources": {"loomray_session": 1}}
     demand = demand_of(options)

@@ -168,7 +168,7 @@ async def test_node_death_mid_run_continues_on_another_node(placed):
 
 async def test_supervisor_killed_mid_run_new_one_adopts_the_session(placed):
     lc, runtime, agents, suffix = placed
-    from loomray.runtime.actors import NAMESPACE, SUPERVISOR_NAME
+    from loomray.runtime.actors import NAMESPACE, supervisor_name
 
     name = "orphaned" + suffix
     sid = f"s-{name}"
@@ -176,14 +176,14 @@ async def test_supervisor_killed_mid_run_new_one_adopts_the_session(placed):
     run = asyncio.create_task(agent.run("go", session_id=sid))
     await _until(lambda: _checkpoint_turn(runtime.store, sid) >= 2, 60, "the checkpoint of turn 2")
     host = (await _session_info(runtime, sid))["host"]
-    old = ray.get_actor(SUPERVISOR_NAME, namespace=NAMESPACE)
+    old = ray.get_actor(supervisor_name(runtime.config.store_url), namespace=NAMESPACE)
     old_id = old._actor_id.hex()
 
     ray.kill(old)  # no restart: the driver's next call creates a replacement
 
     result = await asyncio.wait_for(run, 90)
     assert result.output == f"{name} finished"
-    new = ray.get_actor(SUPERVISOR_NAME, namespace=NAMESPACE)
+    new = ray.get_actor(supervisor_name(runtime.config.store_url), namespace=NAMESPACE)
     assert new._actor_id.hex() != old_id
     # The detached session actor (or host) was never interrupted: one lease, each reply once, nothing lost.
     assert runtime.store.get_session(sid).epoch == 1
@@ -196,7 +196,7 @@ async def test_supervisor_killed_mid_run_new_one_adopts_the_session(placed):
 
 async def test_supervisor_and_actor_both_killed_new_supervisor_restarts_by_reference(placed):
     lc, runtime, agents, suffix = placed
-    from loomray.runtime.actors import NAMESPACE, SUPERVISOR_NAME
+    from loomray.runtime.actors import NAMESPACE, supervisor_name
 
     name = "adopted" + suffix
     sid = f"s-{name}"
@@ -206,7 +206,7 @@ async def test_supervisor_and_actor_both_killed_new_supervisor_restarts_by_refer
     host = (await _session_info(runtime, sid))["host"]  # its actor; or, dense, the host of it and others
 
     # Nothing in memory survives: the only way back is the session row (agent_ref + spec) and the store.
-    ray.kill(ray.get_actor(SUPERVISOR_NAME, namespace=NAMESPACE))
+    ray.kill(ray.get_actor(supervisor_name(runtime.config.store_url), namespace=NAMESPACE))
     ray.kill(ray.get_actor(host, namespace=NAMESPACE))
 
     result = await asyncio.wait_for(run, 90)
@@ -404,7 +404,7 @@ async def test_fenced_actor_stops_and_reports_lease_lost(placed):
     assert intruder.epoch == 2
     if runtime.config.placement == "actor":
         # The fenced incarnation exits and frees its name; the supervisor does not restart it.
-        name = session_actor_name(sid)
+        name = session_actor_name(runtime.config.store_url, sid)
 
         def gone():
             try:
@@ -559,7 +559,7 @@ async def test_whole_cluster_lost_new_cluster_resumes_via_supervise(placed):
 
 
 def test_supervise_keeper_recreates_a_killed_supervisor(env):
-    from loomray.runtime.actors import NAMESPACE, SUPERVISOR_NAME
+    from loomray.runtime.actors import NAMESPACE, supervisor_name
     from loomray.runtime.ray_runtime import supervise
 
     lc, runtime, agents = env
@@ -572,12 +572,12 @@ def test_supervise_keeper_recreates_a_killed_supervisor(env):
 
         def supervisor_id():
             try:
-                return ray.get_actor(SUPERVISOR_NAME, namespace=NAMESPACE)._actor_id.hex()
+                return ray.get_actor(supervisor_name(runtime.config.store_url), namespace=NAMESPACE)._actor_id.hex()
             except ValueError:
                 return None
 
         old_id = supervisor_id()
-        ray.kill(ray.get_actor(SUPERVISOR_NAME, namespace=NAMESPACE))
+        ray.kill(ray.get_actor(supervisor_name(runtime.config.store_url), namespace=NAMESPACE))
         wait_for(lambda: supervisor_id() not in (None, old_id), timeout=30, what="a replacement supervisor")
         assert any("re-creating" in r for r in reports)
     finally:

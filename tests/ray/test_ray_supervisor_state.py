@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("ray")
 
 from loomray.errors import LoomrayUserError  # noqa: E402
-from loomray.runtime.actors import AgentSpec, RuntimeConfig, check_ref, set_agent_ref  # noqa: E402
+from loomray.runtime.actors import AgentSpec, RuntimeConfig, check_ref, set_agent_ref, store_key  # noqa: E402
 from loomray.runtime.event_relay import EVENT_BUFFER, EventLog  # noqa: E402
 from loomray.runtime.supervisor import Supervisor  # noqa: E402
 from loomray.runtime.watcher import WatchedSession  # noqa: E402
@@ -70,4 +70,41 @@ def test_session_actor_options_default_to_zero_cpus_and_a_name_with_the_session(
     assert (opts["num_cpus"], opts["lifetime"], opts["max_restarts"], opts["namespace"]) == (0, "detached", 0, "loomray")
     custom = RuntimeConfig(store_url="/tmp/x", actor_options={"num_cpus": 1, "resources": {"gpu_box": 1}})
     opts = session_actor_options(custom, "sess-42", None)
-    assert opts["num_cpus"] == 1 and opts["resources"] == {"gpu_box": 1} and opts["name"] == "loomray:_:sess-42"
+    assert opts["num_cpus"] == 1 and opts["resources"] == {"gpu_box": 1}
+    assert opts["name"] == f"loomray:{store_key('/tmp/x')}:_:sess-42"
+
+
+def test_actor_names_carry_the_store_so_two_stores_share_a_cluster():
+    from loomray.runtime.actors import session_actor_name, standby_actor_name, supervisor_name
+    from loomray.runtime.hosts import host_actor_name
+
+    a, b = "file:///tmp/store-a", "file:///tmp/store-b"
+    assert supervisor_name(a) != supervisor_name(b) and supervisor_name(a) == supervisor_name(a)
+    assert session_actor_name(a, "s1") != session_actor_name(b, "s1")
+    assert standby_actor_name(a).startswith(f"loomray/standby/{store_key(a)}/")
+    assert host_actor_name(b).startswith(f"loomray/host/{store_key(b)}/")
+
+
+@pytest.mark.parametrize("options, match", [
+    ("not a dict", "must be a dict"),
+    ({"name": "mine"}, "may not set name"),
+    ({"lifetime": "detached", "max_restarts": 3}, "may not set lifetime, max_restarts"),
+    ({"bogus": 1}, "Invalid option keyword bogus"),
+    ({"num_cpus": -1}, "cannot be negative"),
+    ({"resources": {"CPU": 1}}, "num_cpus"),
+    ({"runtime_env": "pip"}, "runtime_env"),
+])
+def test_bad_actor_options_fail_when_the_config_is_built(options, match):
+    with pytest.raises(LoomrayUserError, match=match):
+        RuntimeConfig(store_url="/tmp/x", actor_options=options)
+
+
+def test_only_json_options_are_stored_with_a_session():
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from loomray.runtime.actors import storable_options
+
+    opts = {"resources": {"loomray_session": 1}, "runtime_env": {"env_vars": {"A": "1"}}, "num_cpus": 0.5,
+            "scheduling_strategy": NodeAffinitySchedulingStrategy("ab" * 28, soft=True)}
+    assert storable_options(opts) == {"resources": {"loomray_session": 1}, "runtime_env": {"env_vars": {"A": "1"}},
+                                      "num_cpus": 0.5}
