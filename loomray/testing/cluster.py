@@ -239,6 +239,9 @@ def _environment(env: dict[str, str] | None) -> Iterator[None]:
     """``env`` set in ``os.environ`` for the duration, the previous values restored after."""
     saved = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})
+    auth = any(k.startswith("RAY_AUTH_") for k in saved)
+    if auth:
+        _reload_ray_auth()
     try:
         yield
     finally:
@@ -247,6 +250,24 @@ def _environment(env: dict[str, str] | None) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        if auth:
+            _reload_ray_auth()
+
+
+def _reload_ray_auth() -> None:
+    """Make this process see ``RAY_AUTH_MODE``/``RAY_AUTH_TOKEN`` as they are now.
+
+    Ray reads them once, into its cached config and token loader; a test that
+    turns token authentication on for one cluster (``env``) must refresh both,
+    or this process could not talk to the cluster it starts.
+    """
+    from ray._raylet import (  # type: ignore[attr-defined]  # noqa: PLC2701 - no public reload of auth
+        AuthenticationTokenLoader,
+        Config,
+    )
+
+    Config.initialize("")
+    AuthenticationTokenLoader.instance().reset_cache()
 
 
 @contextlib.contextmanager
@@ -276,7 +297,9 @@ def local_cluster(
       ``system_config`` entries override it (Ray ``_system_config`` keys).
     - ``env`` is set in ``os.environ`` before any node starts, so raylets and
       the workers they spawn inherit it (e.g. ``PYTHONPATH`` for test-only
-      modules); the previous values are restored on exit.
+      modules, or ``RAY_AUTH_MODE=token`` with ``RAY_AUTH_TOKEN`` for a
+      cluster with token authentication); the previous values are restored
+      on exit.
     - ``head_node_args`` are extra Ray node parameters for the head (e.g.
       ``{"gcs_server_port": 6390, "temp_dir": "/tmp/x"}``).
     - ``connect=True`` calls ``ray.init(address=..., namespace=namespace)``.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -40,8 +41,10 @@ def cluster(tmp_path_factory):
     pythonpath = os.pathsep.join(p for p in (str(REPO), str(REPO / "tests" / "ray"), os.environ.get("PYTHONPATH"))
                                  if p)
     # The delay reaches the workers (through the raylets' environment) and the CLI processes alike.
-    # The worker (not the head) has the loomray_session resource, as on a real cluster.
-    env = {"PYTHONPATH": pythonpath, "LOOMRAY_DEMO_DELAY": "0.8", "LOOMRAY_RAY_TEST_DIR": str(agents_dir)}
+    # The worker (not the head) has the loomray_session resource, as on a real cluster; and Ray's token
+    # authentication is on, as the cluster configs set it up: every command below passes it.
+    env = {"PYTHONPATH": pythonpath, "LOOMRAY_DEMO_DELAY": "0.8", "LOOMRAY_RAY_TEST_DIR": str(agents_dir),
+           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     with local_cluster(num_nodes=2, connect=False, env=env, worker_resources={"loomray_session": 100}) as lc:
         yield lc.address, store, lc, agents_dir
     assert lc.leftover == []
@@ -83,6 +86,20 @@ def test_submit_returns_at_once_and_the_run_goes_on_without_it(cluster):
     assert any(r.created_at > exited_at for r in rows[1:])  # and it was still mid-run then
     row = store.get_session("s-sub")
     assert row.agent_ref == REF and row.node_id  # run by a Ray actor, restartable by reference
+
+
+def test_the_cluster_refuses_a_client_without_its_token(cluster):
+    script = (f"import ray\nray.init(address={cluster[0]!r}, logging_level='ERROR')\n"
+              "print(len(ray.nodes()))")
+    for token in ("0" * 64, None):  # a wrong token, and none at all
+        env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN")}
+        env["HOME"] = str(cluster[3])  # no ~/.ray/auth_token to fall back on
+        if token:
+            env["RAY_AUTH_TOKEN"] = token
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env,
+                             cwd=REPO)
+        assert out.returncode != 0, out.stdout
+        assert "auth" in out.stderr.lower(), out.stderr[-2000:]
 
 
 def test_submit_twice_while_running_is_a_one_line_error(cluster):
