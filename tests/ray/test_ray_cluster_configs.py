@@ -96,3 +96,33 @@ def test_kuberay_scripts_are_valid_shell():
         # bash -n parses without running anything.
         check = subprocess.run(["bash", "-n", "-c", container["args"][0]], capture_output=True, text=True)
         assert check.returncode == 0, check.stderr
+
+
+# --- secure by default, sessions placed, supervise not fatal -----------------------
+
+def test_aws_runs_a_pinned_image_with_token_auth_and_the_dashboard_on_loopback():
+    config = _load("aws.yaml")
+    assert config["docker"]["image"] == "rayproject/ray:2.60.0-py311"  # a known Ray and Python
+    setup = "\n".join(config["setup_commands"])
+    assert "export RAY_AUTH_MODE=token" in setup
+    # The token travels as a file from the launching machine, never in the file or the store.
+    assert config["file_mounts"] == {"~/.ray/auth_token": "~/.ray/auth_token"}
+    assert "RAY_AUTH_TOKEN=" not in (CLUSTER / "aws.yaml").read_text()
+    head = " ".join(config["head_start_ray_commands"])
+    assert "--dashboard-host=127.0.0.1" in head
+    assert """--resources '{"loomray_session": 1}'""" in head  # adopted sessions never land on the head
+
+
+def test_kuberay_has_token_auth_structured_resources_and_a_head_that_outlives_supervise():
+    rc = _load("kuberay.yaml")
+    spec = rc["spec"]
+    assert spec["authOptions"] == {"mode": "token"}
+    assert spec["headGroupSpec"]["serviceType"] == "ClusterIP"  # the dashboard is not public
+    group = spec["workerGroupSpecs"][0]
+    assert group["resources"] == {"loomray_session": "200"} and "resources" not in group["rayStartParams"]
+    script = spec["headGroupSpec"]["template"]["spec"]["containers"][0]["args"][0]
+    # Ray is the pod's main process; supervise runs in a retry loop beside it, so its failing never
+    # restarts the head (no `wait -n` on both).
+    assert script.rstrip().splitlines()[-1].strip() == "exec $KUBERAY_GEN_RAY_START_CMD"
+    assert "wait -n" not in script and "while true" in script
+    assert """--resources '{"loomray_session": 1}'""" in script
