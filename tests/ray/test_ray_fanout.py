@@ -177,7 +177,7 @@ async def test_claim_prefers_warm_standbys_off_the_avoided_node(monkeypatch):
     key = standby_options(config)[0]
     assert key != standby_options(RuntimeConfig(store_url="/tmp/x"))[0]  # other options: another pool
     monkeypatch.setattr(ray, "nodes", lambda: [{"NodeID": n, "Alive": True} for n in ("a", "b")])
-    pool = StandbyPool()
+    pool = StandbyPool("/tmp/x")
     monkeypatch.setattr(pool, "_kick", lambda: None)
     loop = asyncio.get_running_loop()
 
