@@ -126,3 +126,33 @@ def test_kuberay_has_token_auth_structured_resources_and_a_head_that_outlives_su
     assert script.rstrip().splitlines()[-1].strip() == "exec $KUBERAY_GEN_RAY_START_CMD"
     assert "wait -n" not in script and "while true" in script
     assert """--resources '{"loomray_session": 1}'""" in script
+
+
+# --- cluster/kuberay-rayjob.yaml -------------------------------------------------------
+
+def test_rayjob_runs_submit_wait_with_placement_on_a_token_cluster_it_shuts_down():
+    job = _load("kuberay-rayjob.yaml")
+    assert (job["apiVersion"], job["kind"]) == ("ray.io/v1", "RayJob")
+    spec = job["spec"]
+    # The job's status is the run's: `submit --wait` exits non-zero unless the run completed.
+    entry = spec["entrypoint"]
+    assert entry.startswith("loomray submit --wait ") and """--resources '{"loomray_session": 1}'""" in entry
+    assert "--store s3://" in entry  # spelled out: the submitter's shell has no $LOOMRAY_STORE
+    assert spec["shutdownAfterJobFinishes"] is True
+    assert yaml.safe_load(spec["runtimeEnvYAML"])["working_dir"].startswith("s3://")
+    cluster = spec["rayClusterSpec"]
+    assert cluster["authOptions"] == {"mode": "token", "secretName": "loomray-ray-auth"}
+    assert cluster["headGroupSpec"]["serviceType"] == "ClusterIP"
+    assert cluster["headGroupSpec"]["resources"] == {"CPU": "0"}  # sessions never on the head
+    pods = [cluster["headGroupSpec"]["template"]["spec"]["containers"][0]] + [
+        g["template"]["spec"]["containers"][0] for g in cluster["workerGroupSpecs"]]
+    for container in pods:
+        env = _env(container)
+        assert env["RAY_AUTH_MODE"]["value"] == "token"
+        assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "loomray-ray-auth", "key": "auth_token"}
+        assert container["image"] == f"rayproject/ray:{cluster['rayVersion']}-py311"
+        check = subprocess.run(["bash", "-n", "-c", container["args"][0]], capture_output=True, text=True)
+        assert check.returncode == 0, check.stderr
+        assert container["args"][0].rstrip().splitlines()[-1].strip() == "exec $KUBERAY_GEN_RAY_START_CMD"
+    group = cluster["workerGroupSpecs"][0]
+    assert group["resources"] == {"loomray_session": "200"} and group["minReplicas"] >= 2
