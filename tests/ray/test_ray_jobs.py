@@ -9,7 +9,7 @@ entrypoint, the supervisor and the session actors it starts and restarts).
 
 One module cluster: a head with the dashboard (Ray Jobs' HTTP API) on 127.0.0.1 and two
 workers that alone have the ``loomray_session`` resource, so the session runs where a
-node can be removed. Ray Jobs needs ``ray[default]`` (the dashboard's dependencies):
+node can be removed. Token authentication is on (as in the cluster configs). Ray Jobs needs ``ray[default]`` (the dashboard's dependencies):
 without it this module fails, saying so, rather than skipping.
 """
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import socket
 import subprocess
 import sys
@@ -69,7 +70,10 @@ def jobs(tmp_path_factory):
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     # The entrypoint is a shell command on the head: `ray` and `loomray` of this environment first on its PATH.
-    env = {"PATH": os.pathsep.join([str(BIN), os.environ.get("PATH", "")])}
+    # Token authentication on, as the cluster configs run it: every process of the cluster, the
+    # job's entrypoint and this client (which reads the same variables) use the token.
+    env = {"PATH": os.pathsep.join([str(BIN), os.environ.get("PATH", "")]),
+           "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
     with local_cluster(num_nodes=3, connect=False, include_dashboard=True, env=env,
                        head_node_args={"dashboard_host": "127.0.0.1", "dashboard_port": port},
                        worker_resources={"loomray_session": 100}) as lc:
@@ -89,8 +93,8 @@ def _client(cls, url):
         return None
 
 
-def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+def _run(*args: str, timeout: float = 120, token: bool = True) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and (token or not k.startswith("RAY_AUTH_"))}
     env["COLUMNS"] = "200"
     return subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
 
@@ -134,6 +138,11 @@ def test_job_run_survives_losing_its_sessions_node(jobs, tmp_path):
             raise AssertionError(f"job {job_id} ended {status} before its node was removed:\n"
                                  f"{client.get_job_logs(job_id)}")
         return done()
+
+    # The Jobs API of a token cluster refuses a client without the token.
+    refused = _run(RAY, "job", "list", "--address", url, token=False, timeout=60)
+    said = refused.stdout + refused.stderr
+    assert refused.returncode != 0 and job_id not in refused.stdout and "RAY_AUTH_TOKEN" in said, said
 
     store = open_store(store_url)
     # Mid-run by the store's account (two passes checkpointed), then park it: every tool step holds
