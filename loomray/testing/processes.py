@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import warnings
 
 from loomray.testing.waiting import wait_for
@@ -84,3 +85,10 @@ def reap(procs: set[Process], grace: float = 10.0) -> list[int]:
         warnings.warn(f"local_cluster: killed {len(left)} leftover process(es) after shutdown: {[p for p, _ in left]}",
                       RuntimeWarning, stacklevel=3)
     return [p for p, _ in left]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (for a server a test starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -19,14 +19,13 @@ import json
 import os
 import re
 import secrets
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from loomray.testing import wait_for
+from loomray.testing import free_port, wait_for
 from loomray.testing.cluster import local_cluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
@@ -50,11 +49,6 @@ def _dashboard_deps_error() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def jobs(tmp_path_factory):
@@ -67,7 +61,7 @@ def jobs(tmp_path_factory):
         assert tool.exists(), f"{tool} not found: run the tests with the Python of the environment loomray is in"
     from ray.job_submission import JobSubmissionClient
 
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     # The entrypoint is a shell command on the head: `ray` and `loomray` of this environment first on its PATH.
     # Token authentication on, as the cluster configs run it: every process of the cluster, the

@@ -2,7 +2,6 @@
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -10,15 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from loomray.testing import free_port
+
 pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.timeout(180)]
 
 SCRIPT = Path(__file__).resolve().parents[2] / "cluster" / "local.sh"
 
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ours(run_dir):
@@ -35,7 +31,7 @@ def run_dir():
 
 
 def test_start_status_stop(run_dir):
-    env = {**os.environ, "LOOMRAY_RUN_DIR": str(run_dir), "LOOMRAY_RAY_PORT": str(_free_port()),
+    env = {**os.environ, "LOOMRAY_RUN_DIR": str(run_dir), "LOOMRAY_RAY_PORT": str(free_port()),
            "PYTHON": sys.executable}
     env.pop("LOOMRAY_STORE", None)
 

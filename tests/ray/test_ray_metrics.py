@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import re
-import socket
 import sys
 import time
 import urllib.request
@@ -32,6 +31,7 @@ import pytest
 from loomray import Agent, CheckpointConfig, Tuning, telemetry
 from loomray.models import ScriptedModel
 from loomray.runtime import InProcRuntime
+from loomray.testing import free_port
 
 pytestmark = [pytest.mark.timeout(240)]
 
@@ -234,11 +234,6 @@ def _metrics_agent_missing() -> str | None:
             f"with --minimal, which exports no metrics ({err})")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def cluster_run(tmp_path_factory):
@@ -249,7 +244,7 @@ def cluster_run(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("ray-metrics")
     (root / "telemetry").mkdir()
-    port = _free_port()
+    port = free_port()
     pythonpath = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
     # Ray's workers export every metrics_report_interval_ms (default 10 s; the OTel recorder floors it at 1 s).
     with local_cluster(num_nodes=1, num_cpus_per_node=2, system_config={"metrics_report_interval_ms": 500},

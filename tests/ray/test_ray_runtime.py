@@ -14,7 +14,6 @@ import asyncio
 import copy
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from loomray.testing import pid_alive, wait_for
+from loomray.testing import free_port, pid_alive, wait_for
 from loomray.testing.cluster import local_cluster
 
 ray = pytest.importorskip("ray")
@@ -488,11 +487,6 @@ def test_concurrent_first_use_of_a_fresh_runtime_connects_once(env):
     assert out.stdout.split()[-6:] == ["answer_0"] * 6
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 # Actor placement only, to keep the suite fast: adopting a dense session the way it ran is covered by the
 # both-killed test above and by test_ray_placement (a supervisor configured for actors restarts dense ones dense).
@@ -507,7 +501,7 @@ async def test_whole_cluster_lost_new_cluster_resumes_via_supervise(placed):
     store, sid = runtime.store, f"s-{name}"
     run_dir = tempfile.mkdtemp(prefix="lr-", dir="/tmp")  # short: Ray's socket paths live under it
     daemon = subprocess.Popen([sys.executable, str(REPO / "cluster" / "local_daemon.py"), run_dir, "2",
-                               str(_free_port())], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                               str(free_port())], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         address_file = Path(run_dir) / "address"
         await _until(lambda: address_file.exists() or daemon.poll() is not None, 120, "cluster A")
