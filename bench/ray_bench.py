@@ -61,6 +61,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from loomray.runtime.connection import apply_ray_env_defaults  # noqa: E402
+
+# Before Ray's first import: Ray reads these once (loopback binding among them).
+apply_ray_env_defaults()
+
 import ray  # noqa: E402
 
 from loomray import Agent, Tuning  # noqa: E402

@@ -11,6 +11,8 @@ the writes a run already started.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -41,7 +43,11 @@ class InflightWrites:
         self.tasks: set[asyncio.Future[Any]] = set()
 
     async def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        fut = asyncio.ensure_future(asyncio.to_thread(fn, *args, **kwargs))
+        # Submitted to the executor now, in the caller's tick (a Task around ``to_thread`` would submit on the
+        # next one): a step whose result just arrived is handed over before anything else on the loop can run,
+        # such as the node-loss watchdog freezing the executor (which would lose the record and re-bill the step).
+        ctx = contextvars.copy_context()
+        fut = asyncio.get_running_loop().run_in_executor(None, functools.partial(ctx.run, fn, *args, **kwargs))
         self.tasks.add(fut)
         fut.add_done_callback(self._done)
         return await asyncio.shield(fut)

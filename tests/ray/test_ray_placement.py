@@ -211,3 +211,26 @@ def test_a_frozen_executor_finishes_what_it_took_and_starts_nothing_new():
     assert under_way.result(timeout=10) is None and ran == ["under way"]
     assert not late.done()  # never runs: its caller is being stopped
     executor.shutdown(wait=True)
+
+
+
+async def test_a_write_is_in_the_executor_before_a_node_loss_freeze_can_run():
+    """The watchdog of a lost node freezes the executor from the event loop. A journal write started
+    right after a model answer arrived must be in the executor by then (in the same tick), or the record
+    is lost and the new incarnation bills the call again: the bench's node-loss run once counted that."""
+    from loomray.run_writes import InflightWrites
+    from loomray.runtime.raylet_watch import DrainableExecutor
+
+    loop = asyncio.get_running_loop()
+    executor = DrainableExecutor(max_workers=2)
+    loop.set_default_executor(executor)
+    ran: list[str] = []
+    loop.call_soon(executor.freeze)  # runs on the loop's next tick, as the watchdog would
+    # Awaited in this task (a wait_for would start it in a task of its own, a tick late); a write submitted
+    # after the freeze never runs, so a deadline cancels this test instead of letting it hang.
+    deadline = loop.call_later(10, asyncio.current_task().cancel)
+    await InflightWrites().run(ran.append, "t0000-model")
+    deadline.cancel()
+    assert ran == ["t0000-model"]
+    assert executor.submit(ran.append, "late") is not None and ran == ["t0000-model"]  # frozen from then on
+    executor.shutdown(wait=True)
