@@ -193,7 +193,7 @@ def _rows_table(session: int, n_files: int, rows_per_file: int, file_no: int, us
         "execution_status": ["completed" if i % 10 == 9 else "active" for i in target],
         "message_count": [2 * i for i in target], "input_tokens": [100 * i for i in target], "output_tokens": target,
         "cost_usd": [0.001 * (i % 100) for i in target], "spend_usd": [0.001] * n, "parent_checkpoint_id": [None] * n,
-        "forked_from": [None] * n, "agent_id": ["bench"] * n, "epoch": [1] * n,
+        "forked_from": [None] * n, "agent_id": ["bench"] * n, "chain": [None] * n, "epoch": [1] * n,
         "key": [f"sessions/{user}/{sid}/checkpoints/{c}.json" for c in cids], "size": [10_000] * n,
         "sha256": ["0" * 64] * n, "tombstone": tomb,
         "written_at": [T0 + timedelta(seconds=session * 10_000 + i) for i in idx],

@@ -11,11 +11,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import pyarrow as pa
 
-from storage import layout
+from storage import chains, layout
 from storage.errors import IndexChangedError
 from storage.index import ParquetIndex, conform
 from storage.objects import ObjectStore
@@ -92,19 +93,21 @@ class CheckpointRows:
             self._files.popitem(last=False)
 
     @staticmethod
-    def encode(rows: list[CheckpointRow], *, tombstone: bool) -> pa.Table:
-        """``rows`` (or tombstones for them) as one index table, stamped ``written_at`` now."""
+    def encode(rows: list[CheckpointRow], *, tombstone: bool | list[bool]) -> pa.Table:
+        """``rows`` (or tombstones for them; or one flag per row) as one index table, stamped ``written_at`` now."""
         return checkpoint_rows_table(rows, tombstone=tombstone, written_at=utcnow())
 
-    def write(self, session_id: str, user_id: str | None, rows: list[CheckpointRow], *, tombstone: bool,
+    def write(self, session_id: str, user_id: str | None, rows: list[CheckpointRow], *, tombstone: bool | list[bool],
               table: pa.Table | None = None) -> None:
-        """Append ``rows`` as one file in the session's partition; ``table``: them already :meth:`encode`-d."""
+        """Append ``rows`` as one file in the session's partition (``tombstone``: for all rows, or one flag per
+        row); ``table``: them already :meth:`encode`-d."""
         if table is None:
             table = self.encode(rows, tombstone=tombstone)
+        flags = tombstone if isinstance(tombstone, list) else [tombstone] * len(rows)
         partition = layout.index_partition(layout.CHECKPOINT_INDEX, session_id, user_id)
         key = self.index.write(partition, table, cache=False)
         with self._lock:
-            self._remember(key, [(r, tombstone) for r in rows])
+            self._remember(key, list(zip(rows, flags, strict=True)))
 
     def partition_rows(self, session_id: str, user_id: str | None) -> list[FileRows]:
         """Rows and tombstones of every file of the session's partition, as of one fresh LIST.
@@ -123,17 +126,38 @@ class CheckpointRows:
             self._views[(user_id, session_id)] = _View(dict(result))
         return result
 
-    def retire(self, session_id: str, user_id: str | None, rows: list[CheckpointRow]) -> None:
-        """Delete objects, then write tombstones (a crash between leaves rows whose object is gone: listings skip them)."""
+    def retire(self, session_id: str, user_id: str | None, rows: list[CheckpointRow], *, collect: bool = True,
+               also_needed: Iterable[CheckpointRow] = ()) -> None:
+        """Tombstone ``rows``, then delete their objects (and their chains' objects) that nothing needs any more.
+
+        Objects a live row's chain, ``also_needed`` (a writer's rows not
+        indexed yet) or another session's pin names stay (see
+        :mod:`storage.chains`); ``collect=False`` keeps every object. A crash
+        between the tombstones and the deletes leaves objects no row names:
+        prune of the session removes them.
+        """
         if not rows:
             return
-        self.objects.delete(keys=[r.key for r in rows])
         self.write(session_id, user_id, rows, tombstone=True)
         with self._lock:
             view = self._views.get((user_id, session_id))
             if view is not None:
                 for r in rows:
                     view.rows.pop(r.checkpoint_id, None)
+                remaining = dict(view.rows)
+        if collect:
+            self.collect(session_id, user_id, rows, also_needed=also_needed,
+                         live=remaining if view is not None else None)
+
+    def collect(self, session_id: str, user_id: str | None, retired: list[CheckpointRow], *,
+                also_needed: Iterable[CheckpointRow] = (), live: dict[str, CheckpointRow] | None = None) -> None:
+        """Delete what retiring ``retired`` (tombstones written) left unneeded, here and in pinned sessions."""
+        also = list(also_needed)
+        if live is None:
+            live = self.live(session_id, user_id)
+        candidates = {r.key for r in retired} | chains.chain_keys(retired, session_id)
+        chains.collect(self, session_id, user_id, candidates, also_needed=also, live=live)
+        chains.release_pins(self, session_id, user_id, [*live.values(), *also], retired)
 
     def apply_retention(self, row: CheckpointRow, keep: int) -> None:
         """Drop the oldest live checkpoints of ``row``'s session beyond ``keep``, ``row`` just written.
@@ -144,12 +168,22 @@ class CheckpointRows:
         process wrote; it never deletes beyond the ``keep`` newest rows it knows,
         so a session never drops below ``keep`` checkpoints.
         """
-        session_id, user_id = row.session_id, row.user_id
+        rows = self.view_with(row.session_id, row.user_id, [row])
+        if rows is None:
+            return
+        doomed = over_keep(rows, keep)
+        if doomed:
+            self.retire(row.session_id, row.user_id, doomed)
+
+    def view_with(self, session_id: str, user_id: str | None, new: list[CheckpointRow]) -> dict[str, CheckpointRow] | None:
+        """The session's live rows as this process knows them, ``new`` (just indexed) added; None when a fresh
+        LIST was needed and failed (retention waits for the next write)."""
         with self._lock:
             view = self._views.get((user_id, session_id))
             rows = None
             if view is not None and view.writes < _VIEW_REFRESH:
-                view.rows[row.checkpoint_id] = row
+                for r in new:
+                    view.rows[r.checkpoint_id] = r
                 view.writes += 1
                 rows = dict(view.rows)
         if rows is None:
@@ -158,7 +192,15 @@ class CheckpointRows:
             except IndexChangedError as e:
                 # The write itself is done; retention runs again on the next write.
                 log.warning("retention deferred: %s", e)
-                return
-        if len(rows) > keep:
-            ordered = sorted(rows.values(), key=lambda r: r.order)
-            self.retire(session_id, user_id, ordered[:len(ordered) - keep])
+                return None
+            for r in new:
+                rows.setdefault(r.checkpoint_id, r)
+        return rows
+
+
+def over_keep(rows: dict[str, CheckpointRow], keep: int) -> list[CheckpointRow]:
+    """The oldest of ``rows`` beyond the ``keep`` newest (none when ``keep`` < 1)."""
+    if keep < 1 or len(rows) <= keep:
+        return []
+    ordered = sorted(rows.values(), key=lambda r: r.order)
+    return ordered[:len(ordered) - keep]

@@ -40,13 +40,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from storage.conformance_log import CheckpointLogConformance
 from storage.errors import CorruptObjectError, LeaseLostError, PreconditionFailed
 from storage.rows import CheckpointRow, JournalEntry, Lease, SessionRow
 from storage.store import Store
 from storage.testing import T0, all_keys, fill_sessions, journal_entry, put_checkpoint
 
 
-class ObjectStoreConformance:
+class ObjectStoreConformance(CheckpointLogConformance):
     """The conformance tests; subclass it as ``Test...`` and define :meth:`make_store` (module docstring)."""
 
     def make_store(self, tmp_path: Path) -> Store:

@@ -18,8 +18,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from storage import layout
-from storage.checkpoint_rows import CheckpointRows, live_of
+from storage import envelope, layout
+from storage.checkpoint_rows import CheckpointRows
 from storage.errors import StorageError
 from storage.objects import ObjectStore
 from storage.rows import CheckpointRow, Lease
@@ -69,9 +69,11 @@ def fenced_by(fences: list[Fence]) -> Callable[[CheckpointRow], bool]:
 class CheckpointFences:
     """The checkpoint side of a lease takeover, and the filter readers apply (see the module docstring)."""
 
-    def __init__(self, objects: ObjectStore, rows: CheckpointRows) -> None:
+    def __init__(self, objects: ObjectStore, rows: CheckpointRows, snapshot: Callable[[str, str | None], Any]) -> None:
         self.objects = objects
         self.rows = rows
+        #: ``TailReader.snapshot``: the session's live rows with the tail its last writer has not indexed.
+        self.snapshot = snapshot
 
     def view(self, session_id: str, user_id: str | None, previous: dict[str, Any] | None
              ) -> tuple[set[str], dict[str, Any]]:
@@ -92,10 +94,21 @@ class CheckpointFences:
             prev = fence.get("prev")
             chain += [c for c in (prev if isinstance(prev, list) else []) if isinstance(c, dict)]
         chain = chain[:_CHECKPOINT_FENCES]
-        live = live_of(self.rows.partition_rows(session_id, user_id))
+        snap = self.snapshot(session_id, user_id)
+        self._adopt(session_id, user_id, list(snap.tails.values()))
+        live = snap.rows
         earlier = fenced_by(parse_fences(chain))  # a fenced writer's row not retired yet sets no top
         top = max((r.order for r in live.values() if not earlier(r)), default=None)
         return set(live), {"top": list(top) if top is not None else None, "prev": chain}
+
+    def _adopt(self, session_id: str, user_id: str | None, tails: list[CheckpointRow]) -> None:
+        """Index the checkpoints the old owner wrote but had not indexed yet (its tail), before the swap that
+        ends its epoch: from then on only rows of the current epoch may be missing from the index. Harmless if
+        the swap is lost, or the old owner indexes them too (a repeated row is the same row)."""
+        if tails:
+            log.info("session %r: indexing %d checkpoint(s) its previous owner had not indexed yet",
+                     session_id, len(tails))
+            self.rows.write(session_id, user_id, sorted(tails, key=lambda r: r.order), tombstone=False)
 
     def retire_fenced(self, lease: Lease, seen: set[str], fence: dict[str, Any]) -> Lease:
         """Right after ``lease`` was taken: retire the checkpoint rows fenced writers landed; returns ``lease``.
@@ -120,6 +133,7 @@ class CheckpointFences:
 
         try:
             doomed = [r for r in self.rows.live(lease.session_id, lease.user_id).values() if fenced(r)]
+            doomed += self._late_tails(lease, seen)
             if doomed:
                 log.warning("session %r: retiring %d checkpoint(s) written by a fenced writer after epoch %d was "
                             "taken: %s", lease.session_id, len(doomed), lease.epoch,
@@ -132,6 +146,12 @@ class CheckpointFences:
             log.warning("session %r: checkpoints a fenced writer may have written before epoch %d was taken are "
                         "not retired yet (%s)", lease.session_id, lease.epoch, e)
         return lease
+
+    def _late_tails(self, lease: Lease, seen: set[str]) -> list[CheckpointRow]:
+        """Checkpoints an older epoch's writer landed, unindexed, after the listing (retired with the fenced
+        rows, so that no reader looks at them again)."""
+        snap = self.snapshot(lease.session_id, lease.user_id)
+        return [r for r in _older_unindexed(self.rows, snap, lease.epoch) if r.checkpoint_id not in seen]
 
     def unfenced(self, session_id: str, user_id: str | None,
                  rows: dict[str, CheckpointRow]) -> dict[str, CheckpointRow]:
@@ -148,10 +168,34 @@ class CheckpointFences:
         if not any(r.epoch for r in rows.values()):
             return rows  # written without a lease: nothing to fence
         obj = self.objects.get(key=layout.lease_key(session_id, user_id))
-        body = lease_body(obj.data if obj is not None else None)
-        fence = body.get("checkpoints") if body is not None else None
-        if body is None or not isinstance(fence, dict) or type(body.get("epoch")) is not int:
-            return rows
-        fenced = fenced_by(parse_fences([{"epoch": body["epoch"], "top": fence.get("top")},
-                                         *(fence.get("prev") or ())]))
-        return {cid: r for cid, r in rows.items() if not fenced(r)}
+        return filter_fenced(lease_body(obj.data if obj is not None else None), rows)
+
+
+def filter_fenced(body: dict[str, Any] | None, rows: dict[str, CheckpointRow]) -> dict[str, CheckpointRow]:
+    """``rows`` without those the fences recorded in the lease body ``body`` hide (see
+    :meth:`CheckpointFences.unfenced`)."""
+    fence = body.get("checkpoints") if body is not None else None
+    if body is None or not isinstance(fence, dict) or type(body.get("epoch")) is not int:
+        return rows
+    fenced = fenced_by(parse_fences([{"epoch": body["epoch"], "top": fence.get("top")}, *(fence.get("prev") or ())]))
+    return {cid: r for cid, r in rows.items() if not fenced(r)}
+
+
+def _older_unindexed(rows: CheckpointRows, snap: Any, epoch: int) -> list[CheckpointRow]:
+    """Enveloped checkpoint objects of epochs below ``epoch`` that no index row names (read from ``snap``'s
+    listing; a snapshot taken after the swap shows only the current epoch's tail)."""
+    out = []
+    for key in snap.present:
+        if key in snap.indexed or any(r.key == key for r in snap.tails.values()):
+            continue
+        obj = rows.objects.get(key=key)
+        header = envelope.header_of(obj.data) if obj is not None else None
+        if obj is None or header is None:
+            continue
+        try:
+            row = envelope.row_of_header(header, key, obj.data)
+        except (ValueError, TypeError, KeyError):
+            continue
+        if 0 < row.epoch < epoch:
+            out.append(row)
+    return out

@@ -109,6 +109,12 @@ class ParquetIndex:
         """``fn`` over ``items`` on the reader threads (on this thread with ``serial_reads``), results in order."""
         return list(self._pool.map(fn, items))
 
+    def map_io(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
+        """Like :meth:`map` for a few storage calls at once: on this thread for a local store (a call costs
+        microseconds, threads only add contention), on the reader threads for a remote one."""
+        items = list(items)
+        return [fn(i) for i in items] if self._local or len(items) < 2 else self.map(fn, items)
+
     def clear_cache(self) -> None:
         """Forget every cached table (a cold reader: LISTs, GETs and parses every time)."""
         with self._lock:

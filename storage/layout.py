@@ -60,6 +60,16 @@ def epoch_marker_key(session_id: str, user_id: str | None, epoch: int) -> str:
     return f"{epoch_prefix(session_id, user_id)}{epoch:020d}"
 
 
+def pin_prefix(session_id: str, user_id: str | None) -> str:
+    """``sessions/{u}/{s}/pins/``: which other sessions build on this session's checkpoint objects (forks)."""
+    return f"{session_prefix(session_id, user_id)}pins/"
+
+
+def pin_key(session_id: str, user_id: str | None, dependent_session_id: str) -> str:
+    """The pin that session ``dependent_session_id`` (of the same user) holds on ``session_id``'s objects."""
+    return f"{pin_prefix(session_id, user_id)}{validate_id(dependent_session_id, 'session_id')}.json"
+
+
 def quarantine_key(session_id: str, user_id: str | None, checkpoint_id: str) -> str:
     """Where a quarantined checkpoint's bytes are kept: ``sessions/{u}/{s}/quarantine/{checkpoint_id}.json``."""
     return f"{session_prefix(session_id, user_id)}quarantine/{validate_id(checkpoint_id, 'checkpoint_id')}.json"

@@ -79,10 +79,10 @@ class _Read:
 class Leases:
     """Takes and checks session leases through an :class:`ObjectStore` (one code path for every backend)."""
 
-    def __init__(self, objects: ObjectStore, rows: CheckpointRows) -> None:
+    def __init__(self, objects: ObjectStore, rows: CheckpointRows, snapshot: Callable[[str, str | None], Any]) -> None:
         self.objects = objects
         self.rows = rows
-        self.fences = CheckpointFences(objects, rows)
+        self.fences = CheckpointFences(objects, rows, snapshot)
 
     # -- reading -------------------------------------------------------------
     def read(self, session_id: str, user_id: str | None) -> _Read:

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from storage import layout
+from storage import chains, layout
 from storage.errors import PreconditionFailed
 from storage.ids import user_from_segment, user_segment, validate_id
 from storage.journal import RUN_END, last_run_window, load_entries, unfinished_last_run
@@ -73,10 +73,13 @@ class SessionPrunePlan:
     kept_for_recovery: tuple[str, ...]
     live: tuple[CheckpointRow, ...] = ()
     entries: Mapping[str, JournalEntry] = field(default_factory=dict)
+    #: The checkpoint objects deleted: the retired rows', their chains' and the orphans', less what a kept
+    #: row's chain or another session's pin still needs (those stay until nothing needs them).
+    object_keys: tuple[str, ...] = ()
 
     @property
     def checkpoints(self) -> int:
-        """Checkpoint objects deleted: those of the retired rows and the orphans."""
+        """Checkpoints deleted: the retired rows and the orphans."""
         return len({r.key for r in self.retired}) + len(self.orphan_keys)
 
     @property
@@ -212,7 +215,21 @@ class _Planner:
                     and not (entries[k].kind == RUN_END and entries[k].run_id == last_id)]
         records = _doomed_records(store, sid, uid, cutoff, older, kept_runs)
         return SessionPrunePlan(uid, sid, tuple(retired), tuple(orphans), tuple(keys), tuple(records),
-                                tuple(sorted(spared & {r.checkpoint_id for r in live})), live, entries)
+                                tuple(sorted(spared & {r.checkpoint_id for r in live})), live, entries,
+                                _object_keys(store, uid, sid, live, retired, orphans))
+
+
+def _object_keys(store: Store, uid: str | None, sid: str, live: Sequence[CheckpointRow],
+                 retired: Sequence[CheckpointRow], orphans: Sequence[str]) -> tuple[str, ...]:
+    """The objects prune deletes with ``retired``: theirs, their chains' and ``orphans``, less what the rows that
+    stay need and what other sessions pin (an unreadable pin keeps every object)."""
+    gone = {r.checkpoint_id for r in retired}
+    candidates = {r.key for r in retired} | chains.chain_keys(retired, sid) | set(orphans)
+    candidates -= chains.needed_keys([r for r in live if r.checkpoint_id not in gone], sid)
+    if candidates:
+        pinned = chains.Pins(store.objects).pinned(sid, uid)
+        candidates = set() if pinned is None else candidates - pinned
+    return tuple(sorted(candidates))
 
 
 def plan_prune(store: Store, *, before: datetime | None = None, session_id: str | None = None,
@@ -242,9 +259,10 @@ def prune(store: Store, *, before: datetime | None, session_id: str | None, user
     for uid, sid in planner.scope:
         plan = planner.plan(uid, sid)
         if planner.cutoff is None:
-            store.retire_checkpoints(sid, list(plan.retired), user_id=uid)  # objects, tombstones, retention view
-            if plan.orphan_keys:
-                store.objects.delete(keys=list(plan.orphan_keys))
+            store.retire_checkpoints(sid, list(plan.retired), user_id=uid, collect=False)  # tombstones, view
+            if plan.object_keys:
+                store.objects.delete(keys=list(plan.object_keys))
+            store.release_pins(sid, list(plan.retired), user_id=uid)
             n_ckpt += plan.checkpoints
             _delete(store, plan.journal_keys, plan.run_record_keys)
             n_journal += plan.journal_entries
@@ -269,10 +287,10 @@ def _prune_keeping_recovery(store: Store, planner: _Planner, plan: SessionPruneP
     uid, sid = plan.user_id, plan.session_id
     doomed, keys = list(plan.retired), list(plan.journal_keys)
     held: dict[str, bytes] = {}
-    if doomed:
+    if plan.object_keys:
         # Objects first, rows later (below): a run recorded meanwhile may need one back.
-        held = _read_objects(store, [r.key for r in doomed])
-        store.objects.delete(keys=[r.key for r in doomed])
+        held = _read_objects(store, list(plan.object_keys))
+        store.objects.delete(keys=list(plan.object_keys))
     _delete(store, keys, plan.run_record_keys)
     if not (doomed or keys):
         return 0, 0
@@ -280,9 +298,9 @@ def _prune_keeping_recovery(store: Store, planner: _Planner, plan: SessionPruneP
     # names. (Deleted records are never among those the last run is chosen from: no record returns.)
     now = _Needs.of(store, [(uid, sid), *planner.needs.forks.get((uid, sid), ())])
     wanted = now.spared(uid, sid, plan.live)
-    back = [r for r in doomed if r.checkpoint_id in wanted and r.key in held]
-    for row in back:
-        store.objects.put(key=row.key, data=held[row.key])
+    back = [r for r in doomed if r.checkpoint_id in wanted]
+    for key in sorted(chains.needed_keys(back, sid) & set(held)):  # a wanted checkpoint needs its chain too
+        store.objects.put(key=key, data=held[key])
     replayed = now.runs.get((uid, sid), set())
     restored = [k for k in keys if plan.entries[k].run_id in replayed]
     for key in restored:
@@ -291,7 +309,8 @@ def _prune_keeping_recovery(store: Store, planner: _Planner, plan: SessionPruneP
         log.warning("prune of session %r put back %d checkpoint(s) and %d journal entr%s that a run started "
                     "meanwhile needs", sid, len(back), len(restored), "y" if len(restored) == 1 else "ies")
     doomed = [r for r in doomed if r not in back]
-    store.retire_checkpoints(sid, doomed, user_id=uid)  # tombstones (and the retention view); objects are gone
+    store.retire_checkpoints(sid, doomed, user_id=uid, collect=False)  # tombstones (and the view); objects gone
+    store.release_pins(sid, doomed, user_id=uid)
     return len(doomed), len(set(keys) - set(restored))
 
 

@@ -9,9 +9,10 @@ stored as tagged JSON (``"type": "journal_entry", "v": 1``; ``"type":
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
-from typing import Any, get_args, get_type_hints
+from typing import Any, get_args, get_origin, get_type_hints
 
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -79,6 +80,11 @@ class CheckpointInfo:
     parent_checkpoint_id: str | None = None
     forked_from: str | None = None
     agent_id: str | None = None
+    #: The checkpoints this one's object builds on (an incremental checkpoint holds only what changed since the
+    #: last of them), oldest first: ``"{checkpoint_id}"`` in this session, ``"{session_id}/{checkpoint_id}"`` in
+    #: another session of the same user (a fork shares its parent's chain). Empty for a self-contained object.
+    #: Reading the checkpoint fetches these objects too; retention and prune keep them while the row lives.
+    chain: tuple[str, ...] = field(default=(), metadata=ADDED_LATER)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,10 +207,14 @@ ARROW_TYPES: dict[type, pa.DataType] = {str: pa.string(), int: pa.int64(), float
 
 
 def arrow_schema(row_type: type) -> pa.Schema:
-    """The Arrow schema of a row dataclass: one nullable column per field, in field order."""
+    """The Arrow schema of a row dataclass: one nullable column per field, in field order (``tuple[str, ...]``
+    is a string column holding a JSON array, null when empty: list columns cannot ride through Arrow's joins)."""
     hints = get_type_hints(row_type)
     columns = []
     for f in fields(row_type):
+        if get_origin(hints[f.name]) is tuple:
+            columns.append(pa.field(f.name, pa.string()))
+            continue
         python_types = [t for t in get_args(hints[f.name]) if t is not type(None)] or [hints[f.name]]
         columns.append(pa.field(f.name, ARROW_TYPES[python_types[0]]))
     return pa.schema(columns)
@@ -222,10 +232,30 @@ LATER_FIELDS = frozenset(f.name for f in fields(CheckpointRow) if f.metadata.get
 SESSION_SCHEMA = arrow_schema(SessionRow)
 
 
-def checkpoint_rows_table(rows: list[CheckpointRow], *, tombstone: bool, written_at: datetime) -> pa.Table:
-    """Rows (or tombstones for them) as one Arrow table in ``CHECKPOINT_SCHEMA``."""
+def encode_chain(chain: tuple[str, ...]) -> str | None:
+    """The ``chain`` column's value: a JSON array of refs, or null for an empty chain."""
+    return json.dumps(list(chain), separators=(",", ":")) if chain else None
+
+
+def decode_chain(value: str | None) -> tuple[str, ...]:
+    """A ``chain`` column value back as refs (null, or a file written before the column: no chain)."""
+    if not value:
+        return ()
+    refs = json.loads(value)
+    if not isinstance(refs, list) or not all(isinstance(r, str) for r in refs):
+        raise ValueError(f"chain must be a JSON array of strings, got {value[:80]!r}")
+    return tuple(refs)
+
+
+def checkpoint_rows_table(rows: list[CheckpointRow], *, tombstone: bool | list[bool],
+                          written_at: datetime) -> pa.Table:
+    """Rows (or tombstones for them) as one Arrow table in ``CHECKPOINT_SCHEMA``; ``tombstone`` is one flag for
+    every row or one per row (a batch of new rows and the tombstones retention adds)."""
     cols: dict[str, list] = {name: [getattr(r, name) for r in rows] for name in CHECKPOINT_FIELDS}
-    cols["tombstone"] = [tombstone] * len(rows)
+    cols["chain"] = [encode_chain(c) for c in cols["chain"]]
+    cols["tombstone"] = list(tombstone) if isinstance(tombstone, list) else [tombstone] * len(rows)
+    if len(cols["tombstone"]) != len(rows):
+        raise ValueError(f"{len(cols['tombstone'])} tombstone flags for {len(rows)} rows")
     cols["written_at"] = [written_at] * len(rows)
     return pa.Table.from_pydict(cols, schema=CHECKPOINT_SCHEMA)
 
@@ -235,6 +265,7 @@ def checkpoint_rows_from_table(table: pa.Table) -> list[tuple[CheckpointRow, boo
     data = table.to_pydict()
     absent = [None] * table.num_rows
     cols = {name: data.get(name, absent) if name in LATER_FIELDS else data[name] for name in CHECKPOINT_FIELDS}
+    cols["chain"] = [decode_chain(c) for c in cols["chain"]]
     out = []
     for i in range(table.num_rows):
         row = CheckpointRow(**{name: col[i] for name, col in cols.items()})

@@ -19,6 +19,7 @@ import pyarrow.compute as pc
 
 from storage import layout
 from storage.checkpoint_rows import CheckpointRows
+from storage.checkpoint_writes import CheckpointWrites
 from storage.checkpoints import CheckpointMethods
 from storage.errors import StorageError
 from storage.ids import user_from_segment, user_segment, validate_id
@@ -32,11 +33,12 @@ from storage.rows import Lease, PruneReport, as_utc
 from storage.sessions import ANY, SessionMethods
 from storage.table import TableCache, load_tables, with_staleness
 from storage.table_query import read_for_query
+from storage.tails import TailReader
 
 log = logging.getLogger("storage")
 
 
-class Store(CheckpointMethods, JournalMethods, SessionMethods):
+class Store(CheckpointMethods, CheckpointWrites, JournalMethods, SessionMethods):
     """The storage API of docs/contracts.md. All methods are synchronous and thread-safe."""
 
     def __init__(self, objects: ObjectStore, url: str, *, serial_reads: bool = False) -> None:
@@ -47,7 +49,8 @@ class Store(CheckpointMethods, JournalMethods, SessionMethods):
         #: Parsed compacted-table manifests and partitions (see :mod:`storage.table`).
         self.table_cache = TableCache()
         self._rows = CheckpointRows(objects, self.index)
-        self._leases = Leases(objects, self._rows)
+        self._tails = TailReader(self._rows)
+        self._leases = Leases(objects, self._rows, self._tails.snapshot)
 
     def describe(self, key: str | None = None) -> str:
         """Backend, root and (optionally) key, for messages and the CLI."""
@@ -62,6 +65,7 @@ class Store(CheckpointMethods, JournalMethods, SessionMethods):
         """Forget every parsed index file and table partition, as a new process would (a cold reader: benchmarks)."""
         self.index.clear_cache()
         self._rows.clear_cache()
+        self._tails.clear_cache()
         self.table_cache.clear()
 
     def close(self) -> None:

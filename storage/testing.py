@@ -24,6 +24,7 @@ from botocore.awsrequest import AWSResponse
 from botocore.exceptions import ConnectionClosedError, ReadTimeoutError
 
 from storage import open_store
+from storage.checkpoint_log import CheckpointLog
 from storage.rows import CheckpointInfo, CheckpointRow, JournalEntry
 from storage.store import Store
 
@@ -152,6 +153,19 @@ def put_checkpoint(store: Store, session_id: str, checkpoint_id: str, *, user_id
                           execution_status=status, message_count=2 * turn, input_tokens=10 * turn,
                           output_tokens=turn, cost_usd=cost)
     return store.put_checkpoint(data, info, lease=lease, keep=keep)
+
+
+def log_put(log: CheckpointLog, checkpoint_id: str, *, turn: int = 1, chain: tuple[str, ...] = (),
+            payload: bytes | None = None) -> list[CheckpointRow]:
+    """Put a checkpoint through ``log`` (of its lease's session), row fields following from ``turn`` as in
+    :func:`put_checkpoint`; returns the rows the put acknowledged."""
+    lease = log.lease
+    data = payload if payload is not None else json.dumps({"turn": turn, "text": f"pass {turn}"}).encode()
+    info = CheckpointInfo(session_id=lease.session_id, checkpoint_id=checkpoint_id, user_id=lease.user_id,
+                          turn=turn, created_at=T0 + timedelta(minutes=turn), position="after_tools",
+                          execution_status="active", message_count=2 * turn, input_tokens=10 * turn,
+                          output_tokens=turn, cost_usd=0.01, chain=chain)
+    return log.put(data, info)
 
 
 def all_keys(store: Store) -> list[str]:

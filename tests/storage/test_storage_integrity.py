@@ -139,7 +139,9 @@ def test_path01_a_writer_outpacing_a_cold_reader_never_makes_the_session_read_as
         raw = reader.get_checkpoint("s1")
         assert raw is not None and hashlib.sha256(raw).hexdigest() == written[-1].sha256
     assert len(written) == 5 and ids(store.list_checkpoints("s1")) == ["c0005"]  # every round really raced
-    assert len(delays) == 5 and all(0 <= d <= backoff_module.CAP for d in delays)  # jittered backoff
+    # It listed again after a jittered backoff, at most once per round (a round may also be spent on reading an
+    # object the index did not name yet: the holder moved on twice then).
+    assert 1 <= len(delays) <= 5 and all(0 <= d <= backoff_module.CAP for d in delays)
 
 
 @pytest.mark.parametrize("read", ["list", "latest"])

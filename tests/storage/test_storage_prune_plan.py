@@ -37,8 +37,9 @@ def test_a_dry_run_lists_exactly_what_prune_then_deletes(store):
         assert (plan.checkpoints, plan.journal_entries, plan.run_records) == (
             report.checkpoints, report.journal_entries, report.run_records)
         gone = set(before_plan) - set(_snapshot(store))
-        planned = {k for s in plan.sessions for k in (*s.orphan_keys, *s.journal_keys, *s.run_record_keys)}
-        planned |= {r.key for s in plan.sessions for r in s.retired}
+        planned = {k for s in plan.sessions for k in (*s.object_keys, *s.journal_keys, *s.run_record_keys)}
+        assert {r.key for s in plan.sessions for r in s.retired} | {k for s in plan.sessions for k in s.orphan_keys} \
+            == {k for s in plan.sessions for k in s.object_keys}  # no chain here: every retired object goes
         assert {k for k in gone if not k.startswith("index/")} == planned
 
 

@@ -1,0 +1,169 @@
+"""Checkpoint chains: which objects a checkpoint needs, the pins forks hold, and collecting what nothing needs.
+
+An incremental checkpoint's object holds only what changed since the last
+link of its ``chain`` (``CheckpointInfo.chain``: refs, oldest first), so
+reading it fetches the chain's objects too. A ref is a checkpoint id of the
+same session, or ``"{session_id}/{checkpoint_id}"`` in another session of the
+same user: a fork shares its parent's chain instead of copying it.
+
+So an object is deleted only when nothing needs it, never merely because its
+own row was retired:
+
+- a retired row's object stays while a live row of its session, or a row the
+  session's writer has not indexed yet, names it in its chain;
+- an object another session's chain names is *pinned*: that session wrote
+  ``sessions/{u}/{s}/pins/{dependent}.json`` (the refs it needs) before it
+  first read the object, and removes the pin once none of its live rows needs
+  them (:func:`release_pins`), collecting what the pin alone kept.
+
+Collecting reads the pins after the tombstones it relies on are written, and a
+fork writes its pin before it checks that its fork point is live, so a
+collector either sees the pin or the fork sees its fork point retired (and
+does not start from it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from storage import layout
+from storage.errors import StorageError
+from storage.ids import validate_id
+from storage.objects import ObjectStore
+from storage.rows import CheckpointRow
+
+if TYPE_CHECKING:
+    from storage.checkpoint_rows import CheckpointRows
+
+log = logging.getLogger("storage")
+
+
+def ref_parts(ref: str, session_id: str) -> tuple[str, str]:
+    """``(session_id, checkpoint_id)`` a chain ref of session ``session_id`` names."""
+    sid, sep, cid = ref.rpartition("/")
+    return (validate_id(sid, "chain session_id") if sep else session_id), validate_id(cid, "chain checkpoint_id")
+
+
+def ref_key(ref: str, session_id: str, user_id: str | None) -> str:
+    """The object key of chain ref ``ref`` written by session ``session_id``."""
+    sid, cid = ref_parts(ref, session_id)
+    return layout.checkpoint_key(sid, user_id, cid)
+
+
+def ref_of(session_id: str, checkpoint_id: str, from_session_id: str) -> str:
+    """The ref session ``from_session_id`` uses for checkpoint ``checkpoint_id`` of ``session_id``."""
+    return checkpoint_id if session_id == from_session_id else f"{session_id}/{checkpoint_id}"
+
+
+def needed_keys(rows: Iterable[CheckpointRow], session_id: str) -> set[str]:
+    """Keys of this session's objects that ``rows`` (of this session) need: their own and their chains'."""
+    out: set[str] = set()
+    for row in rows:
+        out.add(row.key)
+        for ref in row.chain:
+            sid, cid = ref_parts(ref, row.session_id)
+            if sid == session_id:
+                out.add(layout.checkpoint_key(sid, row.user_id, cid))
+    return out
+
+
+def chain_keys(rows: Iterable[CheckpointRow], session_id: str) -> set[str]:
+    """Keys of this session's objects named by the chains of ``rows`` (not the rows' own objects)."""
+    out: set[str] = set()
+    for row in rows:
+        for ref in row.chain:
+            sid, cid = ref_parts(ref, row.session_id)
+            if sid == session_id:
+                out.add(layout.checkpoint_key(sid, row.user_id, cid))
+    return out
+
+
+def foreign_refs(rows: Iterable[CheckpointRow]) -> dict[str, set[str]]:
+    """Per other session, the checkpoint ids of it that the chains of ``rows`` name."""
+    out: dict[str, set[str]] = {}
+    for row in rows:
+        for ref in row.chain:
+            sid, cid = ref_parts(ref, row.session_id)
+            if sid != row.session_id:
+                out.setdefault(sid, set()).add(cid)
+    return out
+
+
+class Pins:
+    """The pins of a user's sessions on each other's objects (one JSON object per dependent session)."""
+
+    def __init__(self, objects: ObjectStore) -> None:
+        self.objects = objects
+
+    def write(self, session_id: str, user_id: str | None, dependent: str, checkpoint_ids: Iterable[str]) -> None:
+        """Pin ``checkpoint_ids`` of ``session_id`` for session ``dependent`` (replaces its earlier pin)."""
+        ids = sorted({validate_id(c, "checkpoint_id") for c in checkpoint_ids})
+        body = {"type": "pin", "v": 1, "session_id": session_id, "user_id": user_id, "dependent": dependent,
+                "checkpoints": ids}
+        self.objects.put(key=layout.pin_key(session_id, user_id, dependent), data=json.dumps(body).encode())
+
+    def pinned(self, session_id: str, user_id: str | None) -> set[str] | None:
+        """Keys of the session's objects that other sessions pin; None when a pin could not be read (then
+        nothing may be collected: an unreadable pin protects everything)."""
+        out: set[str] = set()
+        for info in self.objects.list(prefix=layout.pin_prefix(session_id, user_id)):
+            obj = self.objects.get(key=info.key)
+            if obj is None:
+                continue  # released meanwhile
+            try:
+                ids = json.loads(obj.data).get("checkpoints")
+                out.update(layout.checkpoint_key(session_id, user_id, c) for c in ids)
+            except (ValueError, TypeError, AttributeError, StorageError):
+                log.warning("unreadable pin %s: nothing of the session is collected", self.objects.describe(info.key))
+                return None
+        return out
+
+    def release(self, session_id: str, user_id: str | None, dependent: str) -> None:
+        """Drop ``dependent``'s pin on ``session_id``."""
+        self.objects.delete(keys=[layout.pin_key(session_id, user_id, dependent)])
+
+
+def collect(rows: CheckpointRows, session_id: str, user_id: str | None, candidates: Iterable[str], *,
+            also_needed: Iterable[CheckpointRow] = (), live: dict[str, CheckpointRow] | None = None,
+            keep: Callable[[str], bool] | None = None) -> list[str]:
+    """Delete the ``candidates`` (object keys of session ``session_id``) nothing needs; the keys deleted.
+
+    Needed: live rows' objects and chains (``live``, else a fresh LIST), those
+    of ``also_needed`` (a writer's rows not indexed yet), pinned objects, and
+    whatever ``keep`` says. Call it after the tombstones of the rows whose
+    objects are candidates were written.
+    """
+    doomed = set(candidates)
+    if not doomed:
+        return []
+    if live is None:
+        live = rows.live(session_id, user_id)
+    doomed -= needed_keys([*live.values(), *also_needed], session_id)
+    if keep is not None:
+        doomed = {k for k in doomed if not keep(k)}
+    if doomed:
+        pinned = Pins(rows.objects).pinned(session_id, user_id)
+        doomed = set() if pinned is None else doomed - pinned
+    if doomed:
+        rows.objects.delete(keys=sorted(doomed))
+    return sorted(doomed)
+
+
+def release_pins(rows: CheckpointRows, session_id: str, user_id: str | None,
+                 remaining: Iterable[CheckpointRow], released: Iterable[CheckpointRow]) -> None:
+    """Drop this session's pins on sessions that none of ``remaining`` (its live and unindexed rows) builds on
+    any more, which ``released`` (rows just retired) did; then collect what the pins alone kept there."""
+    still = foreign_refs(remaining)
+    for other, ids in foreign_refs(released).items():
+        if other in still:
+            continue
+        pins = Pins(rows.objects)
+        try:
+            pins.release(other, user_id, session_id)
+            collect(rows, other, user_id, [layout.checkpoint_key(other, user_id, c) for c in ids])
+        except StorageError as e:
+            log.warning("pin of session %r on %r not released yet (%s); the next retention or prune retries",
+                        session_id, other, e)

@@ -1,0 +1,132 @@
+"""A lease holder's checkpoint writes, at one PUT each: rows, retention and the lease re-check come in batches.
+
+:meth:`storage.Store.put_checkpoint` pays, per checkpoint, a lease GET, the
+object, an index file, a LIST of the epoch markers and retention's tombstone
+file. A run that checkpoints every pass writes through a
+:class:`CheckpointLog` instead (``Store.checkpoint_log``):
+
+- :meth:`CheckpointLog.put` is one PUT of a self-describing object
+  (:mod:`storage.envelope`: the index row rides in the object, with a digest),
+  which readers find and order even before an index file names it: a
+  checkpoint is recoverable once its PUT returns. No lease read: the epoch is
+  part of what is written, "latest" is the highest ``(epoch, checkpoint_id)``,
+  and a takeover's fence (``lease.json``) hides whatever a fenced writer
+  lands after it;
+- every ``batch`` puts, and on :meth:`CheckpointLog.flush`, the pending rows
+  are indexed in one file together with retention's tombstones, the epoch
+  markers are listed once (:meth:`storage.leases.Leases.confirm`), and only
+  then are the pending checkpoints *acknowledged*: no takeover raced them, so
+  they stay readable until retention or prune removes them. A writer that
+  learns it was fenced raises :class:`LeaseLostError` (what it had not
+  acknowledged stays as it is: see :meth:`CheckpointLog._abandon`).
+
+So a fenced writer may land up to ``batch`` objects before it learns so, none
+of which ever becomes "latest" once the new owner has written, or is
+acknowledged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import replace
+
+from storage import envelope, layout
+from storage.checkpoint_rows import CheckpointRows, over_keep
+from storage.envelope import header_of_row
+from storage.errors import LeaseLostError, StorageError
+from storage.ids import validate_id
+from storage.leases import Leases
+from storage.rows import CheckpointInfo, CheckpointRow, Lease, as_utc
+
+log = logging.getLogger("storage")
+#: Checkpoints a log writes before it indexes them and re-checks its lease.
+INDEX_BATCH = 16
+#: Flushes between full LISTs of the session's rows (the log's view of them is refreshed).
+_VIEW_REFRESH = 32
+
+
+class CheckpointLog:
+    """One lease holder's checkpoint writes to one session (see the module docstring). Not thread-safe: one
+    writer calls it, in order."""
+
+    def __init__(self, rows: CheckpointRows, leases: Leases, lease: Lease, *, keep: int = 20,
+                 batch: int = INDEX_BATCH) -> None:
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1, got {batch!r}")
+        self._rows, self._leases, self.lease = rows, leases, lease
+        self.keep, self.batch = keep, batch
+        #: Written, not yet acknowledged (indexed or not), oldest first.
+        self.pending: list[CheckpointRow] = []
+        self._unindexed = 0
+        self._view: dict[str, CheckpointRow] | None = None
+        self._flushes = 0
+        self.puts = 0
+
+    def put(self, data: bytes, info: CheckpointInfo) -> list[CheckpointRow]:
+        """Write one checkpoint object (``data``: the caller's JSON object); the rows this call acknowledged
+        (a batch was due), usually none. :class:`LeaseLostError` when a batch found this writer fenced."""
+        if not isinstance(info, CheckpointInfo):
+            raise TypeError(f"checkpoint info must be a CheckpointInfo, got {type(info).__name__}")
+        if info.session_id != self.lease.session_id or info.user_id != self.lease.user_id:
+            raise LeaseLostError(f"lease for session {self.lease.session_id!r}/user {self.lease.user_id!r} used to "
+                                 f"write session {info.session_id!r}/user {info.user_id!r}")
+        key = layout.checkpoint_key(info.session_id, info.user_id, info.checkpoint_id)  # validates the ids
+        for name in ("parent_checkpoint_id", "forked_from", "agent_id"):
+            if getattr(info, name) is not None:
+                validate_id(getattr(info, name), name)
+        info = replace(info, created_at=as_utc(info.created_at))
+        draft = CheckpointRow(**{n: getattr(info, n) for n in envelope.INFO_FIELDS}, epoch=self.lease.epoch, key=key,
+                              size=0, sha256="")
+        self._rows.encode([draft], tombstone=False)  # a value Arrow refuses fails before anything lands
+        obj = envelope.wrap(data, header_of_row(draft))
+        self._rows.objects.put(key=key, data=obj)
+        self.pending.append(replace(draft, size=len(obj), sha256=hashlib.sha256(obj).hexdigest()))
+        self._unindexed += 1
+        self.puts += 1
+        return self.flush() if self._unindexed >= self.batch else []
+
+    def flush(self) -> list[CheckpointRow]:
+        """Index the pending rows (one file, with retention's tombstones), confirm the lease, collect what
+        retention freed; returns the rows acknowledged (every pending one). Safe to call again after a
+        storage error: what was not indexed is indexed next time."""
+        if not self.pending:
+            return []
+        view = self._current_view()
+        fresh = self.pending[len(self.pending) - self._unindexed:] if self._unindexed else []
+        live = {**view, **{r.checkpoint_id: r for r in self.pending}}
+        doomed = over_keep(live, self.keep)
+        if fresh or doomed:
+            self._rows.write(self.lease.session_id, self.lease.user_id, [*fresh, *doomed],
+                             tombstone=[False] * len(fresh) + [True] * len(doomed))
+        self._unindexed = 0
+        try:
+            self._leases.confirm(self.lease)
+        except LeaseLostError:
+            self._abandon()
+            raise
+        acked, self.pending = self.pending, []
+        for r in doomed:
+            live.pop(r.checkpoint_id, None)
+        self._view = live
+        if doomed:
+            try:
+                self._rows.collect(self.lease.session_id, self.lease.user_id, doomed, live=live)
+            except StorageError as e:
+                log.warning("retention of session %r: objects not collected yet (%s)", self.lease.session_id, e)
+        return acked
+
+    def _current_view(self) -> dict[str, CheckpointRow]:
+        """The session's live rows (indexed), from a fresh LIST on the first flush and every ``_VIEW_REFRESH``."""
+        self._flushes += 1
+        if self._view is None or self._flushes % _VIEW_REFRESH == 0:
+            self._view = self._rows.live(self.lease.session_id, self.lease.user_id)
+        return self._view
+
+    def _abandon(self) -> None:
+        """Fenced: forget what was not acknowledged. Nothing is retired: what landed before the takeover's
+        listing is what the new owner may have started from, and what landed after it is hidden by the
+        takeover's fence (``lease.json``) and retired by the next takeover."""
+        log.warning("session %r: %d checkpoint(s) written by epoch %d were never acknowledged: a newer epoch "
+                    "was taken", self.lease.session_id, len(self.pending), self.lease.epoch)
+        self.pending = []
