@@ -25,14 +25,21 @@ class CheckpointConfig:
 
     ``position`` is ``"after_tools"`` (default: after the tool calls of a pass),
     ``"after_model"`` (right after the model answered, before its tools run) or
-    ``"both"``.
+    ``"both"``. A checkpoint holds what changed since the one before it
+    (:mod:`loomray.checkpoint_format`); ``full_every`` bounds how many links
+    a chain reaches before a full snapshot starts a new one: what reading a
+    checkpoint fetches (in parallel) against what a full snapshot costs to
+    write.
     """
 
     position: Literal["after_tools", "after_model", "both"] = "after_tools"
+    full_every: int = 500
 
     def __post_init__(self) -> None:
         if self.position not in _POSITIONS:
             raise ValueError(f"CheckpointConfig.position must be one of {_POSITIONS}, got {self.position!r}")
+        if type(self.full_every) is not int or self.full_every < 1:
+            raise ValueError(f"CheckpointConfig.full_every must be an int >= 1, got {self.full_every!r}")
 
     def saves_after_tools(self) -> bool:
         """True when position is "after_tools" or "both"."""

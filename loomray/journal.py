@@ -133,9 +133,16 @@ class StepRunner:
         run_id: str | None = None,
         stream: bool = False,
         before_model_call: Callable[[], Awaitable[None]] | None = None,
+        journal_tools: bool = True,
     ) -> None:
         self.model = model
         self.before_model_call = before_model_call
+        #: False when the checkpoint written right after a pass's tools holds their results (a synchronous
+        #: checkpoint after every pass): the result of the pass's last tool to finish is then not journaled, since
+        #: the very next write (that checkpoint) holds it; the others are, as they finish.
+        self.journal_tools = journal_tools
+        #: Tool records not journaled (``journal_tools`` False) since the last checkpoint that holds them.
+        self.volatile: list[JournalRecord] = []
         #: Stream text deltas as events when the model can (only worth it when someone listens).
         self.stream = stream
         self.tools = tools
@@ -176,13 +183,32 @@ class StepRunner:
         """The signal and pause records consumed at the boundary before pass ``turn``, in journal order."""
         return sorted(self._boundary.get(turn, {}).values(), key=lambda r: r.seq)
 
-    async def record(self, kind: str, step_key: str, ihash: str, output: dict[str, Any]) -> None:
-        """Append a record (no-op without a sink) and make it answer later lookups."""
+    async def record(self, kind: str, step_key: str, ihash: str, output: dict[str, Any], *,
+                     durable: bool = True) -> None:
+        """Append a record (no-op without a sink, or when not ``durable``) and make it answer later lookups."""
         rec = JournalRecord(seq=self.seq, step_key=step_key, kind=kind, input_hash=ihash, output=output)
-        self.seq += 1
-        if self.sink is not None:
+        if self.sink is not None and durable:
+            self.seq += 1
             await self.sink.append(rec)
+        elif self.sink is None:
+            self.seq += 1
+        else:
+            self.volatile.append(rec)
         self._index(rec)
+
+    def checkpointed(self) -> None:
+        """A checkpoint holding every result so far was written: nothing is volatile any more."""
+        self.volatile = []
+
+    async def persist_volatile(self) -> None:
+        """The checkpoint that was to hold the volatile tool results failed: journal them after all."""
+        records, self.volatile = self.volatile, []
+        for rec in records:
+            if self.sink is not None:
+                rec = JournalRecord(seq=self.seq, step_key=rec.step_key, kind=rec.kind, input_hash=rec.input_hash,
+                                    output=rec.output)
+                self.seq += 1
+                await self.sink.append(rec)
 
     async def record_run_start(self, spec_hash: str, output: dict[str, Any]) -> None:
         """Journal the run's start (its spec and where it starts). Without a sink nothing is recorded, but the
@@ -255,8 +281,10 @@ class StepRunner:
         await self.record("model", step_key, ihash, {"response": response.model_dump(mode="json")})
         return response, False
 
-    async def call_tool(self, call: ToolCall, ctx: ToolContext, *, turn: int) -> tuple[Message, bool]:
-        """The result message of one tool call: replayed when journaled with the same inputs."""
+    async def call_tool(self, call: ToolCall, ctx: ToolContext, *, turn: int,
+                        last: Callable[[], bool] | None = None) -> tuple[Message, bool]:
+        """The result message of one tool call: replayed when journaled with the same inputs. ``last()`` says,
+        when the tool has finished, whether it is the last of its pass still running (see ``journal_tools``)."""
         step_key = tool_step_key(turn, call.id)
         ihash = input_hash({"name": call.name, "arguments": call.arguments})
         t = self.tools.get(call.name)
@@ -279,5 +307,6 @@ class StepRunner:
         output: dict[str, Any] = {"message": msg.model_dump(mode="json"), "tool": call.name}
         if idem:
             output["idempotency_key"] = idem
-        await self.record("tool", step_key, ihash, output)
+        await self.record("tool", step_key, ihash, output,
+                          durable=self.journal_tools or last is None or not last())
         return msg, False

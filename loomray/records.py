@@ -12,15 +12,15 @@ import json
 from datetime import datetime, timezone
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from loomray.errors import CheckpointException
 from loomray.ids import new_id
-from storage.errors import InvalidIdError, StorageError
 
 SCHEMA_VERSION = "1.0"
-#: Checkpoint schema versions this release can read.
-READABLE_SCHEMA_VERSIONS = frozenset({"1.0"})
+#: Checkpoint schema versions this release can read: "1.0", a whole transcript per object, and "2.0",
+#: incremental objects in chains (:mod:`loomray.checkpoint_format`), read back whole.
+READABLE_SCHEMA_VERSIONS = frozenset({"1.0", "2.0"})
 
 Role = Literal["system", "user", "assistant", "tool"]
 Position = Literal["after_model", "after_tools"]
@@ -143,6 +143,9 @@ class Checkpoint(BaseModel):
     #: With ``execution_status == "awaiting_approval"``: the ids of the tool calls that wait for a decision.
     pending_approvals: list[str] | None = None
     messages: list[Message] = Field(default_factory=list)
+    #: How the store holds it (a ``loomray.checkpoint_format.ChainState``, set when it was read from a store):
+    #: a run that restores it builds its next checkpoint on that chain. Not part of the record.
+    _chain: Any = PrivateAttr(default=None)
 
     def checked(self) -> Checkpoint:
         """This checkpoint, once it is known usable; :class:`CheckpointException` if it is not.
@@ -196,32 +199,6 @@ class Checkpoint(BaseModel):
         except (ValueError, UnicodeDecodeError) as e:
             raise CheckpointException(f"checkpoint is not valid JSON (corrupt or truncated): {e}") from e
         return cls.from_dict(data)
-
-
-def load_checkpoint(store: Any, session_id: str, checkpoint_id: str = "latest", *,
-                    user_id: str | None = None) -> Checkpoint | None:
-    """Read and validate one checkpoint from ``store`` (a :class:`storage.Store`); None when it does not exist.
-
-    Every place that loads a checkpoint goes through here, so every failure to
-    load one is a :class:`CheckpointException`: corrupt or truncated bytes, an
-    unknown schema version, invalid data, or a storage error (kept as
-    ``__cause__``). An invalid id is the caller's mistake and stays a
-    ``ValueError`` (``InvalidIdError``).
-    """
-    try:
-        raw = store.get_checkpoint(session_id, checkpoint_id, user_id=user_id)
-    except InvalidIdError:
-        raise
-    except (StorageError, OSError) as e:
-        raise CheckpointException(
-            f"checkpoint {checkpoint_id!r} of session {session_id!r} (user {user_id!r}) could not be loaded: "
-            f"{type(e).__name__}: {e}") from e
-    if raw is None:
-        return None
-    try:
-        return Checkpoint.from_json(raw)
-    except CheckpointException as e:  # say which checkpoint: the parser only sees bytes
-        raise CheckpointException(f"checkpoint {checkpoint_id!r} of session {session_id!r} (user {user_id!r}): {e}") from e
 
 
 class RunResult(BaseModel):

@@ -274,9 +274,13 @@ class RunPlan:
             messages = [Message(role="system", content=instructions)] if instructions else []
             return LoopState(session_id=request.session_id, user_id=request.user_id, run_id=self.run_id,
                              agent_id=agent_id, messages=messages, epoch=epoch)
+        chain = ckpt._chain
+        if chain is not None and ckpt.session_id != request.session_id:
+            chain = chain.rebased(ckpt.session_id, request.session_id)  # a fork builds on its parent's chain
         return LoopState(session_id=request.session_id, user_id=request.user_id, run_id=self.run_id,
                          agent_id=agent_id, messages=list(ckpt.messages), turn=ckpt.turn, usage=ckpt.cumulative_usage,
-                         parent_checkpoint_id=ckpt.checkpoint_id, forked_from=self.forked_from, epoch=epoch)
+                         parent_checkpoint_id=ckpt.checkpoint_id, forked_from=self.forked_from, epoch=epoch,
+                         chain=chain)
 
     def finished_result(self) -> RunResult:
         """The result of a run whose restored checkpoint already finished it."""

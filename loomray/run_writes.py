@@ -30,6 +30,10 @@ log = logging.getLogger("loomray.session")
 
 #: A run whose journal appends do not read the lease still re-reads it this often (seconds).
 LEASE_RECHECK_S = 10.0
+#: Before a model call, a run proves it still owns its session once it has done this many writes, or this many
+#: seconds passed, since the last proof (what a fenced writer can do before it stops; see StoreJournalSink).
+LEASE_CHECK_WRITES = 32
+LEASE_CHECK_S = 2.0
 
 #: Write errors no retry can fix (a bad id, a wrong type, a bug): they stop the run instead of being logged.
 _NON_TRANSIENT = (TypeError, ValueError, AttributeError, NotImplementedError)
@@ -176,43 +180,60 @@ class StoreJournalSink:
     An append is one PUT: it does not read the lease. Fencing is the next
     incarnation's job: its seal makes replay ignore whatever this writer
     appends once fenced (``storage.journal``). So that a fenced run stops
-    anyway, and soon, the lease is read again
+    anyway, and soon, the run proves it still owns the session:
 
-    - before a model call (:meth:`before_model_call`), unless it was read
-      since the previous one: every checkpoint write reads it
-      (:meth:`lease_read_by_checkpoint`), so a run that writes a checkpoint
-      every pass pays nothing, and one that does not pays one GET per pass.
-      A fenced writer makes at most one more model call (the pass it was in);
-    - after an append at most every ``recheck_s`` seconds (a long pass).
+    - before a model call (:meth:`before_model_call`) once ``check_writes``
+      writes (appends and checkpoints, :meth:`wrote`) or ``check_s`` seconds
+      have passed since the last proof: one GET of ``lease.json``. A batch of
+      checkpoints acknowledged by the store proves it too (:meth:`proven`:
+      the store listed the epoch markers after they landed). So a fenced
+      writer does at most that many writes, or that much time, of work
+      before it stops, and a run pays about one lease read per
+      ``check_writes`` writes instead of one per pass;
+    - after an append once ``recheck_s`` seconds passed (a long pass).
     """
 
     def __init__(self, store: JournalStore, request: RunRequest, run_id: str, lease: Lease,
-                 recheck_s: float = LEASE_RECHECK_S, inflight: InflightWrites | None = None) -> None:
+                 recheck_s: float = LEASE_RECHECK_S, inflight: InflightWrites | None = None, *,
+                 check_writes: int | None = None, check_s: float | None = None) -> None:
         self.store, self.request, self.run_id, self.lease = store, request, run_id, lease
         self.inflight = inflight or InflightWrites()
         self.recheck_s = recheck_s
-        self._checked = time.monotonic()
-        # Read since the previous model call? The plan read it right before the run's first step.
-        self._read = True
+        self.check_writes = LEASE_CHECK_WRITES if check_writes is None else check_writes
+        self.check_s = LEASE_CHECK_S if check_s is None else check_s
+        # The plan read the lease right before the run's first step.
+        self._writes = 0
+        self._proven = time.monotonic()
 
-    def lease_read_by_checkpoint(self) -> None:
-        """A checkpoint write started: it reads the lease (before and after its PUT), and a failed read or
-        fencing stops the run before its next step (the write guard), so the next model call needs no read."""
-        self._read = True
+    def wrote(self) -> None:
+        """A write under the lease started (a journal append, a checkpoint)."""
+        self._writes += 1
+
+    def proven(self) -> None:
+        """The lease was just proven ours (read, or the store acknowledged checkpoints after listing the epochs)."""
+        self._writes = 0
+        self._proven = time.monotonic()
+
+    async def prove(self) -> None:
+        """Read the lease unless nothing was written since it was last proven: before a run reports its end."""
+        if self._writes:
+            await asyncio.to_thread(self.store.check_lease, self.lease)
+            self.proven()
 
     async def before_model_call(self) -> None:
-        """Read the lease unless it was read since the previous model call; raises if fenced or unreadable."""
-        if not self._read:
+        """Read the lease if this run wrote enough, or long enough, since it was last proven; raises if fenced or
+        unreadable."""
+        if self._writes >= self.check_writes or time.monotonic() - self._proven >= self.check_s:
             # Through the guard: fenced is LeaseLostError, unreadable is DurabilityLost; either stops the run
             # before the model is billed.
             await asyncio.to_thread(self.store.check_lease, self.lease)
-            self._checked = time.monotonic()
-        self._read = False
+            self.proven()
 
     async def append(self, record: JournalRecord) -> None:
         entry = JournalEntry(session_id=self.request.session_id, user_id=self.request.user_id, run_id=self.run_id,
                              seq=record.seq, step_key=record.step_key, kind=record.kind,
                              input_hash=record.input_hash, output=record.output, epoch=self.lease.epoch)
+        self.wrote()
         try:
             await self.inflight.run(self.store.journal_append, entry)
         except LeaseLostError:
@@ -220,14 +241,13 @@ class StoreJournalSink:
         except Exception as e:  # the step already happened; losing its record only costs a re-run later
             log.warning("journal entry %s of session %r could not be written (the run goes on): %s: %s",
                         record.step_key, self.request.session_id, type(e).__name__, e)
-        if time.monotonic() - self._checked >= self.recheck_s:
+        if time.monotonic() - self._proven >= self.recheck_s:
             await self._recheck_lease()
 
     async def _recheck_lease(self) -> None:
-        self._checked = time.monotonic()
         try:
             await asyncio.to_thread(self.store.check_lease, self.lease)
-            self._read = True
+            self.proven()
         except LeaseLostError:
             raise
         except Exception as e:  # unreadable now: the next checkpoint write or recheck decides

@@ -59,9 +59,10 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel
 
 from loomray import control, telemetry
+from loomray.checkpoint_format import ChainEncoder
 from loomray.errors import CheckpointNotFound
 from loomray.events import EmitFn, Event, deliver
-from loomray.ids import new_id
+from loomray.ids import new_id, new_segment, segment_id
 from loomray.journal import StepRunner
 from loomray.loop import CheckpointWriter, LoopOptions, run_loop
 from loomray.records import Checkpoint, RunResult, utcnow
@@ -73,7 +74,7 @@ from loomray.takeover import fence_session, plan_takeover, take_lease
 from loomray.tools import as_tools
 from storage import CheckpointInfo
 from storage.errors import LeaseLostError
-from storage.rows import Lease, SessionRow
+from storage.rows import CheckpointRow, Lease, SessionRow
 
 if TYPE_CHECKING:  # the Agent module imports this one
     from loomray.agent import Agent
@@ -175,10 +176,19 @@ class _SessionRun:
         self.steps = StepRunner(agent.model, self.tools, sink=self.sink, prior=list(plan.prior),
                                 next_seq=plan.next_seq, emit=self.on_event, session_id=sid, run_id=plan.run_id,
                                 stream=emit is not None,
-                                before_model_call=self.sink.before_model_call if self.sink is not None else None)
+                                before_model_call=self.sink.before_model_call if self.sink is not None else None,
+                                journal_tools=not _checkpoint_holds_tool_results(agent.tuning))
         self.controls = control.SessionControls(store, sid, uid, consumed=plan.consumed, handle=handle,
                                                 journaled=self.sink is not None, inflight=self.inflight)
         self.state = plan.initial_state(agent_id=agent.name, instructions=agent.instructions, epoch=lease.epoch)
+        # Checkpoints build on the restored one's chain (a fork's on its parent's); the store writes one object
+        # per checkpoint and acknowledges them in batches (storage.checkpoint_log).
+        config = agent.tuning.checkpoint_config()
+        self.encoder = ChainEncoder(self.state.chain, full_every=config.full_every if config else 1)
+        self.checkpoints = store.checkpoint_log(lease, keep=max_checkpoints_per_session)
+        self.consumed_at: dict[str, Any] = {}
+        # One id segment per run: its checkpoints are consecutive links, which a chain names as one range.
+        self.segment, self.links = new_segment(), 0
         # The session's cumulative cost as of the checkpoint this run last wrote, or started from (in
         # whichever session): a checkpoint's spend is its running total minus that, so the spend of a fork
         # tree's checkpoints sums to what its model calls were billed. Writes are ordered (also with
@@ -230,7 +240,7 @@ class _SessionRun:
     async def _run_loop(self) -> RunResult:
         """The loop in its own task, so that a cancel abandons the step in flight (see loomray.control)."""
         writer = CheckpointWriter(self.put_checkpoint, durability=self.agent.tuning.durability, emit=self.on_event,
-                                  is_fatal=self.guard.is_fatal)
+                                  is_fatal=self.guard.is_fatal, flush_store=self.flush_checkpoints)
         loop_task = asyncio.ensure_future(run_loop(self.state, self.steps, self._loop_options(), writer=writer,
                                                    emit=self.on_event))
         self.handle.task = loop_task
@@ -255,7 +265,12 @@ class _SessionRun:
             output_validator=_output_validator(self.output_type, request.output_schema), effort=request.effort,
             context=request.context, resumed_from_checkpoint=plan.restored is not None,
             resume_position=plan.resume_position, check_writes=self.guard.check, controls=self.controls,
-            resume_status=plan.resume_status)
+            resume_status=plan.resume_status, new_checkpoint_id=self.new_checkpoint_id)
+
+    def new_checkpoint_id(self) -> str:
+        """The next link of this run's id segment."""
+        self.links += 1
+        return segment_id(self.segment, self.links)
 
     async def _finalize(self, result: RunResult) -> RunResult:
         """Record how the run ended: its status row, and for a completed run its ``run_end``."""
@@ -267,6 +282,8 @@ class _SessionRun:
                         "recorded as completed (re-issue the run to record its end)", self.request.session_id,
                         self.plan.run_id, self.guard.undurable)
             return result
+        if self.sink is not None:
+            await self.sink.prove()  # a run fenced since its last proof must not report its end (LeaseLostError)
         await self.controls.release(lambda: self.store.check_lease(self.lease))
         if result.stop_reason != "completed":
             # Stopped before its end (over budget, awaiting approval, paused): the run stays unfinished, no
@@ -298,33 +315,66 @@ class _SessionRun:
         await deliver(self.emit, event)
         telemetry.observe(event, agent=self.agent, epoch=self.lease.epoch, node_id=self.node_id)
 
-    async def put_checkpoint(self, ckpt: Checkpoint, data: bytes) -> None:
-        """The loop's checkpoint seam: one checkpoint write under the lease, judged by the write guard."""
-        store, lease, sid, uid = self.store, self.lease, self.request.session_id, self.request.user_id
-        max_checkpoints_per_session = self.max_checkpoints_per_session
+    async def put_checkpoint(self, ckpt: Checkpoint) -> list[tuple[str, int]]:
+        """The loop's checkpoint seam: one incremental object under the lease (see :mod:`loomray.checkpoint_format`),
+        judged by the write guard; returns the checkpoints the store acknowledged meanwhile."""
+        sid, uid = self.request.session_id, self.request.user_id
         u = ckpt.cumulative_usage
         spend = (None if u.cost_usd is None or self.written_cost is None
                  else max(0.0, u.cost_usd - self.written_cost))
+        encoded = self.encoder.encode(ckpt)
+        consumed = self.controls.durable_mark()  # journaled before this write; durable once it is acknowledged
+        info = CheckpointInfo(
+            session_id=sid, checkpoint_id=ckpt.checkpoint_id, user_id=uid, turn=ckpt.turn, created_at=ckpt.created_at,
+            position=ckpt.position, execution_status=ckpt.execution_status, message_count=len(ckpt.messages),
+            input_tokens=u.input_tokens, output_tokens=u.output_tokens, cost_usd=u.cost_usd, spend_usd=spend,
+            parent_checkpoint_id=ckpt.parent_checkpoint_id, forked_from=ckpt.forked_from, agent_id=ckpt.agent_id,
+            chain=encoded.chain)
         if self.sink is not None:
-            self.sink.lease_read_by_checkpoint()
-        consumed = self.controls.durable_mark()  # journaled before this write, which re-reads the lease
+            self.sink.wrote()
         try:
-            await self.inflight.run(
-                store.put_checkpoint, data, CheckpointInfo(
-                    session_id=sid, checkpoint_id=ckpt.checkpoint_id, user_id=uid, turn=ckpt.turn,
-                    created_at=ckpt.created_at, position=ckpt.position,
-                    execution_status=ckpt.execution_status, message_count=len(ckpt.messages),
-                    input_tokens=u.input_tokens, output_tokens=u.output_tokens, cost_usd=u.cost_usd,
-                    spend_usd=spend, parent_checkpoint_id=ckpt.parent_checkpoint_id,
-                    forked_from=ckpt.forked_from, agent_id=ckpt.agent_id),
-                lease=lease, keep=max_checkpoints_per_session)
+            rows = await self.inflight.run(self.checkpoints.put, encoded.body, info)
         except Exception as e:
+            self.encoder.reset()  # the next checkpoint must not build on an object that may not exist
             await asyncio.to_thread(self.guard.failed, f"checkpoint {ckpt.checkpoint_id}", e)  # raises unless a warning
+            await self.steps.persist_volatile()  # what this checkpoint was to hold goes to the journal instead
             raise
+        self.encoder.commit(encoded)
+        self.steps.checkpointed()
         self.written_cost = u.cost_usd
         self.guard.durable()
         if consumed:
-            await self.controls.durable(consumed)
+            self.consumed_at[ckpt.checkpoint_id] = consumed
+        return await self._acknowledged(rows)
+
+    async def flush_checkpoints(self) -> list[tuple[str, int]]:
+        """Have the store index and acknowledge the checkpoints it has not yet (the writer's flush)."""
+        try:
+            rows = await self.inflight.run(self.checkpoints.flush)
+        except Exception as e:
+            await asyncio.to_thread(self.guard.failed, "checkpoint index", e)  # raises unless a warning
+            return []
+        return await self._acknowledged(rows)
+
+    async def _acknowledged(self, rows: Sequence[CheckpointRow]) -> list[tuple[str, int]]:
+        """``rows`` were acknowledged: the lease was proven after they landed, so what was journaled before them
+        is durable too (control requests consumed then may go)."""
+        if rows and self.sink is not None:
+            self.sink.proven()
+        for row in rows:
+            consumed = self.consumed_at.pop(row.checkpoint_id, None)
+            if consumed:
+                await self.controls.durable(consumed)
+        return [(r.checkpoint_id, r.size) for r in rows]
+
+
+def _checkpoint_holds_tool_results(tuning: Any) -> bool:
+    """True when every pass's tool results are in a checkpoint written before the next model call (sync
+    durability, a checkpoint after the tools): the journal need not hold them as well. With async durability
+    the next model call may be journaled before that checkpoint lands, so the results are journaled too (a
+    tool that returns something else when run again would otherwise make that call's inputs differ)."""
+    config = tuning.checkpoint_config()
+    return config is not None and config.saves_after_tools() and tuning.durability == "sync"
 
 
 def _cancel_pending(task: asyncio.Task[Any]) -> bool:

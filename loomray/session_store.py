@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from storage.checkpoint_log import CheckpointLog
 from storage.journal import JournalRun, Listing
 from storage.objects import ObjectStore
 from storage.rows import CheckpointInfo, CheckpointRow, JournalEntry, Lease, RunRecord, SessionRow
@@ -59,6 +60,14 @@ class SessionStore(Protocol):
     # -- checkpoints and status rows ----------------------------------------------
     def put_checkpoint(self, data: bytes, info: CheckpointInfo, *, lease: Lease | None = None,
                        keep: int = 20) -> CheckpointRow: ...
+
+    def checkpoint_log(self, lease: Lease, *, keep: int = 20, batch: int | None = None) -> CheckpointLog: ...
+
+    def get_checkpoint_chain(self, session_id: str, checkpoint_id: str = "latest", *,
+                             user_id: str | None = None) -> list[bytes] | None: ...
+
+    def pin_checkpoint(self, session_id: str, checkpoint_id: str, *, user_id: str | None = None,
+                       dependent: str) -> tuple[str, ...]: ...
 
     def list_checkpoints(self, session_id: str, *, user_id: str | None = None,
                          limit: int | None = 50) -> list[CheckpointRow]: ...

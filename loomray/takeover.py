@@ -16,8 +16,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
+from loomray.checkpoint_format import load_checkpoint
+from loomray.errors import CheckpointException
 from loomray.journal import JournalRecord
-from loomray.records import Checkpoint, load_checkpoint
+from loomray.records import Checkpoint
 from loomray.recovery import (
     CheckpointRef,
     LastRun,
@@ -36,6 +38,7 @@ from loomray.recovery import (
 )
 from loomray.run_request import RunRequest
 from loomray.session_store import SessionStore
+from storage.errors import ObjectNotFound, StorageError
 from storage.journal import FenceNote, JournalRun, Listing
 from storage.rows import JournalEntry, Lease
 
@@ -155,7 +158,7 @@ def _plan_new_run(store: SessionStore, request: RunRequest, run_id: str, last: L
     """A new run, or a recorded one whose ``run_start`` is missing (``journal``: its steps, replayed)."""
     uid = request.user_id
     ref = new_run_checkpoint(request, last)
-    start = new_run_start(request, _load(store, ref, uid), last)
+    start = new_run_start(request, _load(store, ref, uid, request.session_id), last)
     replay = store.journal_list(request.session_id, start.replay_from, user_id=uid) if start.replay_from else []
     return plan_run(request, run_id, start, journal=journal, replay=replay,
                     pending=_pending_tool_records(store, start.checkpoint, uid), last_entries=last.entries)
@@ -170,7 +173,7 @@ def _plan_continued_run(store: SessionStore, request: RunRequest, run_id: str, j
         output = recorded_start(request, last.record if run_id == last.run_id else None)
         if output is None:
             return _plan_new_run(store, request, run_id, LastRun(entries=last.entries), journal)
-        start = restart(request, run_id, output, _load(store, start_checkpoint(output, sid), uid))
+        start = restart(request, run_id, output, _load(store, start_checkpoint(output, sid), uid, sid))
         return plan_run(request, run_id, start, journal=journal, last_entries=last.entries,
                         pending=_pending_tool_records(store, start.checkpoint, uid))
     output = dict(journal.start.output)
@@ -180,15 +183,28 @@ def _plan_continued_run(store: SessionStore, request: RunRequest, run_id: str, j
     if written_by(latest, run_id):  # this run already checkpointed: restore its newest snapshot
         return plan_run(request, run_id, Start(output), journal=journal, latest=latest, replay=replay,
                         last_entries=last.entries)
-    start = restart(request, run_id, output, _load(store, start_checkpoint(output, sid), uid))
+    start = restart(request, run_id, output, _load(store, start_checkpoint(output, sid), uid, sid))
     return plan_run(request, run_id, start, journal=journal, latest=latest, replay=replay,
                     pending=_pending_tool_records(store, start.checkpoint, uid), last_entries=last.entries)
 
 
-def _load(store: SessionStore, ref: CheckpointRef | None, user_id: str | None) -> Checkpoint | None:
-    """The checkpoint ``ref`` names, or None (also for no ref); a failed load is a ``CheckpointException``."""
+def _load(store: SessionStore, ref: CheckpointRef | None, user_id: str | None,
+          for_session: str | None = None) -> Checkpoint | None:
+    """The checkpoint ``ref`` names, or None (also for no ref); a failed load is a ``CheckpointException``.
+
+    A checkpoint of another session (a fork's start) is pinned for ``for_session`` first: the fork's
+    checkpoints build on its chain, which the other session's retention and prune then keep.
+    """
     if ref is None:
         return None
+    if for_session is not None and ref.session_id != for_session and ref.checkpoint_id != "latest":
+        try:
+            store.pin_checkpoint(ref.session_id, ref.checkpoint_id, user_id=user_id, dependent=for_session)
+        except ObjectNotFound:
+            return None  # retired meanwhile: the fork finds no checkpoint to start from
+        except StorageError as e:
+            raise CheckpointException(f"checkpoint {ref.checkpoint_id!r} of session {ref.session_id!r} could not "
+                                      f"be pinned for fork {for_session!r}: {e}") from e
     return load_checkpoint(store, ref.session_id, ref.checkpoint_id, user_id=user_id)
 
 

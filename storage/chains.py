@@ -1,10 +1,13 @@
 """Checkpoint chains: which objects a checkpoint needs, the pins forks hold, and collecting what nothing needs.
 
 An incremental checkpoint's object holds only what changed since the last
-link of its ``chain`` (``CheckpointInfo.chain``: refs, oldest first), so
-reading it fetches the chain's objects too. A ref is a checkpoint id of the
-same session, or ``"{session_id}/{checkpoint_id}"`` in another session of the
-same user: a fork shares its parent's chain instead of copying it.
+link of its ``chain`` (``CheckpointInfo.chain``, oldest first), so reading it
+fetches the chain's objects too. A chain entry is a checkpoint id of the same
+session, or ``"{session_id}/{checkpoint_id}"`` in another session of the same
+user (a fork shares its parent's chain instead of copying it), or a range
+``"{first}..{last}"`` of consecutive links of one writer's segment (checkpoint
+ids ``ckpt{segment}{link}``, see :func:`expand`), so a header names a chain of
+hundreds of links in a few entries.
 
 So an object is deleted only when nothing needs it, never merely because its
 own row was retired:
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -41,14 +45,19 @@ if TYPE_CHECKING:
 log = logging.getLogger("storage")
 
 
+#: A checkpoint id made for a chain: ``ckpt``, a 20-hex-digit segment (time-ordered, one per writer), then a
+#: 6-hex-digit link number. Consecutive links of one segment are written as one range ``"{first}..{last}"``.
+_SEGMENT = re.compile(r"^(ckpt[0-9a-f]{20})([0-9a-f]{6})$")
+
+
 def ref_parts(ref: str, session_id: str) -> tuple[str, str]:
-    """``(session_id, checkpoint_id)`` a chain ref of session ``session_id`` names."""
+    """``(session_id, checkpoint_id)`` a single chain ref of session ``session_id`` names."""
     sid, sep, cid = ref.rpartition("/")
     return (validate_id(sid, "chain session_id") if sep else session_id), validate_id(cid, "chain checkpoint_id")
 
 
 def ref_key(ref: str, session_id: str, user_id: str | None) -> str:
-    """The object key of chain ref ``ref`` written by session ``session_id``."""
+    """The object key of single chain ref ``ref`` written by session ``session_id``."""
     sid, cid = ref_parts(ref, session_id)
     return layout.checkpoint_key(sid, user_id, cid)
 
@@ -58,35 +67,75 @@ def ref_of(session_id: str, checkpoint_id: str, from_session_id: str) -> str:
     return checkpoint_id if session_id == from_session_id else f"{session_id}/{checkpoint_id}"
 
 
-def needed_keys(rows: Iterable[CheckpointRow], session_id: str) -> set[str]:
-    """Keys of this session's objects that ``rows`` (of this session) need: their own and their chains'."""
-    out: set[str] = set()
-    for row in rows:
-        out.add(row.key)
-        for ref in row.chain:
-            sid, cid = ref_parts(ref, row.session_id)
-            if sid == session_id:
-                out.add(layout.checkpoint_key(sid, row.user_id, cid))
+def expand(chain: Iterable[str], session_id: str) -> list[tuple[str, str]]:
+    """The ``(session_id, checkpoint_id)`` of every link a chain names, oldest first: entries are single refs or
+    ranges ``"[{session}/]{first}..{last}"`` of one segment's consecutive links (``ValueError`` if malformed)."""
+    out: list[tuple[str, str]] = []
+    for entry in chain:
+        first, dots, last = entry.partition("..")
+        if not dots:
+            out.append(ref_parts(entry, session_id))
+            continue
+        sid, cid = ref_parts(first, session_id)
+        a, b = _SEGMENT.match(cid), _SEGMENT.match(last)
+        if a is None or b is None or a.group(1) != b.group(1) or int(a.group(2), 16) > int(b.group(2), 16):
+            raise ValueError(f"malformed chain range {entry!r}")
+        out.extend((sid, f"{a.group(1)}{n:06x}") for n in range(int(a.group(2), 16), int(b.group(2), 16) + 1))
     return out
+
+
+def compress(refs: Iterable[str]) -> tuple[str, ...]:
+    """Single refs (oldest first) as chain entries: runs of consecutive links of one segment become ranges."""
+    out: list[str] = []
+    run: list[str] = []
+
+    def close() -> None:
+        if len(run) > 2:
+            out.append(f"{run[0]}..{run[-1].rpartition('/')[2]}")
+        else:
+            out.extend(run)
+        run.clear()
+
+    for ref in refs:
+        if run and _follows(run[-1], ref):
+            run.append(ref)
+            continue
+        close()
+        run.append(ref)
+    close()
+    return tuple(out)
+
+
+def _follows(prev: str, ref: str) -> bool:
+    """True when ``ref`` is the link right after ``prev`` in the same segment of the same session."""
+    ps, _, pc = prev.rpartition("/")
+    rs, _, rc = ref.rpartition("/")
+    a, b = _SEGMENT.match(pc), _SEGMENT.match(rc)
+    return (ps == rs and a is not None and b is not None and a.group(1) == b.group(1)
+            and int(b.group(2), 16) == int(a.group(2), 16) + 1)
 
 
 def chain_keys(rows: Iterable[CheckpointRow], session_id: str) -> set[str]:
     """Keys of this session's objects named by the chains of ``rows`` (not the rows' own objects)."""
     out: set[str] = set()
     for row in rows:
-        for ref in row.chain:
-            sid, cid = ref_parts(ref, row.session_id)
+        for sid, cid in expand(row.chain, row.session_id):
             if sid == session_id:
                 out.add(layout.checkpoint_key(sid, row.user_id, cid))
     return out
+
+
+def needed_keys(rows: Iterable[CheckpointRow], session_id: str) -> set[str]:
+    """Keys of this session's objects that ``rows`` (of this session) need: their own and their chains'."""
+    rows = list(rows)
+    return {r.key for r in rows} | chain_keys(rows, session_id)
 
 
 def foreign_refs(rows: Iterable[CheckpointRow]) -> dict[str, set[str]]:
     """Per other session, the checkpoint ids of it that the chains of ``rows`` name."""
     out: dict[str, set[str]] = {}
     for row in rows:
-        for ref in row.chain:
-            sid, cid = ref_parts(ref, row.session_id)
+        for sid, cid in expand(row.chain, row.session_id):
             if sid != row.session_id:
                 out.setdefault(sid, set()).add(cid)
     return out

@@ -84,7 +84,16 @@ class CheckpointLog:
         self.pending.append(replace(draft, size=len(obj), sha256=hashlib.sha256(obj).hexdigest()))
         self._unindexed += 1
         self.puts += 1
-        return self.flush() if self._unindexed >= self.batch else []
+        if self._unindexed < self.batch:
+            return []
+        try:
+            return self.flush()
+        except LeaseLostError:
+            raise
+        except StorageError as e:  # the checkpoint itself landed; its row goes with the next batch
+            log.warning("session %r: checkpoint index not written yet (%s); retried with the next checkpoint",
+                        self.lease.session_id, e)
+            return []
 
     def flush(self) -> list[CheckpointRow]:
         """Index the pending rows (one file, with retention's tombstones), confirm the lease, collect what
@@ -117,10 +126,15 @@ class CheckpointLog:
         return acked
 
     def _current_view(self) -> dict[str, CheckpointRow]:
-        """The session's live rows (indexed), from a fresh LIST on the first flush and every ``_VIEW_REFRESH``."""
+        """The session's live rows (indexed), from a fresh LIST on the first flush and every ``_VIEW_REFRESH``;
+        each refresh also collects what earlier collections left behind (:meth:`CheckpointRows.sweep`)."""
         self._flushes += 1
         if self._view is None or self._flushes % _VIEW_REFRESH == 0:
-            self._view = self._rows.live(self.lease.session_id, self.lease.user_id)
+            try:
+                self._view = self._rows.sweep(self.lease.session_id, self.lease.user_id, also_needed=self.pending)
+            except StorageError as e:
+                log.warning("session %r: left-over objects not collected (%s)", self.lease.session_id, e)
+                self._view = self._rows.live(self.lease.session_id, self.lease.user_id)
         return self._view
 
     def _abandon(self) -> None:

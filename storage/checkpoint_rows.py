@@ -159,6 +159,20 @@ class CheckpointRows:
         chains.collect(self, session_id, user_id, candidates, also_needed=also, live=live)
         chains.release_pins(self, session_id, user_id, [*live.values(), *also], retired)
 
+    def sweep(self, session_id: str, user_id: str | None, also_needed: Iterable[CheckpointRow] = ()) -> dict[str, CheckpointRow]:
+        """Collect objects of retired rows that a collection left behind (it failed, or its writer was fenced or
+        died between the tombstones and the deletes); returns the session's live rows (from the fresh LIST)."""
+        files = self.partition_rows(session_id, user_id)
+        live = live_of(files)
+        dead = {r.key for rows in files for r, _ in rows} - {r.key for r in live.values()}
+        if dead:
+            prefix = layout.session_prefix(session_id, user_id) + "checkpoints/"
+            present = {o.key for o in self.objects.list(prefix=prefix)}
+            chains.collect(self, session_id, user_id, dead & present, also_needed=also_needed, live=live)
+        with self._lock:
+            self._views[(user_id, session_id)] = _View(dict(live))
+        return live
+
     def apply_retention(self, row: CheckpointRow, keep: int) -> None:
         """Drop the oldest live checkpoints of ``row``'s session beyond ``keep``, ``row`` just written.
 

@@ -109,9 +109,12 @@ class CheckpointWrites:
             log.warning("could not check the lease after a failed index write of checkpoint %r (the next "
                         "takeover retires it if it was fenced): %s", row.checkpoint_id, e)
 
-    def checkpoint_log(self, lease: Lease, *, keep: int = 20, batch: int = INDEX_BATCH) -> CheckpointLog:
+    def checkpoint_log(self, lease: Lease, *, keep: int = 20, batch: int | None = None) -> CheckpointLog:
         """A batched writer of ``lease``'s session (see :mod:`storage.checkpoint_log`): one PUT per checkpoint;
-        rows, retention (``keep`` newest live) and the lease re-check every ``batch`` puts and on ``flush``."""
+        rows, retention (``keep`` newest live) and the lease re-check every ``batch`` puts (default: the
+        store's ``checkpoint_batch``, else ``INDEX_BATCH``) and on ``flush``."""
+        if batch is None:
+            batch = getattr(self, "checkpoint_batch", None) or INDEX_BATCH
         return CheckpointLog(self._rows, self._leases, lease, keep=keep, batch=batch)
 
     def pin_checkpoint(self, session_id: str, checkpoint_id: str, *, user_id: str | None = None,
@@ -130,9 +133,9 @@ class CheckpointWrites:
         if row is None:
             raise ObjectNotFound(f"{self.objects.describe(layout.checkpoint_key(session_id, user_id, checkpoint_id))}: "
                                  f"session {session_id!r} has no checkpoint {checkpoint_id!r}")
+        links = [*chains.expand(row.chain, session_id), (session_id, checkpoint_id)]
         needs: dict[str, set[str]] = {}
-        for ref in (*row.chain, checkpoint_id):
-            sid, cid = chains.ref_parts(ref, session_id)
+        for sid, cid in links:
             needs.setdefault(sid, set()).add(cid)
         pins = chains.Pins(self.objects)
         for sid, ids in needs.items():
@@ -144,8 +147,7 @@ class CheckpointWrites:
                     pins.release(sid, user_id, dependent)
             raise ObjectNotFound(f"session {session_id!r}: checkpoint {checkpoint_id!r} was retired while it was "
                                  "being pinned")
-        return tuple(chains.ref_of(*chains.ref_parts(ref, session_id), dependent)
-                     for ref in (*row.chain, checkpoint_id))
+        return chains.compress(chains.ref_of(sid, cid, dependent) for sid, cid in links)
 
     def quarantine_checkpoint(self, session_id: str, checkpoint_id: str, *, user_id: str | None = None) -> str | None:
         """Move a checkpoint (typically a corrupt one) aside and retire its index row.

@@ -195,7 +195,11 @@ class CheckpointMethods:
 
     def _chain_of(self, row: CheckpointRow, snap: Snapshot) -> list[bytes]:
         """The objects of ``row``'s chain, oldest first, fetched in parallel and verified."""
-        keys = [chains.ref_key(ref, row.session_id, row.user_id) for ref in row.chain]
+        try:
+            keys = [layout.checkpoint_key(sid, row.user_id, cid) for sid, cid in chains.expand(row.chain, row.session_id)]
+        except ValueError as e:
+            raise CorruptObjectError(f"{self.objects.describe(row.key)}: checkpoint {row.checkpoint_id!r} names a "
+                                     f"malformed chain: {e}") from e
 
         def get(key: str) -> bytes | None:
             if key in snap.data:

@@ -41,9 +41,12 @@ log = logging.getLogger("storage")
 class Store(CheckpointMethods, CheckpointWrites, JournalMethods, SessionMethods):
     """The storage API of docs/contracts.md. All methods are synchronous and thread-safe."""
 
-    def __init__(self, objects: ObjectStore, url: str, *, serial_reads: bool = False) -> None:
+    def __init__(self, objects: ObjectStore, url: str, *, serial_reads: bool = False,
+                 checkpoint_batch: int | None = None) -> None:
         self.objects = objects
         self.url = url
+        #: Checkpoints a checkpoint log indexes at once (None: ``storage.checkpoint_log.INDEX_BATCH``).
+        self.checkpoint_batch = checkpoint_batch
         #: serial_reads: no reader threads; each storage call runs on the thread that asked (for tests).
         self.index = ParquetIndex(objects, serial_reads=serial_reads)
         #: Parsed compacted-table manifests and partitions (see :mod:`storage.table`).

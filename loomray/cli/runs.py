@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 import click
 
 from loomray.agent import Agent
+from loomray.checkpoint_format import load_checkpoint
 from loomray.cli.common import (
     CliError,
     address_option,
@@ -38,7 +39,7 @@ from loomray.cli.ray_access import join_cluster, placement_option, require_addre
 from loomray.cli.tables import Col, fit_table
 from loomray.errors import LoomrayUserError
 from loomray.ids import new_id
-from loomray.records import RunResult, load_checkpoint
+from loomray.records import RunResult
 from loomray.run_request import RunRequest
 from loomray.runtime import LocalRuntime, Runtime
 from loomray.runtime.connection import normalize_store_url

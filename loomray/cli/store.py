@@ -8,10 +8,12 @@
 from __future__ import annotations
 
 import json
+from typing import Any, NoReturn
 
 import click
 from rich.text import Text
 
+from loomray.checkpoint_format import load_checkpoint
 from loomray.cli.common import (
     STATUS_STYLE,
     CliError,
@@ -35,7 +37,6 @@ from loomray.cli.tables import Col, fit_table
 from loomray.cli.timeline_view import session_timeline, timeline_table
 from loomray.cli.tree_view import fork_tree, tree_html, tree_json, tree_table
 from loomray.errors import CheckpointException
-from loomray.records import Checkpoint
 from storage.errors import InvalidIdError, LeaseCorruptError, StorageError
 from storage.layout import lease_key
 
@@ -128,29 +129,35 @@ def checkpoints_quarantine(session_id: str, checkpoint_id: str, store_url: str |
 @store_option
 @user_option
 @click.option("--messages/--no-messages", default=True, help="Print the transcript.")
+@click.option("--raw", "raw_object", is_flag=True,
+              help="Print the stored object as it is (an incremental checkpoint holds only what its pass added).")
 @json_option
 @guarded
 def show(session_id: str, checkpoint_id: str, store_url: str | None, user_id: str | None,
-         messages: bool, as_json: bool) -> None:
-    """Show one checkpoint (default: the latest) with its transcript."""
+         messages: bool, raw_object: bool, as_json: bool) -> None:
+    """Show one checkpoint (default: the latest) with its whole transcript."""
     check_id(session_id, "session_id")
     check_id(user_id, "user_id")
     if checkpoint_id != "latest":
         check_id(checkpoint_id, "checkpoint_id")
     store = open_store_or_fail(store_url)
-    try:
-        raw = store.get_checkpoint(session_id, checkpoint_id, user_id=user_id)
-    except InvalidIdError:
-        raise
-    except StorageError as e:  # what the API raises for any failed load, with the storage error as its cause
-        raise CheckpointException(f"checkpoint {checkpoint_id!r} of session {session_id!r} could not be loaded: "
-                                  f"{type(e).__name__}: {e}") from e
-    if raw is None:
-        what = "unknown session" if not session_exists(store, session_id, user_id) else f"no checkpoint {checkpoint_id!r} for session"
-        raise CliError(f"{what} {who(session_id, user_id)}")
-    ckpt = Checkpoint.from_json(raw)
-    if as_json:
+    if raw_object:
+        try:
+            raw = store.get_checkpoint(session_id, checkpoint_id, user_id=user_id)
+        except InvalidIdError:
+            raise
+        except StorageError as e:  # what the API raises for any failed load, with the storage error as its cause
+            raise CheckpointException(f"checkpoint {checkpoint_id!r} of session {session_id!r} could not be "
+                                      f"loaded: {type(e).__name__}: {e}") from e
+        if raw is None:
+            _no_checkpoint(store, session_id, checkpoint_id, user_id)
         click.echo(raw.decode("utf-8"))
+        return
+    ckpt = load_checkpoint(store, session_id, checkpoint_id, user_id=user_id)  # the chain put together
+    if ckpt is None:
+        _no_checkpoint(store, session_id, checkpoint_id, user_id)
+    if as_json:
+        click.echo(ckpt.model_dump_json())
         return
     u = ckpt.cumulative_usage
     cost = "cost unknown" if u.cost_usd is None else money(u.cost_usd)
@@ -165,6 +172,11 @@ def show(session_id: str, checkpoint_id: str, store_url: str | None, user_id: st
             text = m.content if len(m.content) <= 400 else m.content[:400] + " ..."
             calls = "".join(f"\n    -> {c.name}({json.dumps(c.arguments)[:120]})" for c in m.tool_calls)
             console.print(f"[cyan]{m.role}[/]: {text}{calls}", highlight=False)
+
+
+def _no_checkpoint(store: Any, session_id: str, checkpoint_id: str, user_id: str | None) -> NoReturn:
+    what = "unknown session" if not session_exists(store, session_id, user_id) else f"no checkpoint {checkpoint_id!r} for session"
+    raise CliError(f"{what} {who(session_id, user_id)}")
 
 
 @click.command()

@@ -167,7 +167,7 @@ def _fill_base(store: Store, n: ForkNode, parent: str, mine: list[dict[str, Any]
     if raw is not None:
         try:
             doc = json.loads(raw)
-            n.base_turn = doc.get("turn")
+            n.base_turn = doc.get("index", doc).get("turn")  # an incremental object carries its row first
             n.carried_cost_usd = (doc.get("cumulative_usage") or {}).get("cost_usd")
         except (ValueError, AttributeError):
             pass

@@ -10,11 +10,12 @@ import json
 import logging
 from typing import Any
 
+from loomray.checkpoint_format import load_checkpoint
 from loomray.errors import LoomrayUserError
 from loomray.ids import new_id
 from loomray.journal import safe_call_id
 from loomray.loop import dangling_tool_calls
-from loomray.records import ToolCall, load_checkpoint, utcnow
+from loomray.records import ToolCall, utcnow
 from loomray.session_store import SessionStore
 from storage import layout
 from storage.errors import PreconditionFailed

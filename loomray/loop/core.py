@@ -13,6 +13,7 @@ from typing import Any
 
 from loomray.compaction import compact, estimate_tokens
 from loomray.events import CompactionEvent, EmitFn, Event, deliver
+from loomray.ids import new_id
 from loomray.journal import StepRunner
 from loomray.loop.state import LoopOptions, LoopState
 from loomray.loop.transcript import dangling_tool_calls
@@ -64,7 +65,9 @@ class LoopCore:
         if self.writer is None:
             return
         state = self.state
+        ids = self.options.new_checkpoint_id
         ckpt = Checkpoint(
+            checkpoint_id=ids() if ids is not None else new_id("ckpt"),
             session_id=state.session_id, user_id=state.user_id, agent_id=state.agent_id,
             turn=self.turn, position=position, execution_status=status,
             cursor=make_cursor(state.run_id, self.turn, position), parent_checkpoint_id=self.parent_checkpoint_id,

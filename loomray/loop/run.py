@@ -167,8 +167,15 @@ class AgentLoop(SteeredLoop):
         """Run (or replay) ``calls`` concurrently; put their results, in call order, right after the calls."""
         self.check_writes()
         decisions = await self.decide(calls)
+        running = [len(calls)]  # calls of this pass not finished: the last one's result goes to the checkpoint
 
         async def one(call: ToolCall) -> Message:
+            try:
+                return await run_one(call)
+            finally:
+                running[0] -= 1
+
+        async def run_one(call: ToolCall) -> Message:
             await self.emit(ToolCallEvent(**self.event_fields(), tool_call=call))
             decided = decisions.get(call.id)
             if decided is not None and not decided[0]:
@@ -179,7 +186,7 @@ class AgentLoop(SteeredLoop):
             ctx = ToolContext(session_id=self.state.session_id, user_id=self.state.user_id,
                               run_id=self.state.run_id, turn=self.turn, tool_call_id=call.id,
                               context=self.options.context)
-            msg, replayed = await self.steps.call_tool(call, ctx, turn=self.turn)
+            msg, replayed = await self.steps.call_tool(call, ctx, turn=self.turn, last=lambda: running[0] == 1)
             await self.emit(ToolResultEvent(**self.event_fields(), tool_call_id=call.id, name=call.name,
                                             content=msg.content, is_error=msg.is_error, replayed=replayed))
             return msg

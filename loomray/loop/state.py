@@ -24,6 +24,9 @@ class LoopState:
     parent_checkpoint_id: str | None = None
     forked_from: str | None = None
     epoch: int | None = None
+    #: How the store holds the restored checkpoint (its chain, in this session's view), for the next
+    #: checkpoint to build on; None: the next checkpoint is written whole. Opaque to the loop.
+    chain: Any = None
 
 
 @dataclass
@@ -78,3 +81,5 @@ class LoopOptions:
     controls: Controls | None = None
     #: ``execution_status`` of the restored checkpoint (with ``resumed_from_checkpoint``).
     resume_status: str | None = None
+    #: Makes the id of each checkpoint the run writes (None: ``new_id("ckpt")``).
+    new_checkpoint_id: Callable[[], str] | None = None

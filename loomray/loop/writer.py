@@ -26,29 +26,38 @@ def run_of_cursor(cursor: str | None) -> str | None:
 
 
 class CheckpointWriter:
-    """Writes checkpoints through ``put(checkpoint, data)``; sync or async (ordered) durability.
+    """Writes checkpoints through ``put(checkpoint)``, sync or async (ordered), and reports them as acknowledged.
 
-    ``put`` gets the bytes serialized once here. Errors for which ``is_fatal``
-    is true (fencing) stop the run; any other error is logged as a warning,
-    reported as a ``checkpoint`` event with ``ok=False``, and the run goes on.
+    ``put`` returns the checkpoints the store acknowledged by that call, as
+    ``(checkpoint_id, size)`` pairs (a store may acknowledge in batches, once
+    it proved that no newer owner raced them); :meth:`flush` waits for the
+    queued uploads and then for ``flush_store``, which acknowledges the rest.
+    A ``checkpoint`` event with ``ok=True`` is emitted per acknowledged
+    checkpoint. Errors for which ``is_fatal`` is true (fencing) stop the run;
+    any other error is logged as a warning, reported as a ``checkpoint`` event
+    with ``ok=False``, and the run goes on.
     """
 
     def __init__(
         self,
-        put: Callable[[Checkpoint, bytes], Awaitable[None]],
+        put: Callable[[Checkpoint], Awaitable[list[tuple[str, int]]]],
         *,
         durability: str = "sync",
         emit: Callable[[Event], Awaitable[None]] | None = None,
         is_fatal: Callable[[BaseException], bool] = lambda e: False,
+        flush_store: Callable[[], Awaitable[list[tuple[str, int]]]] | None = None,
     ) -> None:
         self._put = put
+        self._flush_store = flush_store
         self._async = durability == "async"
         self._emit = emit
         self._is_fatal = is_fatal
         self._tail: asyncio.Future[None] | None = None
         self._aborted = False
         self.fatal: BaseException | None = None
-        #: The id of the last checkpoint written successfully.
+        #: Written, not acknowledged yet, by id.
+        self._unacked: dict[str, Checkpoint] = {}
+        #: The id of the last checkpoint acknowledged.
         self.last_ok_id: str | None = None
         self.written = 0
         self.bytes_written = 0
@@ -56,27 +65,26 @@ class CheckpointWriter:
     async def save(self, ckpt: Checkpoint) -> None:
         """Write ``ckpt`` now (sync) or queue it behind the uploads before it (async)."""
         self.check()
-        data = ckpt.to_json_bytes()
         if not self._async:
-            await self._write(ckpt, data)
+            await self._write(ckpt)
             self.check()
             return
         prev = self._tail
-        self._tail = asyncio.ensure_future(self._chained(prev, ckpt, data))
+        self._tail = asyncio.ensure_future(self._chained(prev, ckpt))
 
-    async def _chained(self, prev: asyncio.Future[None] | None, ckpt: Checkpoint, data: bytes) -> None:
+    async def _chained(self, prev: asyncio.Future[None] | None, ckpt: Checkpoint) -> None:
         if prev is not None:
             await asyncio.shield(prev)  # keep uploads in order
         if self.fatal is None and not self._aborted:
-            await self._write(ckpt, data)
+            await self._write(ckpt)
 
     def abort(self) -> None:
         """Drop every queued upload that has not started (a cancelled run makes nothing more durable)."""
         self._aborted = True
 
-    async def _write(self, ckpt: Checkpoint, data: bytes) -> None:
+    async def _write(self, ckpt: Checkpoint) -> None:
         try:
-            await self._put(ckpt, data)
+            acked = await self._put(ckpt)
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -85,12 +93,20 @@ class CheckpointWriter:
                 return
             log.warning("checkpoint %s of session %r could not be written (the run goes on): %s: %s",
                         ckpt.checkpoint_id, ckpt.session_id, type(e).__name__, e)
-            await self._event(ckpt, len(data), ok=False, error=f"{type(e).__name__}: {e}")
+            await self._event(ckpt, 0, ok=False, error=f"{type(e).__name__}: {e}")
             return
-        self.last_ok_id = ckpt.checkpoint_id
-        self.written += 1
-        self.bytes_written += len(data)
-        await self._event(ckpt, len(data), ok=True)
+        self._unacked[ckpt.checkpoint_id] = ckpt
+        await self._acknowledged(acked)
+
+    async def _acknowledged(self, acked: list[tuple[str, int]]) -> None:
+        for checkpoint_id, size in acked:
+            ckpt = self._unacked.pop(checkpoint_id, None)
+            if ckpt is None:
+                continue
+            self.last_ok_id = checkpoint_id
+            self.written += 1
+            self.bytes_written += size
+            await self._event(ckpt, size, ok=True)
 
     async def _event(self, ckpt: Checkpoint, size: int, *, ok: bool, error: str | None = None) -> None:
         if self._emit is not None:
@@ -105,7 +121,18 @@ class CheckpointWriter:
             raise self.fatal
 
     async def flush(self) -> None:
-        """Wait for every queued upload; raise a fencing error if one happened."""
+        """Wait for every queued upload, then have the store acknowledge what it has not yet; raise a fencing
+        error if one happened."""
         if self._tail is not None:
             await self._tail
+        self.check()
+        if self._flush_store is not None and self._unacked:
+            try:
+                await self._acknowledged(await self._flush_store())
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                if not self._is_fatal(e):
+                    raise
+                self.fatal = e
         self.check()

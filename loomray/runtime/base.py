@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 from pydantic import BaseModel
 
 from loomray import control
+from loomray.checkpoint_format import load_checkpoint
 from loomray.events import EmitFn
-from loomray.records import Checkpoint, CheckpointMeta, RunResult, load_checkpoint
+from loomray.records import Checkpoint, CheckpointMeta, RunResult
 from loomray.run_request import RunRequest
 from loomray.session import execute_request
 from loomray.session_store import SessionStore

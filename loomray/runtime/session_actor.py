@@ -45,7 +45,7 @@ import ray
 from ray import cloudpickle
 
 from loomray import control
-from loomray.records import load_checkpoint
+from loomray.checkpoint_format import load_checkpoint
 from loomray.runtime.actors import (
     NAMESPACE,
     STANDBY_CHECK_S,

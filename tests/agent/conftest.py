@@ -64,20 +64,35 @@ class StoreWrapper:
 
 
 class FailingCheckpoints(StoreWrapper):
-    """``put_checkpoint`` fails ``failures`` times (None = always) with an OSError."""
+    """Checkpoint writes (``put_checkpoint``, and ``put`` of the checkpoint logs it opens) fail ``failures`` times
+    (None = always) with an OSError."""
 
     def __init__(self, inner, failures=None):
         super().__init__(inner)
         self.failures = failures
         self.attempts = 0
 
-    def put_checkpoint(self, data, info, **kw):
+    def _attempt(self):
         self.attempts += 1
         if self.failures is None or self.failures > 0:
             if self.failures is not None:
                 self.failures -= 1
             raise OSError("disk full (injected)")
+
+    def put_checkpoint(self, data, info, **kw):
+        self._attempt()
         return self._inner.put_checkpoint(data, info, **kw)
+
+    def checkpoint_log(self, lease, **kw):
+        log = self._inner.checkpoint_log(lease, **kw)
+        real = log.put
+
+        def put(data, info):
+            self._attempt()
+            return real(data, info)
+
+        log.put = put
+        return log
 
 
 @pytest.fixture

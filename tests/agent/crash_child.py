@@ -73,18 +73,30 @@ def build(data_dir: str, kill: str | None, position: str = "both"):
     if kind == "store":
         method, when, nth = rest[0], rest[1], int(rest[2])
         inner = runtime.store
-        real = getattr(inner, method)
 
-        def wrapped(*a, **kw):
-            n = counter.hit(method)
-            if n == nth and when == "before":
-                die()
-            out = real(*a, **kw)
-            if n == nth and when == "after":
-                die()
-            return out
+        def hooked(real):
+            def wrapped(*a, **kw):
+                n = counter.hit(method)
+                if n == nth and when == "before":
+                    die()
+                out = real(*a, **kw)
+                if n == nth and when == "after":
+                    die()
+                return out
+            return wrapped
 
-        setattr(inner, method, wrapped)  # instance attribute shadows the method for this process only
+        if method == "put_checkpoint":
+            # A run writes its checkpoints through a checkpoint log (one PUT each): the n-th checkpoint write.
+            real_log = inner.checkpoint_log
+
+            def checkpoint_log(*a, **kw):
+                log = real_log(*a, **kw)
+                log.put = hooked(log.put)
+                return log
+
+            inner.checkpoint_log = checkpoint_log
+        else:
+            setattr(inner, method, hooked(getattr(inner, method)))  # shadows the method for this process only
     position, _, durability = position.partition("/")  # e.g. "after_tools/async"
     agent = Agent("You research.", model=model, tools=[research], runtime=runtime,
                   tuning=Tuning(checkpoint=CheckpointConfig(position=position) if position != "off" else False,

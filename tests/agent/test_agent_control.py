@@ -291,11 +291,13 @@ async def test_a_consumed_signal_is_replayed_at_the_same_boundary_after_a_crash(
     assert control_keys(rt.store, "s2") == []
 
 
-@pytest.mark.parametrize("kill", ["store:journal_append:before:6", "store:journal_append:after:6",
-                                  "store:journal_append:after:7"])
+# Appends: run_start, the model answers of passes 0 and 1 (their tool results are in the checkpoints written right
+# after them), the signal's consumption (4), the next model answer (5).
+@pytest.mark.parametrize("kill", ["store:journal_append:before:4", "store:journal_append:after:4",
+                                  "store:journal_append:after:5"])
 async def test_a_signal_survives_a_killed_process_exactly_once(tmp_path, kill):
     """The research tool of pass 1 stores a signal (as another client would); the process is SIGKILLed around
-    the signal's journal entry (append 6) or the model call that follows it; a new process re-issues the run."""
+    the signal's journal entry (append 4) or the model call that follows it; a new process re-issues the run."""
     d = tmp_path / "data"
     d.mkdir()
     env = {"CONTROL_SIGNAL_AT_PAGE": "1"}
@@ -364,10 +366,17 @@ async def test_a_pause_recorded_before_a_crash_still_stops_the_run(tmp_path, run
         def __getattr__(self, name):
             return getattr(self._inner, name)
 
-        def put_checkpoint(self, data, info, **kw):
-            if info.execution_status == "paused":
-                raise Crash()
-            return self._inner.put_checkpoint(data, info, **kw)
+        def checkpoint_log(self, lease, **kw):
+            log = self._inner.checkpoint_log(lease, **kw)
+            real = log.put
+
+            def put(data, info):
+                if info.execution_status == "paused":
+                    raise Crash()
+                return real(data, info)
+
+            log.put = put
+            return log
 
     real = runtime.store
     runtime.store = DiesAtPausedCheckpoint(real)

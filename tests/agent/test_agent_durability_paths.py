@@ -114,20 +114,28 @@ def allowed_after_fault(durability: str) -> int:
 # -- path 6: a writer that cannot prove it owns the session stops -------------------------------------------------
 
 @pytest.mark.parametrize("durability", ["sync", "async"])
-async def test_path6_unreadable_lease_stops_the_run_before_its_next_tool_call(tmp_path, durability):
+async def test_path6_unreadable_lease_stops_the_run_at_its_next_proof(tmp_path, durability, monkeypatch):
+    """Writes go on working, but lease.json can no longer be read: the run learns it when it next has to prove
+    it owns the session (after LEASE_CHECK_WRITES writes), stops there and is marked failed, never completed."""
+    from loomray import run_writes
+
+    monkeypatch.setattr(run_writes, "LEASE_CHECK_WRITES", 3)
+    monkeypatch.setattr(run_writes, "LEASE_CHECK_S", 3600.0)
     rt, objects = faulty_runtime(tmp_path)
     agent = make_agent(rt, durability=durability)
 
-    def emit(event):  # after the first durable checkpoint, the lease can no longer be read
-        if event.type == "checkpoint" and event.ok:
+    def emit(event):  # from the first tool result on, the lease can no longer be read
+        if event.type == "tool_result" and not objects.injected:
             objects.should_fail = lambda op, key: op == "get" and key.endswith("lease.json")
+            timeline.append(("fault", "lease.json"))
 
     with pytest.raises(DurabilityLost, match="lease could not be read") as info:
         await agent.run("task", session_id="s6", emit=emit)
     assert isinstance(info.value.__cause__, StorageError)
+    # Writes since the last proof: run_start and pass 0's model answer, then its checkpoint (sync: the tool result
+    # is in it) or its tool result (async); the next model call must prove the lease first.
     assert tools_after_the_first_fault() <= allowed_after_fault(durability), timeline
-    if durability == "sync":  # unreadable from pass 2 on: stopped at the first write that needed it
-        assert calls in (["k0"], ["k0", "k1"])
+    assert calls == ["k0"]
     row = rt.store.get_session("s6")
     assert row.status == "failed" and "DurabilityLost" in row.error
     rt.close()
@@ -141,8 +149,8 @@ async def test_path6_unreachable_s3_store_stops_the_run_and_is_never_reported_co
     agent = make_agent(rt)
     injector = []
 
-    def emit(event):  # the network goes away after the first durable checkpoint
-        if event.type == "checkpoint" and event.ok and not injector:
+    def emit(event):  # the network goes away after pass 1's tool ran (pass 0 is durable by then)
+        if event.type == "tool_result" and event.turn == 1 and not injector:
             injector.append(FaultInjector(rt.store.objects.client, failures=None, kind="reset"))
             timeline.append(("fault", "network"))
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from agent_helpers import Crash, crash_at, lookup, tool_calls
 
@@ -191,18 +193,43 @@ async def test_half_written_pass_runs_its_tools_before_the_next_model_call(runti
     assert tool_calls["k2"] == 1
 
 
-async def test_half_written_pass_replays_a_journaled_tool_result(runtime):
+async def test_half_written_pass_runs_its_unsaved_tool_again(runtime):
     agent = agent_for(runtime, position="both")
-    with pytest.raises(Crash):  # the tool of pass 1 ran and was journaled; its after_tools checkpoint never came
+    with pytest.raises(Crash):  # the tool of pass 1 ran; its after_tools checkpoint, which holds it, never came
         await agent.run("task", session_id="hw2", emit=crash_at("tool_result", 2))
     assert tool_calls == {"k0": 1, "k1": 1}
     latest = await agent.get_checkpoint("hw2")
     assert latest.position == "after_model" and latest.turn == 1
+    result = await agent.resume(session_id="hw2")
+    # A pass's last tool to finish is not journaled: the checkpoint written right after it holds its result.
+    # Dying in between runs it once more (tools are at-least-once); no model call is repeated.
+    assert tool_calls == {"k0": 1, "k1": 2, "k2": 1, "k3": 1}
+    assert result.messages[len(latest.messages)].content == "value of k1" and result.model_calls == 3
+
+
+async def test_half_written_pass_replays_the_journaled_results_of_its_other_tools(runtime):
+    """Two tool calls in one pass: the one that finishes first is journaled, so a crash before the pass's
+    checkpoint replays it, and only the last one runs again."""
+    def fetch(key: str) -> str:
+        """Fetch something (b is slow)."""
+        if key == "b":
+            time.sleep(0.3)
+        return lookup(key)
+
+    model = ScriptedModel([{"tool": "fetch", "args": {"key": "k0"}},
+                           {"tool_calls": [{"name": "fetch", "arguments": {"key": "a"}},
+                                           {"name": "fetch", "arguments": {"key": "b"}}]},
+                           echo_last_user])
+    agent = Agent("You look things up.", model=model, tools=[fetch], runtime=runtime,
+                  tuning=Tuning(checkpoint=CheckpointConfig(position="both")))
+    with pytest.raises(Crash):  # both tools of pass 1 ran; a finished first and was journaled, b was not
+        await agent.run("task", session_id="hw3", emit=crash_at("tool_result", 3))
+    assert tool_calls == {"k0": 1, "a": 1, "b": 1}
     events = []
-    result = await agent.resume(session_id="hw2", emit=events.append)
-    assert tool_calls == {"k0": 1, "k1": 1, "k2": 1, "k3": 1}  # k1 was not run again
-    assert any(e.type == "tool_result" and e.replayed for e in events)
-    assert result.messages[len(latest.messages)].content == "value of k1"
+    result = await agent.resume(session_id="hw3", emit=events.append)
+    assert tool_calls == {"k0": 1, "a": 1, "b": 2}
+    assert [e.tool_call_id for e in events if e.type == "tool_result" and e.replayed] == ["s0001_0"]
+    assert result.turns == 3 and result.model_calls == 1  # no model call was repeated
 
 
 async def test_rerunning_a_crashed_run_replays_and_bills_nothing_twice(runtime):

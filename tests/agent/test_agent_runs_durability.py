@@ -449,29 +449,39 @@ async def test_review_r1_concurrent_tool_appends_a_late_one_is_never_replayed(tm
     runtime.close()
 
 
-async def test_review_r2_fenced_zombie_without_checkpoints_stops_before_its_next_model_call(tmp_path):
-    """Journal on, checkpoints off: no checkpoint write reads the lease, and appends do not either. A writer
-    fenced during pass 1 must still stop before its next model call (not run on until a timed re-read)."""
+@pytest.mark.parametrize("check_writes", [2, 4, 6])
+async def test_review_r2_a_fenced_zombie_stops_within_its_lease_check_bound(tmp_path, monkeypatch, check_writes):
+    """Journal on, checkpoints off: appends do not read the lease. A writer fenced during pass 0 still stops:
+    before a model call, once it has made ``LEASE_CHECK_WRITES`` writes since it last proved its lease (here
+    run_start, then a model answer and a tool result per pass), it reads the lease and learns it was fenced."""
+    from loomray import run_writes
     from storage.errors import LeaseLostError
 
+    monkeypatch.setattr(run_writes, "LEASE_CHECK_WRITES", check_writes)
+    monkeypatch.setattr(run_writes, "LEASE_CHECK_S", 3600.0)  # only the write count, whatever the machine's speed
     runtime = LocalRuntime(tmp_path / "d")
-    model = scripted()
+    model = ScriptedModel([{"tool": "lookup", "args": {"key": f"k{i}"}} for i in range(20)] + ["done"])
     agent = agent_for(runtime, model, checkpoint=False)
     taken = []
 
     def take_over(event):
-        if event.type == "tool_result" and not taken:  # pass 1's tool ran and was journaled: a takeover now
+        if event.type == "tool_result" and not taken:  # pass 0's tool ran and was journaled: a takeover now
             taken.append(runtime.store.acquire_lease("s", owner="taker"))
 
     with pytest.raises(LeaseLostError):
         await agent.run("task", session_id="s", emit=take_over)
-    assert taken and model.calls == 1 and tool_calls == {"k0": 1}
+    assert taken and model.calls == check_writes // 2  # then its count of writes reached the bound
+    assert runtime.store.get_session("s").status == "running"  # never reported as anything else
     runtime.close()
 
 
-def test_review_r2_lease_reads_per_pass(tmp_path):
-    """What bounding a fenced writer by steps costs: no lease read per pass when every pass writes a
-    checkpoint (its write reads the lease), one per pass when none does."""
+def test_review_r2_lease_reads_per_pass(tmp_path, monkeypatch):
+    """What bounding a fenced writer by writes costs: about one lease read per LEASE_CHECK_WRITES writes, and a
+    LIST of the epoch markers per batch of checkpoints, instead of one or two reads per pass."""
+    from loomray import run_writes
+    from storage.checkpoint_log import INDEX_BATCH
+
+    monkeypatch.setattr(run_writes, "LEASE_CHECK_S", 3600.0)
 
     def lease_reads(passes: int, name: str, checkpoint: bool) -> int:
         runtime = LocalRuntime(tmp_path / name)
@@ -487,7 +497,7 @@ def test_review_r2_lease_reads_per_pass(tmp_path):
 
         def list_(*, prefix, **kw):
             if prefix.endswith("/epochs/"):
-                reads.append(prefix)  # the re-check after a checkpoint's row: the epoch claims
+                reads.append(prefix)  # a batch's proof: the epoch claims
             return real_list(prefix=prefix, **kw)
 
         runtime.store.objects.get = get
@@ -499,6 +509,9 @@ def test_review_r2_lease_reads_per_pass(tmp_path):
         runtime.close()
         return len(reads)
 
-    # A checkpoint write reads the lease twice: lease.json before its PUT, the epoch claims after its index row.
-    assert lease_reads(12, "ckpt-long", True) - lease_reads(1, "ckpt-short", True) == 2 * 11
-    assert lease_reads(12, "long", False) - lease_reads(1, "short", False) == 11
+    extra = 40 - 1  # within the default max_turns
+    with_checkpoints = lease_reads(40, "ckpt-long", True) - lease_reads(1, "ckpt-short", True)
+    # Two writes a pass (the model answer, the checkpoint holding the tool result); a batch's proof also counts.
+    assert 1 <= with_checkpoints <= 2 * extra // run_writes.LEASE_CHECK_WRITES + extra // INDEX_BATCH + 1
+    without = lease_reads(40, "long", False) - lease_reads(1, "short", False)
+    assert 1 <= without <= 2 * extra // run_writes.LEASE_CHECK_WRITES + 1  # was one read per pass

@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
 
-from loomray import Agent, Checkpoint, Tuning
+from loomray import Agent, Tuning
 from loomray.models import ScriptedModel
 from loomray.runtime import LocalRuntime
 
@@ -36,13 +36,27 @@ async def test_s3_objects_are_plain_json_and_the_index_is_parquet(s3_server):
     keys = sorted(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"])
     assert len(keys) == 4 and keys[-1] == f"{prefix}{result.checkpoint_id}.json"
     body = s3.get_object(Bucket=bucket, Key=keys[-1])["Body"].read()
-    doc = json.loads(body)  # jq-compatible: one self-contained JSON object
-    assert doc["schema_version"] == "1.0" and doc["execution_status"] == "completed"
-    assert doc["messages"][-1]["content"] == "done" and doc["turn"] == 4
-    assert Checkpoint.from_dict(doc).messages == result.messages
+    doc = json.loads(body)  # jq-compatible: one self-describing JSON object (its index row first, a digest last)
+    assert doc["schema_version"] == "2.0" and doc["index"]["execution_status"] == "completed"
+    assert doc["index"]["turn"] == 4 and doc["index"]["chain"]  # what it builds on, oldest first
+    assert [m["content"] for m in doc["messages"]] == ["done"]  # only what the last pass added
+    assert doc["keep"] == len(result.messages) - 1 and len(doc["sha256"]) == 64
+    # Read back whole without loomray: each object keeps `keep` messages of the one before it, then adds its own.
+    def links(entry: str) -> list[str]:  # "first..last": consecutive links, numbered by their last 6 hex digits
+        first, _, last = entry.partition("..")
+        if not last:
+            return [first]
+        return [f"{first[:-6]}{n:06x}" for n in range(int(first[-6:], 16), int(last[-6:], 16) + 1)]
+
+    messages: list = []
+    for link in [*(x for e in doc["index"]["chain"] for x in links(e)), None]:
+        part = doc if link is None else json.loads(s3.get_object(Bucket=bucket, Key=f"{prefix}{link}.json")["Body"].read())
+        messages = messages[:part["keep"]] + part["messages"]
+    assert messages == [m.model_dump(mode="json") for m in result.messages]
     journal = s3.list_objects_v2(Bucket=bucket, Prefix="root/sessions/alice/research-2026-07-04/journal/")
     entries = [json.loads(s3.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()) for o in journal["Contents"]]
-    assert {e["kind"] for e in entries} == {"run_start", "model", "tool", "run_end"}
+    # A pass's tool result is in the checkpoint written right after it: the journal holds the model answers.
+    assert {e["kind"] for e in entries} == {"run_start", "model", "run_end"}
     assert all(e["type"] == "journal_entry" for e in entries)
 
     fs = pafs.S3FileSystem(endpoint_override=s3_server.endpoint_url, access_key="testing", secret_key="testing",
@@ -58,7 +72,7 @@ async def test_local_directory_layout_is_readable_with_json_and_pyarrow(tmp_path
     runtime = LocalRuntime(tmp_path / "data")
     result = await _agent(runtime).run("task", session_id="s1")
     path = tmp_path / "data" / "sessions" / "_" / "s1" / "checkpoints" / f"{result.checkpoint_id}.json"
-    assert json.loads(path.read_text())["turn"] == 4
+    assert json.loads(path.read_text())["index"]["turn"] == 4
     table = ds.dataset(tmp_path / "data" / "index" / "checkpoints", format="parquet", partitioning="hive").to_table()
     assert result.checkpoint_id in table.column("checkpoint_id").to_pylist()
     sessions = ds.dataset(tmp_path / "data" / "index" / "sessions", format="parquet", partitioning="hive").to_table()

@@ -33,9 +33,9 @@ def test_demo_fast_kills_a_node_recovers_forks_and_queries(tmp_path):
     assert "loomray checkpoints sess" in text and f"--store {store}" in text
 
     # What the demo says happened is what the store holds.
+    from loomray.checkpoint_format import load_checkpoint
     from loomray.cli.demo_agent import RESEARCH_AGENT_REF
     from loomray.cli.demo_steer import SIGNAL
-    from loomray.records import load_checkpoint
     from storage import open_store
 
     st = open_store(store)

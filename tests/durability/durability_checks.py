@@ -53,6 +53,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from loomray.checkpoint_format import load_checkpoint
+from loomray.errors import CheckpointException
+from storage import chains, envelope
 from storage.faults import Call
 
 #: Consecutive failed lease reads / writes after which a writer must not run another tool.
@@ -111,6 +114,8 @@ class History:
     obj_puts: dict[str, list[Call]] = field(default_factory=lambda: defaultdict(list))
     obj_deletes: dict[str, list[Call]] = field(default_factory=lambda: defaultdict(list))
     session_rows: list[tuple[int, str | None, dict]] = field(default_factory=list)
+    #: Checkpoints some index file names (the others exist only as self-describing objects: a writer's tail).
+    indexed: set[str] = field(default_factory=set)
 
     def max_epoch_before(self, n: int) -> int:
         best = 0
@@ -139,6 +144,15 @@ class History:
                 h.markers.append((c.n, int(_EPOCH_MARK.search(key).group(1))))  # type: ignore[union-attr]
             elif _CKPT_OBJ.match(key):
                 h.obj_puts[key].append(c)
+                header = envelope.header_of(c.data) if c.data is not None else None
+                cid = header.get("checkpoint_id") if header else None
+                if header and cid and cid not in h.rows:
+                    # Its row rides in the object: judged by when the object landed, as readers judge it
+                    # (its index row may come a batch later, or from the takeover that adopted it).
+                    epoch = int(header.get("epoch") or 0)
+                    h.rows[cid] = RowInfo(cid, c.n, c.actor, epoch, datetime.fromisoformat(header["created_at"]),
+                                          key, str(header.get("execution_status")),
+                                          epoch >= h.max_epoch_before(c.n), int(header.get("turn") or 0))
         for c in calls:
             if c.op != "put" or not c.applied or c.key is None or c.data is None:
                 continue
@@ -159,6 +173,7 @@ class History:
                 table = pq.read_table(io.BytesIO(c.data))
                 for r in table.to_pylist():
                     cid = r["checkpoint_id"]
+                    h.indexed.add(cid)
                     if r["tombstone"]:
                         h.tombstones.setdefault(cid, c.n)
                     elif cid not in h.rows and not c.key.endswith("-c.parquet"):
@@ -175,9 +190,29 @@ def check_all(world: Any, final: Any) -> list[Violation]:
     """Every invariant over ``world`` (a finished :class:`durability_world.World`); ``final`` is a fault-free Store."""
     h = History.build(world.faulty.calls)
     out: list[Violation] = []
-    for check in (_epochs, _acked, _prune_rule, _readers, _latest, _replay, _billing, _fenced_work, _blind,
+    for check in (_epochs, _acked, _chains, _prune_rule, _readers, _latest, _replay, _billing, _fenced_work, _blind,
                   _status, _root, _errors):
         out.extend(check(world, h, final))
+    return out
+
+
+def _identity(raw: bytes) -> tuple[str, int]:
+    """``(checkpoint_id, epoch)`` of a checkpoint object of either format."""
+    doc = json.loads(raw)
+    head = doc.get("index", doc)
+    return head["checkpoint_id"], int(head.get("epoch") or 0)
+
+
+def _chains(world, h: History, final) -> list[Violation]:
+    """``chain-intact``: every checkpoint the final store lists reads back whole (retention, prune and
+    compaction never deleted an object a kept checkpoint needs)."""
+    out: list[Violation] = []
+    spec = world.spec
+    for row in final.list_checkpoints(spec.session_id, user_id=spec.user_id, limit=None):
+        try:
+            load_checkpoint(final, spec.session_id, row.checkpoint_id, user_id=spec.user_id)
+        except CheckpointException as e:
+            _v(out, "chain-intact", f"listed checkpoint {row.checkpoint_id} does not read back whole: {e}")
     return out
 
 
@@ -255,9 +290,9 @@ def _acked(world, h: History, final) -> list[Violation]:
     latest_raw = final.get_checkpoint(spec.session_id, "latest", user_id=spec.user_id)
     latest_order = None
     if latest_raw is not None:
-        latest = json.loads(latest_raw)
-        row = h.rows.get(latest["checkpoint_id"])
-        latest_order = (row.epoch if row else latest.get("epoch") or 0, latest["checkpoint_id"])
+        latest_id, latest_epoch = _identity(latest_raw)
+        row = h.rows.get(latest_id)
+        latest_order = (row.epoch if row else latest_epoch, latest_id)
     holder_rows = [r for r in h.rows.values() if r.epoch == epoch and r.valid]
     for inc in holders:
         for pos, cid, _status, _ in inc.acks:
@@ -274,8 +309,11 @@ def _acked(world, h: History, final) -> list[Violation]:
             problems = []
             if cid not in listed:
                 problems.append("missing from list_checkpoints")
-            got = final.get_checkpoint(spec.session_id, cid, user_id=spec.user_id)
-            if got is None:
+            try:  # read back whole: every object of its chain is there and intact
+                got = load_checkpoint(final, spec.session_id, cid, user_id=spec.user_id)
+            except CheckpointException as e:
+                got, problems = None, [*problems, f"it does not read back whole ({e})"]
+            if got is None and not problems:
                 problems.append("get_checkpoint(id) returned None")
             if latest_order is None or latest_order < order:
                 problems.append(f"'latest' is {latest_order}")
@@ -317,8 +355,10 @@ def _readers(world, h: History, final) -> list[Violation]:
             continue
         if obs.transient:
             continue
+        # Not owed: what prune removed, and rows retired (retention's tombstone) before the reader started.
         floor = [r for r in _acked_rows_before(world, h, obs.start)
-                 if not any(c.actor in pruners and c.n <= obs.end for c in h.obj_deletes.get(r.key, ()))]
+                 if not any(c.actor in pruners and c.n <= obs.end for c in h.obj_deletes.get(r.key, ()))
+                 and h.tombstones.get(r.checkpoint_id, obs.start + 1) > obs.start]
         if not floor:
             continue
         best = max(floor, key=lambda r: (r.epoch, r.checkpoint_id))
@@ -352,7 +392,7 @@ def _latest(world, h: History, final) -> list[Violation]:
     spec = world.spec
     raw = final.get_checkpoint(spec.session_id, "latest", user_id=spec.user_id)
     if raw is not None:
-        cid = json.loads(raw)["checkpoint_id"]
+        cid = _identity(raw)[0]
         row = h.rows.get(cid)
         if row is not None and not row.valid:
             _v(out, "latest-fenced", f"final 'latest' = {cid}, written by {row.actor} at epoch {row.epoch} at call "
@@ -685,6 +725,13 @@ def _live(rows: list[dict]) -> set[str]:
     return {r["checkpoint_id"] for r in rows if not r["tombstone"] and r["checkpoint_id"] not in dead}
 
 
+def _needed_objects(world, final) -> set[str]:
+    """Checkpoint ids (of the scenario's session) a live row's chain names: their objects stay, rows or not."""
+    spec = world.spec
+    rows = final.list_checkpoints(spec.session_id, user_id=spec.user_id, limit=None)
+    return {cid for r in rows for sid, cid in chains.expand(r.chain, spec.session_id) if sid == spec.session_id}
+
+
 def check_index(world, final) -> list[Violation]:
     """After a final compaction: live rows (pyarrow and DuckDB) match the checkpoint objects."""
     out: list[Violation] = []
@@ -709,13 +756,19 @@ def check_index(world, final) -> list[Violation]:
         if not deleted:
             _v(out, "index-objects", f"live row {cid} has no checkpoint object and nothing deleted it")
         # else: a retire deleted the object and never got to write the tombstone (interrupted): explained
-    for cid in sorted(objects - rows_live):
+    needed = _needed_objects(world, final)
+    for cid in sorted(objects - rows_live - needed):
         row = h.rows.get(cid)
-        if row is None:
-            continue  # the object's row was never written (a write interrupted between object and row)
+        if row is None or cid not in h.indexed:
+            continue  # never indexed: a write interrupted between object and row, or a tail (its row rides in it)
         if cid in h.tombstones:
-            _v(out, "index-objects", f"checkpoint object {cid} exists but its row was retired at call "
-                                     f"{h.tombstones[cid]}")
+            # Rows are retired before their objects are collected: an object whose collection was interrupted
+            # (a failed delete, a writer fenced or dead in between) is garbage a later sweep removes. One that a
+            # delete said it removed is not.
+            last_delete = max((c.n for c in h.obj_deletes.get(row.key, ())), default=0)
+            if last_delete > max((c.n for c in h.obj_puts.get(row.key, ())), default=0):
+                _v(out, "index-objects", f"checkpoint object {cid} exists but its row was retired at call "
+                                         f"{h.tombstones[cid]} and a delete of it took effect at call {last_delete}")
         else:
             _v(out, "index-objects", f"checkpoint object {cid} exists, its row was written at call {row.n}, "
                                      f"but no live row lists it after compaction")

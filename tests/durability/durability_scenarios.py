@@ -76,6 +76,11 @@ def build_spec(seed: int, kind: str, backend: str) -> Spec:
     spec = Spec(seed=seed, kind=kind, backend=backend, passes=rng.choice([3, 4, 5]),
                 position=rng.choice(["after_tools", "both"]), keep=rng.choice([1, 2, 3, 20]),
                 user_id=rng.choice([None, "u1"]))
+    # Chains and batches from a stream of their own, so that the interleavings the other choices give a seed
+    # stay what they were: short chains (full snapshots, collection of what they no longer need) and small
+    # batches (rows, retention and acknowledgements every write or few) in most scenarios.
+    chain_rng = random.Random(f"{kind}/{seed}/chain")
+    spec.full_every, spec.batch = chain_rng.choice([2, 3, 500]), chain_rng.choice([1, 2, 3, 16])
     plan = FaultPlan(seed=seed)
     actors = spec.actors
     resume_or_run = lambda: rng.choice(["run", "run", "resume"])  # noqa: E731

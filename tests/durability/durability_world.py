@@ -38,11 +38,11 @@ from typing import Any
 from durability_sched import Scheduler
 
 from loomray import Agent, Tuning
+from loomray.checkpoint_format import load_checkpoint
 from loomray.config import CheckpointConfig
 from loomray.errors import LoomrayError
 from loomray.journal import tool_step_key
 from loomray.models.scripted import ScriptedModel
-from loomray.records import Checkpoint
 from loomray.session import RunRequest, execute_request
 from loomray.tools import ToolContext
 from storage.errors import CorruptObjectError, LeaseLostError, ObjectNotFound, StorageError, TransientStorageError
@@ -128,6 +128,9 @@ class Spec:
     passes: int = 4
     position: str = "after_tools"
     keep: int = 20
+    #: Links before a full checkpoint, and checkpoints a writer's log indexes (and acknowledges) at once.
+    full_every: int = 500
+    batch: int = 16
     user_id: str | None = None
     plan: FaultPlan = field(default_factory=FaultPlan)
     #: (name, role, options) of every actor.
@@ -200,8 +203,8 @@ class World:
         """A fresh ``Store`` (a new process's view) over the faulty store, reads on the calling thread."""
         objects = self.faulty if objects is None else objects
         try:
-            return Store(objects, self.url, serial_reads=True)
-        except TypeError:  # a tree without the serial_reads keyword: same effect
+            return Store(objects, self.url, serial_reads=True, checkpoint_batch=self.spec.batch)
+        except TypeError:  # a tree without these keywords: same effect
             store = Store(objects, self.url)
             store.index._pool = _SerialPool()
             return store
@@ -245,7 +248,8 @@ class World:
                 inc.tool_runs.append((world.faulty.call_count, ctx.run_id, tool_step_key(ctx.turn, ctx.tool_call_id), n))
             return f"effect {n} done"
 
-        tuning = Tuning(checkpoint=CheckpointConfig(position=self.spec.position), durability="sync", journal=True,
+        tuning = Tuning(checkpoint=CheckpointConfig(position=self.spec.position, full_every=self.spec.full_every),
+                        durability="sync", journal=True,
                         max_turns=self.spec.passes + 5)
         return Agent("Do the effects one by one.", model=LedgerModel(), tools=[effect], tuning=tuning,
                      name="durability-agent")
@@ -390,9 +394,8 @@ class World:
                     rows = store.list_checkpoints(sid, user_id=uid, limit=None)
                     obs.listed = [r.checkpoint_id for r in rows]
                     obs.head_id = rows[0].checkpoint_id if rows else None
-                    raw = store.get_checkpoint(sid, "latest", user_id=uid)
-                    if raw is not None:
-                        ckpt = Checkpoint.from_json(raw)
+                    ckpt = load_checkpoint(store, sid, "latest", user_id=uid)  # read back whole: the chain too
+                    if ckpt is not None:
                         obs.latest_id, obs.latest_epoch = ckpt.checkpoint_id, ckpt.epoch
                     if rows:
                         obs.explicit_ok = store.get_checkpoint(sid, rows[0].checkpoint_id, user_id=uid) is not None
@@ -405,6 +408,8 @@ class World:
                 except ActorCrashed:
                     raise
                 except Exception as e:
+                    # Loading a checkpoint wraps a storage error (a transient one included) as its cause.
+                    obs.transient = isinstance(e.__cause__, TransientStorageError)
                     obs.error = f"{type(e).__name__}: {e}"
                 obs.end = world.faulty.call_count
                 world.readers.append(obs)
@@ -428,16 +433,15 @@ class World:
         import loomray.records
         import loomray.session
 
-        saved = loomray.session.new_id, loomray.records.new_id
+        saved = loomray.session.new_id, loomray.records.new_id, loomray.session.new_segment
         loomray.session.new_id = loomray.records.new_id = self._skewed_new_id
+        loomray.session.new_segment = self._skewed_new_segment
         try:
             self.sched.run()
         finally:
-            loomray.session.new_id, loomray.records.new_id = saved
+            loomray.session.new_id, loomray.records.new_id, loomray.session.new_segment = saved
 
-    def _skewed_new_id(self, prefix: str) -> str:
-        """``loomray.ids.new_id`` on the calling actor's own (skewed) clock, each actor monotonic on its own."""
-        import os
+    def _skewed_tick(self) -> tuple[int, int]:
         import time
 
         actor = self.sched.actor_of_call()
@@ -446,4 +450,18 @@ class World:
         counter = last[1] + 1 if ms <= last[0] else 0
         ms = max(ms, last[0])
         self._clocks[actor] = (ms, counter)
+        return ms, counter
+
+    def _skewed_new_id(self, prefix: str) -> str:
+        """``loomray.ids.new_id`` on the calling actor's own (skewed) clock, each actor monotonic on its own."""
+        import os
+
+        ms, counter = self._skewed_tick()
         return f"{prefix}{ms:012x}{counter:04x}{os.urandom(5).hex()}"
+
+    def _skewed_new_segment(self) -> str:
+        """``loomray.ids.new_segment`` on the calling actor's skewed clock."""
+        import os
+
+        ms, counter = self._skewed_tick()
+        return f"ckpt{ms:012x}{counter:04x}{os.urandom(2).hex()}"

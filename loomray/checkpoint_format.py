@@ -1,0 +1,226 @@
+"""Checkpoint format 2.0: each checkpoint holds what changed since its parent; reading one puts the chain together.
+
+A 2.0 checkpoint object holds only what changed since the checkpoint it
+builds on (its *base*, the checkpoint its run wrote before, or restored):
+the base's first ``keep`` messages stay, ``messages`` follow them. Its
+``chain`` (in the index row the object carries, see :mod:`storage.envelope`)
+names every object it is read from, oldest first, each the base of the next;
+consecutive links of one writer are one range (:func:`storage.chains.expand`),
+so the header stays small. A pass that adds 2 KB to a 2 MB transcript thus
+writes about 2 KB, and reading any checkpoint is one parallel fetch of its
+chain (:meth:`storage.Store.get_checkpoint_chain`), like Akka Persistence's
+snapshot plus the events after it.
+
+A full snapshot (no base) starts a new chain: the first checkpoint of a
+session; the one after a failed write (never a link on an object that may
+not exist); when the chain reaches ``CheckpointConfig.full_every`` links; or
+when the chain holds much more than the transcript (messages were dropped or
+rewritten, e.g. by compaction).
+
+A fork's first checkpoint builds on its parent's checkpoint, in the parent
+session (refs ``"{session_id}/{checkpoint_id}"``): forks share the parent's
+chain, pinned for them (:mod:`storage.chains`). Objects of format 1.0 (a
+whole transcript each, no chain) keep loading, and are the base of a chain.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from loomray.errors import CheckpointException
+from loomray.records import Checkpoint, Message, Usage
+from storage.chains import compress, expand, ref_of
+from storage.errors import InvalidIdError, StorageError
+
+SCHEMA_VERSION_V2 = "2.0"
+#: Links a chain may reach before a full snapshot starts a new one (``CheckpointConfig.full_every``).
+FULL_EVERY = 500
+#: A chain may hold this much more than the transcript (in message bytes) before a full snapshot replaces it.
+_SLACK = 1.25
+_SLACK_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class ChainState:
+    """The chain of the last checkpoint written or restored, as its session's next checkpoint builds on it."""
+
+    #: Single refs of the chain and of the checkpoint itself, oldest first (in the writing session's view).
+    refs: tuple[str, ...]
+    #: Message bytes the chain's objects hold in all.
+    held: int
+    #: The transcript as of the last link, and each message's serialized size.
+    messages: tuple[Message, ...]
+    sizes: tuple[int, ...]
+
+    def rebased(self, session_id: str, to_session_id: str) -> ChainState:
+        """This chain (of session ``session_id``) as session ``to_session_id`` names it (a fork's first link)."""
+        refs = tuple(ref_of(sid, cid, to_session_id) for sid, cid in expand(self.refs, session_id))
+        return ChainState(refs, self.held, self.messages, self.sizes)
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One checkpoint as its object's body, the chain it names, and the chain state once it is written."""
+
+    body: bytes
+    chain: tuple[str, ...]
+    state: ChainState
+
+
+def _serialized(messages: list[Message]) -> list[bytes]:
+    return [m.__pydantic_serializer__.to_json(m) for m in messages]
+
+
+def _kept(base: tuple[Message, ...], messages: list[Message]) -> int:
+    """How many of ``base``'s first messages ``messages`` starts with (the same objects, or equal ones)."""
+    n = min(len(base), len(messages))
+    for i in range(n):
+        if base[i] is not messages[i] and base[i] != messages[i]:
+            return i
+    return n
+
+
+class ChainEncoder:
+    """Turns each checkpoint into the smallest object that reads back whole (see the module docstring).
+
+    :meth:`encode` decides; :meth:`commit` advances once the object is
+    written; :meth:`reset` after a failed write makes the next one a full
+    snapshot.
+    """
+
+    def __init__(self, state: ChainState | None, *, full_every: int = FULL_EVERY) -> None:
+        if full_every < 1:
+            raise ValueError(f"full_every must be >= 1, got {full_every!r}")
+        self.state, self.full_every = state, full_every
+
+    def encode(self, ckpt: Checkpoint) -> Encoded:
+        """The object body of ``ckpt`` (a whole checkpoint, as the loop holds it) and its place in a chain."""
+        state, messages = self.state, list(ckpt.messages)
+        if state is not None and len(state.refs) < self.full_every:
+            keep = _kept(state.messages, messages)
+            parts = _serialized(messages[keep:])
+            sizes = state.sizes[:keep] + tuple(len(p) for p in parts)
+            held = state.held + sum(len(p) for p in parts)
+            if held <= _SLACK * sum(sizes) + _SLACK_BYTES:
+                return self._encoded(ckpt, state.refs, keep, parts, sizes, held)
+        parts = _serialized(messages)
+        sizes = tuple(len(p) for p in parts)
+        return self._encoded(ckpt, (), 0, parts, sizes, sum(sizes))
+
+    @staticmethod
+    def _encoded(ckpt: Checkpoint, refs: tuple[str, ...], keep: int, parts: list[bytes], sizes: tuple[int, ...],
+                 held: int) -> Encoded:
+        head = {"schema_version": SCHEMA_VERSION_V2, "base": refs[-1] if refs else None, "keep": keep,
+                "cursor": ckpt.cursor, "cumulative_usage": ckpt.cumulative_usage.model_dump(mode="json"),
+                "pending_approvals": ckpt.pending_approvals}
+        body = json.dumps(head, separators=(",", ":")).encode()[:-1] + b',"messages":[' + b",".join(parts) + b"]}"
+        state = ChainState((*refs, ckpt.checkpoint_id), held, tuple(ckpt.messages), sizes)
+        return Encoded(body, compress(refs), state)
+
+    def commit(self, encoded: Encoded) -> None:
+        """``encoded``'s object was written: the next checkpoint builds on it."""
+        self.state = encoded.state
+
+    def reset(self) -> None:
+        """A write failed: the next checkpoint is a full snapshot."""
+        self.state = None
+
+
+def materialize(objects: list[bytes], session_id: str) -> tuple[Checkpoint, ChainState]:
+    """The whole checkpoint ``objects`` (its chain's objects then its own, oldest first) read back as, and its
+    chain in session ``session_id``'s view. :class:`CheckpointException` when they do not fit together."""
+    if not objects:
+        raise CheckpointException("no checkpoint object to read")
+    transcript: list[Message] = []
+    sizes: tuple[int, ...] = ()
+    refs: list[str] = []
+    held = 0
+    doc: dict[str, Any] = {}
+    for raw in objects:
+        doc = _parse(raw)
+        header = doc.get("index")
+        if header is None:  # format 1.0: a whole transcript, no chain
+            old = Checkpoint.from_dict(doc)
+            transcript, refs = list(old.messages), []
+            sizes = tuple(len(p) for p in _serialized(transcript))
+            held, ref = sum(sizes), ref_of(old.session_id, old.checkpoint_id, session_id)
+        else:
+            owner = str(header.get("session_id", session_id))
+            ref = ref_of(owner, str(header.get("checkpoint_id")), session_id)
+            base = doc.get("base")
+            expected = refs[-1] if refs else None
+            if (base is None) != (expected is None) or (
+                    base is not None and ref_of(*expand([base], owner)[0], session_id) != expected):
+                raise CheckpointException(f"checkpoint {ref!r}: its base {base!r} is not the previous object of "
+                                          f"its chain ({expected!r})")
+            keep = int(doc.get("keep") or 0)
+            new = [Message.model_validate(m) for m in doc.get("messages", [])]
+            new_sizes = tuple(len(p) for p in _serialized(new))
+            transcript, sizes = transcript[:keep] + new, sizes[:keep] + new_sizes
+            held += sum(new_sizes)
+        refs.append(ref)
+    ckpt = _checkpoint(doc, transcript)
+    return ckpt, ChainState(tuple(refs), held, tuple(transcript), sizes)
+
+
+def _parse(raw: bytes) -> dict[str, Any]:
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointException(f"checkpoint is not valid JSON (corrupt or truncated): {e}") from e
+    if not isinstance(doc, dict):
+        raise CheckpointException(f"checkpoint data must be a JSON object, got {type(doc).__name__}")
+    return doc
+
+
+def _checkpoint(doc: dict[str, Any], transcript: list[Message]) -> Checkpoint:
+    """The whole :class:`Checkpoint` of the chain's last object ``doc``, with ``transcript``."""
+    header = doc.get("index")
+    if header is None:
+        return Checkpoint.from_dict(doc)
+    if doc.get("schema_version") != SCHEMA_VERSION_V2:
+        raise CheckpointException(f"unknown checkpoint schema_version {doc.get('schema_version')!r}")
+    fields = {k: header.get(k) for k in ("session_id", "checkpoint_id", "user_id", "agent_id", "turn", "position",
+                                         "execution_status", "created_at", "parent_checkpoint_id", "forked_from",
+                                         "epoch", "message_count")}
+    try:
+        ckpt = Checkpoint.model_validate({
+            **{k: v for k, v in fields.items() if v is not None}, "schema_version": SCHEMA_VERSION_V2,
+            "cursor": doc.get("cursor"), "pending_approvals": doc.get("pending_approvals"),
+            "cumulative_usage": Usage.model_validate(doc.get("cumulative_usage") or {}), "messages": transcript})
+    except ValidationError as e:
+        raise CheckpointException(f"invalid checkpoint data: {e}") from e
+    return ckpt.checked()
+
+
+def load_checkpoint(store: Any, session_id: str, checkpoint_id: str = "latest", *,
+                    user_id: str | None = None) -> Checkpoint | None:
+    """Read, put together and validate one checkpoint from ``store`` (a :class:`storage.Store`); None when it
+    does not exist. The result carries its chain (a run restoring it builds on it).
+
+    Every place that loads a checkpoint goes through here, so every failure to
+    load one is a :class:`CheckpointException`: corrupt or truncated bytes, a
+    broken chain, an unknown schema version, invalid data, or a storage error
+    (kept as ``__cause__``). An invalid id is the caller's mistake and stays a
+    ``ValueError`` (``InvalidIdError``).
+    """
+    try:
+        objects = store.get_checkpoint_chain(session_id, checkpoint_id, user_id=user_id)
+    except InvalidIdError:
+        raise
+    except (StorageError, OSError) as e:
+        raise CheckpointException(
+            f"checkpoint {checkpoint_id!r} of session {session_id!r} (user {user_id!r}) could not be loaded: "
+            f"{type(e).__name__}: {e}") from e
+    if objects is None:
+        return None
+    try:
+        ckpt, chain = materialize(objects, session_id)
+    except CheckpointException as e:  # say which checkpoint: the parser only sees bytes
+        raise CheckpointException(f"checkpoint {checkpoint_id!r} of session {session_id!r} (user {user_id!r}): {e}") from e
+    ckpt._chain = chain
+    return ckpt
