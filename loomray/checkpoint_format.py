@@ -33,7 +33,7 @@ from pydantic import ValidationError
 
 from loomray.errors import CheckpointException
 from loomray.records import Checkpoint, Message, Usage
-from storage.chains import compress, expand, ref_of
+from storage.chains import compress, expand, extend, ref_of
 from storage.errors import InvalidIdError, StorageError
 
 SCHEMA_VERSION_V2 = "2.0"
@@ -50,6 +50,8 @@ class ChainState:
 
     #: Single refs of the chain and of the checkpoint itself, oldest first (in the writing session's view).
     refs: tuple[str, ...]
+    #: The same, compressed (ranges of consecutive links): what a header names.
+    entries: tuple[str, ...]
     #: Message bytes the chain's objects hold in all.
     held: int
     #: The transcript as of the last link, and each message's serialized size.
@@ -59,7 +61,7 @@ class ChainState:
     def rebased(self, session_id: str, to_session_id: str) -> ChainState:
         """This chain (of session ``session_id``) as session ``to_session_id`` names it (a fork's first link)."""
         refs = tuple(ref_of(sid, cid, to_session_id) for sid, cid in expand(self.refs, session_id))
-        return ChainState(refs, self.held, self.messages, self.sizes)
+        return ChainState(refs, compress(refs), self.held, self.messages, self.sizes)
 
 
 @dataclass(frozen=True)
@@ -106,20 +108,21 @@ class ChainEncoder:
             sizes = state.sizes[:keep] + tuple(len(p) for p in parts)
             held = state.held + sum(len(p) for p in parts)
             if held <= _SLACK * sum(sizes) + _SLACK_BYTES:
-                return self._encoded(ckpt, state.refs, keep, parts, sizes, held)
+                return self._encoded(ckpt, state.refs, state.entries, keep, parts, sizes, held)
         parts = _serialized(messages)
         sizes = tuple(len(p) for p in parts)
-        return self._encoded(ckpt, (), 0, parts, sizes, sum(sizes))
+        return self._encoded(ckpt, (), (), 0, parts, sizes, sum(sizes))
 
     @staticmethod
-    def _encoded(ckpt: Checkpoint, refs: tuple[str, ...], keep: int, parts: list[bytes], sizes: tuple[int, ...],
-                 held: int) -> Encoded:
+    def _encoded(ckpt: Checkpoint, refs: tuple[str, ...], entries: tuple[str, ...], keep: int, parts: list[bytes],
+                 sizes: tuple[int, ...], held: int) -> Encoded:
         head = {"schema_version": SCHEMA_VERSION_V2, "base": refs[-1] if refs else None, "keep": keep,
                 "cursor": ckpt.cursor, "cumulative_usage": ckpt.cumulative_usage.model_dump(mode="json"),
                 "pending_approvals": ckpt.pending_approvals}
         body = json.dumps(head, separators=(",", ":")).encode()[:-1] + b',"messages":[' + b",".join(parts) + b"]}"
-        state = ChainState((*refs, ckpt.checkpoint_id), held, tuple(ckpt.messages), sizes)
-        return Encoded(body, compress(refs), state)
+        state = ChainState((*refs, ckpt.checkpoint_id), extend(entries, ckpt.checkpoint_id), held,
+                           tuple(ckpt.messages), sizes)
+        return Encoded(body, entries, state)
 
     def commit(self, encoded: Encoded) -> None:
         """``encoded``'s object was written: the next checkpoint builds on it."""
@@ -164,7 +167,7 @@ def materialize(objects: list[bytes], session_id: str) -> tuple[Checkpoint, Chai
             held += sum(new_sizes)
         refs.append(ref)
     ckpt = _checkpoint(doc, transcript)
-    return ckpt, ChainState(tuple(refs), held, tuple(transcript), sizes)
+    return ckpt, ChainState(tuple(refs), compress(refs), held, tuple(transcript), sizes)
 
 
 def _parse(raw: bytes) -> dict[str, Any]:

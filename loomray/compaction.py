@@ -10,6 +10,8 @@ assistant message from the tool results that answer it.
 
 from __future__ import annotations
 
+import operator
+
 from loomray.records import Message
 
 #: Rough characters per token; good enough for a budget, never used for billing.
@@ -17,13 +19,41 @@ CHARS_PER_TOKEN = 4
 _DIGEST_CHARS = 160
 
 
+#: Characters counted per message object (messages are immutable): a long transcript is estimated in O(new
+#: messages), not O(transcript), on every pass. Bounded: cleared when it grows past ``_CACHE_LIMIT`` entries.
+_chars: dict[int, tuple[Message, int]] = {}
+_CACHE_LIMIT = 200_000
+
+
+def _message_chars(m: Message) -> int:
+    hit = _chars.get(id(m))
+    if hit is not None and hit[0] is m:
+        return hit[1]
+    chars = len(m.content) + 16 + sum(len(c.name) + len(str(c.arguments)) + 16 for c in m.tool_calls)
+    if len(_chars) >= _CACHE_LIMIT:
+        _chars.clear()
+    _chars[id(m)] = (m, chars)
+    return chars
+
+
+#: The last transcript estimated per first message (one per transcript in practice), and its character count:
+#: a transcript that only grew since is counted from where that one ended.
+_prefixes: dict[int, tuple[list[Message], int]] = {}
+
+
 def estimate_tokens(messages: list[Message]) -> int:
     """A cheap, deterministic token estimate of a transcript."""
-    chars = 0
-    for m in messages:
-        chars += len(m.content) + 16
-        for c in m.tool_calls:
-            chars += len(c.name) + len(str(c.arguments)) + 16
+    if not messages:
+        return 0
+    key = id(messages[0])
+    prev = _prefixes.get(key)
+    if prev is not None and len(prev[0]) <= len(messages) and all(map(operator.is_, prev[0], messages)):
+        chars = prev[1] + sum(map(_message_chars, messages[len(prev[0]):]))
+    else:
+        chars = sum(map(_message_chars, messages))
+    if len(_prefixes) >= 4096:
+        _prefixes.clear()
+    _prefixes[key] = (list(messages), chars)
     return chars // CHARS_PER_TOKEN
 
 

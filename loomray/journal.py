@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import operator
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -143,6 +144,9 @@ class StepRunner:
         self.journal_tools = journal_tools
         #: Tool records not journaled (``journal_tools`` False) since the last checkpoint that holds them.
         self.volatile: list[JournalRecord] = []
+        #: Awaited before a model answer is journaled: the checkpoints written before it (which hold the tool
+        #: results the answer was computed from) are durable first, also when they upload in the background.
+        self.before_model_record: Callable[[], Awaitable[None]] | None = None
         #: Stream text deltas as events when the model can (only worth it when someone listens).
         self.stream = stream
         self.tools = tools
@@ -157,7 +161,8 @@ class StepRunner:
         self._boundary: dict[int, dict[str, JournalRecord]] = {}
         for rec in prior:
             self._index(rec)
-        self._msg_digests: dict[int, tuple[Message, bytes]] = {}
+        #: The messages of the previous model request, and the hash state over their digests.
+        self._prefix: tuple[list[Message], Any] = ([], hashlib.sha256())
         #: Model invocations actually made (not replayed).
         self.model_calls = 0
         self.replayed = 0
@@ -244,20 +249,23 @@ class StepRunner:
     def request_hash(self, request: ModelRequest) -> str:
         """``input_hash(request)``'s job, in O(new messages) per call instead of O(transcript).
 
-        The hash covers each message's canonical JSON digest (cached per message
-        object: transcripts are append-only between compactions) plus the rest
-        of the request. Same inputs give the same hash in any process.
+        The hash covers each message's canonical JSON digest in order, plus the
+        rest of the request. Transcripts only grow between compactions, so the
+        hash state over the previous call's messages is kept and, when this
+        request starts with the very same message objects, only the new ones
+        are digested. Same inputs give the same hash in any process.
         """
-        h = hashlib.sha256()
-        cache = self._msg_digests
-        fresh: dict[int, tuple[Message, bytes]] = {}
-        for m in request.messages:
-            hit = cache.get(id(m))
-            if hit is None or hit[0] is not m:
-                hit = (m, hashlib.sha256(m.__pydantic_serializer__.to_json(m)).digest())
-            fresh[id(m)] = hit
-            h.update(hit[1])
-        self._msg_digests = fresh  # keep only live messages (their ids cannot be reused while held)
+        messages = request.messages
+        prev, state = self._prefix
+        n = len(prev)
+        if n <= len(messages) and all(map(operator.is_, prev, messages[:n])):
+            h = state.copy()
+            new = messages[n:]
+        else:
+            h, new = hashlib.sha256(), messages
+        for m in new:
+            h.update(hashlib.sha256(m.__pydantic_serializer__.to_json(m)).digest())
+        self._prefix = (list(messages), h.copy())
         h.update(input_hash(request.model_dump(mode="json", exclude={"messages"})).encode())
         return h.hexdigest()
 
@@ -278,6 +286,8 @@ class StepRunner:
         # Streamed when the model can stream and someone listens; the journal keeps only the final answer.
         response = await complete_with_stream(self.model, request, on_delta)
         self.model_calls += 1
+        if self.before_model_record is not None:
+            await self.before_model_record()
         await self.record("model", step_key, ihash, {"response": response.model_dump(mode="json")})
         return response, False
 

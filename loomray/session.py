@@ -241,6 +241,7 @@ class _SessionRun:
         """The loop in its own task, so that a cancel abandons the step in flight (see loomray.control)."""
         writer = CheckpointWriter(self.put_checkpoint, durability=self.agent.tuning.durability, emit=self.on_event,
                                   is_fatal=self.guard.is_fatal, flush_store=self.flush_checkpoints)
+        self.steps.before_model_record = writer.uploaded  # a model answer is journaled after its inputs are durable
         loop_task = asyncio.ensure_future(run_loop(self.state, self.steps, self._loop_options(), writer=writer,
                                                    emit=self.on_event))
         self.handle.task = loop_task
@@ -369,12 +370,12 @@ class _SessionRun:
 
 
 def _checkpoint_holds_tool_results(tuning: Any) -> bool:
-    """True when every pass's tool results are in a checkpoint written before the next model call (sync
-    durability, a checkpoint after the tools): the journal need not hold them as well. With async durability
-    the next model call may be journaled before that checkpoint lands, so the results are journaled too (a
-    tool that returns something else when run again would otherwise make that call's inputs differ)."""
+    """True when every pass's tool results are in a checkpoint written right after them: the journal need not
+    hold them as well. With async durability that checkpoint uploads while the next model call runs, and that
+    call's answer is journaled only once the upload is done (``StepRunner.before_model_record``): a tool that
+    would return something else when run again can never make a journaled answer's inputs differ."""
     config = tuning.checkpoint_config()
-    return config is not None and config.saves_after_tools() and tuning.durability == "sync"
+    return config is not None and config.saves_after_tools()
 
 
 def _cancel_pending(task: asyncio.Task[Any]) -> bool:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from storage import layout
@@ -106,6 +106,20 @@ def compress(refs: Iterable[str]) -> tuple[str, ...]:
     return tuple(out)
 
 
+def extend(entries: tuple[str, ...], ref: str) -> tuple[str, ...]:
+    """``compress((*expanded entries, ref))`` in O(1): ``entries`` are already compressed."""
+    if entries:
+        first, dots, last = entries[-1].partition("..")
+        if dots:
+            sid, _, _ = first.rpartition("/")
+            if _follows(f"{sid}/{last}" if sid else last, ref):
+                return (*entries[:-1], f"{first}..{ref.rpartition('/')[2]}")
+        elif len(entries) >= 2 and ".." not in entries[-2] and _follows(entries[-2], entries[-1]) \
+                and _follows(entries[-1], ref):
+            return (*entries[:-2], f"{entries[-2]}..{ref.rpartition('/')[2]}")
+    return (*entries, ref)
+
+
 def _follows(prev: str, ref: str) -> bool:
     """True when ``ref`` is the link right after ``prev`` in the same segment of the same session."""
     ps, _, pc = prev.rpartition("/")
@@ -113,6 +127,98 @@ def _follows(prev: str, ref: str) -> bool:
     a, b = _SEGMENT.match(pc), _SEGMENT.match(rc)
     return (ps == rs and a is not None and b is not None and a.group(1) == b.group(1)
             and int(b.group(2), 16) == int(a.group(2), 16) + 1)
+
+
+class LinkSet:
+    """Checkpoints of chains: spans of link numbers per (session, segment), and single ids.
+
+    Chains of a session's rows share most of their links, and a range stands
+    for hundreds of them: a LinkSet answers "is it needed?" and "what is left
+    once the needed ones are taken away?" in time proportional to the ranges,
+    not the links.
+    """
+
+    def __init__(self) -> None:
+        self.singles: set[tuple[str, str]] = set()
+        self.spans: dict[tuple[str, str], list[tuple[int, int]]] = {}
+
+    def add(self, session_id: str, checkpoint_id: str) -> None:
+        m = _SEGMENT.match(checkpoint_id)
+        if m is None:
+            self.singles.add((session_id, checkpoint_id))
+        else:
+            n = int(m.group(2), 16)
+            self.spans.setdefault((session_id, m.group(1)), []).append((n, n))
+
+    def add_row(self, row: CheckpointRow, *, own: bool = True) -> None:
+        """The links ``row``'s chain names (and ``row`` itself with ``own``)."""
+        if own:
+            self.add(row.session_id, row.checkpoint_id)
+        for entry in row.chain:
+            first, dots, last = entry.partition("..")
+            sid, cid = ref_parts(first, row.session_id)
+            a, b = _SEGMENT.match(cid), _SEGMENT.match(last) if dots else None
+            if dots and a is not None and b is not None and a.group(1) == b.group(1):
+                self.spans.setdefault((sid, a.group(1)), []).append((int(a.group(2), 16), int(b.group(2), 16)))
+            elif dots:
+                raise ValueError(f"malformed chain range {entry!r}")
+            else:
+                self.add(sid, cid)
+
+    def covers(self, session_id: str, checkpoint_id: str) -> bool:
+        m = _SEGMENT.match(checkpoint_id)
+        if m is None:
+            return (session_id, checkpoint_id) in self.singles
+        n = int(m.group(2), 16)
+        return any(lo <= n <= hi for lo, hi in self.spans.get((session_id, m.group(1)), ()))
+
+    def minus(self, other: LinkSet) -> Iterator[tuple[str, str]]:
+        """The links of this set that ``other`` does not cover, one by one."""
+        for sid, cid in self.singles:
+            if not other.covers(sid, cid):
+                yield sid, cid
+        for (sid, seg), spans in self.spans.items():
+            taken = sorted(other.spans.get((sid, seg), ()))
+            for n in sorted({n for lo, hi in spans for n in _uncovered(lo, hi, taken)}):
+                yield sid, f"{seg}{n:06x}"
+
+
+def _uncovered(lo: int, hi: int, taken: list[tuple[int, int]]) -> Iterator[int]:
+    """Numbers in [lo, hi] outside the sorted spans ``taken``."""
+    n = lo
+    for a, b in taken:
+        if b < n:
+            continue
+        if a > hi:
+            break
+        yield from range(n, min(a, hi + 1))
+        n = max(n, b + 1)
+        if n > hi:
+            return
+    yield from range(n, hi + 1)
+
+
+def links_of(rows: Iterable[CheckpointRow], *, own: bool = True) -> LinkSet:
+    """The links the chains of ``rows`` name (and the rows themselves with ``own``)."""
+    out = LinkSet()
+    for row in rows:
+        out.add_row(row, own=own)
+    return out
+
+
+def unneeded_keys(retired: Iterable[CheckpointRow], kept: Iterable[CheckpointRow], session_id: str,
+                  user_id: str | None, extra: Iterable[str] = ()) -> set[str]:
+    """Keys of this session's objects that ``retired`` rows (themselves and their chains) and ``extra`` (keys of
+    this session's checkpoint objects) name, which none of ``kept`` needs."""
+    needed = links_of(kept)
+    candidates = links_of(retired)
+    prefix = layout.session_prefix(session_id, user_id) + "checkpoints/"
+    for key in extra:
+        if key.startswith(prefix) and key.endswith(".json"):
+            candidates.add(session_id, key[len(prefix):-5])
+    # Ids of ranges are ours (a segment and a link number): only single ids need the full validation.
+    return {prefix + cid + ".json" if _SEGMENT.match(cid) else layout.checkpoint_key(sid, user_id, cid)
+            for sid, cid in candidates.minus(needed) if sid == session_id}
 
 
 def chain_keys(rows: Iterable[CheckpointRow], session_id: str) -> set[str]:
@@ -135,6 +241,8 @@ def foreign_refs(rows: Iterable[CheckpointRow]) -> dict[str, set[str]]:
     """Per other session, the checkpoint ids of it that the chains of ``rows`` name."""
     out: dict[str, set[str]] = {}
     for row in rows:
+        if not any("/" in e for e in row.chain):
+            continue
         for sid, cid in expand(row.chain, row.session_id):
             if sid != row.session_id:
                 out.setdefault(sid, set()).add(cid)
@@ -175,24 +283,23 @@ class Pins:
         self.objects.delete(keys=[layout.pin_key(session_id, user_id, dependent)])
 
 
-def collect(rows: CheckpointRows, session_id: str, user_id: str | None, candidates: Iterable[str], *,
-            also_needed: Iterable[CheckpointRow] = (), live: dict[str, CheckpointRow] | None = None,
-            keep: Callable[[str], bool] | None = None) -> list[str]:
-    """Delete the ``candidates`` (object keys of session ``session_id``) nothing needs; the keys deleted.
+def collect(rows: CheckpointRows, session_id: str, user_id: str | None, retired: Iterable[CheckpointRow], *,
+            extra: Iterable[str] = (), also_needed: Iterable[CheckpointRow] = (),
+            live: dict[str, CheckpointRow] | None = None) -> list[str]:
+    """Delete the objects of this session that ``retired`` rows (themselves and their chains) and ``extra`` keys
+    name, if nothing needs them; the keys deleted.
 
     Needed: live rows' objects and chains (``live``, else a fresh LIST), those
-    of ``also_needed`` (a writer's rows not indexed yet), pinned objects, and
-    whatever ``keep`` says. Call it after the tombstones of the rows whose
-    objects are candidates were written.
+    of ``also_needed`` (a writer's rows not indexed yet), and pinned objects.
+    Call it after the tombstones of ``retired`` were written.
     """
-    doomed = set(candidates)
-    if not doomed:
+    retired = list(retired)
+    extra = list(extra)
+    if not retired and not extra:
         return []
     if live is None:
         live = rows.live(session_id, user_id)
-    doomed -= needed_keys([*live.values(), *also_needed], session_id)
-    if keep is not None:
-        doomed = {k for k in doomed if not keep(k)}
+    doomed = unneeded_keys(retired, [*live.values(), *also_needed], session_id, user_id, extra)
     if doomed:
         pinned = Pins(rows.objects).pinned(session_id, user_id)
         doomed = set() if pinned is None else doomed - pinned
@@ -212,7 +319,7 @@ def release_pins(rows: CheckpointRows, session_id: str, user_id: str | None,
         pins = Pins(rows.objects)
         try:
             pins.release(other, user_id, session_id)
-            collect(rows, other, user_id, [layout.checkpoint_key(other, user_id, c) for c in ids])
+            collect(rows, other, user_id, (), extra=[layout.checkpoint_key(other, user_id, c) for c in ids])
         except StorageError as e:
             log.warning("pin of session %r on %r not released yet (%s); the next retention or prune retries",
                         session_id, other, e)

@@ -46,6 +46,27 @@ INDEX_BATCH = 16
 _VIEW_REFRESH = 32
 
 
+_INT64 = range(-(2**63), 2**63)
+
+
+def _check_values(row: CheckpointRow) -> None:
+    """``TypeError``/``ValueError`` for a row value the Parquet index cannot hold (checked in Python: encoding
+    the row with Arrow on every put would cost more than the put)."""
+    for name in ("turn", "message_count", "input_tokens", "output_tokens"):
+        value = getattr(row, name)
+        if type(value) is not int:
+            raise TypeError(f"checkpoint {name} must be an int, got {type(value).__name__}")
+        if value not in _INT64:
+            raise ValueError(f"checkpoint {name}={value} does not fit a 64-bit index column")
+    for name in ("cost_usd", "spend_usd"):
+        value = getattr(row, name)
+        if value is not None and type(value) not in (int, float):
+            raise TypeError(f"checkpoint {name} must be a number or None, got {type(value).__name__}")
+    for name in ("position", "execution_status"):
+        if not isinstance(getattr(row, name), str):
+            raise TypeError(f"checkpoint {name} must be a str, got {type(getattr(row, name)).__name__}")
+
+
 class CheckpointLog:
     """One lease holder's checkpoint writes to one session (see the module docstring). Not thread-safe: one
     writer calls it, in order."""
@@ -78,7 +99,7 @@ class CheckpointLog:
         info = replace(info, created_at=as_utc(info.created_at))
         draft = CheckpointRow(**{n: getattr(info, n) for n in envelope.INFO_FIELDS}, epoch=self.lease.epoch, key=key,
                               size=0, sha256="")
-        self._rows.encode([draft], tombstone=False)  # a value Arrow refuses fails before anything lands
+        _check_values(draft)  # a value the index cannot hold fails before anything lands
         obj = envelope.wrap(data, header_of_row(draft))
         self._rows.objects.put(key=key, data=obj)
         self.pending.append(replace(draft, size=len(obj), sha256=hashlib.sha256(obj).hexdigest()))

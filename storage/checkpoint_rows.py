@@ -155,8 +155,7 @@ class CheckpointRows:
         also = list(also_needed)
         if live is None:
             live = self.live(session_id, user_id)
-        candidates = {r.key for r in retired} | chains.chain_keys(retired, session_id)
-        chains.collect(self, session_id, user_id, candidates, also_needed=also, live=live)
+        chains.collect(self, session_id, user_id, retired, also_needed=also, live=live)
         chains.release_pins(self, session_id, user_id, [*live.values(), *also], retired)
 
     def sweep(self, session_id: str, user_id: str | None, also_needed: Iterable[CheckpointRow] = ()) -> dict[str, CheckpointRow]:
@@ -168,7 +167,7 @@ class CheckpointRows:
         if dead:
             prefix = layout.session_prefix(session_id, user_id) + "checkpoints/"
             present = {o.key for o in self.objects.list(prefix=prefix)}
-            chains.collect(self, session_id, user_id, dead & present, also_needed=also_needed, live=live)
+            chains.collect(self, session_id, user_id, (), extra=dead & present, also_needed=also_needed, live=live)
         with self._lock:
             self._views[(user_id, session_id)] = _View(dict(live))
         return live

@@ -224,8 +224,7 @@ def _object_keys(store: Store, uid: str | None, sid: str, live: Sequence[Checkpo
     """The objects prune deletes with ``retired``: theirs, their chains' and ``orphans``, less what the rows that
     stay need and what other sessions pin (an unreadable pin keeps every object)."""
     gone = {r.checkpoint_id for r in retired}
-    candidates = {r.key for r in retired} | chains.chain_keys(retired, sid) | set(orphans)
-    candidates -= chains.needed_keys([r for r in live if r.checkpoint_id not in gone], sid)
+    candidates = chains.unneeded_keys(retired, [r for r in live if r.checkpoint_id not in gone], sid, uid, orphans)
     if candidates:
         pinned = chains.Pins(store.objects).pinned(sid, uid)
         candidates = set() if pinned is None else candidates - pinned

@@ -120,6 +120,13 @@ class CheckpointWriter:
         if self.fatal is not None:
             raise self.fatal
 
+    async def uploaded(self) -> None:
+        """Wait until every checkpoint saved so far was written (or failed), without asking the store to
+        acknowledge them; raise a fencing error if one happened."""
+        if self._tail is not None:
+            await asyncio.shield(self._tail)
+        self.check()
+
     async def flush(self) -> None:
         """Wait for every queued upload, then have the store acknowledge what it has not yet; raise a fencing
         error if one happened."""
