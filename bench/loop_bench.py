@@ -19,9 +19,15 @@ boundary (checkpoint objects, journal entries, index files) and compared with
 the final transcript size. ``floor_ms`` is one raw PUT of the mean checkpoint
 size through the same object store: the least a per-pass snapshot can cost.
 
-A checkpoint per pass snapshots the whole transcript, so bytes written grow
-quadratically with the number of passes; ``bytes/pass`` and ``ckpt ms/pass``
-at 1000 passes show that cost in numbers.
+A checkpoint holds only what its pass added (checkpoint format 2.0), so bytes
+written per pass stay flat however long the session grows; ``KB/pass`` and
+``ckpt ms/pass`` at 1000 passes show it in numbers.
+
+Per case it also reports objects and bytes written per pass against a
+budget of twice the bytes a pass adds to the transcript plus 1 KB, and what
+a cold reader (a new process) pays to read the latest checkpoint back whole:
+milliseconds, GETs, LISTs and round trips (calls waited for one after the
+other; on S3, where a reader fetches a chain in parallel).
 
 ``--loomflow-python PATH`` runs the same loop on loomflow 0.20 (its
 ``ScriptedModel`` and ``SqliteRuntime`` with ``Tuning(checkpoint=True)``) in
@@ -40,14 +46,18 @@ import platform
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loomray import Agent, Tuning  # noqa: E402
+from loomray.checkpoint_format import load_checkpoint  # noqa: E402
 from loomray.models import ScriptedModel  # noqa: E402
 from loomray.runtime import LocalRuntime  # noqa: E402
+from storage import Store  # noqa: E402
+from storage.objects import ObjectStore  # noqa: E402
 
 PAYLOAD = 2048
 
@@ -98,12 +108,80 @@ async def run_case(backend: str, passes: int, mode: str, tmp: Path, server, dela
     wall = time.perf_counter() - t0
     assert result.turns == passes and result.model_calls == passes
     transcript = sum(len(m.model_dump_json()) for m in result.messages)
+    start = sum(len(m.model_dump_json()) for m in result.messages[:2])  # the system message and the prompt
+    read = read_latest(runtime, result.messages) if tuning.checkpoint else {}
     runtime.close()
+    added = (transcript - start) / passes
     return {"backend": backend, "passes": passes, "mode": mode, "model_delay_ms": delay_ms, "wall_s": wall, "ms_per_pass": wall * 1000 / passes,
             "checkpoints": len(sizes), "checkpoint_bytes": sum(sizes),
             "mean_checkpoint_bytes": statistics.mean(sizes) if sizes else 0,
             "bytes_written": counter.bytes, "puts": counter.puts, "bytes_per_pass": counter.bytes / passes,
-            "transcript_bytes": transcript}
+            "objects_per_pass": counter.puts / passes, "transcript_bytes": transcript,
+            "added_bytes_per_pass": added, "written_per_added_byte": counter.bytes / max(1, transcript - start),
+            "bytes_budget_per_pass": 2 * added + 1024, **read}
+
+
+class CallRecorder(ObjectStore):
+    """An object store that records when each call started and ended (for round trips) and what it was."""
+
+    def __init__(self, inner: ObjectStore) -> None:
+        self.inner, self.backend = inner, inner.backend
+        self.calls: list[tuple[str, float, float]] = []
+        self._lock = threading.Lock()
+
+    def _timed(self, op: str, fn, *args, **kw):
+        t0 = time.perf_counter()
+        out = fn(*args, **kw)
+        if op == "list":
+            out = list(out)
+        with self._lock:
+            self.calls.append((op, t0, time.perf_counter()))
+        return out
+
+    def put(self, **kw):
+        return self._timed("put", self.inner.put, **kw)
+
+    def get(self, **kw):
+        return self._timed("get", self.inner.get, **kw)
+
+    def list(self, **kw):
+        return iter(self._timed("list", self.inner.list, **kw))
+
+    def list_dirs(self, **kw):
+        return self._timed("list", self.inner.list_dirs, **kw)
+
+    def delete(self, **kw):
+        return self._timed("delete", self.inner.delete, **kw)
+
+    def describe(self, key=None):
+        return self.inner.describe(key)
+
+
+def round_trips(calls: list[tuple[str, float, float]]) -> int:
+    """Round trips a reader waited for: a call starts a new one when nothing it was issued with is in flight any
+    more (every call of the round before has answered); calls in flight together are one round trip, however
+    many a thread pool or the interpreter lock lets start at once."""
+    rounds, end = 0, None
+    for _, start, stop in sorted(calls, key=lambda c: c[1]):
+        if end is None or start >= end:
+            rounds, end = rounds + 1, stop
+        else:
+            end = max(end, stop)
+    return rounds
+
+
+def read_latest(runtime: LocalRuntime, messages) -> dict:
+    """A cold reader (a new process: nothing cached) reads the session's latest checkpoint back whole."""
+    recorder = CallRecorder(runtime.store.objects)
+    reader = Store(recorder, runtime.store.url)
+    t0 = time.perf_counter()
+    ckpt = load_checkpoint(reader, "bench")
+    ms = (time.perf_counter() - t0) * 1000
+    assert ckpt is not None and ckpt.messages == messages
+    ops = [op for op, _, _ in recorder.calls]
+    reader.index.close()
+    return {"read_latest_ms": ms, "read_latest_round_trips": round_trips(recorder.calls),
+            "read_latest_gets": ops.count("get"), "read_latest_lists": ops.count("list")}
 
 
 def floor_ms(backend: str, size: int, tmp: Path, server, reps: int = 10) -> float:
@@ -233,14 +311,18 @@ def main() -> None:
                 if server is not None:
                     server.stop()
     header = (f"{'backend':7} {'passes':>6} {'mode':6} {'wall s':>8} {'ms/pass':>8} {'x off':>6} "
-              f"{'ckpt ms/pass':>12} {'floor ms':>9} {'ckpts':>6} {'KB/pass':>9} {'transcript KB':>13} {'KB/pass÷tr':>10}")
+              f"{'ckpt ms/pass':>12} {'floor ms':>9} {'ckpts':>6} {'obj/pass':>8} {'KB/pass':>8} {'budget KB':>9} "
+              f"{'x added':>7} {'read RTs':>8} {'read GETs':>9}")
     print(header)
     print("-" * len(header))
     for r in rows:
         print(f"{r['backend']:7} {r['passes']:>6} {r['mode']:6} {r['wall_s']:>8.3f} {r['ms_per_pass']:>8.2f} "
               f"{r['ratio_to_off']:>6.2f} {r['ckpt_overhead_ms_per_pass']:>12.2f} {r['floor_put_ms']:>9.2f} "
-              f"{r['checkpoints']:>6} {r['bytes_per_pass'] / 1024:>9.1f} {r['transcript_bytes'] / 1024:>13.1f} "
-              f"{r['bytes_per_pass_over_transcript']:>10.3f}")
+              f"{r['checkpoints']:>6} {r['objects_per_pass']:>8.2f} {r['bytes_per_pass'] / 1024:>8.2f} "
+              f"{r['bytes_budget_per_pass'] / 1024:>9.2f} {r['written_per_added_byte']:>7.2f} "
+              f"{r.get('read_latest_round_trips', '-'):>8} {r.get('read_latest_gets', '-'):>9}")
+    print("(budget: 2 x the bytes a pass adds to the transcript + 1 KB; x added: bytes written per byte added; "
+          "read: a cold reader reading the latest checkpoint back whole, round trips counted on S3)")
     if latency_rows:
         print()
         print(f"with {args.latency_ms:g} ms model latency, {args.latency_passes} passes (async overlaps upload and call):")
@@ -259,6 +341,12 @@ def main() -> None:
             print(f"{r['passes']:>6} {r['mode']:5} {r['wall_s']:>8.3f} {r['ms_per_pass']:>8.2f} {r['ratio_to_off']:>6.2f} "
                   f"{r['ckpt_overhead_ms_per_pass']:>12.2f} {r['checkpoints']:>6}")
         print("loomray (above) writes one checkpoint per loop pass; compare the 'ckpts' columns.")
+        ours = {(r["passes"], r["mode"]): r for r in rows if r["backend"] == "local"}
+        for r in lf_rows:
+            mine = ours.get((r["passes"], "sync"))
+            if r["mode"] == "sync" and mine is not None:
+                print(f"local {r['passes']} passes: loomray (a checkpoint every pass) / loomflow (checkpoint on) = "
+                      f"{mine['wall_s'] / r['wall_s']:.2f}")
     print(f"wrote {write_json(args, rows, lf_rows, partial=False)}")
 
 

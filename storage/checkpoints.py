@@ -167,8 +167,10 @@ class CheckpointMethods:
         ``chain``); sets ``read.relist`` when a "latest" candidate's object is gone and a fresh LIST must decide."""
         read.relist = False
         for row in candidates:
+            if chain and row.key not in snap.data:
+                self._prefetch(row, snap)  # its object and its chain's in one parallel round trip
             data = snap.data.get(row.key)
-            if data is None:
+            if data is None and not chain:
                 obj = self.objects.get(key=row.key)
                 data = None if obj is None else obj.data
             if data is None:
@@ -193,6 +195,23 @@ class CheckpointMethods:
                 read.first_error = read.first_error or error
         return None
 
+    def _prefetch(self, row: CheckpointRow, snap: Snapshot) -> None:
+        """Read ``row``'s object and its chain's (those not read yet) in parallel into ``snap.data``."""
+        try:
+            links = chains.expand(row.chain, row.session_id)
+        except ValueError:
+            links = []  # a malformed chain: reported when the chain is read
+        keys = [k for k in (row.key, *(layout.checkpoint_key(sid, row.user_id, cid) for sid, cid in links))
+                if k not in snap.data]
+
+        def get(key: str) -> bytes | None:
+            obj = self.objects.get(key=key)
+            return None if obj is None else obj.data
+
+        for key, data in zip(keys, self._rows.index.map_wide(get, keys), strict=True):
+            if data is not None:
+                snap.data[key] = data
+
     def _chain_of(self, row: CheckpointRow, snap: Snapshot) -> list[bytes]:
         """The objects of ``row``'s chain, oldest first, fetched in parallel and verified."""
         try:
@@ -208,7 +227,7 @@ class CheckpointMethods:
             return None if obj is None else obj.data
 
         out = []
-        for key, data in zip(keys, self._rows.index.map_io(get, keys), strict=True):
+        for key, data in zip(keys, self._rows.index.map_wide(get, keys), strict=True):
             if data is None:
                 raise CorruptObjectError(f"{self.objects.describe(key)}: checkpoint {row.checkpoint_id!r} of "
                                          f"session {row.session_id!r} builds on this object, which is missing")

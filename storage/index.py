@@ -38,6 +38,8 @@ R = TypeVar("R")
 
 _CACHE_FILES = 8192
 _READ_THREADS = 16
+#: Requests a reader keeps in flight when it fetches a checkpoint chain (one round trip for up to this many links).
+CHAIN_FETCH_THREADS = 64
 #: LISTs a read makes when listed files keep vanishing (concurrent compactions) before giving up.
 _RELIST_ATTEMPTS = 6
 _sleep = time.sleep  # module-level so tests can record the backoff instead of waiting
@@ -101,13 +103,26 @@ class ParquetIndex:
             max_workers=_READ_THREADS, thread_name_prefix="storage-index")
         #: Reads of a local store run on the caller's thread (see serial_backend).
         self._local = serial_backend(objects)
+        self._wide: ThreadPoolExecutor | None = None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
+        if self._wide is not None:
+            self._wide.shutdown(wait=False)
 
     def map(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
         """``fn`` over ``items`` on the reader threads (on this thread with ``serial_reads``), results in order."""
         return list(self._pool.map(fn, items))
+
+    def map_wide(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
+        """Like :meth:`map_io` with up to ``CHAIN_FETCH_THREADS`` calls in flight (a chain's objects at once)."""
+        items = list(items)
+        if self._local or len(items) < 2 or isinstance(self._pool, _SerialPool):
+            return self.map_io(fn, items)
+        with self._lock:
+            if self._wide is None:
+                self._wide = ThreadPoolExecutor(max_workers=CHAIN_FETCH_THREADS, thread_name_prefix="storage-chain")
+        return list(self._wide.map(fn, items))
 
     def map_io(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
         """Like :meth:`map` for a few storage calls at once: on this thread for a local store (a call costs

@@ -129,7 +129,8 @@ class S3ObjectStore(ObjectStore):
                 # One PUT carries the bytes; no extra checksum pass unless S3 demands it.
                 request_checksum_calculation="when_required",
                 response_checksum_validation="when_required",
-                max_pool_connections=32,
+                # A reader fetches a checkpoint chain's objects 64 at a time (storage.index.CHAIN_FETCH_THREADS).
+                max_pool_connections=64,
             )
             try:
                 session = boto3.session.Session()

@@ -109,7 +109,7 @@ class TailReader:
         epoch = snap.epoch
         floor = max((r.epoch for r in snap.rows.values()), default=0)
         todo = [k for k in snap.present if k not in snap.indexed]
-        for row in self.rows.index.map_io(lambda k: self._tail_row(k, snap), todo):
+        for row in self.rows.index.map_wide(lambda k: self._tail_row(k, snap), todo):
             if row is None or row.session_id != session_id:
                 continue
             if row.epoch < (epoch if epoch is not None else floor):
