@@ -67,6 +67,20 @@ def encode(table: pa.Table) -> bytes:
     return sink.getvalue()
 
 
+def parquet_table(data: bytes) -> pa.Table:
+    """One Parquet file's table, from its bytes.
+
+    The low-level reader without inner threads or pre-buffering: for an index
+    file of a few hundred rows that is 20-25% cheaper than ``ParquetFile.read``
+    and ~4x cheaper than ``read_table`` (what is left, ~6 us per column, is
+    the column readers' own setup). Parallelism comes from reading many files
+    at once.
+    """
+    reader = pq.ParquetReader()
+    reader.open(pa.py_buffer(data), pre_buffer=False)
+    return reader.read_all(use_threads=False)
+
+
 #: Index columns with few distinct values per file: dictionary-encoded in compacted files.
 DICTIONARY_COLUMNS = ("session_id", "user_id", "position", "execution_status", "agent_id", "parent_checkpoint_id",
                       "forked_from", "status", "agent_ref", "node_id")
@@ -97,6 +111,7 @@ class ParquetIndex:
         self._lock = threading.Lock()
         # serial_reads: every read runs on the caller's thread, one at a time (deterministic
         # fault-injection tests attribute each storage call to the actor that made it).
+        self.serial = serial_reads
         self._pool = _SerialPool() if serial_reads else ThreadPoolExecutor(
             max_workers=_READ_THREADS, thread_name_prefix="storage-index")
         #: Reads of a local store run on the caller's thread (see serial_backend).
@@ -154,9 +169,7 @@ class ParquetIndex:
                 vanished.append(key)  # compacted away between LIST and GET
             return None
         try:
-            # ParquetFile.read without inner threads is ~4x cheaper than read_table for small files;
-            # parallelism comes from reading many files at once.
-            table = pq.ParquetFile(pa.BufferReader(obj.data)).read(use_threads=False)
+            table = parquet_table(obj.data)
         except Exception as e:  # pyarrow raises several types for bad bytes
             log.warning("skipping unreadable index file: %s", CorruptObjectError(f"{self.objects.describe(key)}: {e}"))
             return None
@@ -300,26 +313,11 @@ def _split(table: pa.Table) -> tuple[pa.Table, pa.Table]:
     return table.filter(pc.invert(is_tomb)), table.filter(is_tomb)
 
 
-def _one_session_split(table: pa.Table) -> tuple[pa.Table, pa.Table] | None:
-    """``(live rows, tombstones)`` of a table of one (user, session) without repeated keys (the common case,
-    with no group-by or join); None otherwise."""
-    if not _one_session(table):
-        return None
-    if table.num_rows and table["tombstone"].num_chunks > 1:
-        table = table.combine_chunks()  # one filter over one chunk is several times cheaper than over many
-    tomb = pc.fill_null(table["tombstone"], False)
-    live, tombs = table.filter(pc.invert(tomb)), table.filter(tomb)
-    for part in (live, tombs):
-        if part.num_rows > 1 and pc.count_distinct(part["checkpoint_id"], mode="all").as_py() != part.num_rows:
-            return None
-    return live, tombs
-
-
 def live_checkpoints(table: pa.Table) -> pa.Table:
     """Rows not retired by a tombstone (in any file), without the tombstones themselves."""
-    fast = _one_session_split(table)
+    fast = _one_session_merge(table, None, ())
     if fast is not None:
-        return _retire(*fast, True)[0]
+        return fast[0]
     live, tombs = _split(table)
     live, _ = _retire(live, tombs, _one_session(table))
     return live.drop_columns(["__u"])
@@ -338,21 +336,59 @@ def compact_checkpoint_partition(table: pa.Table, *, keep_tombstones_since: date
     writer's ``written_at`` may be skewed). Older tombstones go, since their
     targets are gone or are dropped here; ``None`` keeps none.
     """
-    fast = _one_session_split(table)
+    fast = _one_session_merge(table, keep_tombstones_since, young_ids)
     if fast is not None:
-        live, tombs = fast
-    else:
-        live, tombs = _split(table)
+        return fast
+    live, tombs = _split(table)
     applied = 0
     if tombs.num_rows:
-        live, applied = _retire(live, tombs, fast is not None or _one_session(table))
+        live, applied = _retire(live, tombs, _one_session(table))
         if keep_tombstones_since is not None:
-            since = pa.scalar(keep_tombstones_since, tombs["written_at"].type)
-            keep = pc.fill_null(pc.greater_equal(tombs["written_at"], since), True)
-            if young_ids:
-                ids = pa.array(sorted(young_ids), pa.string())
-                keep = pc.or_(keep, pc.is_in(tombs["checkpoint_id"], value_set=ids))
-            young = tombs.filter(keep)
-            live = pa.concat_tables([live, young.select(live.column_names)])
+            keep = _kept_tombstones(tombs, keep_tombstones_since, young_ids)
+            live = pa.concat_tables([live, tombs.filter(keep).select(live.column_names)])
     merged = live.drop_columns(["__u"]) if "__u" in live.column_names else live
-    return merged.sort_by([("epoch", "ascending"), ("checkpoint_id", "ascending")]), applied
+    return merged.sort_by(_MERGED_ORDER), applied
+
+
+#: The row order of a merged partition file.
+_MERGED_ORDER = [("epoch", "ascending"), ("checkpoint_id", "ascending")]
+
+
+def _kept_tombstones(table: pa.Table, since: datetime, young_ids: Collection[str]) -> pa.ChunkedArray | pa.Array:
+    """Per row of ``table``: whether it would be kept as a tombstone (written at or after ``since``, written_at
+    unknown, or a checkpoint id in ``young_ids``); not whether it is one."""
+    keep = pc.fill_null(pc.greater_equal(table["written_at"], pa.scalar(since, table["written_at"].type)), True)
+    if young_ids:
+        keep = pc.or_(keep, pc.is_in(table["checkpoint_id"], value_set=pa.array(sorted(young_ids), pa.string())))
+    return keep
+
+
+def _one_session_merge(table: pa.Table, since: datetime | None,
+                       young_ids: Collection[str]) -> tuple[pa.Table, int] | None:
+    """:func:`compact_checkpoint_partition` of a table of one (user, session) without repeated keys (the common
+    case), or None for any other table.
+
+    Which rows stay is worked out on the few columns it needs, and the table
+    is reordered once (one ``take``): every table-wide filter, concatenation
+    or sort costs a pass over each of its columns and chunks.
+    """
+    if not _one_session(table):
+        return None
+    tomb = pc.fill_null(table["tombstone"], False)
+    live = pc.invert(tomb)
+    cid = table["checkpoint_id"]
+    live_ids, tomb_ids = cid.filter(live), cid.filter(tomb)
+    for part in (live_ids, tomb_ids):
+        if len(part) > 1 and pc.count_distinct(part, mode="all").as_py() != len(part):
+            return None
+    keep, applied = live, 0
+    if len(tomb_ids):
+        hit = pc.and_(live, pc.is_in(cid, value_set=tomb_ids.combine_chunks()))
+        applied = pc.sum(hit).as_py() or 0
+        if applied:
+            keep = pc.and_not(live, hit)
+        if since is not None:
+            keep = pc.or_(keep, pc.and_(tomb, _kept_tombstones(table, since, young_ids)))
+    rows = pc.indices_nonzero(keep)
+    order = pc.sort_indices(table.select([k for k, _ in _MERGED_ORDER]).take(rows), sort_keys=_MERGED_ORDER)
+    return table.take(pc.take(rows, order)), applied

@@ -289,10 +289,10 @@ def _young_tombstones(pairs: list[tuple[str, pa.Table]], tables: list[pa.Table],
         return as_utc(m) if m is not None and m.tzinfo is not None else None  # naive: whose zone? unknown
 
     cutoff = store_now - grace if store_now is not None else None
-    young: set[str] = set()
-    for (key, _), table in zip(pairs, tables, strict=False):
-        modified = known(listing.get(key))
-        if cutoff is None or modified is None or modified >= cutoff:
-            tomb = pc.fill_null(table["tombstone"], False)
-            young.update(table["checkpoint_id"].filter(tomb).to_pylist())
-    return young
+    young = [t for (key, _), t in zip(pairs, tables, strict=False) if t.num_rows and (
+        cutoff is None or (modified := known(listing.get(key))) is None or modified >= cutoff)]
+    if not young:
+        return set()
+    tomb = pc.fill_null(pa.chunked_array([c for t in young for c in t["tombstone"].chunks], pa.bool_()), False)
+    ids = pa.chunked_array([c for t in young for c in t["checkpoint_id"].chunks], pa.string())
+    return set(ids.filter(tomb).to_pylist())
