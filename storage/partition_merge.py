@@ -82,8 +82,11 @@ class PartitionMerger:
     """
 
     def __init__(self, store: Store, schema: pa.Schema, grace: timedelta, max_lag: float, listed_wall: datetime,
-                 listed_at: float, listing: dict[str, datetime | None], clock: Callable[[], float]) -> None:
+                 listed_at: float, listing: dict[str, datetime | None], clock: Callable[[], float],
+                 delete: Callable[[list[str]], None] | None = None) -> None:
         self.store, self.schema, self.grace, self.max_lag = store, schema, grace, max_lag
+        #: How merged files are deleted (once their merge is written): at once unless the compaction says.
+        self.delete = delete or (lambda keys: store.objects.delete(keys=keys))
         self.listed_wall, self.listed_at, self.listing, self.clock = listed_wall, listed_at, listing, clock
         # Once: a partition's own files never move the store's "now" past the LIST's.
         self.listed_now = listing_now(listing)
@@ -163,7 +166,7 @@ class PartitionMerger:
                 return (*unchanged, self._session_read(part, m, keys))
         # Delete only what was read and merged: a file that appeared after the LIST survives.
         read_keys = {k for k, _ in m.pairs}
-        self.store.objects.delete(keys=[k for k, _ in m.pairs])
+        self.delete([k for k, _ in m.pairs])
         after = [k for k in keys if k not in read_keys] + ([merged_key] if merged_key else [])
         return ((1 if merged.num_rows else 0) + (len(keys) - len(m.pairs)) + (base is not None), m.live,
                 m.applied, self._session_read(part, m, after))
