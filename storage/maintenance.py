@@ -46,7 +46,7 @@ from storage.ids import user_segment
 from storage.index import serial_backend
 from storage.partition_merge import MergeItem, MergeResult, PartitionMerger, base_file, listing_now
 from storage.rows import CHECKPOINT_SCHEMA, SESSION_SCHEMA, CompactReport, as_utc, utcnow
-from storage.table import UserTable, load_tables, table_clock
+from storage.table import UserTable, for_each, load_tables, table_clock
 from storage.table_publish import SessionRead, publish
 
 if TYPE_CHECKING:
@@ -112,38 +112,47 @@ def _ids_of(partition: str) -> tuple[str | None, str]:
     return parts[0][len("user="):], parts[1][len("session="):]
 
 
-class _Deletes:
-    """How a compaction deletes the files it merged (each after its merged file was written).
+class _Helpers:
+    """A local compaction's helper threads: one deletes the files it merged, two write the table's partitions.
 
-    On a local store, on one helper thread while the compaction goes on, all
-    done (and the first failure raised) before ``compact()`` returns: deleting
-    a file whose pages the kernel is still writing back waits for that I/O
-    (seconds for the bench's 10,000 files right after they were written), and
-    that wait need not hold up the merges and the table. Until then a merged
-    session just has its old files too: readers drop the repeated rows, as
-    after a compaction that crashed between write and delete. Remote stores
-    (their merges run on threads already) and ``serial_reads`` delete at once.
+    Deletes (each issued after its merged file was written) run on their own
+    thread while the compaction goes on, all done (the first failure raised)
+    before ``compact()`` returns: deleting a file whose pages the kernel is
+    still writing back waits for that I/O (seconds for the bench's 10,000
+    files right after they were written), and that wait need not hold up the
+    merges and the table. Until then a merged session just has its old files
+    too: readers drop the repeated rows, as after a compaction that crashed
+    between write and delete. A partition write is mostly Parquet encoding
+    and file creation, outside the interpreter lock, so two of them overlap
+    (while merges, mostly Python, do not). Remote stores (their merges and
+    writes run on threads already) and ``serial_reads`` use no helpers.
     """
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        background = serial_backend(store.objects) and not store.index.serial
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="storage-delete") if background else None
+        local = serial_backend(store.objects) and not store.index.serial
+        self.deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="storage-delete") if local else None
+        self.writers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="storage-table") if local else None
         self.pending: list[Future[None]] = []
 
-    def __call__(self, keys: list[str]) -> None:
-        if self.pool is None:
+    def delete(self, keys: list[str]) -> None:
+        if self.deleter is None:
             self.store.objects.delete(keys=keys)
         else:
-            self.pending.append(self.pool.submit(self.store.objects.delete, keys=keys))
+            self.pending.append(self.deleter.submit(self.store.objects.delete, keys=keys))
 
-    def __enter__(self) -> _Deletes:
+    def write_all(self, write: Callable[[str], R], days: list[str]) -> list[R]:
+        if self.writers is None or len(days) < 2:
+            return for_each(self.store, write, days)
+        return list(self.writers.map(write, days))
+
+    def __enter__(self) -> _Helpers:
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        if self.pool is None:
-            return
-        self.pool.shutdown(wait=True)
+        for pool in (self.writers, self.deleter):
+            if pool is not None:
+                pool.shutdown(wait=True)
         if exc_type is None:
             for f in self.pending:
                 f.result()  # a delete that failed fails the compaction, as it did when it ran inline
@@ -159,7 +168,7 @@ class _Compaction:
     #: A merge must be written within this many seconds of its partition's LIST (else abandoned), so any
     #: compactor still holding a row read before its tombstone existed is done before that tombstone goes.
     max_lag: float
-    delete: _Deletes
+    helpers: _Helpers
     files_before: int = 0
     files_after: int = 0
     rows: int = 0
@@ -194,7 +203,7 @@ class _Compaction:
         groups = _partitions(list(listing))
         self.files_before += sum(len(v) for v in groups.values())
         merger = PartitionMerger(self.store, SESSION_SCHEMA, self.grace, self.max_lag, listed_wall, listed_at,
-                                 listing, _clock, self.delete)
+                                 listing, _clock, self.helpers.delete)
         self.merge_all(merger, [(p, k, False, None, None) for p, k in groups.items() if len(k) > 1])
         self.files_after += sum(len(k) for k in groups.values() if len(k) <= 1)
         self.rows += sum(len(k) for k in groups.values() if len(k) <= 1)
@@ -212,7 +221,7 @@ class _Compaction:
         self.now = table_clock()
         work = self._work(groups, listing, {o.key: o.size for o in infos})
         merger = PartitionMerger(self.store, CHECKPOINT_SCHEMA, self.grace, self.max_lag, self.listed_wall,
-                                 self.listed_at, listing, _clock, self.delete)
+                                 self.listed_at, listing, _clock, self.helpers.delete)
         for (partition, *_), (_, _, _, read) in zip(work, self.merge_all(merger, work), strict=False):
             seg, sid = _ids_of(partition)
             if read is not None and seg is not None:  # a read is only asked of session partitions
@@ -260,7 +269,8 @@ class _Compaction:
             if reason is not None and ut.manifest is not None:
                 log.warning("table of user %r is rebuilt from the per-session index: %s", seg, reason)
             done = publish(self.store, ut, self.listed.get(seg, {}), self.reads.get(seg, {}),
-                           rebuild=reason is not None, listed_wall=self.listed_wall, deadline=late)
+                           rebuild=reason is not None, listed_wall=self.listed_wall, deadline=late,
+                           write_all=self.helpers.write_all)
             if done.outcome == "committed":
                 committed += 1
                 parts += done.partitions
@@ -297,8 +307,8 @@ def compact(store: Store, *, tombstone_grace: timedelta | None = None,
     if not isinstance(grace, timedelta) or grace < timedelta(0):
         raise ValueError(f"tombstone_grace must be a non-negative timedelta, got {tombstone_grace!r}")
     segments = None if users is None else sorted({user_segment(u) for u in users})
-    with _Deletes(store) as deletes:
-        run = _Compaction(store, grace, segments, grace.total_seconds() / 2, deletes)
+    with _Helpers(store) as helpers:
+        run = _Compaction(store, grace, segments, grace.total_seconds() / 2, helpers)
         run.sessions()
         run.checkpoints()
         parts, rows, committed, skipped = run.publish_tables()

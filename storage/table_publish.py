@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("storage.table")
 
 
+#: ``write_all(write, days)`` -> ``[write(day) for day in days]``, perhaps on threads.
+WriteAll = Callable[[Callable[[str], tuple[str, str, int]], list[str]], list[tuple[str, str, int]]]
+
+
 class _Conflict(Exception):
     """A partition changed under the write phase (another compactor): give the write phase up."""
 
@@ -227,12 +231,14 @@ def _sessions_after(base: Manifest, reads: dict[str, SessionRead], changes: _Cha
 
 
 def publish(store: Store, ut: UserTable, listed: dict[str, tuple[str, ...]], reads: dict[str, SessionRead], *,
-            rebuild: bool, listed_wall: datetime, deadline: Callable[[], bool]) -> Published:
+            rebuild: bool, listed_wall: datetime, deadline: Callable[[], bool],
+            write_all: WriteAll | None = None) -> Published:
     """Bring one user's partitions and manifest up to date with ``reads`` (see the module docstring).
 
     ``listed``: every session of the user in the compaction's LIST, with its file names then. ``reads``: the
     sessions read. ``rebuild``: rewrite every partition from ``reads`` (which must then cover ``listed``).
     ``deadline()`` true: the reads are too old to publish (the compaction's lag limit); nothing more is written.
+    ``write_all(write, days)``: how the day partitions are written (default :func:`storage.table.for_each`).
     """
     base = ut.manifest or Manifest(ut.user_id)
     changes = _plan(ut, base, listed, reads, rebuild, deadline)
@@ -245,7 +251,8 @@ def publish(store: Store, ut: UserTable, listed: dict[str, tuple[str, ...]], rea
         return Published("busy")
     mkey = layout.table_manifest_key(ut.user_id)
     try:
-        results = for_each(store, parts.write, sorted(changes.days))
+        days = sorted(changes.days)
+        results = write_all(parts.write, days) if write_all is not None else for_each(store, parts.write, days)
     except (_Conflict, PreconditionFailed) as e:
         log.warning("table of user %r: write phase given up (%s); the next compaction rebuilds it", ut.segment, e)
         _release(store, mkey, base, held)
