@@ -46,8 +46,8 @@ from storage.ids import user_segment
 from storage.index import serial_backend
 from storage.partition_merge import MergeItem, MergeResult, PartitionMerger, base_file, listing_now
 from storage.rows import CHECKPOINT_SCHEMA, SESSION_SCHEMA, CompactReport, as_utc, utcnow
-from storage.table import UserTable, for_each, load_tables, table_clock
-from storage.table_publish import SessionRead, publish
+from storage.table import UserTable, load_tables, table_clock
+from storage.table_publish import Published, SessionRead, publish
 
 if TYPE_CHECKING:
     from storage.store import Store
@@ -113,7 +113,7 @@ def _ids_of(partition: str) -> tuple[str | None, str]:
 
 
 class _Helpers:
-    """A local compaction's helper threads: one deletes the files it merged, two write the table's partitions.
+    """A local compaction's helper threads: one deletes the files it merged, two write users' tables.
 
     Deletes (each issued after its merged file was written) run on their own
     thread while the compaction goes on, all done (the first failure raised)
@@ -122,17 +122,19 @@ class _Helpers:
     files right after they were written), and that wait need not hold up the
     merges and the table. Until then a merged session just has its old files
     too: readers drop the repeated rows, as after a compaction that crashed
-    between write and delete. A partition write is mostly Parquet encoding
-    and file creation, outside the interpreter lock, so two of them overlap
-    (while merges, mostly Python, do not). Remote stores (their merges and
-    writes run on threads already) and ``serial_reads`` use no helpers.
+    between write and delete. A user's write phase is mostly Parquet encoding
+    and file creation (its partitions, its manifest twice), outside the
+    interpreter lock, so two users' overlap (while merges, mostly Python, do
+    not). Users' tables are independent: each has its own manifest and its
+    own compare-and-swap. Remote stores (merges and partition writes on
+    threads already), memory stores and ``serial_reads`` use no helpers.
     """
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        local = serial_backend(store.objects) and not store.index.serial
+        local = store.objects.backend == "file" and not store.index.serial  # memory: nothing to wait for
         self.deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="storage-delete") if local else None
-        self.writers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="storage-table") if local else None
+        self.writers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="storage-publish") if local else None
         self.pending: list[Future[None]] = []
 
     def delete(self, keys: list[str]) -> None:
@@ -141,10 +143,11 @@ class _Helpers:
         else:
             self.pending.append(self.deleter.submit(self.store.objects.delete, keys=keys))
 
-    def write_all(self, write: Callable[[str], R], days: list[str]) -> list[R]:
-        if self.writers is None or len(days) < 2:
-            return for_each(self.store, write, days)
-        return list(self.writers.map(write, days))
+    def each_user(self, publish: Callable[[str], R], segments: list[str]) -> list[R]:
+        """``publish`` of each user's table: two users at a time on a local store, in order otherwise."""
+        if self.writers is None or len(segments) < 2:
+            return [publish(seg) for seg in segments]
+        return list(self.writers.map(publish, segments))
 
     def __enter__(self) -> _Helpers:
         return self
@@ -257,28 +260,31 @@ class _Compaction:
         def late() -> bool:
             return bool(self.max_lag) and _clock() - self.listed_at > self.max_lag
 
-        parts = rows = committed = skipped = 0
-        tables = self.tables
-        for seg in sorted(set(self.listed) | {s for s, ut in tables.items() if ut.manifest is not None or ut.parts}):
-            ut = tables.setdefault(seg, UserTable(seg))
+        def one(seg: str) -> Published:
+            ut = self.tables[seg]
             if ut.busy(self.now):
                 log.info("table of user %r: another compaction is writing it; skipped", seg)
-                skipped += 1
-                continue
+                return Published("busy")
             reason = ut.needs_rebuild(self.now)
             if reason is not None and ut.manifest is not None:
                 log.warning("table of user %r is rebuilt from the per-session index: %s", seg, reason)
             done = publish(self.store, ut, self.listed.get(seg, {}), self.reads.get(seg, {}),
-                           rebuild=reason is not None, listed_wall=self.listed_wall, deadline=late,
-                           write_all=self.helpers.write_all)
+                           rebuild=reason is not None, listed_wall=self.listed_wall, deadline=late)
+            if done.outcome == "late":
+                log.warning("table of user %r not written: its reads are older than %.0f s (half the "
+                            "tombstone grace)", seg, self.max_lag)
+            return done
+
+        segs = sorted(set(self.listed) | {s for s, ut in self.tables.items() if ut.manifest is not None or ut.parts})
+        for seg in segs:
+            self.tables.setdefault(seg, UserTable(seg))
+        parts = rows = committed = skipped = 0
+        for done in self.helpers.each_user(one, segs):
             if done.outcome == "committed":
                 committed += 1
                 parts += done.partitions
                 rows += done.rows
             elif done.outcome != "clean":
-                if done.outcome == "late":
-                    log.warning("table of user %r not written: its reads are older than %.0f s (half the "
-                                "tombstone grace)", seg, self.max_lag)
                 skipped += 1
         return parts, rows, committed, skipped
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -37,10 +38,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("storage.table")
 
 
-#: ``write_all(write, days)`` -> ``[write(day) for day in days]``, perhaps on threads.
-WriteAll = Callable[[Callable[[str], tuple[str, str, int]], list[str]], list[tuple[str, str, int]]]
-
-
 class _Conflict(Exception):
     """A partition changed under the write phase (another compactor): give the write phase up."""
 
@@ -64,6 +61,11 @@ class SessionRead:
     count: int | None = None
     #: Checkpoint ids its files' tombstones retire (see :attr:`SessionState.dead`).
     dead: tuple[str, ...] = ()
+
+    @functools.cached_property
+    def days(self) -> set[str]:
+        """The days ``rows`` are on (asked twice by a write phase)."""
+        return days_in(self.rows)
 
 
 @dataclass
@@ -114,7 +116,7 @@ def _plan(ut: UserTable, base: Manifest, listed: dict[str, tuple[str, ...]], rea
         if r.days_changed is not None and s in base.sessions and not rebuild:
             affected |= r.days_changed  # its rows on other days are in the partitions as they are now
         else:
-            affected |= days_in(r.rows)
+            affected |= r.days
             if s in base.sessions:
                 affected.update(base.sessions[s].days)
     for s in gone:
@@ -218,10 +220,10 @@ def _sessions_after(base: Manifest, reads: dict[str, SessionRead], changes: _Cha
     for s, r in reads.items():
         count = r.count if r.count is not None else r.rows.num_rows
         if s in changes.delta:
-            days = sorted(set(sessions[s].days) | days_in(r.rows))
+            days = sorted(set(sessions[s].days) | r.days)
             sessions[s] = SessionState(tuple(sorted(r.files)), tuple(days), r.tombs, count, r.dead)
         elif s in changes.changed or s not in sessions:
-            days = sorted(days_in(r.rows))
+            days = sorted(r.days)
             sessions[s] = SessionState(tuple(sorted(r.files)), tuple(days), r.tombs, count, r.dead)
         elif s in changes.renamed:
             sessions[s] = SessionState(tuple(sorted(r.files)), sessions[s].days, r.tombs, count, r.dead)
@@ -231,14 +233,12 @@ def _sessions_after(base: Manifest, reads: dict[str, SessionRead], changes: _Cha
 
 
 def publish(store: Store, ut: UserTable, listed: dict[str, tuple[str, ...]], reads: dict[str, SessionRead], *,
-            rebuild: bool, listed_wall: datetime, deadline: Callable[[], bool],
-            write_all: WriteAll | None = None) -> Published:
+            rebuild: bool, listed_wall: datetime, deadline: Callable[[], bool]) -> Published:
     """Bring one user's partitions and manifest up to date with ``reads`` (see the module docstring).
 
     ``listed``: every session of the user in the compaction's LIST, with its file names then. ``reads``: the
     sessions read. ``rebuild``: rewrite every partition from ``reads`` (which must then cover ``listed``).
     ``deadline()`` true: the reads are too old to publish (the compaction's lag limit); nothing more is written.
-    ``write_all(write, days)``: how the day partitions are written (default :func:`storage.table.for_each`).
     """
     base = ut.manifest or Manifest(ut.user_id)
     changes = _plan(ut, base, listed, reads, rebuild, deadline)
@@ -251,8 +251,7 @@ def publish(store: Store, ut: UserTable, listed: dict[str, tuple[str, ...]], rea
         return Published("busy")
     mkey = layout.table_manifest_key(ut.user_id)
     try:
-        days = sorted(changes.days)
-        results = write_all(parts.write, days) if write_all is not None else for_each(store, parts.write, days)
+        results = for_each(store, parts.write, sorted(changes.days))
     except (_Conflict, PreconditionFailed) as e:
         log.warning("table of user %r: write phase given up (%s); the next compaction rebuilds it", ut.segment, e)
         _release(store, mkey, base, held)
