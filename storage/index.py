@@ -314,7 +314,8 @@ def _split(table: pa.Table) -> tuple[pa.Table, pa.Table]:
 
 
 def live_checkpoints(table: pa.Table) -> pa.Table:
-    """Rows not retired by a tombstone (in any file), without the tombstones themselves."""
+    """Rows not retired by a tombstone (in any file), without the tombstones themselves (one session's in
+    merged-file order, by epoch and checkpoint id)."""
     fast = _one_session_merge(table, None, ())
     if fast is not None:
         return fast[0]
