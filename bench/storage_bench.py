@@ -23,7 +23,9 @@ because these machines are noisy:
   (table + tail); with the GET / LIST / PUT / DELETE requests each one made;
 - compaction: the full one (per-session merges + building the table), the
   incremental one after those new checkpoints, and a no-op one, with wall and
-  CPU seconds and requests. The index rows are generated as Arrow tables and
+  CPU seconds, requests and the 1-minute load average when each started (the
+  machine may be shared: compare the CPU seconds and the load, not only the
+  wall time). Only this part: ``--parts query --backends local``. The index rows are generated as Arrow tables and
   written through the index writer ``put_checkpoint`` uses
   (``ParquetIndex.write``), so the files have the shape a long run produces,
   only with more rows per file than one write makes. On S3 the CPU seconds
@@ -273,6 +275,7 @@ def bench_query(store, backend, sessions, files_per_session, rows_per_file, user
     files_before = len(store.index_files())
     before = run_query(1)
     progress("  full compaction")
+    load_full = os.getloadavg()[0]  # the machine is shared: what else ran shows in the figures
     counter.reset()
     t, c = time.perf_counter(), time.process_time()
     report = store.compact()
@@ -297,6 +300,7 @@ def bench_query(store, backend, sessions, files_per_session, rows_per_file, user
                                                          message_count=i, cost_usd=0.07), keep=1_000_000)
     write_s = time.perf_counter() - t
     with_tail = run_query(3)
+    load_inc = os.getloadavg()[0]
     counter.reset()
     t, c = time.perf_counter(), time.process_time()
     inc = store.compact()
@@ -310,7 +314,7 @@ def bench_query(store, backend, sessions, files_per_session, rows_per_file, user
             "files_per_session": files_per_session, "rows_per_file": rows_per_file,
             "generate_seconds": gen_s, "files_before": files_before, "files_after": files_after,
             "table_files": table_files, "compact_seconds": compact_s, "compact_cpu_seconds": compact_cpu,
-            "compact_requests": compact_requests,
+            "compact_requests": compact_requests, "compact_loadavg": load_full, "incremental_loadavg": load_inc,
             "tombstones_dropped": report.tombstones_dropped, "table_partitions_written": report.table_partitions,
             "before": before, "after": after,
             "new_checkpoints": new_checkpoints, "new_checkpoint_write_seconds": write_s, "with_tail": with_tail,
@@ -396,9 +400,10 @@ def report(r) -> None:
     for x in r["query"]:
         print(f"{x['backend']:8} {x['index_rows']:,} rows in {x['sessions']:,} sessions, {x['users']} users: per-session "
               f"files {x['files_before']:,} -> {x['files_after']:,}, table files {x['table_files']:,}")
-        print(f"{'':8} compaction: full {x['compact_seconds']:.2f}s (cpu {x['compact_cpu_seconds']:.2f}s) "
-              f"{_req(x['compact_requests'])}; after {x['new_checkpoints']:,} new checkpoints incremental "
-              f"{x['incremental_compact_seconds']:.2f}s (cpu {x['incremental_compact_cpu_seconds']:.2f}s) "
+        print(f"{'':8} compaction: full {x['compact_seconds']:.2f}s (cpu {x['compact_cpu_seconds']:.2f}s, load "
+              f"{x['compact_loadavg']:.1f}) {_req(x['compact_requests'])}; after {x['new_checkpoints']:,} new "
+              f"checkpoints incremental {x['incremental_compact_seconds']:.2f}s (cpu "
+              f"{x['incremental_compact_cpu_seconds']:.2f}s, load {x['incremental_loadavg']:.1f}) "
               f"({x['incremental_table_partitions']} partitions) {_req(x['incremental_requests'])}; "
               f"no-op {x['noop_compact_seconds']:.2f}s")
         for label, key in (("before (uncompacted)", "before"), ("after compaction", "after"),

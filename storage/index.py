@@ -20,13 +20,11 @@ import random
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime
 from typing import TypeVar
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from storage.errors import CorruptObjectError, IndexChangedError
@@ -69,6 +67,20 @@ def encode(table: pa.Table) -> bytes:
     return sink.getvalue()
 
 
+def parquet_table(data: bytes) -> pa.Table:
+    """One Parquet file's table, from its bytes.
+
+    The low-level reader without inner threads or pre-buffering: for an index
+    file of a few hundred rows that is 20-25% cheaper than ``ParquetFile.read``
+    and ~4x cheaper than ``read_table`` (what is left, ~6 us per column, is
+    the column readers' own setup). Parallelism comes from reading many files
+    at once.
+    """
+    reader = pq.ParquetReader()
+    reader.open(pa.py_buffer(data), pre_buffer=False)
+    return reader.read_all(use_threads=False)
+
+
 #: Index columns with few distinct values per file: dictionary-encoded in compacted files.
 DICTIONARY_COLUMNS = ("session_id", "user_id", "position", "execution_status", "agent_id", "parent_checkpoint_id",
                       "forked_from", "status", "agent_ref", "node_id")
@@ -99,6 +111,7 @@ class ParquetIndex:
         self._lock = threading.Lock()
         # serial_reads: every read runs on the caller's thread, one at a time (deterministic
         # fault-injection tests attribute each storage call to the actor that made it).
+        self.serial = serial_reads
         self._pool = _SerialPool() if serial_reads else ThreadPoolExecutor(
             max_workers=_READ_THREADS, thread_name_prefix="storage-index")
         #: Reads of a local store run on the caller's thread (see serial_backend).
@@ -175,9 +188,7 @@ class ParquetIndex:
                 vanished.append(key)  # compacted away between LIST and GET
             return None
         try:
-            # ParquetFile.read without inner threads is ~4x cheaper than read_table for small files;
-            # parallelism comes from reading many files at once.
-            table = pq.ParquetFile(pa.BufferReader(obj.data)).read(use_threads=False)
+            table = parquet_table(obj.data)
         except Exception as e:  # pyarrow raises several types for bad bytes
             log.warning("skipping unreadable index file: %s", CorruptObjectError(f"{self.objects.describe(key)}: {e}"))
             return None
@@ -256,14 +267,6 @@ class ParquetIndex:
         return [k for k, _ in pairs], table
 
 
-def _keyed(table: pa.Table) -> pa.Table:
-    """Add ``__u`` (user_id with null as "") so joins match "no user" rows: SQL joins never match nulls."""
-    return table.append_column("__u", pc.fill_null(table["user_id"], ""))
-
-
-_JOIN = ["__u", "session_id", "checkpoint_id"]
-
-
 def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
     """``table`` in exactly ``schema`` (column order and types); a no-op for files this package wrote."""
     if table.schema.equals(schema):
@@ -275,105 +278,3 @@ def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
             if f.name not in table.schema.names and f.nullable:
                 table = table.append_column(f.name, pa.nulls(table.num_rows, f.type))
     return table.select(schema.names).cast(schema)
-
-
-def _one_session(table: pa.Table) -> bool:
-    """All rows name one (user, session) (a partition's own files): tombstones then match by checkpoint id alone."""
-    if table.num_rows < 2:
-        return True
-    return all(pc.count_distinct(table[c], mode="all").as_py() == 1 for c in ("session_id", "user_id"))
-
-
-def dedupe(table: pa.Table) -> pa.Table:
-    """Drop exact repeats of a (user, session, checkpoint, tombstone) row; rows are immutable, repeats are copies."""
-    if table.num_rows < 2:
-        return table
-    if _one_session(table):
-        # The common case, without a group-by: no checkpoint id twice among live rows nor among tombstones.
-        tomb = pc.fill_null(table["tombstone"], False)
-        if all(pc.count_distinct(part, mode="all").as_py() == len(part) for part in
-               (table["checkpoint_id"].filter(tomb), table["checkpoint_id"].filter(pc.invert(tomb)))):
-            return table
-    keyed = _keyed(table)
-    cols = _JOIN + ["tombstone"]
-    if keyed.group_by(cols, use_threads=False).aggregate([]).num_rows == table.num_rows:
-        return table
-    numbered = keyed.append_column("__i", pa.array(range(table.num_rows), pa.int64()))
-    first = numbered.group_by(cols, use_threads=False).aggregate([("__i", "min")])["__i_min"]
-    return table.take(pc.take(first, pc.sort_indices(first)))
-
-
-def _retire(live: pa.Table, tombs: pa.Table, one_session: bool) -> tuple[pa.Table, int]:
-    """``live`` without the rows ``tombs`` retire, and how many they retired."""
-    if not tombs.num_rows:
-        return live, 0
-    if one_session:
-        hit = pc.is_in(live["checkpoint_id"], value_set=tombs["checkpoint_id"].combine_chunks())
-        applied = pc.sum(hit).as_py() or 0
-        return (live.filter(pc.invert(hit)) if applied else live), applied
-    applied = live.join(tombs.select(_JOIN), keys=_JOIN, join_type="left semi", use_threads=False).num_rows
-    return live.join(tombs.select(_JOIN), keys=_JOIN, join_type="left anti", use_threads=False), applied
-
-
-def _split(table: pa.Table) -> tuple[pa.Table, pa.Table]:
-    table = _keyed(dedupe(table))
-    is_tomb = table["tombstone"]
-    return table.filter(pc.invert(is_tomb)), table.filter(is_tomb)
-
-
-def _one_session_split(table: pa.Table) -> tuple[pa.Table, pa.Table] | None:
-    """``(live rows, tombstones)`` of a table of one (user, session) without repeated keys (the common case,
-    with no group-by or join); None otherwise."""
-    if not _one_session(table):
-        return None
-    if table.num_rows and table["tombstone"].num_chunks > 1:
-        table = table.combine_chunks()  # one filter over one chunk is several times cheaper than over many
-    tomb = pc.fill_null(table["tombstone"], False)
-    live, tombs = table.filter(pc.invert(tomb)), table.filter(tomb)
-    for part in (live, tombs):
-        if part.num_rows > 1 and pc.count_distinct(part["checkpoint_id"], mode="all").as_py() != part.num_rows:
-            return None
-    return live, tombs
-
-
-def live_checkpoints(table: pa.Table) -> pa.Table:
-    """Rows not retired by a tombstone (in any file), without the tombstones themselves."""
-    fast = _one_session_split(table)
-    if fast is not None:
-        return _retire(*fast, True)[0]
-    live, tombs = _split(table)
-    live, _ = _retire(live, tombs, _one_session(table))
-    return live.drop_columns(["__u"])
-
-
-def compact_checkpoint_partition(table: pa.Table, *, keep_tombstones_since: datetime | None = None,
-                                 young_ids: Collection[str] = ()) -> tuple[pa.Table, int]:
-    """Merged rows of one partition and the number of rows tombstones retired.
-
-    Retired rows are dropped. A tombstone written at or after
-    ``keep_tombstones_since`` stays in the merged set, applied or not: another
-    compactor may have read its target row before the tombstone existed and not
-    have written its merged file yet, and only this tombstone keeps that copy
-    dead (see :func:`storage.maintenance.compact`). So does a tombstone of a
-    checkpoint id in ``young_ids`` (its file is young by the store's clock: the
-    writer's ``written_at`` may be skewed). Older tombstones go, since their
-    targets are gone or are dropped here; ``None`` keeps none.
-    """
-    fast = _one_session_split(table)
-    if fast is not None:
-        live, tombs = fast
-    else:
-        live, tombs = _split(table)
-    applied = 0
-    if tombs.num_rows:
-        live, applied = _retire(live, tombs, fast is not None or _one_session(table))
-        if keep_tombstones_since is not None:
-            since = pa.scalar(keep_tombstones_since, tombs["written_at"].type)
-            keep = pc.fill_null(pc.greater_equal(tombs["written_at"], since), True)
-            if young_ids:
-                ids = pa.array(sorted(young_ids), pa.string())
-                keep = pc.or_(keep, pc.is_in(tombs["checkpoint_id"], value_set=ids))
-            young = tombs.filter(keep)
-            live = pa.concat_tables([live, young.select(live.column_names)])
-    merged = live.drop_columns(["__u"]) if "__u" in live.column_names else live
-    return merged.sort_by([("epoch", "ascending"), ("checkpoint_id", "ascending")]), applied

@@ -36,7 +36,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, TypeVar
@@ -47,7 +47,7 @@ from storage.index import serial_backend
 from storage.partition_merge import MergeItem, MergeResult, PartitionMerger, base_file, listing_now
 from storage.rows import CHECKPOINT_SCHEMA, SESSION_SCHEMA, CompactReport, as_utc, utcnow
 from storage.table import UserTable, load_tables, table_clock
-from storage.table_publish import SessionRead, publish
+from storage.table_publish import Published, SessionRead, publish
 
 if TYPE_CHECKING:
     from storage.store import Store
@@ -112,6 +112,55 @@ def _ids_of(partition: str) -> tuple[str | None, str]:
     return parts[0][len("user="):], parts[1][len("session="):]
 
 
+class _Helpers:
+    """A local compaction's helper threads: one deletes the files it merged, two write users' tables.
+
+    Deletes (each issued after its merged file was written) run on their own
+    thread while the compaction goes on, all done (the first failure raised)
+    before ``compact()`` returns: deleting a file whose pages the kernel is
+    still writing back waits for that I/O (seconds for the bench's 10,000
+    files right after they were written), and that wait need not hold up the
+    merges and the table. Until then a merged session just has its old files
+    too: readers drop the repeated rows, as after a compaction that crashed
+    between write and delete. A user's write phase is mostly Parquet encoding
+    and file creation (its partitions, its manifest twice), outside the
+    interpreter lock, so two users' overlap (while merges, mostly Python, do
+    not). Users' tables are independent: each has its own manifest and its
+    own compare-and-swap. Remote stores (merges and partition writes on
+    threads already), memory stores and ``serial_reads`` use no helpers.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        local = store.objects.backend == "file" and not store.index.serial  # memory: nothing to wait for
+        self.deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="storage-delete") if local else None
+        self.writers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="storage-publish") if local else None
+        self.pending: list[Future[None]] = []
+
+    def delete(self, keys: list[str]) -> None:
+        if self.deleter is None:
+            self.store.objects.delete(keys=keys)
+        else:
+            self.pending.append(self.deleter.submit(self.store.objects.delete, keys=keys))
+
+    def each_user(self, publish: Callable[[str], R], segments: list[str]) -> list[R]:
+        """``publish`` of each user's table: two users at a time on a local store, in order otherwise."""
+        if self.writers is None or len(segments) < 2:
+            return [publish(seg) for seg in segments]
+        return list(self.writers.map(publish, segments))
+
+    def __enter__(self) -> _Helpers:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        for pool in (self.writers, self.deleter):
+            if pool is not None:
+                pool.shutdown(wait=True)
+        if exc_type is None:
+            for f in self.pending:
+                f.result()  # a delete that failed fails the compaction, as it did when it ran inline
+
+
 @dataclass
 class _Compaction:
     """One ``compact()``: its scope and limits, and the counts its report gives."""
@@ -122,6 +171,7 @@ class _Compaction:
     #: A merge must be written within this many seconds of its partition's LIST (else abandoned), so any
     #: compactor still holding a row read before its tombstone existed is done before that tombstone goes.
     max_lag: float
+    helpers: _Helpers
     files_before: int = 0
     files_after: int = 0
     rows: int = 0
@@ -156,7 +206,7 @@ class _Compaction:
         groups = _partitions(list(listing))
         self.files_before += sum(len(v) for v in groups.values())
         merger = PartitionMerger(self.store, SESSION_SCHEMA, self.grace, self.max_lag, listed_wall, listed_at,
-                                 listing, _clock)
+                                 listing, _clock, self.helpers.delete)
         self.merge_all(merger, [(p, k, False, None, None) for p, k in groups.items() if len(k) > 1])
         self.files_after += sum(len(k) for k in groups.values() if len(k) <= 1)
         self.rows += sum(len(k) for k in groups.values() if len(k) <= 1)
@@ -174,7 +224,7 @@ class _Compaction:
         self.now = table_clock()
         work = self._work(groups, listing, {o.key: o.size for o in infos})
         merger = PartitionMerger(self.store, CHECKPOINT_SCHEMA, self.grace, self.max_lag, self.listed_wall,
-                                 self.listed_at, listing, _clock)
+                                 self.listed_at, listing, _clock, self.helpers.delete)
         for (partition, *_), (_, _, _, read) in zip(work, self.merge_all(merger, work), strict=False):
             seg, sid = _ids_of(partition)
             if read is not None and seg is not None:  # a read is only asked of session partitions
@@ -210,27 +260,31 @@ class _Compaction:
         def late() -> bool:
             return bool(self.max_lag) and _clock() - self.listed_at > self.max_lag
 
-        parts = rows = committed = skipped = 0
-        tables = self.tables
-        for seg in sorted(set(self.listed) | {s for s, ut in tables.items() if ut.manifest is not None or ut.parts}):
-            ut = tables.setdefault(seg, UserTable(seg))
+        def one(seg: str) -> Published:
+            ut = self.tables[seg]
             if ut.busy(self.now):
                 log.info("table of user %r: another compaction is writing it; skipped", seg)
-                skipped += 1
-                continue
+                return Published("busy")
             reason = ut.needs_rebuild(self.now)
             if reason is not None and ut.manifest is not None:
                 log.warning("table of user %r is rebuilt from the per-session index: %s", seg, reason)
             done = publish(self.store, ut, self.listed.get(seg, {}), self.reads.get(seg, {}),
                            rebuild=reason is not None, listed_wall=self.listed_wall, deadline=late)
+            if done.outcome == "late":
+                log.warning("table of user %r not written: its reads are older than %.0f s (half the "
+                            "tombstone grace)", seg, self.max_lag)
+            return done
+
+        segs = sorted(set(self.listed) | {s for s, ut in self.tables.items() if ut.manifest is not None or ut.parts})
+        for seg in segs:
+            self.tables.setdefault(seg, UserTable(seg))
+        parts = rows = committed = skipped = 0
+        for done in self.helpers.each_user(one, segs):
             if done.outcome == "committed":
                 committed += 1
                 parts += done.partitions
                 rows += done.rows
             elif done.outcome != "clean":
-                if done.outcome == "late":
-                    log.warning("table of user %r not written: its reads are older than %.0f s (half the "
-                                "tombstone grace)", seg, self.max_lag)
                 skipped += 1
         return parts, rows, committed, skipped
 
@@ -259,10 +313,11 @@ def compact(store: Store, *, tombstone_grace: timedelta | None = None,
     if not isinstance(grace, timedelta) or grace < timedelta(0):
         raise ValueError(f"tombstone_grace must be a non-negative timedelta, got {tombstone_grace!r}")
     segments = None if users is None else sorted({user_segment(u) for u in users})
-    run = _Compaction(store, grace, segments, grace.total_seconds() / 2)
-    run.sessions()
-    run.checkpoints()
-    parts, rows, committed, skipped = run.publish_tables()
+    with _Helpers(store) as helpers:
+        run = _Compaction(store, grace, segments, grace.total_seconds() / 2, helpers)
+        run.sessions()
+        run.checkpoints()
+        parts, rows, committed, skipped = run.publish_tables()
     return IndexCompactReport(files_before=run.files_before, files_after=run.files_after, rows=run.rows,
                               tombstones_dropped=run.dropped, table_partitions=parts, table_rows=rows,
                               table_users=committed, table_skipped=skipped)

@@ -20,7 +20,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from storage.errors import IndexChangedError
-from storage.index import compact_checkpoint_partition, conform, live_checkpoints
+from storage.index import conform
+from storage.index_merge import compact_checkpoint_partition, live_checkpoints
 from storage.rows import CHECKPOINT_SCHEMA, as_utc, utcnow
 from storage.table import SessionState, days_of, table_rows
 from storage.table_publish import SessionRead
@@ -82,8 +83,11 @@ class PartitionMerger:
     """
 
     def __init__(self, store: Store, schema: pa.Schema, grace: timedelta, max_lag: float, listed_wall: datetime,
-                 listed_at: float, listing: dict[str, datetime | None], clock: Callable[[], float]) -> None:
+                 listed_at: float, listing: dict[str, datetime | None], clock: Callable[[], float],
+                 delete: Callable[[list[str]], None] | None = None) -> None:
         self.store, self.schema, self.grace, self.max_lag = store, schema, grace, max_lag
+        #: How merged files are deleted (once their merge is written): at once unless the compaction says.
+        self.delete = delete or (lambda keys: store.objects.delete(keys=keys))
         self.listed_wall, self.listed_at, self.listing, self.clock = listed_wall, listed_at, listing, clock
         # Once: a partition's own files never move the store's "now" past the LIST's.
         self.listed_now = listing_now(listing)
@@ -163,7 +167,7 @@ class PartitionMerger:
                 return (*unchanged, self._session_read(part, m, keys))
         # Delete only what was read and merged: a file that appeared after the LIST survives.
         read_keys = {k for k, _ in m.pairs}
-        self.store.objects.delete(keys=[k for k, _ in m.pairs])
+        self.delete([k for k, _ in m.pairs])
         after = [k for k in keys if k not in read_keys] + ([merged_key] if merged_key else [])
         return ((1 if merged.num_rows else 0) + (len(keys) - len(m.pairs)) + (base is not None), m.live,
                 m.applied, self._session_read(part, m, after))
@@ -289,10 +293,10 @@ def _young_tombstones(pairs: list[tuple[str, pa.Table]], tables: list[pa.Table],
         return as_utc(m) if m is not None and m.tzinfo is not None else None  # naive: whose zone? unknown
 
     cutoff = store_now - grace if store_now is not None else None
-    young: set[str] = set()
-    for (key, _), table in zip(pairs, tables, strict=False):
-        modified = known(listing.get(key))
-        if cutoff is None or modified is None or modified >= cutoff:
-            tomb = pc.fill_null(table["tombstone"], False)
-            young.update(table["checkpoint_id"].filter(tomb).to_pylist())
-    return young
+    young = [t for (key, _), t in zip(pairs, tables, strict=False) if t.num_rows and (
+        cutoff is None or (modified := known(listing.get(key))) is None or modified >= cutoff)]
+    if not young:
+        return set()
+    tomb = pc.fill_null(pa.chunked_array([c for t in young for c in t["tombstone"].chunks], pa.bool_()), False)
+    ids = pa.chunked_array([c for t in young for c in t["checkpoint_id"].chunks], pa.string())
+    return set(ids.filter(tomb).to_pylist())

@@ -23,7 +23,8 @@ from storage.checkpoint_writes import CheckpointWrites
 from storage.checkpoints import CheckpointMethods
 from storage.errors import StorageError
 from storage.ids import user_from_segment, user_segment, validate_id
-from storage.index import ParquetIndex, live_checkpoints
+from storage.index import ParquetIndex
+from storage.index_merge import live_checkpoints
 from storage.journaling import JournalMethods
 from storage.leases import LEASE_TIMEOUT, LeaseNote, Leases
 from storage.maintenance import IndexCompactReport, compact

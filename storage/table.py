@@ -83,7 +83,7 @@ import pyarrow.parquet as pq
 from storage import layout
 from storage.errors import StorageError
 from storage.ids import user_from_segment
-from storage.index import DICTIONARY_COLUMNS, conform, serial_backend
+from storage.index import DICTIONARY_COLUMNS, conform, parquet_table, serial_backend
 from storage.rows import CHECKPOINT_SCHEMA, as_utc, utcnow
 
 if TYPE_CHECKING:
@@ -100,6 +100,7 @@ INTENT_TTL = timedelta(minutes=10)
 _PART = "part-0.parquet"
 _MANIFEST = "_manifest.json.gz"
 _META = b"loomray.table"
+_EPOCH, _UTC = date(1970, 1, 1), pa.timestamp("us", tz="UTC")
 
 
 # -- manifest ------------------------------------------------------------------------------------------------------
@@ -310,36 +311,41 @@ def table_rows(table: pa.Table) -> pa.Table:
     return table if table.schema.equals(TABLE_SCHEMA) else table.cast(TABLE_SCHEMA)
 
 
+def _day_numbers(table: pa.Table) -> pa.Array:
+    """Days since the epoch of each row's ``created_at`` (the zone is UTC, so its local date is the UTC date)."""
+    col = table["created_at"] if table.schema.field("created_at").type == _UTC else pc.cast(table["created_at"], _UTC)
+    return pc.cast(pc.fill_null(pc.cast(col, pa.date32()), pa.scalar(0, pa.date32())), pa.int32()).combine_chunks()
+
+
 def days_of(table: pa.Table) -> pa.Array:
     """The UTC day (``YYYY-MM-DD``) of each row's ``created_at`` (a missing one: ``1970-01-01``)."""
     if table.num_rows == 0:
         return pa.array([], pa.string())
-    col = table["created_at"]
-    if col.type != pa.timestamp("us", tz="UTC"):
-        col = pc.cast(col, pa.timestamp("us", tz="UTC"))
-    # Days since the epoch (the zone is UTC, so its local date is the UTC date): no per-row formatting.
-    day_no = pc.cast(pc.fill_null(pc.cast(col, pa.date32()), pa.scalar(0, pa.date32())), pa.int32()).combine_chunks()
+    day_no = _day_numbers(table)
     uniq = pc.unique(day_no)
     names = pa.array([(_EPOCH + timedelta(days=d)).isoformat() for d in uniq.to_pylist()], pa.string())
-    return pc.take(names, pc.index_in(day_no, value_set=uniq))
+    return pc.take(names, pc.index_in(day_no, value_set=uniq))  # no per-row formatting
 
 
-_EPOCH = date(1970, 1, 1)
+def days_in(table: pa.Table) -> set[str]:
+    """The set of :func:`days_of` (without a value per row)."""
+    uniq = pc.unique(_day_numbers(table)).to_pylist() if table.num_rows else []
+    return {(_EPOCH + timedelta(days=d)).isoformat() for d in uniq}
 
 
 def encode_partition(rows: pa.Table, generation: int, token: str) -> bytes:
-    """One partition file: zstd, dictionaries, statistics; the writer's generation and token make its ETag new."""
+    """One partition file: snappy, dictionaries, statistics; the writer's generation and token make its ETag new."""
     meta = json.dumps({"generation": generation, "token": token}).encode()
-    rows = rows.replace_schema_metadata({_META: meta})
+    rows, names = rows.replace_schema_metadata({_META: meta}), set(rows.column_names)
     sink = io.BytesIO()
     pq.write_table(rows, sink, compression="snappy", row_group_size=128 * 1024,
-                   use_dictionary=[c for c in DICTIONARY_COLUMNS if c in rows.column_names])
+                   use_dictionary=[c for c in DICTIONARY_COLUMNS if c in names])
     return sink.getvalue()
 
 
 def decode_partition(data: bytes) -> pa.Table:
     """One partition file's rows in :data:`TABLE_SCHEMA`; a column added since it was written reads as nulls."""
-    table = pq.ParquetFile(pa.BufferReader(data)).read(use_threads=False)
+    table = parquet_table(data)
     return conform(table, TABLE_SCHEMA).replace_schema_metadata(None)
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
@@ -22,6 +23,7 @@ from storage.table import (
     Manifest,
     SessionState,
     UserTable,
+    days_in,
     days_of,
     decode_partition,
     encode_partition,
@@ -59,6 +61,11 @@ class SessionRead:
     count: int | None = None
     #: Checkpoint ids its files' tombstones retire (see :attr:`SessionState.dead`).
     dead: tuple[str, ...] = ()
+
+    @functools.cached_property
+    def days(self) -> set[str]:
+        """The days ``rows`` are on (asked twice by a write phase)."""
+        return days_in(self.rows)
 
 
 @dataclass
@@ -109,7 +116,7 @@ def _plan(ut: UserTable, base: Manifest, listed: dict[str, tuple[str, ...]], rea
         if r.days_changed is not None and s in base.sessions and not rebuild:
             affected |= r.days_changed  # its rows on other days are in the partitions as they are now
         else:
-            affected |= set(days_of(r.rows).to_pylist())
+            affected |= r.days
             if s in base.sessions:
                 affected.update(base.sessions[s].days)
     for s in gone:
@@ -122,19 +129,20 @@ def _plan(ut: UserTable, base: Manifest, listed: dict[str, tuple[str, ...]], rea
 def _rows_by_day(changes: _Changes, reads: dict[str, SessionRead]) -> dict[str, pa.Table]:
     """The changed sessions' rows, sorted, split by UTC day."""
     pieces = [reads[s].rows for s in sorted(changes.changed) if reads[s].rows.num_rows]
-    fresh = pa.concat_tables(pieces) if pieces else TABLE_SCHEMA.empty_table()
+    if not pieces:
+        return {}
+    fresh = pa.concat_tables(pieces)
+    # One sort by time orders the rows within each partition too (a day is a range of created_at).
+    fresh = fresh.take(pc.sort_indices(fresh, sort_keys=[("created_at", "ascending"), ("session_id", "ascending"),
+                                                          ("checkpoint_id", "ascending")]))
+    days = days_of(fresh)
+    # Where the day changes: the rows of a day are one run (a missing created_at sorts last, as 1970-01-01).
+    starts = [0, *pc.add(pc.indices_nonzero(pc.not_equal(days[1:], days[:-1])), 1).to_pylist(), len(days)]
     by_day: dict[str, pa.Table] = {}
-    if fresh.num_rows:
-        # One sort by time orders the rows within each partition too (a day is a range of created_at).
-        order = pc.sort_indices(fresh, sort_keys=[("created_at", "ascending"), ("session_id", "ascending"),
-                                                   ("checkpoint_id", "ascending")])
-        fresh = fresh.take(order)
-        values = days_of(fresh).to_pylist()
-        start = 0
-        for i in range(1, len(values) + 1):
-            if i == len(values) or values[i] != values[start]:
-                by_day[values[start]] = fresh.slice(start, i - start)
-                start = i
+    for a, b in zip(starts, starts[1:], strict=False):
+        day = days[a].as_py()
+        run = fresh.slice(a, b - a)
+        by_day[day] = sort_rows(pa.concat_tables([by_day[day], run])) if day in by_day else run
     return by_day
 
 
@@ -212,10 +220,10 @@ def _sessions_after(base: Manifest, reads: dict[str, SessionRead], changes: _Cha
     for s, r in reads.items():
         count = r.count if r.count is not None else r.rows.num_rows
         if s in changes.delta:
-            days = sorted(set(sessions[s].days) | set(days_of(r.rows).to_pylist()))
+            days = sorted(set(sessions[s].days) | r.days)
             sessions[s] = SessionState(tuple(sorted(r.files)), tuple(days), r.tombs, count, r.dead)
         elif s in changes.changed or s not in sessions:
-            days = sorted(set(days_of(r.rows).to_pylist()))
+            days = sorted(r.days)
             sessions[s] = SessionState(tuple(sorted(r.files)), tuple(days), r.tombs, count, r.dead)
         elif s in changes.renamed:
             sessions[s] = SessionState(tuple(sorted(r.files)), sessions[s].days, r.tombs, count, r.dead)
