@@ -149,3 +149,29 @@ class CheckpointLogConformance:
         assert envelope.header_of(b'{"schema_version": "1.0"}') is None
         assert json.loads(envelope.wrap(b"{}", {"x": 1})) == {"index": {"x": 1},
                                                              "sha256": json.loads(envelope.wrap(b"{}", {"x": 1}))["sha256"]}
+
+    def test_a_checkpoint_whose_write_seemed_to_fail_is_never_taken_for_the_tail(self, store):
+        """Its PUT landed but its writer saw an error: the writer goes on without it (a full snapshot next) and
+        retention collects what it built on. A later takeover must not index it: its chain is gone."""
+        log = store.checkpoint_log(store.acquire_lease("s1", owner="w"), batch=1, keep=1)
+        log_put(log, "c1", turn=1)
+        real_put = store.objects.put
+
+        def put_then_fail(*, key, data, **kw):
+            real_put(key=key, data=data, **kw)
+            if key.endswith("/c2.json"):
+                raise OSError("reply lost (injected)")
+            return "etag"
+
+        store.objects.put = put_then_fail  # type: ignore[method-assign]
+        try:
+            with pytest.raises(OSError):
+                log_put(log, "c2", turn=2, chain=("c1",))
+        finally:
+            del store.objects.put
+        log_put(log, "c3", turn=3)  # the writer's next checkpoint is whole; retention collects c1
+        assert "c1" not in _objects(store) and "c2" in _objects(store)
+        store.acquire_lease("s1", owner="taker")  # indexes the old owner's tail: c2 is not part of it
+        rows = _cold(store).list_checkpoints("s1")
+        assert _ids(rows) == ["c3"]
+        assert all(_cold(store).get_checkpoint_chain("s1", r.checkpoint_id) for r in rows)

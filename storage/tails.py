@@ -5,8 +5,10 @@ so the newest checkpoints of a running (or crashed) writer exist as objects
 before any index file names them: its *tail*. Their objects are
 self-describing (:mod:`storage.envelope`), so a reader lists the session's
 checkpoint objects beside its index partition, reads the objects no index row
-(live or retired) names, and takes as tail rows those whose header is intact
-and whose epoch is the session's current one (from ``lease.json``). An older
+(live or retired) names, and takes as tail rows those whose header is intact,
+whose epoch is the session's current one (from ``lease.json``) and which are
+newer than every row that epoch's writer indexed (it indexes in the order it
+writes: an older object without a row is one whose write it saw fail). An older
 epoch's objects without rows are a fenced writer's, or were adopted into the
 index by the takeover that ended that epoch (:mod:`storage.fencing`).
 
@@ -108,12 +110,19 @@ class TailReader:
     def _read_tail(self, snap: Snapshot, session_id: str) -> None:
         epoch = snap.epoch
         floor = max((r.epoch for r in snap.rows.values()), default=0)
+        # A writer indexes its checkpoints in the order it wrote them: its tail is newer than all it indexed.
+        # An older object without a row is one whose write the writer saw fail (it moved on without it).
+        indexed_top: dict[int, tuple[int, str]] = {}
+        for r in snap.indexed.values():
+            indexed_top[r.epoch] = max(indexed_top.get(r.epoch, r.order), r.order)
         todo = [k for k in snap.present if k not in snap.indexed]
         for row in self.rows.index.map_wide(lambda k: self._tail_row(k, snap), todo):
             if row is None or row.session_id != session_id:
                 continue
             if row.epoch < (epoch if epoch is not None else floor):
                 continue  # an older epoch's: a fenced writer's, or adopted (then it has a row)
+            if row.epoch in indexed_top and row.order < indexed_top[row.epoch]:
+                continue
             snap.tails[row.checkpoint_id] = row
             snap.rows.setdefault(row.checkpoint_id, row)
 
