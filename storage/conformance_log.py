@@ -163,7 +163,7 @@ class CheckpointLogConformance:
                 raise OSError("reply lost (injected)")
             return "etag"
 
-        store.objects.put = put_then_fail  # type: ignore[method-assign]
+        store.objects.put = put_then_fail
         try:
             with pytest.raises(OSError):
                 log_put(log, "c2", turn=2, chain=("c1",))

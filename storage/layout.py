@@ -70,6 +70,18 @@ def pin_key(session_id: str, user_id: str | None, dependent_session_id: str) -> 
     return f"{pin_prefix(session_id, user_id)}{validate_id(dependent_session_id, 'session_id')}.json"
 
 
+def lease_copy_prefix(session_id: str, user_id: str | None) -> str:
+    """``sessions/{u}/{s}/leases/``: a copy of every ``lease.json`` body a swap wrote, by epoch."""
+    return f"{session_prefix(session_id, user_id)}leases/"
+
+
+def lease_copy_key(session_id: str, user_id: str | None, epoch: int) -> str:
+    """The copy of the ``lease.json`` body the swap to ``epoch`` wrote (create-only)."""
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch <= MAX_EPOCH:
+        raise ValueError(f"epoch must be an int in [0, 2**53), got {epoch!r}")
+    return f"{lease_copy_prefix(session_id, user_id)}{epoch:020d}.json"
+
+
 def quarantine_key(session_id: str, user_id: str | None, checkpoint_id: str) -> str:
     """Where a quarantined checkpoint's bytes are kept: ``sessions/{u}/{s}/quarantine/{checkpoint_id}.json``."""
     return f"{session_prefix(session_id, user_id)}quarantine/{validate_id(checkpoint_id, 'checkpoint_id')}.json"

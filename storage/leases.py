@@ -21,6 +21,7 @@ from storage import backoff, layout
 from storage.checkpoint_rows import CheckpointRows
 from storage.errors import LeaseCorruptError, LeaseLostError, PreconditionFailed, StorageError
 from storage.fencing import CheckpointFences, lease_body
+from storage.journal.fences import carried_note
 from storage.objects import ObjectStore
 from storage.rows import SESSION_SCHEMA, Lease, utcnow
 
@@ -256,8 +257,13 @@ class Leases:
         fields: dict[str, Any] = {"type": "lease", "v": 1, "session_id": acq.session_id, "user_id": acq.user_id,
                                   "epoch": n, "owner": acq.owner, "acquired_at": now}
         previous = lease_body(read.body) if read.corrupt is None else None
-        if note is not None:
-            fields["note"] = note(previous)
+        if previous is None:
+            # lease.json is missing or unreadable: the fences the last swap recorded (the journal's listing,
+            # the checkpoints') survive in its copy, so they still reach the new body.
+            previous = self._last_copy(acq.session_id, acq.user_id, n)
+        carried = note(previous) if note is not None else carried_note(previous)
+        if carried is not None:
+            fields["note"] = carried
         # Listed last, right before the swap: a fenced writer's rows that land after it are retired.
         seen, fields["checkpoints"] = self.fences.view(acq.session_id, acq.user_id, previous)
         try:
@@ -277,7 +283,31 @@ class Leases:
                 return None
         # Else the swap replaced exactly what we read: no epoch was granted since, and n is above it and above
         # every marker claimed before ours.
+        self._keep_copy(lease, fields)
         return self.fences.retire_fenced(lease, seen, fields["checkpoints"])
+
+    def _keep_copy(self, lease: Lease, body: dict[str, Any]) -> None:
+        """Keep a create-only copy of the body this swap wrote: a deleted ``lease.json`` then loses no fence."""
+        try:
+            self.objects.put(key=layout.lease_copy_key(lease.session_id, lease.user_id, lease.epoch),
+                             data=json.dumps(body).encode(), if_none_match=True)
+        except PreconditionFailed:
+            pass  # written by an earlier attempt of this very epoch
+        except StorageError as e:
+            log.warning("session %r: the copy of lease epoch %d was not written (%s); only a deleted lease.json "
+                        "would need it", lease.session_id, lease.epoch, e)
+
+    def _last_copy(self, session_id: str, user_id: str | None, below: int) -> dict[str, Any] | None:
+        """The newest lease body copy of an epoch below ``below`` (None: none, or unreadable)."""
+        prefix = layout.lease_copy_prefix(session_id, user_id)
+        keys = sorted((o.key for o in self.objects.list(prefix=prefix)
+                       if o.key[len(prefix):-5].isdigit() and int(o.key[len(prefix):-5]) < below), reverse=True)
+        for key in keys[:3]:
+            obj = self.objects.get(key=key)
+            body = lease_body(obj.data if obj is not None else None)
+            if body is not None and type(body.get("epoch")) is int:
+                return body
+        return None
 
     # -- checking ------------------------------------------------------------
     def current_epoch(self, session_id: str, user_id: str | None) -> int:

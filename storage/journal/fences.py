@@ -64,8 +64,10 @@ class FenceNote:
     seen; ``missing``: run id -> the seqs below it the listing lacked, for
     runs with gaps; ``records``: the highest run record slot) and those of up to
     :data:`_FENCE_CHAIN` owners before it (``prev``); each new owner writes
-    whatever of those seals is missing (:func:`complete_fences`). Only a
-    deleted ``lease.json`` loses the chain.
+    whatever of those seals is missing (:func:`complete_fences`). Each swap
+    also keeps a create-only copy of the body it wrote (``leases/{epoch}.json``),
+    so a deleted or unreadable ``lease.json`` loses no fence: the next acquire
+    takes the chain from the newest copy.
     """
 
     def __init__(self, lister: Callable[[], Listing]) -> None:
@@ -98,6 +100,15 @@ class FenceNote:
             if gaps:
                 missing[run] = gaps
         return {"runs": runs, "missing": missing, "records": self.listing.top_record, "prev": self.chain}
+
+
+def carried_note(previous: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The note of a swap that takes none of its own (a lease repair): no listing, and the fences of the owners
+    before it, ``previous`` (the body it replaces) first, so that the next owner still completes them."""
+    if previous is None:
+        return None
+    # No listing: nothing of its own to seal ("records" None: no run is judged by when it was recorded).
+    return {**FenceNote(lambda: Listing())(previous), "records": None}
 
 
 def _fence_seal(session_id: str, user_id: str | None, run_id: Any, seq: int, item: dict[str, Any]) -> JournalEntry:

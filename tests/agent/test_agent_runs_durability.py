@@ -515,3 +515,42 @@ def test_review_r2_lease_reads_per_pass(tmp_path, monkeypatch):
     assert 1 <= with_checkpoints <= 2 * extra // run_writes.LEASE_CHECK_WRITES + extra // INDEX_BATCH + 1
     without = lease_reads(40, "long", False) - lease_reads(1, "short", False)
     assert 1 <= without <= 2 * extra // run_writes.LEASE_CHECK_WRITES + 1  # was one read per pass
+
+
+@pytest.mark.parametrize("lease_json", ["kept", "deleted", "corrupt"])
+def test_a_fence_a_dead_taker_recorded_survives_a_deleted_lease_json(store, lease_json):
+    """A zombie's run is recorded after a takeover's listing but before its swap, and the zombie journals on
+    (it proves its lease only every few writes). The taker dies before sealing; then lease.json goes (a bucket
+    rule, an operator). The next owner still writes the dead taker's seal from the copy of its lease body, so
+    the zombie's entries are never replayed. (The fault-injection soak found this with lease.json deleted.)"""
+    from storage.journal import FenceNote
+
+    def entry(seq, step, kind="model", epoch=1):
+        return JournalEntry(session_id="s", run_id="r", seq=seq, step_key=step, kind=kind, epoch=epoch)
+
+    store.acquire_lease("s", owner="zombie")
+
+    def listing_then_the_zombie_records_its_run():
+        listing = store.journal_listing("s")
+        store.run_create("s", run_id="r", epoch=1)  # after the listing, before the swap
+        return listing
+
+    store.acquire_lease("s", owner="dies before sealing", note=FenceNote(listing_then_the_zombie_records_its_run))
+    for e in (entry(0, "run-start", "run_start"), entry(1, "t0000-model"), entry(2, "t0001-model")):
+        store.journal_append(e)  # after epoch 2 was taken
+    if lease_json == "deleted":
+        store.objects.delete(keys=["sessions/_/s/lease.json"])
+    elif lease_json == "corrupt":
+        store.objects.put(key="sessions/_/s/lease.json", data=b"{not json")
+    fence = FenceNote(lambda: store.journal_listing("s", run_id="r"))
+    if lease_json == "corrupt":
+        newer = store.repair_lease("s", owner="next")
+        fence.chain = []  # a repair takes no note; the next acquire completes the fences
+        newer = store.acquire_lease("s", owner="next", note=fence)
+    else:
+        newer = store.acquire_lease("s", owner="next", note=fence)
+    assert any(item["epoch"] == 2 for item in fence.chain), fence.chain
+    store.journal_complete_fences("s", chain=fence.chain, listed=dict(fence.listing.runs))
+    for run_id, keys in fence.listing.runs.items():
+        store.journal_seal_listed("s", run_id, lease=newer, listed=keys)
+    assert [e for e in store.journal_list("s", "r") if e.kind != "seal"] == []  # nothing the zombie wrote
