@@ -94,6 +94,8 @@ def test_the_cluster_refuses_a_client_without_its_token(cluster):
     for token in ("0" * 64, None):  # a wrong token, and none at all
         env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN")}
         env["HOME"] = str(cluster[3])  # no ~/.ray/auth_token to fall back on
+        # ray.init retries a refused connection 20 times, a second apart: the first refusal is the answer.
+        env["RAY_NUM_REDIS_GET_RETRIES"] = "2"
         if token:
             env["RAY_AUTH_TOKEN"] = token
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env,
