@@ -2,6 +2,8 @@
 
     python crash_child.py DATA_DIR SESSION_ID OUT_JSON [KILL_SPEC]
 
+(or the same forked from a server that imported it already: ``crash_procs.run_child``).
+
 KILL_SPEC picks a deterministic point (no timing):
   ``event:<type>:<n>``               die when the n-th event of that type is emitted
   ``store:<method>:<before|after>:<n>``  die just before / just after the n-th call of a store method
@@ -170,6 +172,19 @@ async def main() -> None:
                    "usage": result.usage.model_dump(mode="json"),
                    "resumed_from_checkpoint": result.resumed_from_checkpoint}, f)
     _control_out(out, result, kill)
+
+
+def forked_main(argv: list[str], env: dict[str, str], log: str) -> None:
+    """What ``python crash_child.py ARGV...`` does, with environment ``env`` and stdout and stderr to ``log``,
+    in a process forked from a server that imported this module already (``crash_procs.run_child``)."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = [__file__, *argv]
+    asyncio.run(main())
 
 
 if __name__ == "__main__":
