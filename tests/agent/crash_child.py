@@ -174,15 +174,9 @@ async def main() -> None:
     _control_out(out, result, kill)
 
 
-def forked_main(argv: list[str], env: dict[str, str], log: str) -> None:
-    """What ``python crash_child.py ARGV...`` does, with environment ``env`` and stdout and stderr to ``log``,
-    in a process forked from a server that imported this module already (``crash_procs.run_child``)."""
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    os.environ.clear()
-    os.environ.update(env)
+def forked_main(argv: list[str]) -> None:
+    """What ``python crash_child.py ARGV...`` does, in a process forked with its environment already set
+    (``crash_procs.run_child``)."""
     sys.argv = [__file__, *argv]
     asyncio.run(main())
 

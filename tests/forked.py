@@ -1,0 +1,93 @@
+"""Child processes that skip the interpreter start and loomray's imports: forked from a server that did both once.
+
+The suite starts ~180 short children (the crash points' ``crash_child.py`` runs, the store-side
+``loomray`` commands); each used to spend half a second or more of a 2-core machine starting Python
+and importing loomray and storage (pyarrow, pydantic) before work of a tenth of that. Here they are
+forked from a multiprocessing *forkserver* that imported ``loomray`` and ``storage`` once -- exactly
+what each of those children imports first anyway (``loomray.cli`` is a subpackage of ``loomray``).
+Anything else (``loomray.cli``, click, rich, the child script) each child imports itself, after it
+has taken its environment, so import-time reads of the environment see the child's own.
+
+Each child is still a process of its own: its own memory, store clients and event loop; it is given
+its whole environment (``os.environ`` is replaced, as ``subprocess.run(env=...)`` would), its working
+directory and argv; stdin is /dev/null; stdout and stderr go to files the parent reads back; it ends
+with ``sys.exit``'s code, or dies by a real signal (``returncode == -9`` after SIGKILL); exit handlers
+run as at a normal interpreter exit. loomray and storage read the environment only at call time.
+The forkserver starts on first use and exits with the test process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+_FORKS = multiprocessing.get_context("forkserver")
+# Not this directory's modules: Python 3.11's forkserver does not take the parent's sys.path (only its
+# environment's PYTHONPATH), so each child imports a test module itself, from the sys.path it is given.
+_FORKS.set_forkserver_preload(["loomray", "storage"])
+
+
+def run(target: Callable[..., Any], args: tuple, *, env: dict[str, str], cwd: Path | str, log: Path,
+        err_log: Path | None = None, timeout: float = 120, name: str = "child") -> subprocess.CompletedProcess:
+    """``target(*args)`` in a forked child with ``env`` and ``cwd``; its stdout goes to ``log`` and its
+    stderr to ``err_log`` (default: ``log`` too); both come back as text in the CompletedProcess."""
+    err_log = err_log or log
+    proc = _FORKS.Process(target=_child, args=(target, args, dict(env), str(cwd), str(log), str(err_log),
+                                                list(sys.path)))
+    proc.start()
+    proc.join(timeout)
+    if proc.exitcode is None:  # hung: end it as subprocess.run's timeout would, then say so
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join()
+        raise subprocess.TimeoutExpired([name, *map(str, args)], timeout)
+    out = log.read_text() if log.exists() else ""
+    err = out if err_log == log else (err_log.read_text() if err_log.exists() else "")
+    return subprocess.CompletedProcess([name], proc.exitcode, stdout=out, stderr=err)
+
+
+def _child(target: Callable[..., Any], args: tuple, env: dict[str, str], cwd: str, log: str, err_log: str,
+           path: list[str]) -> None:
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    err = out if err_log == log else os.open(err_log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    for fd in {out, err}:
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.path[:] = path
+    try:
+        target(*args)
+    finally:
+        atexit._run_exitfuncs()  # as at interpreter exit (multiprocessing's children skip them)
+
+
+def loomray_main(argv: list[str]) -> None:
+    """What the ``loomray`` console script does with ``argv`` (``sys.exit(main())``)."""
+    from loomray.cli import main
+
+    sys.argv = ["loomray", *argv]
+    sys.exit(main())
+
+
+def run_loomray(argv: list[str], *, env: dict[str, str], cwd: Path | str,
+                timeout: float = 90) -> subprocess.CompletedProcess:
+    """``loomray ARGV...`` as a forked child (see the module docstring): stdout and stderr apart, as text,
+    like ``subprocess.run([loomray, *argv], capture_output=True, text=True, ...)``."""
+    with tempfile.TemporaryDirectory(prefix="loomray-cli-") as tmp:
+        done = run(loomray_main, (list(argv),), env=env, cwd=cwd, log=Path(tmp) / "out", err_log=Path(tmp) / "err",
+                   timeout=timeout, name="loomray")
+    done.args = ["loomray", *argv]
+    return done
