@@ -10,15 +10,18 @@ has taken its environment, so import-time reads of the environment see the child
 
 Each child is still a process of its own: its own memory, store clients and event loop; it is given
 its whole environment (``os.environ`` is replaced, as ``subprocess.run(env=...)`` would), its working
-directory and argv; stdin is /dev/null; stdout and stderr go to files the parent reads back; it ends
+directory, argv, and the ``sys.path`` a fresh interpreter would have (the script's directory, then
+the environment's ``PYTHONPATH``, then the interpreter's own); stdin is /dev/null; stdout and stderr go to files the parent reads back; it ends
 with ``sys.exit``'s code, or dies by a real signal (``returncode == -9`` after SIGKILL); exit handlers
 run as at a normal interpreter exit. loomray and storage read the environment only at call time.
-The forkserver starts on first use and exits with the test process.
+The forkserver starts when this module is imported (at collection), before any test starts a Ray
+cluster whose teardown would take it for one of the cluster's processes; it exits with the test process.
 """
 
 from __future__ import annotations
 
 import atexit
+import json
 import multiprocessing
 import os
 import signal
@@ -26,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
+from multiprocessing import forkserver
 from pathlib import Path
 from typing import Any
 
@@ -33,15 +37,26 @@ _FORKS = multiprocessing.get_context("forkserver")
 # Not this directory's modules: Python 3.11's forkserver does not take the parent's sys.path (only its
 # environment's PYTHONPATH), so each child imports a test module itself, from the sys.path it is given.
 _FORKS.set_forkserver_preload(["loomray", "storage"])
+#: A fresh interpreter's own sys.path entries (stdlib, site-packages, .pth files), without PYTHONPATH's.
+_OWN_PATH: list[str] = []
+# Only in the test process: a child imports this module too, to unpickle what it runs (it is "inheriting").
+if multiprocessing.parent_process() is None and not getattr(multiprocessing.current_process(), "_inheriting", False):
+    forkserver.ensure_running()
+    _OWN_PATH = json.loads(subprocess.run(
+        [sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"], capture_output=True, text=True,
+        check=True, cwd="/", env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}).stdout)
 
 
 def run(target: Callable[..., Any], args: tuple, *, env: dict[str, str], cwd: Path | str, log: Path,
-        err_log: Path | None = None, timeout: float = 120, name: str = "child") -> subprocess.CompletedProcess:
-    """``target(*args)`` in a forked child with ``env`` and ``cwd``; its stdout goes to ``log`` and its
-    stderr to ``err_log`` (default: ``log`` too); both come back as text in the CompletedProcess."""
+        script_dir: Path | str, err_log: Path | None = None, timeout: float = 120,
+        name: str = "child") -> subprocess.CompletedProcess:
+    """``target(*args)`` in a forked child with ``env`` and ``cwd``, as a script in ``script_dir`` would run;
+    its stdout goes to ``log`` and its stderr to ``err_log`` (default: ``log`` too); both come back as text
+    in the CompletedProcess."""
     err_log = err_log or log
-    proc = _FORKS.Process(target=_child, args=(target, args, dict(env), str(cwd), str(log), str(err_log),
-                                                list(sys.path)))
+    added = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    path = [str(script_dir), *added, *_OWN_PATH]
+    proc = _FORKS.Process(target=_child, args=(target, args, dict(env), str(cwd), str(log), str(err_log), path))
     proc.start()
     proc.join(timeout)
     if proc.exitcode is None:  # hung: end it as subprocess.run's timeout would, then say so
@@ -67,7 +82,7 @@ def _child(target: Callable[..., Any], args: tuple, env: dict[str, str], cwd: st
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    sys.path[:] = path
+    sys.path[:] = path  # (multiprocessing gave the child this process's sys.path to unpickle ``target`` with)
     try:
         target(*args)
     finally:
@@ -88,6 +103,6 @@ def run_loomray(argv: list[str], *, env: dict[str, str], cwd: Path | str,
     like ``subprocess.run([loomray, *argv], capture_output=True, text=True, ...)``."""
     with tempfile.TemporaryDirectory(prefix="loomray-cli-") as tmp:
         done = run(loomray_main, (list(argv),), env=env, cwd=cwd, log=Path(tmp) / "out", err_log=Path(tmp) / "err",
-                   timeout=timeout, name="loomray")
+                   script_dir=Path(sys.executable).parent, timeout=timeout, name="loomray")
     done.args = ["loomray", *argv]
     return done

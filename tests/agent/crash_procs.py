@@ -21,4 +21,4 @@ def run_child(argv: list[str], env: dict[str, str], log: Path, *, timeout: float
     import crash_child
 
     return forked.run(crash_child.forked_main, (list(argv),), env=env, cwd=os.getcwd(), log=log, timeout=timeout,
-                      name="crash_child.py")
+                      script_dir=Path(crash_child.__file__).parent, name="crash_child.py")
