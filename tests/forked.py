@@ -14,6 +14,10 @@ directory, argv, and the ``sys.path`` a fresh interpreter would have (the script
 the environment's ``PYTHONPATH``, then the interpreter's own); stdin is /dev/null; stdout and stderr go to files the parent reads back; it ends
 with ``sys.exit``'s code, or dies by a real signal (``returncode == -9`` after SIGKILL); exit handlers
 run as at a normal interpreter exit. loomray and storage read the environment only at call time.
+One child runs at a time (``_ONE_AT_A_TIME``): with two test threads starting and joining children
+at once, the forkserver once reported a child that had exited as 255 ("it could not tell"), the
+failure CPython's issue #140867 describes for a forkserver under concurrent load.
+
 The forkserver starts when this module is imported (at collection), before any test starts a Ray
 cluster whose teardown would take it for one of the cluster's processes; it exits with the test process.
 """
@@ -28,6 +32,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from multiprocessing import forkserver
 from pathlib import Path
@@ -37,6 +42,7 @@ _FORKS = multiprocessing.get_context("forkserver")
 # Not this directory's modules: Python 3.11's forkserver does not take the parent's sys.path (only its
 # environment's PYTHONPATH), so each child imports a test module itself, from the sys.path it is given.
 _FORKS.set_forkserver_preload(["loomray", "storage"])
+_ONE_AT_A_TIME = threading.Lock()
 #: A fresh interpreter's own sys.path entries (stdlib, site-packages, .pth files), without PYTHONPATH's.
 _OWN_PATH: list[str] = []
 # Only in the test process: a child imports this module too, to unpickle what it runs (it is "inheriting").
@@ -56,13 +62,14 @@ def run(target: Callable[..., Any], args: tuple, *, env: dict[str, str], cwd: Pa
     err_log = err_log or log
     added = [os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     path = [str(script_dir), *added, *_OWN_PATH]
-    proc = _FORKS.Process(target=_child, args=(target, args, dict(env), str(cwd), str(log), str(err_log), path))
-    proc.start()
-    proc.join(timeout)
-    if proc.exitcode is None:  # hung: end it as subprocess.run's timeout would, then say so
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.join()
-        raise subprocess.TimeoutExpired([name, *map(str, args)], timeout)
+    with _ONE_AT_A_TIME:
+        proc = _FORKS.Process(target=_child, args=(target, args, dict(env), str(cwd), str(log), str(err_log), path))
+        proc.start()
+        proc.join(timeout)
+        if proc.exitcode is None:  # hung: end it as subprocess.run's timeout would, then say so
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.join()
+            raise subprocess.TimeoutExpired([name, *map(str, args)], timeout)
     out = log.read_text() if log.exists() else ""
     err = out if err_log == log else (err_log.read_text() if err_log.exists() else "")
     return subprocess.CompletedProcess([name], proc.exitcode, stdout=out, stderr=err)

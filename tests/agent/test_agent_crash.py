@@ -88,7 +88,7 @@ def outcomes(tmp_path_factory):
     ref = _child(ref_dir, ref_dir / "out.json", "", "both")
     assert ref.returncode == 0, ref.stderr
     reference = json.loads((ref_dir / "out.json").read_text())
-    # Two workers: the machine has two cores and each scenario is two short sequential processes.
+    # Two workers: each scenario is two short sequential processes (forked one at a time) and reads between.
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(lambda ip: _scenario(base, *ip), enumerate(POINTS)))
     return reference, dict(zip((p[0] + "|" + p[1] for p in POINTS), results, strict=False))
