@@ -1,14 +1,16 @@
 """Ray runtime benchmark, both placements side by side: node loss, fan-out, throughput, scale, memory.
 
     .venv/bin/python bench/ray_bench.py            # full (about ten minutes on 2 cores)
-    .venv/bin/python bench/ray_bench.py --quick    # smoke run (small numbers, both placements)
+    .venv/bin/python bench/ray_bench.py --quick    # quick run (small numbers, both placements)
+    .venv/bin/python bench/ray_bench.py --smoke    # the unit suite's check that it runs (smaller still)
 
 For each placement (``actor``: one Ray actor per session; ``dense``: sessions
 hosted many per host actor) a fresh local cluster
 (``loomray.testing.cluster.local_cluster``: a head plus two worker raylets on
 127.0.0.1 with 2 CPUs each, tuned failure detection) and a local-directory
 store (dense first; before each, the 1-minute load is let fall below the core
-count, at most 90 s, 5 s with ``--quick``). Sessions need the ``loomray_session`` resource only
+count, at most 90 s, 5 s with ``--quick``; ``--smoke`` runs both placements on one cluster, each
+with its own store, and does not wait for the load). Sessions need the ``loomray_session`` resource only
 workers carry. While a cluster runs, a sampler sums the RSS of every process it started
 (GCS, raylets, workers, hosts; not this driver) every 0.2 s: each phase
 reports its peak.
@@ -43,12 +45,18 @@ a table and writes ``bench/results/ray.json``. ``--phase fanout --forks 32
 --placements actor`` runs just one phase (``loss``, ``fanout``, ``throughput``,
 ``scale``, comma-separated) and sizes; a partial run writes
 ``bench/results/ray_<phases>.json``.
+
+``--smoke`` is what the unit suite runs (tests/ray/test_ray_bench_smoke.py): every
+phase of both placements end to end with the smallest sizes that still make each
+measure happen (a node lost with sessions on it, forks on standbys and on their
+own actors, a throughput barrier, a dense scale run); its numbers mean nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -57,6 +65,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -196,9 +205,9 @@ def _lease_time(root: Path, sid: str) -> tuple[int, float] | None:
     return int(lease["epoch"]), datetime.fromisoformat(lease["acquired_at"]).timestamp()
 
 
-async def node_loss(lc, runtime: RayRuntime, work: Path, run: int, sessions: int, latency_s: float) -> dict:
+async def node_loss(lc, runtime: RayRuntime, work: Path, run: int, sessions: int, latency_s: float,
+                    passes: int = 12) -> dict:
     log = str(work / f"loss-{run}.log")
-    passes = 12
     agent = _slow_agent(log, passes=passes, step_s=0.3, latency_s=latency_s)
     agent.runtime = runtime
     sids = [f"loss-{run}-{i:03d}" for i in range(sessions)]
@@ -245,7 +254,7 @@ async def node_loss(lc, runtime: RayRuntime, work: Path, run: int, sessions: int
     lc.add_node()
     valid = [x for x in nxt if x is not None]
     restore = [x - dead for x in valid]
-    return {"sessions": sessions, "lost_sessions": len(lost), "model_latency_s": latency_s,
+    return {"sessions": sessions, "passes": passes, "lost_sessions": len(lost), "model_latency_s": latency_s,
             "completed": sum(r.output == "done" for r in results),
             "model_calls_repeated": repeated, "kill_to_node_dead_s": dead,
             "kill_to_new_lease_s_median": _median([x for x in lease if x is not None]),
@@ -379,6 +388,37 @@ async def _settle(timeout: float = 90.0) -> float:
 PHASES = ("loss", "fanout", "throughput", "scale")
 
 
+@dataclass(frozen=True)
+class Level:
+    """The sizes of one kind of run (full, ``--quick``, ``--smoke``); None: the command-line option's value."""
+
+    settle_s: float  # at most this long for the load to fall before each placement (0: not at all)
+    loss_runs: int  # actor placement: node-loss runs, one session each
+    loss_sessions: int | None  # dense placement: sessions in its one node-loss run
+    loss_passes: int
+    loss_latency_s: float | None
+    forks: tuple[int, ...]
+    tp_sessions: int | None
+    tp_passes: int
+    scale: tuple[int | None, int, float]  # dense scale: sessions, passes, model latency
+    one_cluster: bool  # both placements on one cluster (else a fresh one each, measured apart)
+    #: Actor placement's standby pool without ``--standby``; None: the largest fan-out.
+    standby: int | None = None
+
+
+LEVELS = {
+    "full": Level(90.0, 3, None, 12, None, (8, 32), None, 20, (None, 20, 0.2), False),
+    "quick": Level(5.0, 1, 20, 12, 0.2, (8,), 10, 20, (50, 5, 0.05), False),
+    # Each kill still lands mid-run: sessions are killed after their fourth reply, of seven. Half the
+    # forks find a standby, half start their own actor.
+    "smoke": Level(0.0, 1, 6, 6, 0.2, (4,), 4, 5, (20, 3, 0.05), True, standby=2),
+}
+
+
+def _level(args) -> Level:
+    return LEVELS["smoke" if args.smoke else "quick" if args.quick else "full"]
+
+
 def _phases(args) -> set[str]:
     phases = set(PHASES) if args.phase == "all" else set(args.phase.split(","))
     unknown = phases - set(PHASES)
@@ -390,7 +430,7 @@ def _phases(args) -> set[str]:
 def _fork_counts(args) -> tuple[int, ...]:
     if args.forks:
         return tuple(int(n) for n in args.forks.split(","))
-    return (8,) if args.quick else (8, 32)
+    return _level(args).forks
 
 
 def _standby_sizes(args) -> list[int]:
@@ -398,6 +438,8 @@ def _standby_sizes(args) -> list[int]:
     for the largest fan-out measured (what a deployment expecting such bursts configures)."""
     if args.standby is not None:
         return [int(n) for n in str(args.standby).split(",")]
+    if _level(args).standby is not None:
+        return [_level(args).standby]
     if "fanout" in _phases(args):
         return [max(_fork_counts(args))]
     from loomray.runtime.actors import DEFAULT_STANDBY_ACTORS
@@ -405,11 +447,18 @@ def _standby_sizes(args) -> list[int]:
     return [DEFAULT_STANDBY_ACTORS]
 
 
-async def one_placement(placement: str, args, standby: int | None = None) -> dict:
-    out: dict = {"placement": placement, "load_at_start": await _settle(5.0 if args.quick else 90.0)}
+def _cluster():
+    """The bench's cluster: a head and two workers of 2 CPUs each; only workers host sessions."""
+    return local_cluster(num_nodes=3, num_cpus_per_node=2, worker_resources={"loomray_session": 10_000})
+
+
+async def one_placement(placement: str, args, standby: int | None = None, shared=None) -> dict:
+    level = _level(args)
+    out: dict = {"placement": placement,
+                 "load_at_start": await _settle(level.settle_s) if level.settle_s else os.getloadavg()[0]}
     with tempfile.TemporaryDirectory(prefix=f"loomray-raybench-{placement}-") as tmp, \
             MemorySampler() as mem, \
-            local_cluster(num_nodes=3, num_cpus_per_node=2, worker_resources={"loomray_session": 10_000}) as lc:
+            (contextlib.nullcontext(shared) if shared is not None else _cluster()) as lc:
         work = Path(tmp)
         out["cluster_idle"] = mem.phase()
         # Keep every checkpoint (no retention) so the store itself holds what was written.
@@ -420,11 +469,13 @@ async def one_placement(placement: str, args, standby: int | None = None) -> dic
         phases = _phases(args)
         if "loss" in phases:
             print(f"[{placement}] node loss ...", flush=True)
-            latency = 0.2 if args.quick else args.loss_latency
+            latency = args.loss_latency if level.loss_latency_s is None else level.loss_latency_s
             if placement == "actor":
-                loss = [await node_loss(lc, runtime, work, i, 1, latency) for i in range(1 if args.quick else 3)]
+                loss = [await node_loss(lc, runtime, work, i, 1, latency, level.loss_passes)
+                        for i in range(level.loss_runs)]
             else:
-                loss = [await node_loss(lc, runtime, work, 0, 20 if args.quick else args.loss_sessions, latency)]
+                sessions = args.loss_sessions if level.loss_sessions is None else level.loss_sessions
+                loss = [await node_loss(lc, runtime, work, 0, sessions, latency, level.loss_passes)]
             out["node_loss"] = loss
             out["node_loss_memory"] = mem.phase()
         if "fanout" in phases:
@@ -433,33 +484,37 @@ async def one_placement(placement: str, args, standby: int | None = None) -> dic
             out["fan_out_memory"] = mem.phase()
         if "throughput" in phases:
             print(f"[{placement}] throughput ...", flush=True)
-            n = 10 if args.quick else (args.sessions if placement == "dense" else args.actor_sessions)
-            out["throughput"] = await throughput(runtime, work, n, 20)
+            n = level.tp_sessions or (args.sessions if placement == "dense" else args.actor_sessions)
+            out["throughput"] = await throughput(runtime, work, n, level.tp_passes)
             out["throughput_memory"] = mem.phase()
         if placement == "dense" and "scale" in phases:
             print(f"[{placement}] scale ...", flush=True)
-            out["scale"] = await scale(runtime, 50 if args.quick else args.scale_sessions, 5 if args.quick else 20,
-                                       0.05 if args.quick else 0.2)
+            sessions, passes, latency = level.scale
+            out["scale"] = await scale(runtime, sessions or args.scale_sessions, passes, latency)
             out["scale_memory"] = mem.phase()
         runtime.close()
     out["peak_memory_mb"] = round(mem.peak / 2**20)
     out["max_processes"] = mem.processes
-    out["leftover_processes"] = lc.leftover
+    out["leftover_processes"] = lc.leftover  # a shared cluster's: filled in once it has stopped
     return out
 
 
 async def main_async(args) -> dict:
-    out: dict = {"bench": "ray", "quick": args.quick, "ray": ray.__version__, "python": platform.python_version(),
-                 "cpus": os.cpu_count(), "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                 "load_before": os.getloadavg()}
+    out: dict = {"bench": "ray", "quick": args.quick, "smoke": args.smoke, "ray": ray.__version__,
+                 "python": platform.python_version(), "cpus": os.cpu_count(),
+                 "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "load_before": os.getloadavg()}
     out["runs"] = []
-    for placement in args.placements.split(","):
-        sizes = _standby_sizes(args) if placement == "actor" else [None]
-        for size in sizes:
-            # One column per pool size when several are asked for: before/after in one run.
-            label = placement if len(sizes) == 1 else f"{placement}/s{size}"
-            out[label] = await one_placement(placement, args, size)
-            out["runs"].append(label)
+    with (_cluster() if _level(args).one_cluster else contextlib.nullcontext()) as shared:
+        for placement in args.placements.split(","):
+            sizes = _standby_sizes(args) if placement == "actor" else [None]
+            for size in sizes:
+                # One column per pool size when several are asked for: before/after in one run.
+                label = placement if len(sizes) == 1 else f"{placement}/s{size}"
+                out[label] = await one_placement(placement, args, size, shared)
+                out["runs"].append(label)
+    if shared is not None:
+        for label in out["runs"]:
+            out[label]["leftover_processes"] = shared.leftover
     out["load_after"] = os.getloadavg()
     return out
 
@@ -519,7 +574,8 @@ def report(out: dict) -> None:
                 lambda d, i=i: "{forks_on_standby}/{forks_own_actor}".format(**d["fan_out"][i]["standby"]))
         row("peak cluster memory, MB", lambda d: str(d["fan_out_memory"]["peak_mb"]))
     if has("throughput"):
-        print("throughput (sessions x 20 passes, no model latency, a checkpoint per pass)")
+        passes = next(out[p]["throughput"]["passes"] for p in placements if "throughput" in out[p])
+        print(f"throughput (sessions x {passes} passes, no model latency, a checkpoint per pass)")
         row("sessions", lambda d: str(d["throughput"]["sessions"]))
         row("all sessions up, s", lambda d: _f(d["throughput"]["all_up_s"], "6.1f"))
         row("checkpoints/s, aggregate", lambda d: _f(d["throughput"]["checkpoints_per_s"], "6.0f"))
@@ -540,7 +596,9 @@ def report(out: dict) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="smoke run: small numbers, both placements")
+    ap.add_argument("--quick", action="store_true", help="quick run: small numbers, both placements")
+    ap.add_argument("--smoke", action="store_true",
+                    help="the unit suite's run: smaller than --quick, both placements on one cluster, no load wait")
     ap.add_argument("--placements", default="dense,actor", help="comma-separated, in run order: actor, dense")
     ap.add_argument("--sessions", type=int, default=100, help="dense throughput sessions")
     ap.add_argument("--actor-sessions", type=int, default=100, help="actor throughput sessions (a process each)")
@@ -549,7 +607,7 @@ def main() -> None:
     ap.add_argument("--scale-sessions", type=int, default=1000, help="dense scale sessions")
     ap.add_argument("--phase", default="all",
                     help="comma-separated phases to run: loss, fanout, throughput, scale (default all)")
-    ap.add_argument("--forks", default=None, help="fan-out sizes, comma-separated (default 8,32; --quick 8)")
+    ap.add_argument("--forks", default=None, help="fan-out sizes, comma-separated (default 8,32; --quick 8; --smoke 4)")
     ap.add_argument("--standby", default=None,
                     help="actor placement: standby session actors kept warm (RayRuntime(standby_actors=...)); "
                          "default: the largest fan-out measured, else RayRuntime's default. Several "
@@ -558,7 +616,7 @@ def main() -> None:
     args = ap.parse_args()
     out = asyncio.run(main_async(args))
     report(out)
-    name = "ray_quick" if args.quick else "ray"
+    name = "ray_smoke" if args.smoke else "ray_quick" if args.quick else "ray"
     if args.phase != "all" or args.forks:
         name += "_" + "_".join(sorted(_phases(args)))  # a partial run never overwrites a full one's results
     path = Path(args.out or f"bench/results/{name}.json")

@@ -20,6 +20,10 @@ Example::
         lc.remove_node(lc.workers[0])
         wait_until_dead(actor, timeout=10)
 
+``LocalCluster.reset(num_workers)`` makes a cluster that several test modules
+share look freshly started to the next one: every loomray actor killed, and
+that many live workers.
+
 Teardown kills loomray's supervisors and standby session actors (so no
 worker process is still starting as the nodes go), disconnects the driver,
 stops every node and then checks that no
@@ -52,6 +56,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noq
 from loomray.runtime.actors import STANDBY_PREFIX, SUPERVISOR_PREFIX  # noqa: E402
 from loomray.runtime.connection import NAMESPACE  # noqa: E402
 from loomray.testing.processes import Process, descendants, process_alive, reap  # noqa: E402
+from loomray.testing.waiting import wait_for  # noqa: E402
 
 __all__ = [
     "FAST_FAILURE_DETECTION",
@@ -222,13 +227,26 @@ class LocalCluster:
         """Node ids the GCS currently considers alive (its view, not ours)."""
         return {n["NodeID"] for n in ray.nodes() if n["Alive"]}
 
+    def reset(self, num_workers: int, *, timeout: float = 60.0) -> None:
+        """Kill every loomray actor (supervisors first, again until none is left: a dying supervisor may
+        have started one more) and wait until their names are free; then add or (gracefully) remove workers
+        until ``num_workers`` are live, and wait until the GCS agrees."""
+        wait_for(lambda: not _stop_loomray_actors(everything=True), timeout=timeout, interval=0.2,
+                 what="loomray's actors to be gone")
+        while len(self.workers) < num_workers:
+            self.add_node()
+        while len(self.workers) > num_workers:
+            self.remove_node(self.workers[-1], graceful=True)
+        wait_for(lambda: self.alive_node_ids() == set(self.node_ids()), timeout=timeout,
+                 what="the GCS to see the nodes as they are")
+
     def shut_down(self) -> None:
         """Stop the cluster (see :func:`local_cluster`) and check that every process it started is gone."""
         # Collect what we started before stopping it: once a raylet dies its
         # workers are re-parented and can no longer be found from here.
         self._snapshot()
         if ray.is_initialized():
-            _stop_standbys()
+            _stop_loomray_actors()
             ray.shutdown()
         self.cluster.shutdown()
         self.leftover = reap(self._started)
@@ -342,20 +360,26 @@ def _start_head(before: set[Process], head_node_args: dict[str, Any]) -> Cluster
         raise
 
 
-def _stop_standbys() -> None:
-    """Kill loomray's supervisor, then its standby session actors, before the nodes stop.
+def _loomray_actor_names() -> list[str]:
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a.get("namespace") == NAMESPACE]
 
-    Otherwise the supervisor may be refilling its standby pool as the
-    cluster goes down, and a worker process still starting when its raylet
-    dies takes long to notice on a busy machine (teardown would report it
-    as a leftover). Best effort: the nodes stop next anyway.
+
+def _stop_loomray_actors(*, everything: bool = False) -> list[str]:
+    """Kill loomray's supervisors, then its standby session actors (``everything``: then all its other
+    actors); the names it found (still listed until the actors are dead).
+
+    Before the nodes stop: otherwise a supervisor may be refilling its standby pool as the
+    cluster goes down, and a worker process still starting when its raylet dies takes long to
+    notice on a busy machine (teardown would report it as a leftover). Best effort.
     """
     try:
-        named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a.get("namespace") == NAMESPACE]
+        named = _loomray_actor_names()
     except Exception:
-        return
-    # The supervisors first, so they start no more standbys.
+        return []
+    # The supervisors first, so they start no more standbys (nor restart sessions).
     ordered = [n for n in named if n.startswith(SUPERVISOR_PREFIX)] + [n for n in named if n.startswith(STANDBY_PREFIX)]
+    ordered += [n for n in named if n not in ordered] if everything else []
     for name in ordered:
         with contextlib.suppress(Exception):
             ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+    return named

@@ -2,6 +2,8 @@
 
     python crash_child.py DATA_DIR SESSION_ID OUT_JSON [KILL_SPEC]
 
+(or the same forked from a server that imported it already: ``crash_procs.run_child``).
+
 KILL_SPEC picks a deterministic point (no timing):
   ``event:<type>:<n>``               die when the n-th event of that type is emitted
   ``store:<method>:<before|after>:<n>``  die just before / just after the n-th call of a store method
@@ -182,6 +184,13 @@ async def main() -> None:
                    "usage": result.usage.model_dump(mode="json"),
                    "resumed_from_checkpoint": result.resumed_from_checkpoint}, f)
     _control_out(out, result, kill)
+
+
+def forked_main(argv: list[str]) -> None:
+    """What ``python crash_child.py ARGV...`` does, in a process forked with its environment already set
+    (``crash_procs.run_child``)."""
+    sys.argv = [__file__, *argv]
+    asyncio.run(main())
 
 
 if __name__ == "__main__":

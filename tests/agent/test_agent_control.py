@@ -27,6 +27,7 @@ from control_tools import (
     transfer,
     user_texts,
 )
+from crash_procs import run_child
 
 from loomray import Agent, CheckpointConfig, Tuning, tool
 from loomray.errors import LoomrayUserError
@@ -160,8 +161,7 @@ async def test_decisions_are_create_only(runtime):
 
 def _child(data_dir: Path, out: Path, kill: str = "", **env: str) -> subprocess.CompletedProcess:
     e = {**os.environ, "CRASH_POSITION": "both", "PYTHONPATH": str(REPO), **env}
-    return subprocess.run([sys.executable, str(CHILD), str(data_dir), "sess-ctl", str(out), kill],
-                          env=e, capture_output=True, text=True, timeout=120)
+    return run_child([str(data_dir), "sess-ctl", str(out), kill], e, out.with_suffix(".log"))
 
 
 def _parsed(path: Path):

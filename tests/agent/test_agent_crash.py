@@ -1,6 +1,6 @@
 """Crash tests: a real process running a session is SIGKILLed at deterministic points; a new one resumes.
 
-Each point runs two child processes (``crash_child.py``) on one LocalRuntime
+Each point runs two child processes (``crash_child.py``, forked by ``crash_procs``) on one LocalRuntime
 directory: the first kills itself with SIGKILL at the chosen point, the second
 re-issues the same ``run(prompt, session_id=...)``. The transcript must equal
 an uninterrupted run's, and the file-backed counter of the scripted model must
@@ -15,13 +15,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from crash_procs import run_child
 
-CHILD = Path(__file__).with_name("crash_child.py")
 REPO = Path(__file__).resolve().parents[2]
 TURNS = 6  # 5 tool passes + the final answer
 
@@ -66,8 +65,7 @@ POINTS = [
 
 def _child(data_dir: Path, out: Path, kill: str, position: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "CRASH_POSITION": position, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, str(CHILD), str(data_dir), "sess-crash", str(out), kill],
-                          env=env, capture_output=True, text=True, timeout=120)
+    return run_child([str(data_dir), "sess-crash", str(out), kill], env, out.with_suffix(".log"))
 
 
 def _scenario(base: Path, index: int, point: tuple) -> dict:
@@ -101,7 +99,7 @@ def outcomes(tmp_path_factory):
     ref = _child(ref_dir, ref_dir / "out.json", "", "both")
     assert ref.returncode == 0, ref.stderr
     reference = json.loads((ref_dir / "out.json").read_text())
-    # Two workers: the machine has two cores and each scenario is two short sequential processes.
+    # Two workers: each scenario is two short sequential processes (forked one at a time) and reads between.
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(lambda ip: _scenario(base, *ip), enumerate(POINTS)))
     return reference, dict(zip((p[0] + "|" + p[1] for p in POINTS), results, strict=False))

@@ -5,7 +5,8 @@ appears); ``--json`` times are ISO 8601 with the "T" and a zone, dollars are
 rounded to 6 decimals (and shown as ``$0.2218`` in tables); ``prune`` has
 ``--dry-run`` and asks before deleting (on a terminal; elsewhere it needs
 ``--yes``); ``query``/``prune``/``compact`` report progress on stderr only on a
-terminal or with ``--progress``. Subprocesses of ``loomray``; no Ray.
+terminal or with ``--progress``. Processes of ``loomray`` (forked from one that imported loomray,
+``tests/forked.py``; the terminal tests run the console script on a pty); no Ray.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import pytest
+from forked import run_loomray
 
 REPO = Path(__file__).resolve().parents[2]
 LOOMRAY = Path(sys.executable).with_name("loomray")
@@ -38,8 +40,9 @@ def _env(store: Path, columns: int) -> dict[str, str]:
 
 
 def run_cli(*args: str, store: Path, columns: int = 80, timeout: float = 90) -> subprocess.CompletedProcess:
-    return subprocess.run([*CMD, *args], capture_output=True, text=True, timeout=timeout, env=_env(store, columns),
-                          cwd=REPO)
+    """``loomray ARGS`` in a process of its own, forked from one that imported loomray (``tests/forked.py``);
+    the terminal tests below run the console script on a pty."""
+    return run_loomray(list(args), env=_env(store, columns), cwd=REPO, timeout=timeout)
 
 
 def ok(out: subprocess.CompletedProcess) -> str:

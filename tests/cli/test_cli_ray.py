@@ -2,7 +2,8 @@
 
 The cluster (head + one worker, 127.0.0.1) lives in this test process; every
 command is a separate ``loomray`` process that joins it with ``--address``, as
-a user's shell would. The agent is ``examples.demo_agent:agent`` (offline
+a user's shell would (forked from a process that imported loomray, ``tests/forked.py``;
+``supervise``, which a Ctrl-C stops, runs the console script itself). The agent is ``examples.demo_agent:agent`` (offline
 research model, 8 passes, 0.8 s per model call here), imported by reference on the
 workers (``PYTHONPATH`` = the repository, as the README asks of a cluster).
 """
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from forked import run_loomray
 
 from loomray.runtime.actors import session_actor_name, supervisor_name
 from loomray.runtime.connection import normalize_store_url
@@ -55,7 +57,7 @@ def cli(cluster, *args: str, address: bool = True, timeout: float = 120) -> subp
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env.update(LOOMRAY_STORE=str(store), COLUMNS="200")
     extra = ["--address", addr] if address else []
-    return subprocess.run([*CMD, *args, *extra], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    return run_loomray([*args, *extra], env=env, cwd=REPO, timeout=timeout)
 
 
 def ok_json(out: subprocess.CompletedProcess):
@@ -94,6 +96,8 @@ def test_the_cluster_refuses_a_client_without_its_token(cluster):
     for token in ("0" * 64, None):  # a wrong token, and none at all
         env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_TOKEN")}
         env["HOME"] = str(cluster[3])  # no ~/.ray/auth_token to fall back on
+        # ray.init retries a refused connection 20 times, a second apart: the first refusal is the answer.
+        env["RAY_NUM_REDIS_GET_RETRIES"] = "2"
         if token:
             env["RAY_AUTH_TOKEN"] = token
         out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env,

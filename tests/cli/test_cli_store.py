@@ -1,4 +1,8 @@
-"""The store-side command line, end to end, as a new user types it (subprocesses of ``loomray``).
+"""The store-side command line, end to end, as a new user types it (processes of ``loomray``).
+
+Each command is its own process, forked from a server that imported loomray once (``tests/forked.py``):
+the import every ``loomray`` command starts with, half a second each, paid once. The S3 credentials
+test runs the console script itself.
 
 Data comes from real runs of the offline research agent on a ``LocalRuntime``
 in a temporary directory; ``LOOMRAY_STORE`` points at it. No Ray here.
@@ -14,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from forked import run_loomray
 
 REPO = Path(__file__).resolve().parents[2]
 LOOMRAY = Path(sys.executable).with_name("loomray")
@@ -28,7 +33,7 @@ def run_cli(*args: str, store: Path | None, timeout: float = 90, **env: str) -> 
         e["LOOMRAY_STORE"] = str(store)
     e["COLUMNS"] = "200"  # a wide terminal: rich tables are not cut at 80 columns
     e.update(env)
-    return subprocess.run([*CMD, *args], capture_output=True, text=True, timeout=timeout, env=e, cwd=REPO)
+    return run_loomray(list(args), env=e, cwd=REPO, timeout=timeout)
 
 
 def ok_json(out: subprocess.CompletedProcess) -> object:

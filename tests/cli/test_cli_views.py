@@ -1,4 +1,5 @@
-"""``loomray tree`` and ``loomray timeline`` end to end, on an 80-column terminal (subprocesses of ``loomray``).
+"""``loomray tree`` and ``loomray timeline`` end to end, on an 80-column terminal (processes of ``loomray``,
+forked from one that imported loomray: ``tests/forked.py``).
 
 Data comes from real runs of the offline research agent on a ``LocalRuntime``:
 a session with two forks and a fork of a fork (plus an unrelated fork pair
@@ -14,22 +15,20 @@ import json
 import os
 import re
 import subprocess
-import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
+from forked import run_loomray
 
 REPO = Path(__file__).resolve().parents[2]
-LOOMRAY = Path(sys.executable).with_name("loomray")
-CMD = [str(LOOMRAY)] if LOOMRAY.exists() else [sys.executable, "-m", "loomray.cli"]
 ISO = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)$")
 
 
 def run_cli(*args: str, store: Path, columns: int = 80, timeout: float = 90) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("LOOMRAY_STORE", "RAY_ADDRESS")}
     env.update(LOOMRAY_STORE=str(store), COLUMNS=str(columns))
-    return subprocess.run([*CMD, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    return run_loomray(list(args), env=env, cwd=REPO, timeout=timeout)
 
 
 def ok_json(out: subprocess.CompletedProcess):

@@ -106,8 +106,8 @@ adopted = make("adopted")
 fenced = make("fenced")
 #: Its node is frozen (raylet SIGSTOP) mid-step: the frozen incarnation becomes a zombie.
 zombie = make("zombie", 0.2)
-#: Its whole cluster is shut down mid-run; a new cluster's supervisor finishes it.
-restart = make("restart", 0.5)
+#: Its whole cluster is shut down mid-run (while it holds in a step); a new cluster's supervisor finishes it.
+restart = make("restart", 0.2)
 #: Streams its events to the driver.
 streamed = make("streamed", 0.0)
 # The command-line tests' two stores: a session in each, submitted with --resources.

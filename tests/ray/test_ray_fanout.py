@@ -16,29 +16,24 @@ from pathlib import Path
 import pytest
 
 from loomray.testing import wait_for
-from loomray.testing.cluster import local_cluster
 
 ray = pytest.importorskip("ray")
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
-HERE = Path(__file__).resolve().parent
 POOL = 2
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ray-fanout")
-    pythonpath = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
-    with local_cluster(num_nodes=3, namespace="loomray", worker_resources={"loomray_session": 100},
-                       env={"PYTHONPATH": pythonpath, "LOOMRAY_FANOUT_TEST_DIR": str(root)}) as lc:
-        from loomray.runtime import RayRuntime
+def env(shared_cluster):
+    """On the cluster tests/ray/conftest.py shares, which its reset left with no other module's standbys (the
+    pool counts below are this runtime's alone); ``root`` is the workers' LOOMRAY_FANOUT_TEST_DIR."""
+    from loomray.runtime import RayRuntime
 
-        runtime = RayRuntime(root / "store", actor_options={"resources": {"loomray_session": 1}},
-                             standby_actors=POOL)
-        yield lc, runtime, root
-        runtime.close()
-    assert lc.leftover == []
+    root = shared_cluster.fanout
+    runtime = RayRuntime(root / "store", actor_options={"resources": {"loomray_session": 1}}, standby_actors=POOL)
+    yield shared_cluster.lc, runtime, root
+    runtime.close()
 
 
 def _agent(runtime, replies, tools=()):

@@ -1,15 +1,16 @@
 """loomray.testing.cluster.local_cluster: loopback nodes, pinning, node removal, clean teardown.
 
-One 3-node cluster for the whole module (a start costs ~5 s on CI's 2 cores).
+On the 3-node cluster tests/ray/conftest.py shares between modules (a start costs ~5 s on CI's 2 cores):
+its reset gives this module a head and two live workers, and its teardown, at the end of the session,
+checks that stopping it left nothing running.
 """
 
 import os
-import warnings
 
 import pytest
 
 from loomray.testing import pid_alive, wait_for
-from loomray.testing.cluster import local_cluster, node_resource, wait_until_dead
+from loomray.testing.cluster import node_resource, wait_until_dead
 
 ray = pytest.importorskip("ray")
 
@@ -30,15 +31,8 @@ class Probe:
 
 
 @pytest.fixture(scope="module")
-def lc():
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with local_cluster(num_nodes=3, namespace="test-local-cluster") as cluster:
-            yield cluster
-    # Teardown left nothing running: every raylet, GCS and worker exited by itself.
-    assert cluster.leftover == [], f"processes had to be killed: {cluster.leftover}"
-    assert not cluster.any_started_alive()
-    assert not [w for w in caught if "leftover" in str(w.message)]
+def lc(shared_cluster):
+    return shared_cluster.lc
 
 
 
@@ -70,7 +64,10 @@ def test_killed_node_takes_its_actor_down(lc):
 
 def test_custom_resource_pin_and_graceful_removal(lc):
     node = lc.add_node()
-    assert lc.resource_of(node) == node_resource(3)  # numbered by add order, never reused
+    # Numbered by add order, never reused: one past every node added before it, removed ones included.
+    index = lc.node_index(node.node_id)
+    assert index == 1 + max(lc.node_index(n.node_id) for n in lc.nodes[:-1] + lc.removed)
+    assert lc.resource_of(node) == node_resource(index)
     actor = Probe.options(resources={lc.resource_of(node): 0.01}).remote()
     pid, node_id = ray.get(actor.where.remote(), timeout=60)
     assert node_id == node.node_id

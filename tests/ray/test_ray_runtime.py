@@ -2,8 +2,9 @@
 zombies, fan-out, streaming events; the recovery tests run in both placements (``actor``: one
 actor per session; ``dense``: sessions hosted many per host actor).
 
-One in-process cluster for the module (plus, for the cluster-replacement test,
-the old cluster in a subprocess). Session actors need the ``loomray_session``
+The in-process cluster is the one tests/ray/conftest.py shares between modules
+(plus, for the cluster-replacement test, the old cluster in a subprocess); this
+module has a store of its own on it. Session actors need the ``loomray_session``
 resource, which only worker nodes have, so removing a worker really takes a
 session down. Agents come from ``ray_agents`` (by value and by reference);
 their ScriptedModel logs every model call to a file, so "no model call
@@ -25,7 +26,6 @@ from pathlib import Path
 import pytest
 
 from loomray.testing import free_port, pid_alive, wait_for
-from loomray.testing.cluster import local_cluster
 
 ray = pytest.importorskip("ray")
 
@@ -33,26 +33,18 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
-SESSION_RESOURCE = {"loomray_session": 100}
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ray-runtime")
-    os.environ["LOOMRAY_RAY_TEST_DIR"] = str(root / "agents")
-    sys.path.insert(0, str(HERE))
-    pythonpath = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
-    with local_cluster(num_nodes=3, namespace="loomray", worker_resources=SESSION_RESOURCE,
-                       env={"PYTHONPATH": pythonpath, "LOOMRAY_RAY_TEST_DIR": str(root / "agents")}) as lc:
-        import ray_agents
+def env(shared_cluster, tmp_path_factory):
+    import ray_agents
 
-        from loomray.runtime import RayRuntime
+    from loomray.runtime import RayRuntime
 
-        runtime = RayRuntime(root / "store", actor_options={"resources": {"loomray_session": 1}})
-        yield lc, runtime, ray_agents
-        runtime.close()
-    sys.path.remove(str(HERE))
-    assert lc.leftover == []
+    runtime = RayRuntime(tmp_path_factory.mktemp("ray-runtime") / "store",
+                         actor_options={"resources": {"loomray_session": 1}})
+    yield shared_cluster.lc, runtime, ray_agents
+    runtime.close()
 
 
 @pytest.fixture(scope="module")
@@ -493,7 +485,9 @@ def test_concurrent_first_use_of_a_fresh_runtime_connects_once(env):
 @pytest.mark.parametrize("placed", ["actor"], indirect=True)
 async def test_whole_cluster_lost_new_cluster_resumes_via_supervise(placed):
     """Cluster A (a subprocess) runs a session submitted by a driver that exits at once; A is shut
-    down mid-run; ``supervise(store)`` on this cluster (B) picks the session up and finishes it."""
+    down mid-run, while the session holds in a tool step (so not between a model call's answer and its
+    journal write, where any kill repeats that call); ``supervise(store)`` on this cluster (B) picks the
+    session up and finishes it."""
     lc, runtime, agents, suffix = placed
     from loomray.runtime.ray_runtime import supervise
 
@@ -517,11 +511,14 @@ async def test_whole_cluster_lost_new_cluster_resumes_via_supervise(placed):
         assert driver.stdout.split()[-1] == sid
         # The driver is gone; the run goes on in cluster A.
         await _until(lambda: _checkpoint_turn(store, sid) >= 2, 60, "cluster A to checkpoint turn 2")
+        (agents.ROOT / name / "hold").write_text("")
+        await _until(lambda: agents.pids_with(name, "holding"), 30, "a tool step to hold in cluster A")
         assert store.get_session(sid).status == "running"
         assert time.monotonic() - t0 < 120
     finally:
         daemon.send_signal(signal.SIGTERM)
         out, _ = daemon.communicate(timeout=90)
+        (agents.ROOT / name / "hold").unlink(missing_ok=True)  # cluster B's incarnation runs straight through
     assert "processes killed after the grace period: []" in out.decode(), out.decode()[-2000:]
     interrupted_at = _checkpoint_turn(store, sid)
     assert interrupted_at < agents.TURNS + 1 and store.get_session(sid).status == "running"

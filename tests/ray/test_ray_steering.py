@@ -1,49 +1,38 @@
 """Steering on a real 3-node cluster: approvals across a lost node, denials, signals, cancel, budgets, spend.
 
-Its own cluster (not test_ray_runtime's): those tests remove and re-add nodes, and these need two live
-session nodes from the start. Agents come from ``ray_agents``; their files count effects across processes.
+On the cluster tests/ray/conftest.py shares between modules (its reset gives every module two live session
+nodes, whatever the one before removed), with a store of its own. Agents come from ``ray_agents``; their
+files count effects across processes.
 """
 
 import asyncio
 import copy
 import os
-import sys
 import time
-from pathlib import Path
 
 import pytest
-
-from loomray.testing.cluster import local_cluster
 
 ray = pytest.importorskip("ray")
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
-HERE = Path(__file__).resolve().parent
-SESSION_RESOURCE = {"loomray_session": 100}
 
 
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ray-steering")
-    os.environ["LOOMRAY_RAY_TEST_DIR"] = str(root / "agents")
-    sys.path.insert(0, str(HERE))
-    pythonpath = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p)
-    with local_cluster(num_nodes=3, namespace="loomray", worker_resources=SESSION_RESOURCE,
-                       env={"PYTHONPATH": pythonpath, "LOOMRAY_RAY_TEST_DIR": str(root / "agents"),
-                            # Only RayRuntime.cancel's direct path can stop a run within the cancel test's deadline.
-                            "LOOMRAY_CANCEL_POLL_S": "60"}) as lc:
-        import ray_agents
+def env(shared_cluster, tmp_path_factory):
+    import ray_agents
 
-        from loomray.runtime import RayRuntime
+    from loomray.runtime import RayRuntime
 
-        runtime = RayRuntime(root / "store", actor_options={"resources": {"loomray_session": 1}})
-        dense = RayRuntime(root / "store", actor_options={"resources": {"loomray_session": 1}}, placement="dense")
-        yield lc, runtime, dense, ray_agents
-        dense.close()
-        runtime.close()
-    sys.path.remove(str(HERE))
-    assert lc.leftover == []
+    # The shared cluster's workers have LOOMRAY_CANCEL_POLL_S=60: only RayRuntime.cancel's direct path can
+    # stop a run within the cancel test's deadline.
+    assert os.environ.get("LOOMRAY_CANCEL_POLL_S") == "60"
+    store = tmp_path_factory.mktemp("ray-steering") / "store"
+    runtime = RayRuntime(store, actor_options={"resources": {"loomray_session": 1}})
+    dense = RayRuntime(store, actor_options={"resources": {"loomray_session": 1}}, placement="dense")
+    yield shared_cluster.lc, runtime, dense, ray_agents
+    dense.close()
+    runtime.close()
 
 
 @pytest.fixture(params=["actor", "dense"])
