@@ -248,7 +248,12 @@ def logs(session_id: str, store_url: str | None, user_id: str | None, follow: bo
         while True:
             for e in reader.new_entries():
                 _print_entry(e, session_id, user_id, as_json)
-            if not follow or reader.ended():
+            if not follow:
+                break
+            if reader.ended():
+                # What the run wrote between the read above and its end (run_end among it) still shows.
+                for e in reader.new_entries():
+                    _print_entry(e, session_id, user_id, as_json)
                 break
             time.sleep(interval)
     except KeyboardInterrupt:
