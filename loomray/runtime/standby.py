@@ -193,9 +193,14 @@ class StandbyPool:
             if s not in self._free.get(s.key, ()):
                 raise  # claimed or killed meanwhile: whoever took it out deals with it
             self.stats["failed"] += 1
-            n = self._failures[s.key] = self._failures.get(s.key, 0) + 1
-            self._backoff_until[s.key] = time.monotonic() + min(60.0, 2.0 ** n)
-            log.warning("standby actor %s failed to start (%s: %s); pool backs off", s.name, type(e).__name__, e)
+            if _died_with_its_node(e):
+                # Not the standby's fault: it was starting on a node that went away. Start it elsewhere at once
+                # (backing off here held a fan-out after a node loss up to a minute).
+                log.info("standby actor %s died with its node; the pool refills on the others", s.name)
+            else:
+                n = self._failures[s.key] = self._failures.get(s.key, 0) + 1
+                self._backoff_until[s.key] = time.monotonic() + min(60.0, 2.0 ** n)
+                log.warning("standby actor %s failed to start (%s: %s); pool backs off", s.name, type(e).__name__, e)
             self._remove(s)
             raise
         s.node_id, s.pid = info["node_id"], info["pid"]
@@ -321,3 +326,10 @@ class StandbyPool:
                           "warm": sum(s.warm() for s in free),
                           "starting": sum(not s.warm() and not s.failed() for s in free)})
         return {"pools": pools, **self.stats}
+
+
+def _died_with_its_node(error: BaseException) -> bool:
+    """True when Ray says the actor died because its node did (a node loss, not a failure to start)."""
+    text = str(error)
+    return isinstance(error, ray.exceptions.ActorDiedError) and ("its node has died" in text
+                                                                  or "node was terminated" in text)

@@ -234,3 +234,17 @@ async def test_a_write_is_in_the_executor_before_a_node_loss_freeze_can_run():
     assert ran == ["t0000-model"]
     assert executor.submit(ran.append, "late") is not None and ran == ["t0000-model"]  # frozen from then on
     executor.shutdown(wait=True)
+
+
+def test_a_standby_that_died_with_its_node_does_not_make_the_pool_back_off():
+    """A node loss kills the standbys starting on it: that is no reason to wait before starting others
+    (the pool once backed off a minute after a node loss, holding a fan-out)."""
+    from ray.exceptions import ActorDiedError
+
+    from loomray.runtime.standby import _died_with_its_node
+
+    lost = ActorDiedError()
+    lost.error_msg = "The actor died because its node has died. Node Id: 07f8\\n\\tthe actor's node was terminated"
+    assert _died_with_its_node(lost)
+    assert not _died_with_its_node(ActorDiedError())  # died before it started for another reason
+    assert not _died_with_its_node(RuntimeError("its node has died"))
