@@ -82,3 +82,14 @@ def shared_cluster(ray_cluster):
     """The shared cluster as a module finds it: no loomray actor, a head and two live workers."""
     yield ray_cluster
     ray_cluster.lc.reset(WORKERS)
+
+
+@pytest.fixture(autouse=True)
+def _workers_topped_up(request):
+    """After each test of a module on the shared cluster, two workers again even if the test failed
+    before adding back the node it removed (one failure must not starve every later test of nodes)."""
+    lc = request.getfixturevalue("ray_cluster").lc if "shared_cluster" in request.fixturenames else None
+    yield
+    if lc is not None:
+        while len(lc.workers) < WORKERS:
+            lc.add_node()

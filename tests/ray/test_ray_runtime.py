@@ -249,10 +249,11 @@ async def test_zombie_incarnation_is_fenced_and_never_latest(placed):
     rows = store.list_checkpoints(sid, limit=None)
     assert rows[0].epoch == 2 and rows[0].execution_status == "completed"
     assert all(r.epoch == 2 for r in rows if r.turn > takeover_turn)
-    # ... and the journal holds no entry of epoch 1 for any step after the one the zombie was in.
+    # ... and the journal holds no entry of epoch 1 for any step after the one the zombie was in (a
+    # pass's last tool result may have no entry at all: the pass's checkpoint holds it).
     run_id = store.get_session(sid).run_id
     late = [e for e in store.journal_list(sid, run_id) if e.kind == "tool" and e.step_key >= f"t{takeover_turn:04d}"]
-    assert late and all(e.epoch == 2 for e in late)
+    assert [e.step_key for e in late if e.epoch != 2] == []
     wait_for(lambda: not pid_alive(zombie_pid), timeout=30, what="the zombie process to exit")
     lc.add_node()
 
@@ -280,10 +281,11 @@ async def test_fan_out_eight_forks_one_actor_each(placed):
     assert len(forks) == 8
     assert len({f.session_id for f in forks}) == 8 and src not in {f.session_id for f in forks}
     assert all(f.output == "answer 1" for f in forks)
-    from loomray.records import Checkpoint
+    from loomray.checkpoint_format import load_checkpoint
 
     for i, f in enumerate(forks):
-        ckpt = Checkpoint.from_json(runtime.store.get_checkpoint(f.session_id))
+        ckpt = load_checkpoint(runtime.store, f.session_id)
+        assert ckpt is not None
         assert ckpt.forked_from == src and ckpt.session_id == f.session_id
         assert f.messages[-2].content == f"p{i}"  # results in prompt order
     # The source session is untouched.
@@ -537,11 +539,10 @@ async def test_whole_cluster_lost_new_cluster_resumes_via_supervise(placed):
     row = store.get_session(sid)
     assert row.epoch == 2 and row.node_id in lc.alive_node_ids()
     assert sorted(agents.model_calls(name)) == list(range(agents.TURNS + 1))
-    final = runtime.store.get_checkpoint(sid)
-    from loomray.records import Checkpoint
+    from loomray.checkpoint_format import load_checkpoint
 
-    ckpt = Checkpoint.from_json(final)
-    assert ckpt.execution_status == "completed"
+    ckpt = load_checkpoint(runtime.store, sid)
+    assert ckpt is not None and ckpt.execution_status == "completed"
     assert _transcript(ckpt.messages) == await _reference(agents, name, sid)
     # Restarted the way it ran (the active mark carries the placement), and its mark is gone.
     s = await runtime.session(sid)
