@@ -51,15 +51,18 @@ def new_file_name(suffix: str = "") -> str:
 def encode(table: pa.Table) -> bytes:
     """One Parquet file's bytes.
 
-    A write's own file (a row or a few) skips compression, dictionaries and
-    statistics: they cost ~1 ms and bytes for nothing on one row. Compacted
+    A write's own file (a row or a batch of them) skips dictionaries and
+    statistics (they cost ~1 ms and bytes for nothing on a few rows) but not
+    snappy: ids, keys and digests repeat their prefixes, and a batch file of 16
+    rows and 16 tombstones shrinks from 15 to 8 KB at no measurable cost (0.28
+    ms to encode either way), a quarter of what a pass writes. Compacted
     files get snappy, statistics (so readers can skip row groups) and
     dictionaries for the low-cardinality columns: half of zstd's encoding time
     (0.75 vs 1.7 ms for 1,000 rows), 1.6x its bytes.
     """
     sink = io.BytesIO()
     if table.num_rows < 1000:
-        pq.write_table(table, sink, compression="none", use_dictionary=False, write_statistics=False,
+        pq.write_table(table, sink, compression="snappy", use_dictionary=False, write_statistics=False,
                        store_schema=False)
     else:
         pq.write_table(table, sink, compression="snappy", row_group_size=256 * 1024,
