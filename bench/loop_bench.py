@@ -12,7 +12,10 @@ returns a 2 KB payload, so the transcript grows by ~2.2 KB per pass. Cases:
 - ``off``: checkpoint off, journal on (the default);
 - ``sync`` / ``async``: ``Tuning(checkpoint=True)`` with ``durability`` sync or async;
 
-on a local directory and on S3 (moto's server on loopback). Ratios are taken
+on a local directory and on S3 (moto's server on loopback, in a process of its
+own as a real endpoint is; ``--s3-in-process`` runs it in a thread of the
+bench's process instead, where it competes with the loop for the interpreter
+lock and an async upload cannot overlap anything). Ratios are taken
 against the ``off`` case of the same backend and size, measured in the same
 run (the machine is noisy and shared). Bytes are counted at the object-store
 boundary (checkpoint objects, journal entries, index files) and compared with
@@ -253,6 +256,8 @@ def main() -> None:
     ap.add_argument("--latency-ms", type=float, default=None,
                     help="also run off/sync/async with this model latency (default 20; 0 disables; quick: 0)")
     ap.add_argument("--latency-passes", type=int, default=100)
+    ap.add_argument("--s3-in-process", action="store_true",
+                    help="moto's server in a thread of this process (default: a process of its own)")
     ap.add_argument("--loomflow-python", default=None,
                     help="python of a separate venv with loomflow 0.20 installed: adds its rows side by side")
     args = ap.parse_args()
@@ -265,7 +270,7 @@ def main() -> None:
 
     from storage.testing import MotoS3Server
 
-    server = MotoS3Server().start() if "s3" in backends else None
+    server = MotoS3Server(own_process=not args.s3_in_process).start() if "s3" in backends else None
     if server is not None:
         server.bench_bucket = server.new_bucket("loopbench")
     rows: list[dict] = []
@@ -295,7 +300,7 @@ def main() -> None:
     latency_rows: list[dict] = []
     if args.latency_ms > 0:
         # With a model that takes time, async durability hides the upload behind the next call.
-        server = MotoS3Server().start() if "s3" in backends else None
+        server = MotoS3Server(own_process=not args.s3_in_process).start() if "s3" in backends else None
         if server is not None:
             server.bench_bucket = server.new_bucket("loopbench-lat")
         with tempfile.TemporaryDirectory() as tmpdir:
@@ -355,7 +360,7 @@ def write_json(args, rows: list[dict], lf_rows: list[dict], *, partial: bool) ->
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"bench": "loop", "quick": args.quick, "partial": partial, "payload_bytes": PAYLOAD,
                                "python": platform.python_version(), "machine": platform.machine(),
-                               "cpus": os.cpu_count(), "rows": rows, "loomflow_rows": lf_rows}, indent=2))
+                               "cpus": os.cpu_count(), "s3_server": "thread" if args.s3_in_process else "process", "rows": rows, "loomflow_rows": lf_rows}, indent=2))
     return out
 
 

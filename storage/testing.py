@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 import threading
 import uuid
 from datetime import datetime, timedelta, timezone
@@ -30,29 +32,61 @@ from storage.store import Store
 
 CREDENTIALS = {"key": "testing", "secret": "testing", "region": "us-east-1"}
 
+#: ``MotoS3Server(own_process=True)``'s child: serve on a free loopback port, print it, stop at end of stdin.
+_CHILD_SERVER = """
+import logging, sys
+from moto.server import ThreadedMotoServer
+logging.getLogger("werkzeug").setLevel(logging.ERROR)
+server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+server.start()
+print(server.get_host_and_port()[1], flush=True)
+sys.stdin.read()
+server.stop()
+"""
+
 
 class MotoS3Server:
     """moto's S3 on ``127.0.0.1:{free port}``; ``start()`` / ``stop()`` or use as a context manager."""
 
-    def __init__(self) -> None:
-        from moto.server import ThreadedMotoServer  # moto is a test dependency, needed only by this server
+    def __init__(self, *, own_process: bool = False) -> None:
+        """``own_process=True`` runs the server in a child process, as a real S3 endpoint is: its request
+        handling does not share the client's interpreter lock (what benches measure overlap with)."""
+        self.own_process = own_process
+        self._server: Any = None
+        self._child: subprocess.Popen | None = None
+        if not own_process:
+            from moto.server import ThreadedMotoServer  # moto is a test dependency, needed only by this server
 
-        # werkzeug logs every request line; tests and benches only want failures.
-        logging.getLogger("werkzeug").setLevel(logging.ERROR)
-        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+            # werkzeug logs every request line; tests and benches only want failures.
+            logging.getLogger("werkzeug").setLevel(logging.ERROR)
+            self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
         self.endpoint_url = ""
         self._client = None
 
     def start(self) -> MotoS3Server:
-        self._server.start()
-        host, port = self._server.get_host_and_port()
+        if self._server is not None:
+            self._server.start()
+            host, port = self._server.get_host_and_port()
+        else:
+            self._child = subprocess.Popen([sys.executable, "-c", _CHILD_SERVER], stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE, text=True)
+            assert self._child.stdout is not None
+            line = self._child.stdout.readline().strip()
+            if not line:
+                raise RuntimeError(f"moto's server process exited ({self._child.wait()}) before it listened")
+            host, port = "127.0.0.1", int(line)
         self.endpoint_url = f"http://{host}:{port}"
         return self
 
     def stop(self) -> None:
         if self._client is not None:
             self._client.close()
-        self._server.stop()
+        if self._server is not None:
+            self._server.stop()
+        elif self._child is not None:
+            assert self._child.stdin is not None
+            self._child.stdin.close()  # the child stops its server and exits at end of input
+            self._child.wait(timeout=30)
 
     def __enter__(self) -> MotoS3Server:
         return self.start()
