@@ -346,7 +346,7 @@ def main() -> None:
             print(f"{r['passes']:>6} {r['mode']:5} {r['wall_s']:>8.3f} {r['ms_per_pass']:>8.2f} {r['ratio_to_off']:>6.2f} "
                   f"{r['ckpt_overhead_ms_per_pass']:>12.2f} {r['checkpoints']:>6}")
         print("loomray (above) writes one checkpoint per loop pass; compare the 'ckpts' columns.")
-        ours = {(r["passes"], r["mode"]): r for r in rows if r["backend"] == "local"}
+        ours = {(r["passes"], r["mode"]): r for r in rows if r["backend"] == "local" and not r["model_delay_ms"]}
         for r in lf_rows:
             mine = ours.get((r["passes"], "sync"))
             if r["mode"] == "sync" and mine is not None:
