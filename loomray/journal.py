@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import operator
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -165,6 +166,8 @@ class StepRunner:
         self._prefix: tuple[list[Message], Any] = ([], hashlib.sha256())
         #: Model invocations actually made (not replayed).
         self.model_calls = 0
+        #: How long the last model call this runner made took (s): what an async checkpoint can hide behind.
+        self.model_s = 0.0
         self.replayed = 0
 
     @property
@@ -284,7 +287,9 @@ class StepRunner:
         if self.before_model_call is not None:
             await self.before_model_call()
         # Streamed when the model can stream and someone listens; the journal keeps only the final answer.
+        started = time.perf_counter()
         response = await complete_with_stream(self.model, request, on_delta)
+        self.model_s = time.perf_counter() - started
         self.model_calls += 1
         if self.before_model_record is not None:
             await self.before_model_record()

@@ -154,6 +154,8 @@ class AgentLoop(SteeredLoop):
         await self.emit(ModelCall(**self.event_fields(), message_count=len(self.messages),
                                   step_key=model_step_key(self.turn)))
         response, replayed = await self.steps.complete(request, turn=self.turn)
+        if self.writer is not None and not replayed:
+            self.writer.model_took(self.steps.model_s)
         message = response.message
         if message.role != "assistant":
             message = message.model_copy(update={"role": "assistant"})

@@ -177,6 +177,59 @@ async def test_async_durability_overlaps_upload_with_next_model_call():
     assert [m.turn for m in await agent.list_checkpoints("s1")] == [3, 2, 1]
 
 
+@pytest.mark.parametrize("model_delay, overlapped", [(0.0, [False, True, False, False]),
+                                                      (0.1, [False, True, True, True])])
+async def test_async_durability_overlaps_only_behind_a_model_call_that_can_hide_the_upload(model_delay, overlapped):
+    """Async mode writes a checkpoint in line once the model call before it was shorter than the last upload (an
+    instant model hides nothing; the two would only compete); behind a model slower than an upload they overlap.
+    The first upload always overlaps: nothing was measured yet."""
+    import threading
+    import time
+
+    uploading = threading.Event()
+
+    class SlowStore:
+        def __init__(self, inner):
+            self._inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self._inner, name)
+
+        def checkpoint_log(self, lease, **kw):
+            log = self._inner.checkpoint_log(lease, **kw)
+            real = log.put
+
+            def put(data, info):
+                uploading.set()
+                time.sleep(0.03)
+                uploading.clear()
+                return real(data, info)
+
+            log.put = put
+            return log
+
+    seen = []
+
+    class Watching(ScriptedModel):
+        async def complete(self, request):
+            if model_delay or len(seen) == 1:  # give a queued upload time to reach its thread
+                deadline = time.monotonic() + 1.0
+                while not uploading.is_set() and time.monotonic() < deadline:
+                    await asyncio.sleep(0.002)
+            else:  # a quick call (5 ms, under the 30 ms upload): one overlapping it would see it running
+                await asyncio.sleep(0.005)
+            seen.append(uploading.is_set())
+            return await super().complete(request)
+
+    rt = InProcRuntime()
+    rt.store = SlowStore(rt.store)
+    agent = make_agent(Tuning(checkpoint=True, durability="async"), runtime=rt,
+                       model=Watching(script(3), delay=model_delay))
+    result = await agent.run("go", session_id="s1")
+    assert result.turns == 4 and seen == overlapped
+    assert [m.turn for m in await agent.list_checkpoints("s1")] == [4, 3, 2, 1]
+
+
 # -- events, usage, limits ---------------------------------------------------
 async def test_events_arrive_in_order_sync_and_async_callbacks():
     seen_sync, seen_async = [], []
