@@ -88,7 +88,9 @@ class ByteCounter:
 def make_runtime(backend: str, name: str, tmp: Path, server) -> LocalRuntime:
     if backend == "local":
         return LocalRuntime(tmp / name)
-    return LocalRuntime(f"s3://{server.bench_bucket}/{name}", **server.options)
+    # A bucket per case: moto's LIST walks every key of a bucket, so a case sharing one with the cases before it
+    # would pay for their objects (the last mode measured, async, paid most).
+    return LocalRuntime(f"s3://{server.new_bucket('loopbench')}/{name}", **server.options)
 
 
 async def run_case(backend: str, passes: int, mode: str, tmp: Path, server, delay_ms: float = 0.0) -> dict:
@@ -271,8 +273,6 @@ def main() -> None:
     from storage.testing import MotoS3Server
 
     server = MotoS3Server(own_process=not args.s3_in_process).start() if "s3" in backends else None
-    if server is not None:
-        server.bench_bucket = server.new_bucket("loopbench")
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
@@ -301,8 +301,6 @@ def main() -> None:
     if args.latency_ms > 0:
         # With a model that takes time, async durability hides the upload behind the next call.
         server = MotoS3Server(own_process=not args.s3_in_process).start() if "s3" in backends else None
-        if server is not None:
-            server.bench_bucket = server.new_bucket("loopbench-lat")
         with tempfile.TemporaryDirectory() as tmpdir:
             try:
                 for backend in backends:
