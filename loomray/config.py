@@ -60,8 +60,10 @@ class Tuning:
     - ``max_turns``: passes (model call + its tools) one run may take before
       :class:`~loomray.errors.MaxTurnsExceeded`.
     - ``durability``: ``"sync"`` awaits each checkpoint upload before the loop
-      goes on; ``"async"`` overlaps the upload with the next model call (uploads
-      stay ordered and are all awaited before the run returns).
+      goes on; ``"async"`` overlaps the upload with the next model call while
+      model calls outlast uploads, and writes in line when the last call was
+      quicker than the last upload (nothing to hide it behind). Uploads stay
+      ordered and are all awaited before the run returns.
     - ``journal``: record every model and tool step (needed for replay and
       crash recovery without checkpoints). On by default.
     - ``compact_after_tokens``: when the estimated transcript size passes this
