@@ -31,3 +31,21 @@ def lookup(key: str) -> str:
     """Look something up."""
     tool_calls[key] = tool_calls.get(key, 0) + 1
     return f"value of {key}"
+
+
+class HookedCheckpoints:
+    """A store whose checkpoint logs run each ``put(data, info)`` through ``hook(real_put, data, info)``: tests
+    delay, gate or fail checkpoint writes with it; everything else is the wrapped store's."""
+
+    def __init__(self, inner, hook):
+        self._inner = inner
+        self._hook = hook
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def checkpoint_log(self, lease, **kw):
+        log = self._inner.checkpoint_log(lease, **kw)
+        real = log.put
+        log.put = lambda data, info: self._hook(real, data, info)
+        return log

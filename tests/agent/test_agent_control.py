@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from agent_helpers import HookedCheckpoints
 from control_tools import (
     DEADLINE_S,
     Gate,
@@ -359,27 +360,13 @@ async def test_a_pause_recorded_before_a_crash_still_stops_the_run(tmp_path, run
     script = [{"tool": "slow", "args": {"key": "a"}}, {"tool": "lookup", "args": {"key": "b"}}, "done"]
     tools = (lookup, tool(gate.async_tool()))
 
-    class DiesAtPausedCheckpoint:
-        def __init__(self, inner):
-            self._inner = inner
-
-        def __getattr__(self, name):
-            return getattr(self._inner, name)
-
-        def checkpoint_log(self, lease, **kw):
-            log = self._inner.checkpoint_log(lease, **kw)
-            real = log.put
-
-            def put(data, info):
-                if info.execution_status == "paused":
-                    raise Crash()
-                return real(data, info)
-
-            log.put = put
-            return log
+    def dies_at_paused_checkpoint(put, data, info):
+        if info.execution_status == "paused":
+            raise Crash()
+        return put(data, info)
 
     real = runtime.store
-    runtime.store = DiesAtPausedCheckpoint(real)
+    runtime.store = HookedCheckpoints(real, dies_at_paused_checkpoint)
     agent = agent_for(runtime, ScriptedModel(script, counter_path=calls), tools=tools)
     try:
         task = asyncio.ensure_future(agent.run("go", session_id="p2"))

@@ -6,6 +6,7 @@ import asyncio
 import logging
 
 import pytest
+from agent_helpers import HookedCheckpoints
 from pydantic import BaseModel
 
 from loomray import Agent, Checkpoint, CheckpointConfig, Tuning
@@ -141,25 +142,11 @@ async def test_async_durability_overlaps_upload_with_next_model_call():
     uploading = threading.Event()
     overlapped = []
 
-    class SlowStore:
-        def __init__(self, inner):
-            self._inner = inner
-
-        def __getattr__(self, name):
-            return getattr(self._inner, name)
-
-        def checkpoint_log(self, lease, **kw):
-            log = self._inner.checkpoint_log(lease, **kw)
-            real = log.put
-
-            def put(data, info):
-                uploading.set()
-                gate.wait(timeout=2)  # the upload "takes" until the model has been called again
-                uploading.clear()
-                return real(data, info)
-
-            log.put = put
-            return log
+    def slow_put(real, data, info):
+        uploading.set()
+        gate.wait(timeout=2)  # the upload "takes" until the model has been called again
+        uploading.clear()
+        return real(data, info)
 
     class Watching(ScriptedModel):
         async def complete(self, request):
@@ -170,7 +157,7 @@ async def test_async_durability_overlaps_upload_with_next_model_call():
             return await super().complete(request)
 
     rt = InProcRuntime()
-    rt.store = SlowStore(rt.store)
+    rt.store = HookedCheckpoints(rt.store, slow_put)
     agent = make_agent(Tuning(checkpoint=True, durability="async"), runtime=rt, model=Watching(script(2)))
     result = await agent.run("go", session_id="s1")
     assert overlapped[0] is True and result.turns == 3  # sync durability gives False here
@@ -188,25 +175,11 @@ async def test_async_durability_overlaps_only_behind_a_model_call_that_can_hide_
 
     uploading = threading.Event()
 
-    class SlowStore:
-        def __init__(self, inner):
-            self._inner = inner
-
-        def __getattr__(self, name):
-            return getattr(self._inner, name)
-
-        def checkpoint_log(self, lease, **kw):
-            log = self._inner.checkpoint_log(lease, **kw)
-            real = log.put
-
-            def put(data, info):
-                uploading.set()
-                time.sleep(0.03)
-                uploading.clear()
-                return real(data, info)
-
-            log.put = put
-            return log
+    def slow_put(real, data, info):
+        uploading.set()
+        time.sleep(0.03)
+        uploading.clear()
+        return real(data, info)
 
     seen = []
 
@@ -222,7 +195,7 @@ async def test_async_durability_overlaps_only_behind_a_model_call_that_can_hide_
             return await super().complete(request)
 
     rt = InProcRuntime()
-    rt.store = SlowStore(rt.store)
+    rt.store = HookedCheckpoints(rt.store, slow_put)
     agent = make_agent(Tuning(checkpoint=True, durability="async"), runtime=rt,
                        model=Watching(script(3), delay=model_delay))
     result = await agent.run("go", session_id="s1")
