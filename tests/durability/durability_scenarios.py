@@ -84,6 +84,7 @@ def build_spec(seed: int, kind: str, backend: str) -> Spec:
     # batches (rows, retention and acknowledgements every write or few) in most scenarios.
     chain_rng = random.Random(f"{kind}/{seed}/chain")
     spec.full_every, spec.batch = chain_rng.choice([2, 3, 500]), chain_rng.choice([1, 2, 3, 16])
+    spec.durability = random.Random(f"{kind}/{seed}/durability").choice(["sync", "sync", "async"])
     plan = FaultPlan(seed=seed)
     actors = spec.actors
     resume_or_run = lambda: rng.choice(["run", "run", "resume"])  # noqa: E731

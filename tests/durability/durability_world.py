@@ -131,6 +131,9 @@ class Spec:
     #: Links before a full checkpoint, and checkpoints a writer's log indexes (and acknowledges) at once.
     full_every: int = 500
     batch: int = 16
+    #: ``Tuning.durability``: "async" overlaps a run's first upload (and any after a model call slower than an
+    #: upload) with the next model call.
+    durability: str = "sync"
     user_id: str | None = None
     plan: FaultPlan = field(default_factory=FaultPlan)
     #: (name, role, options) of every actor.
@@ -249,7 +252,7 @@ class World:
             return f"effect {n} done"
 
         tuning = Tuning(checkpoint=CheckpointConfig(position=self.spec.position, full_every=self.spec.full_every),
-                        durability="sync", journal=True,
+                        durability=self.spec.durability, journal=True,
                         max_turns=self.spec.passes + 5)
         return Agent("Do the effects one by one.", model=LedgerModel(), tools=[effect], tuning=tuning,
                      name="durability-agent")
