@@ -103,7 +103,7 @@ def row_of_header(header: dict[str, Any], key: str, data: bytes) -> CheckpointRo
     for name in ("input_tokens", "output_tokens"):
         values[name] = int(values[name] or 0)
     epoch = header.get("epoch")
-    if type(epoch) is not int or not 0 <= epoch <= layout.MAX_EPOCH:
+    if not layout.is_epoch(epoch):
         raise ValueError(f"epoch must be an integer in [0, 2**53), got {epoch!r:.40}")
     row = CheckpointRow(**values, epoch=epoch, key=key, size=len(data), sha256=hashlib.sha256(data).hexdigest())
     if layout.checkpoint_key(row.session_id, row.user_id, row.checkpoint_id) != key:

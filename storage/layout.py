@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TypeGuard
+
 from storage.ids import user_segment, validate_id
 
 CHECKPOINT_INDEX = "index/checkpoints/"
@@ -48,6 +50,18 @@ def lease_key(session_id: str, user_id: str | None) -> str:
 MAX_EPOCH = 2**53 - 1
 
 
+def is_epoch(value: object) -> TypeGuard[int]:
+    """Whether ``value`` is an epoch: an int (not a bool) in [0, MAX_EPOCH]."""
+    return type(value) is int and 0 <= value <= MAX_EPOCH
+
+
+def _epoch(epoch: int) -> int:
+    """``epoch`` if it is an epoch (a key names it zero-padded to 20 digits); else ValueError."""
+    if not is_epoch(epoch):
+        raise ValueError(f"epoch must be an int in [0, 2**53), got {epoch!r}")
+    return epoch
+
+
 def epoch_prefix(session_id: str, user_id: str | None) -> str:
     """``sessions/{user or _}/{session_id}/epochs/``: one create-only marker per epoch ever acquired."""
     return f"{session_prefix(session_id, user_id)}epochs/"
@@ -55,9 +69,7 @@ def epoch_prefix(session_id: str, user_id: str | None) -> str:
 
 def epoch_marker_key(session_id: str, user_id: str | None, epoch: int) -> str:
     """The marker of ``epoch`` (zero-padded, so key order is epoch order)."""
-    if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch <= MAX_EPOCH:
-        raise ValueError(f"epoch must be an int in [0, 2**53), got {epoch!r}")
-    return f"{epoch_prefix(session_id, user_id)}{epoch:020d}"
+    return f"{epoch_prefix(session_id, user_id)}{_epoch(epoch):020d}"
 
 
 def pin_prefix(session_id: str, user_id: str | None) -> str:
@@ -77,9 +89,7 @@ def lease_copy_prefix(session_id: str, user_id: str | None) -> str:
 
 def lease_copy_key(session_id: str, user_id: str | None, epoch: int) -> str:
     """The copy of the ``lease.json`` body the swap to ``epoch`` wrote (create-only)."""
-    if not isinstance(epoch, int) or isinstance(epoch, bool) or not 0 <= epoch <= MAX_EPOCH:
-        raise ValueError(f"epoch must be an int in [0, 2**53), got {epoch!r}")
-    return f"{lease_copy_prefix(session_id, user_id)}{epoch:020d}.json"
+    return f"{lease_copy_prefix(session_id, user_id)}{_epoch(epoch):020d}.json"
 
 
 def quarantine_key(session_id: str, user_id: str | None, checkpoint_id: str) -> str:

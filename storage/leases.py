@@ -44,7 +44,7 @@ def parse_epoch(data: bytes, where: str, what: str) -> int:
         raise LeaseCorruptError(f"{where}: unreadable {what} ({e}); repair it with Store.repair_lease "
                                 "(CLI: loomray lease repair SESSION)") from e
     epoch = doc.get("epoch") if isinstance(doc, dict) else None
-    if type(epoch) is not int or not 0 <= epoch <= layout.MAX_EPOCH:
+    if not layout.is_epoch(epoch):
         raise LeaseCorruptError(f"{where}: {what} epoch must be an integer in [0, 2**53), got {epoch!r:.40}; "
                                 "repair it with Store.repair_lease (CLI: loomray lease repair SESSION)")
     return epoch
@@ -155,7 +155,7 @@ class Leases:
             epoch = json.loads(obj.data).get("epoch") if obj is not None else None
         except (ValueError, AttributeError):
             epoch = None
-        return epoch if type(epoch) is int and 0 <= epoch <= layout.MAX_EPOCH else 0
+        return epoch if layout.is_epoch(epoch) else 0
 
     def claimed_above(self, session_id: str, user_id: str | None, n: int, etag: str) -> int:
         """The highest epoch marker above ``n`` whose acquirer did not claim it on top of lease.json at ETag
