@@ -261,7 +261,7 @@ class StepRunner:
         messages = request.messages
         prev, state = self._prefix
         n = len(prev)
-        if n <= len(messages) and all(map(operator.is_, prev, messages[:n])):
+        if n <= len(messages) and all(map(operator.is_, prev, messages)):
             h = state.copy()
             new = messages[n:]
         else:

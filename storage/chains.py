@@ -72,16 +72,25 @@ def expand(chain: Iterable[str], session_id: str) -> list[tuple[str, str]]:
     ranges ``"[{session}/]{first}..{last}"`` of one segment's consecutive links (``ValueError`` if malformed)."""
     out: list[tuple[str, str]] = []
     for entry in chain:
-        first, dots, last = entry.partition("..")
-        if not dots:
+        span = _span(entry, session_id)
+        if span is None:
             out.append(ref_parts(entry, session_id))
             continue
-        sid, cid = ref_parts(first, session_id)
-        a, b = _SEGMENT.match(cid), _SEGMENT.match(last)
-        if a is None or b is None or a.group(1) != b.group(1) or int(a.group(2), 16) > int(b.group(2), 16):
-            raise ValueError(f"malformed chain range {entry!r}")
-        out.extend((sid, f"{a.group(1)}{n:06x}") for n in range(int(a.group(2), 16), int(b.group(2), 16) + 1))
+        sid, seg, lo, hi = span
+        out.extend((sid, f"{seg}{n:06x}") for n in range(lo, hi + 1))
     return out
+
+
+def _span(entry: str, session_id: str) -> tuple[str, str, int, int] | None:
+    """``(session, segment, first, last)`` of a range entry; None for a single ref (``ValueError`` if malformed)."""
+    first, dots, last = entry.partition("..")
+    if not dots:
+        return None
+    sid, cid = ref_parts(first, session_id)
+    a, b = _SEGMENT.match(cid), _SEGMENT.match(last)
+    if a is None or b is None or a.group(1) != b.group(1) or int(a.group(2), 16) > int(b.group(2), 16):
+        raise ValueError(f"malformed chain range {entry!r}")
+    return sid, a.group(1), int(a.group(2), 16), int(b.group(2), 16)
 
 
 def compress(refs: Iterable[str]) -> tuple[str, ...]:
@@ -150,20 +159,16 @@ class LinkSet:
             n = int(m.group(2), 16)
             self.spans.setdefault((session_id, m.group(1)), []).append((n, n))
 
-    def add_row(self, row: CheckpointRow, *, own: bool = True) -> None:
-        """The links ``row``'s chain names (and ``row`` itself with ``own``)."""
-        if own:
-            self.add(row.session_id, row.checkpoint_id)
+    def add_row(self, row: CheckpointRow) -> None:
+        """``row`` and the links its chain names."""
+        self.add(row.session_id, row.checkpoint_id)
         for entry in row.chain:
-            first, dots, last = entry.partition("..")
-            sid, cid = ref_parts(first, row.session_id)
-            a, b = _SEGMENT.match(cid), _SEGMENT.match(last) if dots else None
-            if dots and a is not None and b is not None and a.group(1) == b.group(1):
-                self.spans.setdefault((sid, a.group(1)), []).append((int(a.group(2), 16), int(b.group(2), 16)))
-            elif dots:
-                raise ValueError(f"malformed chain range {entry!r}")
+            span = _span(entry, row.session_id)
+            if span is None:
+                self.add(*ref_parts(entry, row.session_id))
             else:
-                self.add(sid, cid)
+                sid, seg, lo, hi = span
+                self.spans.setdefault((sid, seg), []).append((lo, hi))
 
     def covers(self, session_id: str, checkpoint_id: str) -> bool:
         m = _SEGMENT.match(checkpoint_id)
@@ -198,11 +203,11 @@ def _uncovered(lo: int, hi: int, taken: list[tuple[int, int]]) -> Iterator[int]:
     yield from range(n, hi + 1)
 
 
-def links_of(rows: Iterable[CheckpointRow], *, own: bool = True) -> LinkSet:
-    """The links the chains of ``rows`` name (and the rows themselves with ``own``)."""
+def links_of(rows: Iterable[CheckpointRow]) -> LinkSet:
+    """``rows`` and the links their chains name."""
     out = LinkSet()
     for row in rows:
-        out.add_row(row, own=own)
+        out.add_row(row)
     return out
 
 

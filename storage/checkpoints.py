@@ -198,33 +198,29 @@ class CheckpointMethods:
     def _prefetch(self, row: CheckpointRow, snap: Snapshot) -> None:
         """Read ``row``'s object and its chain's (those not read yet) in parallel into ``snap.data``."""
         try:
-            links = chains.expand(row.chain, row.session_id)
+            links = _chain_keys(row)
         except ValueError:
             links = []  # a malformed chain: reported when the chain is read
-        keys = [k for k in (row.key, *(layout.checkpoint_key(sid, row.user_id, cid) for sid, cid in links))
-                if k not in snap.data]
-
-        def get(key: str) -> bytes | None:
-            obj = self.objects.get(key=key)
-            return None if obj is None else obj.data
-
-        for key, data in zip(keys, self._rows.index.map_wide(get, keys), strict=True):
+        keys = [k for k in (row.key, *links) if k not in snap.data]
+        for key, data in zip(keys, self._rows.index.map_wide(self._data, keys), strict=True):
             if data is not None:
                 snap.data[key] = data
+
+    def _data(self, key: str) -> bytes | None:
+        """The object at ``key``'s bytes, None if there is none."""
+        obj = self.objects.get(key=key)
+        return None if obj is None else obj.data
 
     def _chain_of(self, row: CheckpointRow, snap: Snapshot) -> list[bytes]:
         """The objects of ``row``'s chain, oldest first, fetched in parallel and verified."""
         try:
-            keys = [layout.checkpoint_key(sid, row.user_id, cid) for sid, cid in chains.expand(row.chain, row.session_id)]
+            keys = _chain_keys(row)
         except ValueError as e:
             raise CorruptObjectError(f"{self.objects.describe(row.key)}: checkpoint {row.checkpoint_id!r} names a "
                                      f"malformed chain: {e}") from e
 
         def get(key: str) -> bytes | None:
-            if key in snap.data:
-                return snap.data[key]
-            obj = self.objects.get(key=key)
-            return None if obj is None else obj.data
+            return snap.data[key] if key in snap.data else self._data(key)
 
         out = []
         for key, data in zip(keys, self._rows.index.map_wide(get, keys), strict=True):
@@ -250,3 +246,8 @@ def _verify(objects: ObjectStore, row: CheckpointRow, data: bytes, session_id: s
             f"{objects.describe(key)}: checkpoint {row.checkpoint_id if own else '(in a chain)'!r} of session "
             f"{session_id!r} is corrupt or truncated ({len(data)} bytes, {row.size if own else '?'} written; "
             "sha256 mismatch)")
+
+
+def _chain_keys(row: CheckpointRow) -> list[str]:
+    """The object keys of ``row``'s chain, oldest first (ValueError when the chain is malformed)."""
+    return [layout.checkpoint_key(sid, row.user_id, cid) for sid, cid in chains.expand(row.chain, row.session_id)]

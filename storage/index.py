@@ -133,7 +133,7 @@ class ParquetIndex:
     def map_wide(self, fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
         """Like :meth:`map_io` with up to ``CHAIN_FETCH_THREADS`` calls in flight (a chain's objects at once)."""
         items = list(items)
-        if self._local or len(items) < 2 or isinstance(self._pool, _SerialPool):
+        if self._local or len(items) < 2 or self.serial:
             return self.map_io(fn, items)
         with self._lock:
             if self._wide is None:

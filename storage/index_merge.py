@@ -32,12 +32,7 @@ def dedupe(table: pa.Table) -> pa.Table:
     """Drop exact repeats of a (user, session, checkpoint, tombstone) row; rows are immutable, repeats are copies."""
     if table.num_rows < 2:
         return table
-    if _one_session(table):
-        # The common case, without a group-by: no checkpoint id twice among live rows nor among tombstones.
-        tomb = pc.fill_null(table["tombstone"], False)
-        if all(pc.count_distinct(part, mode="all").as_py() == len(part) for part in
-               (table["checkpoint_id"].filter(tomb), table["checkpoint_id"].filter(pc.invert(tomb)))):
-            return table
+    # (A table of one session without a repeated id never gets here: _one_session_merge handled it.)
     keyed = _keyed(table)
     cols = _JOIN + ["tombstone"]
     if keyed.group_by(cols, use_threads=False).aggregate([]).num_rows == table.num_rows:

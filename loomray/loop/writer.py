@@ -73,8 +73,6 @@ class CheckpointWriter:
         #: How long the last upload and the loop's last model call took (s); None until measured.
         self.upload_s: float | None = None
         self.model_s: float | None = None
-        #: Checkpoints async mode wrote in line because the model call before them was too short to hide them.
-        self.inline = 0
 
     def model_took(self, seconds: float) -> None:
         """The loop's last model call (not a replay) took ``seconds``."""
@@ -84,10 +82,7 @@ class CheckpointWriter:
         """Async mode, and the next model call can be expected to hide this upload."""
         if not self._async:
             return False
-        if self.upload_s is None or self.model_s is None or self.model_s >= self.upload_s:
-            return True
-        self.inline += 1
-        return False
+        return self.upload_s is None or self.model_s is None or self.model_s >= self.upload_s
 
     async def save(self, ckpt: Checkpoint) -> None:
         """Write ``ckpt`` now (sync, or async behind a short model call) or queue it behind the uploads before
