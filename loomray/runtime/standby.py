@@ -30,8 +30,9 @@ log = logging.getLogger("loomray.runtime.standby")
 STANDBY_REFILL_BATCH = 8
 #: A pool refills once no session has started for this long: a burst's own starts come first.
 STANDBY_REFILL_QUIET_S = 1.0
-#: ... but it waits at most this long for such a moment.
-STANDBY_REFILL_MAX_WAIT_S = 10.0
+#: ... but it waits at most this long for such a moment (a burst of 24 process starts takes about 10 s on
+#: 2 cores; refills started during it only slow its last starts down).
+STANDBY_REFILL_MAX_WAIT_S = 30.0
 #: Distinct pools (``actor_options``) kept at most, a bound on idle processes whatever callers pass.
 STANDBY_MAX_POOLS = 8
 #: ``begin`` on a warm standby takes milliseconds; one that has not answered after this long (its node

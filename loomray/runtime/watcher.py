@@ -28,9 +28,10 @@ from loomray.records import utcnow
 from loomray.runtime import active
 from loomray.runtime.actors import AgentSpec, Outcome, RuntimeConfig, session_actor_name, session_actor_options
 from loomray.runtime.connection import NAMESPACE
-from loomray.runtime.placement import HostPool
+from loomray.runtime.placement import HostPool, demand_of
 from loomray.runtime.session_actor import session_actor_class
 from loomray.runtime.standby import STANDBY_BEGIN_TIMEOUT_S, StandbyPool
+from loomray.runtime.start_slots import StartSlots, constructed
 from storage import SessionRow
 
 log = logging.getLogger("loomray.runtime.watcher")
@@ -78,6 +79,8 @@ class SessionWatcher:
         self._hosts: HostPool | None = None
         #: Standby session actors for actor placement (``RuntimeConfig.standby_actors``), made on first use.
         self._standby: StandbyPool | None = None
+        #: Bounds the session actors under construction at once (see :mod:`loomray.runtime.start_slots`).
+        self.start_slots = StartSlots()
 
     def config_of(self, w: WatchedSession) -> RuntimeConfig:
         """The config a session runs with: its submitting runtime's, else the supervisor's."""
@@ -120,20 +123,22 @@ class SessionWatcher:
         w.host = options["name"]
         actor_cls = session_actor_class()
         me = ray.get_runtime_context().current_actor
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                handle = actor_cls.options(**options).remote(config, w.agent, w.request_json,
-                                                             me if w.stream_events else None)
-                break
-            except ValueError as e:  # the name is held by another incarnation
-                existing = await self._existing(options["name"], w.request_json)
-                if existing is not None:
-                    return existing
-                if time.monotonic() > deadline:
-                    raise
-                log.info("actor name %s busy (%s); retrying", options["name"], e)
-                await asyncio.sleep(0.2)
+        async with self.start_slots.slot(demand_of(options)):
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    handle = actor_cls.options(**options).remote(config, w.agent, w.request_json,
+                                                                 me if w.stream_events else None)
+                    break
+                except ValueError as e:  # the name is held by another incarnation
+                    existing = await self._existing(options["name"], w.request_json)
+                    if existing is not None:
+                        return existing
+                    if time.monotonic() > deadline:
+                        raise
+                    log.info("actor name %s busy (%s); retrying", options["name"], e)
+                    await asyncio.sleep(0.2)
+            await constructed(handle)  # the slot is held while the process starts and constructs
         w.incarnation += 1
         return handle
 
@@ -262,7 +267,7 @@ class SessionWatcher:
             try:
                 await w.handle.stop.remote()
             except ray.exceptions.RayActorError:
-                pass  # exit_actor ends the call with an actor error; that is the clean path
+                pass  # the actor kills itself during the call: that is the clean path
         w.error = outcome.error
         if outcome.turn is not None:
             w.turn = outcome.turn
