@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from storage.errors import IndexChangedError
+from storage import layout
+from storage.errors import IndexChangedError, PreconditionFailed
 from storage.index import conform
 from storage.index_merge import compact_checkpoint_partition, live_checkpoints
 from storage.rows import CHECKPOINT_SCHEMA, as_utc, utcnow
@@ -116,7 +117,33 @@ class PartitionMerger:
                      self.store.describe(part.partition))
             return (len(part.keys) - len(vanished) + (part.base is not None), 0, 0,
                     _reread(self.store, part.partition, part.known) if part.for_table else None)
+        foreign = self._foreign(pairs)
+        if foreign:
+            pairs = [(k, t) for k, t in pairs if k not in foreign]
+            part.keys = [k for k in part.keys if k not in foreign]
         return self._replace(part, self._merge(part, pairs))
+
+    def _foreign(self, pairs: list[tuple[str, pa.Table]]) -> set[str]:
+        """The files of ``pairs`` of another schema altogether, each moved to its
+        :func:`~storage.layout.index_quarantine_key` (readers skip such a file; a merge cannot use it, and one
+        left in place would be read again by every compaction). A warning names both keys."""
+        moved: set[str] = set()
+        for key, table in pairs:
+            try:
+                conform(table, self.schema)
+            except (KeyError, pa.ArrowInvalid, pa.ArrowTypeError) as e:
+                aside = layout.index_quarantine_key(key)
+                obj = self.store.objects.get(key=key)
+                if obj is not None:
+                    try:
+                        self.store.objects.put(key=aside, data=obj.data, if_none_match=True)
+                    except PreconditionFailed:
+                        pass  # another compaction moved it first: its copy holds the same bytes
+                    self.store.objects.delete(keys=[key])
+                log.warning("compaction moved an index file of a foreign schema to %s (%s): %s",
+                            self.store.describe(aside), key, e)
+                moved.add(key)
+        return moved
 
     def _merge(self, part: _Part, pairs: list[tuple[str, pa.Table]]) -> _Merged:
         """The files read, merged."""
