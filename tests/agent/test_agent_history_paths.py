@@ -4,6 +4,7 @@ consumed pause stays consumed without checkpoints, a checkpoint equals its own J
 from __future__ import annotations
 
 import asyncio
+from datetime import datetime, timedelta, timezone
 
 import pytest
 from agent_helpers import Crash, crash_at
@@ -19,6 +20,7 @@ from loomray import Agent, Tuning, tool
 from loomray.models import ScriptedModel
 from loomray.models.scripted import count_calls
 from loomray.records import Checkpoint
+from storage import layout
 
 
 # -- path 12 -------------------------------------------------------------------------------------------------
@@ -70,3 +72,48 @@ async def test_a_pause_consumed_before_a_crash_still_stops_the_rerun_without_che
     assert stopped.stop_reason == "paused" and count_calls(calls) == [0]
     done = await agent.resume(None, session_id="pc")
     assert done.stop_reason == "completed" and count_calls(calls) == [0, 1, 2] and effects == ["slow-a", "b"]
+
+
+# -- path 10 -------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("checkpoint", [True, False])
+async def test_a_budget_stop_holds_for_the_sessions_next_runs_until_raised(runtime, checkpoint):
+    script = [{"tool": "lookup", "args": {"key": "a"}}, {"tool": "lookup", "args": {"key": "b"}}, "done"]
+    m = ScriptedModel(script, price_per_mtok=1000.0)
+    capped = Agent("You help.", model=m, tools=[lookup], runtime=runtime,
+                   tuning=Tuning(checkpoint=checkpoint, max_cost_usd=1e-9))  # reached by the first call
+    first = await capped.run("first task", session_id="b")
+    assert first.stop_reason == "budget_exceeded" and m.calls == 1
+    spent = first.usage.cost_usd
+    assert spent is not None and spent > 0
+    for prompt in ("second task", "third task"):  # new prompts: new runs of the same session, same budget
+        again = await capped.run(prompt, session_id="b")
+        assert again.stop_reason == "budget_exceeded" and m.calls == 1
+        assert again.usage.cost_usd == pytest.approx(spent)
+    # Raised: an agent whose limit is above what the session spent runs, counting on from that spend.
+    raised = Agent("You help.", model=m, tools=[lookup], runtime=runtime,
+                   tuning=Tuning(checkpoint=checkpoint, max_cost_usd=1.0))
+    done = await raised.run("fourth task", session_id="b")
+    assert done.stop_reason == "completed" and m.calls > 1
+    assert done.usage.cost_usd > spent
+
+
+# -- path 9 --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("checkpoint", [True, False])
+async def test_prune_keeps_no_request_of_a_finished_last_run(runtime, checkpoint):
+    script = [{"tool": "lookup", "args": {"key": "a"}}, "done", "done again"]
+    agent = Agent("You help.", model=ScriptedModel(script), tools=[lookup], runtime=runtime,
+                  tuning=Tuning(checkpoint=checkpoint))
+    secrets = {"context": {"api_key": "sk-SECRET-ctx"}, "metadata": {"note": "SECRET-meta"}}
+    first = await agent.run("task", session_id="s", **secrets)
+    second = await agent.run("more", session_id="s", **secrets)
+    store = runtime.store
+    store.prune(before=datetime.now(timezone.utc) + timedelta(hours=1), session_id="s")  # everything is older
+
+    held = {o.key: store.objects.get(key=o.key).data for o in store.objects.list(prefix=layout.session_prefix("s", None))}
+    assert not [k for k, data in held.items() if b"SECRET" in data]
+    # What decides the last run stays, content-free: its record (no request) and its run_end.
+    assert [(r.run_id, r.request, r.spec_hash) for r in store.list_runs("s")] == [
+        (first.run_id, None, ""), (second.run_id, None, "")]
+    assert [e.kind for e in store.journal_list("s", second.run_id)] == ["run_end"]
+    again = await agent.run("more", session_id="s", **secrets)  # the same request: finished, so a new run
+    assert again.run_id not in (first.run_id, second.run_id) and again.stop_reason == "completed"
