@@ -8,7 +8,7 @@ from datetime import timedelta
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage import Store, layout
+from storage import SessionRow, Store, layout
 from storage.testing import T0, put_checkpoint
 
 FOREIGN = "index/checkpoints/user=_/session=s1/0000000000000000009-cafebabe.parquet"
@@ -53,6 +53,7 @@ def test_compact_moves_a_foreign_file_aside_and_brings_every_table_up_to_date(st
     store.compact()
     assert _table_rows(store) == {(None, "s1", "c1"), (None, "s1", "c2"), ("bob", "s2", "c1")}
     assert [r.checkpoint_id for r in store.list_checkpoints("s1")] == ["c2", "c1"]  # newest first
+    assert store.compact().table_partitions == 0  # the partition is compact now: nothing left to rewrite
 
 
 def test_a_partition_holding_only_a_foreign_file(store):
@@ -73,3 +74,17 @@ def test_prune_completes_its_table_update_past_a_foreign_file(store):
     assert report.checkpoints == 2
     assert _table_rows(store) == {(None, "s1", "c3")}
     assert [r.checkpoint_id for r in store.list_checkpoints("s1")] == ["c3"]
+
+
+def test_a_foreign_file_among_session_status_rows(store, caplog):
+    for minutes, status in ((1, "running"), (2, "completed")):
+        store.put_session(SessionRow(session_id="s1", user_id=None, status=status,
+                                     updated_at=T0 + timedelta(minutes=minutes)))
+    key = "index/sessions/user=_/session=s1/0000000000000000009-cafebabe.parquet"
+    store.objects.put(key=key, data=_foreign_parquet())
+    with caplog.at_level("WARNING"):
+        store.compact()
+    assert layout.index_quarantine_key(key) in caplog.text
+    assert store.objects.get(key=layout.index_quarantine_key(key)) is not None
+    assert len(list(store.objects.list(prefix="index/sessions/user=_/session=s1/"))) == 1  # merged
+    assert store.get_session("s1").status == "completed"
