@@ -117,20 +117,20 @@ class PartitionMerger:
                      self.store.describe(part.partition))
             return (len(part.keys) - len(vanished) + (part.base is not None), 0, 0,
                     _reread(self.store, part.partition, part.known) if part.for_table else None)
-        foreign = self._foreign(pairs)
-        if foreign:
-            pairs = [(k, t) for k, t in pairs if k not in foreign]
-            part.keys = [k for k in part.keys if k not in foreign]
-        return self._replace(part, self._merge(part, pairs))
+        usable = self._usable(pairs)
+        moved = {k for k, _ in pairs} - {k for k, _ in usable}
+        if moved:  # no longer the partition's: neither merged nor counted, nor named to the table
+            part.keys = [k for k in part.keys if k not in moved]
+        return self._replace(part, self._merge(part, usable))
 
-    def _foreign(self, pairs: list[tuple[str, pa.Table]]) -> set[str]:
-        """The files of ``pairs`` of another schema altogether, each moved to its
-        :func:`~storage.layout.index_quarantine_key` (readers skip such a file; a merge cannot use it, and one
-        left in place would be read again by every compaction). A warning names both keys."""
-        moved: set[str] = set()
+    def _usable(self, pairs: list[tuple[str, pa.Table]]) -> list[tuple[str, pa.Table]]:
+        """``pairs`` conformed to the schema, less the files of another schema altogether: each of those is
+        moved to its :func:`~storage.layout.index_quarantine_key` (readers skip such a file; a merge cannot use
+        it, and one left in place would be read again by every compaction). A warning names both keys."""
+        usable: list[tuple[str, pa.Table]] = []
         for key, table in pairs:
             try:
-                conform(table, self.schema)
+                usable.append((key, conform(table, self.schema)))
             except (KeyError, pa.ArrowInvalid, pa.ArrowTypeError) as e:
                 aside = layout.index_quarantine_key(key)
                 obj = self.store.objects.get(key=key)
@@ -142,8 +142,7 @@ class PartitionMerger:
                     self.store.objects.delete(keys=[key])
                 log.warning("compaction moved an index file of a foreign schema to %s (%s): %s",
                             self.store.describe(aside), key, e)
-                moved.add(key)
-        return moved
+        return usable
 
     def _merge(self, part: _Part, pairs: list[tuple[str, pa.Table]]) -> _Merged:
         """The files read, merged."""
