@@ -76,7 +76,10 @@ class Tuning:
       Spend is the session's cumulative usage (``cost_usd`` and
       ``input_tokens + output_tokens``) as the run's starting checkpoint
       carried it plus this run's calls, so it counts across resumes (and a
-      fork starts with its parent's spend up to the fork point). Before every
+      fork starts with its parent's spend up to the fork point). A run that
+      starts a fresh transcript in a session that ran before starts with the
+      session's spend (docs/session-history.md), so a limit, once reached,
+      holds for the session until an agent with a higher limit runs it. Before every
       model call the loop checks "would the next call exceed a limit?" with
       the rule *the spend so far already reached the limit* (no estimate of
       the next call: a call made just below the limit may end above it). Then

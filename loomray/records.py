@@ -147,6 +147,13 @@ class Checkpoint(BaseModel):
     #: a run that restores it builds its next checkpoint on that chain. Not part of the record.
     _chain: Any = PrivateAttr(default=None)
 
+    def __eq__(self, other: object) -> bool:
+        """Equal when every field is: ``_chain`` (how a store holds it) is not part of the record, so a
+        checkpoint read from a store equals its own JSON round trip."""
+        if not isinstance(other, Checkpoint):
+            return NotImplemented
+        return type(self) is type(other) and self.__dict__ == other.__dict__
+
     def checked(self) -> Checkpoint:
         """This checkpoint, once it is known usable; :class:`CheckpointException` if it is not.
 

@@ -33,7 +33,7 @@ from loomray.control import consumed_names
 from loomray.errors import CheckpointNotFound, LoomrayUserError
 from loomray.journal import STEP_KINDS, JournalRecord, approval_step_key, tool_step_key
 from loomray.loop import CONTINUE_NUDGE, LoopState, dangling_tool_calls, run_of_cursor
-from loomray.records import Checkpoint, Message, RunResult
+from loomray.records import Checkpoint, Message, RunResult, Usage
 from loomray.run_request import RunRequest
 from storage.journal import JournalRun
 from storage.rows import JournalEntry, RunRecord
@@ -159,7 +159,7 @@ def new_run_start(request: RunRequest, found: Checkpoint | None, last: LastRun) 
         if found is not None and found.execution_status == "completed":
             return Start({"kind": "run", "prompt": request.prompt, "base_checkpoint_id": found.checkpoint_id,
                           "source_session": sid}, found, request.fork_of or found.forked_from)
-        return Start({"kind": "run", "prompt": request.prompt})
+        return Start(_with_spend({"kind": "run", "prompt": request.prompt}, session_spend(found, last)))
     source, wanted = request.fork_of or sid, request.from_checkpoint
     if found is None and (request.fork_of or wanted != "latest"):
         raise CheckpointNotFound(f"session {source!r} (user {uid!r}) has no checkpoint {wanted!r}")
@@ -174,8 +174,48 @@ def new_run_start(request: RunRequest, found: Checkpoint | None, last: LastRun) 
         raise LoomrayUserError(f"session {sid!r} (user {uid!r}) has no checkpoint and no run to resume; pass a prompt")
     output: dict[str, Any] = {"kind": "run", "prompt": prompt, "fallback": True}
     if last.run_id is not None and prompt == last_prompt:
-        output["replay_from"] = last.run_id
-    return Start(output)
+        output["replay_from"] = last.run_id  # its replayed calls count again: it starts where that run started
+        return Start(_with_spend(output, spent_at_start(last.start.output if last.start is not None else {})))
+    return Start(_with_spend(output, session_spend(None, last)))
+
+
+def session_spend(latest: Checkpoint | None, last: LastRun) -> Usage:
+    """What the session spent before a new run that starts a fresh transcript: a budget is per session.
+
+    The ``latest`` checkpoint's cumulative usage, whatever its status (a
+    budget stop, a pause); without one, what the last run started with (its
+    ``run_start``'s ``spent``) plus every model call it journaled.
+    """
+    if latest is not None:
+        return latest.cumulative_usage
+    if last.start is None:
+        return Usage()
+    total = spent_at_start(last.start.output)
+    calls = {e.step_key: e for e in sorted(last.entries, key=lambda e: e.seq) if e.kind == "model"}
+    for e in calls.values():  # by step key: a re-made call replaces its stale record, as in replay
+        try:
+            total += Usage.model_validate(e.output["response"]["usage"])
+        except (KeyError, TypeError, ValueError):
+            log.warning("journaled model call %s of run %s holds no readable usage; not counted", e.step_key,
+                        last.run_id)
+    return total
+
+
+def spent_at_start(start_output: dict[str, Any]) -> Usage:
+    """The spend a run without a restored checkpoint starts with (its ``run_start``'s ``spent``; none: zero)."""
+    raw = start_output.get("spent")
+    try:
+        return Usage.model_validate(raw) if raw else Usage()
+    except ValueError:
+        log.warning("run_start holds an unreadable spend %r; counting from zero", raw)
+        return Usage()
+
+
+def _with_spend(output: dict[str, Any], spent: Usage) -> dict[str, Any]:
+    """``output`` naming ``spent`` (left out when nothing was spent, as before spends were recorded)."""
+    if spent != Usage():
+        output["spent"] = spent.model_dump(mode="json")
+    return output
 
 
 def recorded_start(request: RunRequest, record: RunRecord | None) -> dict[str, Any] | None:
@@ -273,7 +313,8 @@ class RunPlan:
         if ckpt is None:
             messages = [Message(role="system", content=instructions)] if instructions else []
             return LoopState(session_id=request.session_id, user_id=request.user_id, run_id=self.run_id,
-                             agent_id=agent_id, messages=messages, epoch=epoch)
+                             agent_id=agent_id, messages=messages, epoch=epoch,
+                             usage=spent_at_start(self.start_output))
         chain = ckpt._chain
         if chain is not None and ckpt.session_id != request.session_id:
             chain = chain.rebased(ckpt.session_id, request.session_id)  # a fork builds on its parent's chain

@@ -97,6 +97,19 @@ def quarantine_key(session_id: str, user_id: str | None, checkpoint_id: str) -> 
     return f"{session_prefix(session_id, user_id)}quarantine/{validate_id(checkpoint_id, 'checkpoint_id')}.json"
 
 
+#: Index files compaction cannot merge (another schema altogether) are moved under here, key for key.
+INDEX_QUARANTINE = "index/quarantine/"
+
+
+def index_quarantine_key(index_key: str) -> str:
+    """Where compaction moves a foreign index file: ``index/quarantine/`` + its key below ``index/``
+    (``index/checkpoints/user=u/session=s/f.parquet`` -> ``index/quarantine/checkpoints/user=u/session=s/f.parquet``).
+    Outside every index prefix, so no reader lists it."""
+    if not index_key.startswith("index/") or index_key.startswith(INDEX_QUARANTINE):
+        raise ValueError(f"not an index file key: {index_key!r}")
+    return INDEX_QUARANTINE + index_key[len("index/"):]
+
+
 def index_partition(kind_prefix: str, session_id: str, user_id: str | None) -> str:
     """Hive-style partition of one session: ``index/{kind}/user={u}/session={s}/``."""
     return f"{kind_prefix}user={user_segment(user_id)}/session={validate_id(session_id, 'session_id')}/"

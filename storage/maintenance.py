@@ -21,6 +21,11 @@ compaction merged them first), writing and deleting nothing there; a merge
 that landed later than that anyway (the compactor paused between its check
 and its PUT) is deleted again before any of its sources.
 
+A file in an index partition that is not of the index's schema (readers
+skip it) is moved to :func:`storage.layout.index_quarantine_key` with a
+warning, and the partition's other files are merged as usual: one foreign
+file never stops a compaction (nor the table refresh that ends a prune).
+
 The compacted table (:mod:`storage.table`) is brought up to date by the same
 pass, from the same reads: the user's manifest is read before the per-session
 LIST, the partitions it absorbed are compared with that LIST, and only the

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from storage.errors import IndexChangedError
+from storage import layout
+from storage.errors import IndexChangedError, PreconditionFailed
 from storage.index import conform
 from storage.index_merge import compact_checkpoint_partition, live_checkpoints
 from storage.rows import CHECKPOINT_SCHEMA, as_utc, utcnow
@@ -116,7 +117,32 @@ class PartitionMerger:
                      self.store.describe(part.partition))
             return (len(part.keys) - len(vanished) + (part.base is not None), 0, 0,
                     _reread(self.store, part.partition, part.known) if part.for_table else None)
-        return self._replace(part, self._merge(part, pairs))
+        usable = self._usable(pairs)
+        moved = {k for k, _ in pairs} - {k for k, _ in usable}
+        if moved:  # no longer the partition's: neither merged nor counted, nor named to the table
+            part.keys = [k for k in part.keys if k not in moved]
+        return self._replace(part, self._merge(part, usable))
+
+    def _usable(self, pairs: list[tuple[str, pa.Table]]) -> list[tuple[str, pa.Table]]:
+        """``pairs`` conformed to the schema, less the files of another schema altogether: each of those is
+        moved to its :func:`~storage.layout.index_quarantine_key` (readers skip such a file; a merge cannot use
+        it, and one left in place would be read again by every compaction). A warning names both keys."""
+        usable: list[tuple[str, pa.Table]] = []
+        for key, table in pairs:
+            try:
+                usable.append((key, conform(table, self.schema)))
+            except (KeyError, pa.ArrowInvalid, pa.ArrowTypeError) as e:
+                aside = layout.index_quarantine_key(key)
+                obj = self.store.objects.get(key=key)
+                if obj is not None:
+                    try:
+                        self.store.objects.put(key=aside, data=obj.data, if_none_match=True)
+                    except PreconditionFailed:
+                        pass  # another compaction moved it first: its copy holds the same bytes
+                    self.store.objects.delete(keys=[key])
+                log.warning("compaction moved an index file of a foreign schema to %s (%s): %s",
+                            self.store.describe(aside), key, e)
+        return usable
 
     def _merge(self, part: _Part, pairs: list[tuple[str, pa.Table]]) -> _Merged:
         """The files read, merged."""

@@ -6,8 +6,11 @@ journal it replays, the checkpoint it started from (also in another session
 being pruned, for a fork) and the session's latest checkpoint all stay,
 whatever their age; so do the run records the session's last run is chosen
 among (:func:`storage.journal.last_run_window`), so prune never changes which
-run is last. Without ``before`` everything matching goes (objects without an
-index row too).
+run is last, and the last run's ``run_end`` (a finished run must not read as
+unfinished). Those records keep no request: a matching record that recovery
+does not need loses its ``request`` and ``spec_hash`` (context and metadata may
+hold secrets), keeping only ids, slot, epoch and start time. Without
+``before`` everything matching goes (objects without an index row too).
 
 What prune deletes is chosen by one planner, :func:`plan_prune` for a dry run
 and :func:`prune` for the real thing, so the two never disagree: ``prune``
@@ -38,6 +41,7 @@ from storage import chains, layout
 from storage.errors import PreconditionFailed
 from storage.ids import user_from_segment, user_segment, validate_id
 from storage.journal import RUN_END, last_run_window, load_entries, unfinished_last_run
+from storage.journal.runs import drop_request, requests_held
 from storage.rows import CheckpointRow, JournalEntry, PruneReport, RunRecord, as_utc
 
 if TYPE_CHECKING:
@@ -76,6 +80,9 @@ class SessionPrunePlan:
     #: The checkpoint objects deleted: the retired rows', their chains' and the orphans', less what a kept
     #: row's chain or another session's pin still needs (those stay until nothing needs them).
     object_keys: tuple[str, ...] = ()
+    #: Run records that stay (the last run is chosen among them) but lose their request and its hash: the
+    #: records of matching runs that recovery does not need (:func:`storage.journal.runs.drop_request`).
+    request_keys: tuple[str, ...] = ()
 
     @property
     def checkpoints(self) -> int:
@@ -206,8 +213,11 @@ class _Planner:
         keys = [o.key for o in store.objects.list(prefix=layout.journal_prefix(sid, uid)) if not o.key.startswith(kept)]
         entries: dict[str, JournalEntry] = {}
         older: list[tuple[int, str]] = []
+        bare: list[str] = []
         if cutoff is not None:
-            last, older, _ = last_run_window(store, sid, uid)
+            last, older, window = last_run_window(store, sid, uid)
+            bare = requests_held(store, window, sid, uid,
+                                 lambda rec: rec.run_id not in kept_runs and as_utc(rec.created_at) < cutoff)
             last_id = last.run_id if last is not None else _legacy_last_run(store, sid, uid)
             entries = load_entries(store, keys)
             # The last run's run_end stays: without it a finished run would read as unfinished, and be run again.
@@ -216,7 +226,7 @@ class _Planner:
         records = _doomed_records(store, sid, uid, cutoff, older, kept_runs)
         return SessionPrunePlan(uid, sid, tuple(retired), tuple(orphans), tuple(keys), tuple(records),
                                 tuple(sorted(spared & {r.checkpoint_id for r in live})), live, entries,
-                                _object_keys(store, uid, sid, live, retired, orphans))
+                                _object_keys(store, uid, sid, live, retired, orphans), tuple(bare))
 
 
 def _object_keys(store: Store, uid: str | None, sid: str, live: Sequence[CheckpointRow],
@@ -291,6 +301,8 @@ def _prune_keeping_recovery(store: Store, planner: _Planner, plan: SessionPruneP
         held = _read_objects(store, list(plan.object_keys))
         store.objects.delete(keys=list(plan.object_keys))
     _delete(store, keys, plan.run_record_keys)
+    for key in plan.request_keys:  # kept records of finished runs: what decides the last run stays, no request
+        drop_request(store, key)
     if not (doomed or keys):
         return 0, 0
     # What recovery needs now, after the deletes: a run recorded since the first look gets back what it

@@ -117,7 +117,9 @@ class SteeredLoop(LoopCore):
         if controls is None or self.steps.journaled(model_step_key(self.turn)) is not None:
             return None  # replaying this boundary: its model call is journaled, nothing new may join it
         paused = [r for r in journaled if r.kind == "pause"]
-        if paused and not (self.restored_turn == self.turn and self.options.resume_status == "paused"):
+        recorded = (self.restored_turn == self.turn and self.options.resume_status == "paused") or (
+            bool(paused) and paused[-1].output.get("stopped") is True)
+        if paused and not recorded:
             # Consumed here, but the stop was not recorded (the run died in between): stop now.
             return await self.pause(paused[-1].output.get("control", ""), replayed=True)
         snap = await controls.poll()
@@ -139,6 +141,10 @@ class SteeredLoop(LoopCore):
             await self.checkpoint("after_tools", status="paused")
         if self.writer is not None:
             await self.writer.flush()
+        elif name:
+            # No checkpoint records the stop: the journal does (the pause's record again, marked stopped), so a
+            # resume goes past this boundary, and a run re-issued after a crash before this record stops here.
+            await self.steps.record("pause", boundary_step_key(self.turn, name), "", {"control": name, "stopped": True})
         return self.result("paused", output="")
 
     async def apply_signals(self) -> bool:

@@ -9,6 +9,7 @@ records existed fall back to their journal's run ids in sorted order.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,6 +115,39 @@ def read_records(store: JournalStore, slots: list[tuple[int, str]], session_id: 
     if len(slots) <= 1:
         return [_read_record(store, key, n, session_id, user_id) for n, key in slots]
     return list(store.index.map(lambda s: _read_record(store, s[1], s[0], session_id, user_id), slots))
+
+
+def requests_held(store: JournalStore, slots: list[tuple[int, str]], session_id: str, user_id: str | None,
+                  dropped: Callable[[RunRecord], bool]) -> list[str]:
+    """Keys of the records of ``slots`` that still hold a request (or its hash) and that ``dropped`` accepts."""
+    recs = read_records(store, slots, session_id, user_id)
+    return [key for (_, key), rec in zip(slots, recs, strict=True)
+            if rec is not None and (rec.request is not None or rec.spec_hash) and dropped(rec)]
+
+
+def drop_request(store: JournalStore, key: str) -> bool:
+    """Rewrite the run record at ``key`` without its request and spec hash (compare-and-swap on what was read).
+
+    What stays is content-free: the run's id, slot, epoch, start time and the ids
+    of its base checkpoint and replayed run, which is all that deciding the
+    session's last run (and anchoring the next slot) reads. False when the
+    record is gone, unreadable, already without a request, or changed meanwhile.
+    """
+    obj = store.objects.get(key=key)
+    if obj is None:
+        return False
+    try:
+        rec = RunRecord.model_validate_json(obj.data)
+    except ValueError:
+        return False  # unreadable: readers skip it; not ours to rewrite
+    if rec.request is None and not rec.spec_hash:
+        return False
+    bare = rec.model_copy(update={"request": None, "spec_hash": ""})
+    try:
+        store.objects.put(key=key, data=bare.__pydantic_serializer__.to_json(bare), if_match=obj.etag)
+    except PreconditionFailed:
+        return False
+    return True
 
 
 def list_runs(store: JournalStore, session_id: str, user_id: str | None) -> list[RunRecord]:
