@@ -111,7 +111,8 @@ class PriceTable:
             raise ModelConfigError(
                 f'price table {source}: expected a "prices" object mapping provider -> model -> prices'
             )
-        sources = data.get("sources") if isinstance(data.get("sources"), Mapping) else {}
+        found = data.get("sources")
+        sources: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
         out = cls()
         for provider, models in table.items():
             if not isinstance(models, Mapping):
@@ -121,7 +122,8 @@ class PriceTable:
                     price = entry if isinstance(entry, Price) else Price.model_validate(entry)
                 except ValidationError as e:
                     raise ModelConfigError(f"price table {source}: bad entry prices.{provider}.{model}: {e}") from e
-                origin = str(sources.get(provider, {}).get(model, source))
+                named = sources.get(provider)
+                origin = str(named.get(model, source)) if isinstance(named, Mapping) else source
                 out._prices.setdefault(str(provider).lower(), {})[str(model)] = (price, origin)
         return out
 
