@@ -265,11 +265,10 @@ def ray_placement() -> str | None:
     try:
         if not ray.is_initialized():
             return None
-        from ray._private import worker  # noqa: PLC2701 - Ray has no public "am I a worker" query
-
-        if worker.global_worker.mode != worker.WORKER_MODE:
-            return None  # a driver: metrics only when asked (enable_metrics)
-        name = ray.get_runtime_context().get_actor_name() or ""
+        context = ray.get_runtime_context()
+        if context.get_actor_id() is None:
+            return None  # a driver (or a task): metrics only when asked (enable_metrics)
+        name = context.get_actor_name() or ""
     except Exception:
         return None
     if name.startswith("loomray/host/"):
