@@ -25,7 +25,7 @@ from rich.console import Console
 
 from loomray.errors import LoomrayRunError, LoomrayUserError
 from storage import Store, open_store
-from storage.errors import InvalidIdError, ObjectNotFound
+from storage.errors import InvalidIdError, ObjectNotFound, StorageConfigError
 from storage.ids import validate_id
 
 console = Console()
@@ -40,9 +40,10 @@ STATUS_STYLE = {"running": "cyan", "completed": "green", "failed": "red", "pendi
                 "awaiting_approval": "magenta", "paused": "yellow", "cancelled": "red"}
 
 #: What a user's mistake looks like when it surfaces as an exception: reported as one line, exit 2.
-#: A storage failure (an outage after retries, a corrupt object) is not one: it exits 1 like a failed run.
+#: A store configured wrong (credentials, permissions) is one; a storage failure (an outage after retries, a
+#: corrupt object) is not: it exits 1 like a failed run.
 USER_ERRORS: tuple[type[BaseException], ...] = (LoomrayUserError, ValueError, KeyError, FileNotFoundError,
-                                                InvalidIdError, ObjectNotFound)
+                                                InvalidIdError, ObjectNotFound, StorageConfigError)
 
 P = ParamSpec("P")
 R = TypeVar("R")

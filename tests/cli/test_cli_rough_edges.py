@@ -16,7 +16,7 @@ from loomray.cli import main
 from loomray.cli.common import CliError, guarded, parse_time
 from loomray.models import ScriptedModel
 from loomray.runtime import LocalRuntime
-from storage.errors import CorruptObjectError, InvalidIdError, TransientStorageError
+from storage.errors import CorruptObjectError, InvalidIdError, StorageConfigError, TransientStorageError
 
 
 def run(*args: str, env: dict[str, str] | None = None):
@@ -98,6 +98,7 @@ async def test_approvals_lists_waiting_calls_and_their_stored_decisions(world):
     (TransientStorageError("s3://b/k: GET failed after retries: connection refused"), 1),
     (CorruptObjectError("s3://b/k: not JSON"), 1),
     (InvalidIdError("session_id 'a/b' may not contain '/'"), 2),
+    (StorageConfigError("s3://b/k: LIST not allowed: the AWS access key id is not known"), 2),
     (KeyboardInterrupt(), 130),
 ])
 def test_exit_codes_tell_a_typo_from_an_outage(raised, code):
