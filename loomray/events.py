@@ -63,6 +63,8 @@ class ModelResponseEvent(Event):
     message: Message
     usage: Usage
     replayed: bool = False
+    #: The journal step of the call this answers (the matching ``model_call``'s ``step_key``).
+    step_key: str | None = None
 
 
 class ToolCallEvent(Event):

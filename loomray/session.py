@@ -314,7 +314,8 @@ class _SessionRun:
     async def on_event(self, event: Event) -> None:
         """Every event of the run: to the caller's ``emit``, then to the process-wide observers (telemetry)."""
         await deliver(self.emit, event)
-        telemetry.observe(event, agent=self.agent, epoch=self.lease.epoch, node_id=self.node_id)
+        telemetry.observe(event, agent=self.agent, epoch=self.lease.epoch, node_id=self.node_id,
+                          store=self.store.url)
 
     async def put_checkpoint(self, ckpt: Checkpoint) -> list[tuple[str, int]]:
         """The loop's checkpoint seam: one incremental object under the lease (see :mod:`loomray.checkpoint_format`),

@@ -162,7 +162,7 @@ class AgentLoop(SteeredLoop):
         self.usage = self.usage + response.usage
         self.messages.append(message)
         await self.emit(ModelResponseEvent(**self.event_fields(), message=message, usage=response.usage,
-                                           replayed=replayed))
+                                           replayed=replayed, step_key=model_step_key(self.turn)))
         return message
 
     async def run_tools(self, calls: list[ToolCall]) -> None:

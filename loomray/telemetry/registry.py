@@ -18,6 +18,8 @@ class RunInfo:
     provider: str | None = None
     epoch: int | None = None
     node_id: str | None = None
+    #: The URL of the store the run writes to (the ``store`` label of every metric).
+    store: str | None = None
 
 
 class Observer(Protocol):
