@@ -80,6 +80,8 @@ class Usage(BaseModel):
     output_tokens: int = 0
     cache_read_tokens: int = 0
     cache_write_tokens: int = 0
+    #: The part of ``output_tokens`` the model spent reasoning (where the provider reports it).
+    reasoning_tokens: int = 0
     requests: int = 0
     cost_usd: float | None = 0.0
     price_source: str | None = None
@@ -94,6 +96,7 @@ class Usage(BaseModel):
             output_tokens=self.output_tokens + other.output_tokens,
             cache_read_tokens=self.cache_read_tokens + other.cache_read_tokens,
             cache_write_tokens=self.cache_write_tokens + other.cache_write_tokens,
+            reasoning_tokens=self.reasoning_tokens + other.reasoning_tokens,
             requests=self.requests + other.requests,
             cost_usd=cost,
             price_source=sources.pop() if len(sources) == 1 else ("mixed" if sources else None),

@@ -266,7 +266,8 @@ class _SessionRun:
             output_validator=_output_validator(self.output_type, request.output_schema), effort=request.effort,
             context=request.context, resumed_from_checkpoint=plan.restored is not None,
             resume_position=plan.resume_position, check_writes=self.guard.check, controls=self.controls,
-            resume_status=plan.resume_status, new_checkpoint_id=self.new_checkpoint_id)
+            resume_status=plan.resume_status, new_checkpoint_id=self.new_checkpoint_id,
+            trace_parent=plan.request.trace_parent)
 
     def new_checkpoint_id(self) -> str:
         """The next link of this run's id segment."""

@@ -40,10 +40,12 @@ works without either being importable.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
 from typing import Any
+from urllib.parse import urlparse
 
 from loomray.events import Event
 from loomray.telemetry.metrics import (
@@ -70,6 +72,18 @@ __all__ = [
 _auto_checked = False
 
 
+#: Where each provider's API is when an adapter names no ``base_url``.
+_DEFAULT_HOSTS = {"anthropic": "api.anthropic.com", "openai": "api.openai.com"}
+
+
+@functools.lru_cache(maxsize=64)
+def server_address(base_url: str | None, provider: str | None) -> str | None:
+    """The host a model's API calls go to: its ``base_url``'s, else its provider's default, else None."""
+    if isinstance(base_url, str) and base_url:
+        return urlparse(base_url).hostname
+    return _DEFAULT_HOSTS.get(provider or "")
+
+
 def observe(event: Event, *, agent: Any = None, epoch: int | None = None, node_id: str | None = None,
             store: str | None = None) -> None:
     """Hand ``event`` to every registered observer. Never raises; cheap when none is registered.
@@ -83,8 +97,10 @@ def observe(event: Event, *, agent: Any = None, epoch: int | None = None, node_i
     if not obs:
         return
     model = getattr(agent, "model", None)
+    provider = getattr(model, "provider", None)
     info = RunInfo(agent_name=getattr(agent, "name", None), model=getattr(model, "name", None),
-                   provider=getattr(model, "provider", None), epoch=epoch, node_id=node_id, store=store)
+                   provider=provider, epoch=epoch, node_id=node_id, store=store,
+                   server_address=server_address(getattr(model, "base_url", None), provider))
     for o in obs:
         try:
             o.on_event(event, info)
