@@ -1,11 +1,12 @@
-"""Query the Parquet index: pyarrow, DuckDB and ``store.query`` over the same files.
+"""Query the compacted checkpoint table: pyarrow, DuckDB and ``store.query`` over the same files.
 
     python examples/index_query.py [DATA_DIR]
 
-Runs a few research sessions (LocalRuntime, offline model, two users), then
-asks questions across sessions three ways. The index lives under
-``DATA_DIR/index/checkpoints/user=.../session=.../*.parquet`` (hive-style), so
-any Parquet reader works on a directory or an ``s3://`` prefix.
+Runs a few research sessions (LocalRuntime, offline model, two users),
+compacts, then asks questions across sessions three ways. The table lives
+under ``DATA_DIR/index/table/user=.../day=YYYY-MM-DD/part-0.parquet``
+(hive-style, live rows only), so any Parquet reader works on a directory or
+an ``s3://`` prefix (docs/readers.md has the commands for each).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import asyncio
 import sys
 import tempfile
 
-import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 from loomray import Agent, Tuning
@@ -35,35 +35,35 @@ def main(data_dir: str) -> int:
     asyncio.run(populate(data_dir))
     runtime = LocalRuntime(data_dir)
     store = runtime.store
+    done = store.query(status="completed", columns=["user_id", "session_id", "turn", "cost_usd"])
+    report = store.compact()  # what the supervisor does every 10 minutes: the table outside readers open
+    print(f"compacted {report.files_before} -> {report.files_after} index files")
 
-    # 1. pyarrow: the index directory as a hive-partitioned dataset (tombstones are rows with tombstone=true).
-    table = ds.dataset(f"{data_dir}/index/checkpoints", format="parquet", partitioning="hive").to_table()
-    live = table.filter(pc.invert(table["tombstone"]))
-    print(f"pyarrow: {live.num_rows} index rows in {len(store.index_files())} files")
+    # 1. pyarrow: the table as a hive-partitioned dataset (keys user and day); only live rows are in it.
+    table = ds.dataset(f"{data_dir}/index/table", format="parquet", partitioning="hive").to_table(
+        filter=ds.field("user") == "alice")
+    print(f"pyarrow: alice has {table.num_rows} checkpoints on {len(set(table['day'].to_pylist()))} day(s)")
 
-    # 2. DuckDB: SQL straight on the files.
+    # 2. DuckDB: SQL straight on the files, pruned by the partition keys.
     import duckdb
 
     rows = duckdb.sql(f"""
         select user_id, session_id, max(turn) as turns, round(max(cost_usd), 5) as cost
-        from read_parquet('{data_dir}/index/checkpoints/**/*.parquet', hive_partitioning = true)
-        where not tombstone group by 1, 2 order by 1, 2""").fetchall()
+        from read_parquet('{data_dir}/index/table/*/*/*.parquet', hive_partitioning = true)
+        where day >= current_date - 1 group by 1, 2 order by 1, 2""").fetchall()
     for user, session, turns, cost in rows:
         print(f"duckdb:  {user:<6} {session:<7} turns={turns:<3} cost=${cost}")
 
-    # 3. store.query: live rows (retention and tombstones applied), filtered in Arrow.
-    done = store.query(status="completed", columns=["user_id", "session_id", "turn", "cost_usd"])
-    alice = store.query(user_id="alice", columns=["session_id", "turn"])
-    print(f"store.query: {done.num_rows} completed checkpoints; alice has "
-          f"{alice.num_rows} checkpoints in {len(set(alice['session_id'].to_pylist()))} sessions")
-
-    # Compaction merges each partition's small files into one; the answers do not change.
-    report = store.compact()
+    # 3. store.query: the table plus what was written since, retention and tombstones applied.
     again = store.query(status="completed", columns=["user_id", "session_id", "turn", "cost_usd"])
+    alice = store.query(user_id="alice", columns=["session_id", "turn"])
     same = again.sort_by("session_id").equals(done.sort_by("session_id"))
-    print(f"compacted {report.files_before} -> {report.files_after} files; same answers: {same}")
+    print(f"store.query: {again.num_rows} completed checkpoints; alice has "
+          f"{alice.num_rows} checkpoints in {len(set(alice['session_id'].to_pylist()))} sessions; "
+          f"same answers as before compaction: {same}")
     runtime.close()
-    ok = len(rows) == 3 and done.num_rows == 3 and same and sorted(r[2] for r in rows) == [4, 7, 10]
+    ok = (len(rows) == 3 and again.num_rows == 3 and same and sorted(r[2] for r in rows) == [4, 7, 10]
+          and table.num_rows == alice.num_rows)
     return 0 if ok else 1
 
 

@@ -38,6 +38,11 @@ class RunStart(Event):
     kind: str = "run"
     restored_checkpoint_id: str | None = None
     replaying: bool = False
+    user_id: str | None = None
+    #: The session this one was forked from (None: not a fork).
+    forked_from: str | None = None
+    #: The W3C ``traceparent`` the run was requested under (see :mod:`loomray.telemetry.context`).
+    trace_parent: str | None = None
 
 
 class ModelCall(Event):
@@ -63,6 +68,12 @@ class ModelResponseEvent(Event):
     message: Message
     usage: Usage
     replayed: bool = False
+    #: The journal step of the call this answers (the matching ``model_call``'s ``step_key``).
+    step_key: str | None = None
+    #: What the provider said of its answer: the model that served it, the answer's id, why it stopped.
+    response_model: str | None = None
+    response_id: str | None = None
+    finish_reason: str | None = None
 
 
 class ToolCallEvent(Event):

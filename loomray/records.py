@@ -69,7 +69,9 @@ class Usage(BaseModel):
     """Tokens, requests and cost. ``a + b`` adds field by field.
 
     ``cost_usd`` is ``None`` when any contributing call had an unknown price:
-    an unknown cost is never guessed as zero.
+    an unknown cost is never guessed as zero. ``price_source`` names where the
+    price came from (``"genai-prices 0.2.3"``, ``"override: prices.json"``);
+    a sum of calls priced from different sources says ``"mixed"``.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -78,20 +80,26 @@ class Usage(BaseModel):
     output_tokens: int = 0
     cache_read_tokens: int = 0
     cache_write_tokens: int = 0
+    #: The part of ``output_tokens`` the model spent reasoning (where the provider reports it).
+    reasoning_tokens: int = 0
     requests: int = 0
     cost_usd: float | None = 0.0
+    price_source: str | None = None
 
     def __add__(self, other: Usage) -> Usage:
         if not isinstance(other, Usage):
             return NotImplemented
         cost = None if self.cost_usd is None or other.cost_usd is None else self.cost_usd + other.cost_usd
+        sources = {s for s in (self.price_source, other.price_source) if s}
         return Usage(
             input_tokens=self.input_tokens + other.input_tokens,
             output_tokens=self.output_tokens + other.output_tokens,
             cache_read_tokens=self.cache_read_tokens + other.cache_read_tokens,
             cache_write_tokens=self.cache_write_tokens + other.cache_write_tokens,
+            reasoning_tokens=self.reasoning_tokens + other.reasoning_tokens,
             requests=self.requests + other.requests,
             cost_usd=cost,
+            price_source=sources.pop() if len(sources) == 1 else ("mixed" if sources else None),
         )
 
     @property

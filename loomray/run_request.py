@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from loomray.journal import input_hash
+from loomray.telemetry.context import current_traceparent
 
 
 class RunRequest(BaseModel):
@@ -15,7 +16,10 @@ class RunRequest(BaseModel):
 
     ``fork_of`` names the source session when this request starts a fork:
     ``from_checkpoint`` is then a checkpoint of that session and
-    ``session_id`` the fork's new id.
+    ``session_id`` the fork's new id. ``trace_parent`` is the W3C
+    ``traceparent`` of the span current where the request was made (None
+    without one): the run's spans continue that trace in whichever process,
+    and however many incarnations, execute it.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -31,6 +35,7 @@ class RunRequest(BaseModel):
     output_schema: dict[str, Any] | None = None
     effort: str | None = None
     fork_of: str | None = None
+    trace_parent: str | None = Field(default_factory=current_traceparent)
 
     def spec_hash(self) -> str:
         """What makes two requests "the same run" for the recovery rule."""

@@ -266,7 +266,8 @@ class _SessionRun:
             output_validator=_output_validator(self.output_type, request.output_schema), effort=request.effort,
             context=request.context, resumed_from_checkpoint=plan.restored is not None,
             resume_position=plan.resume_position, check_writes=self.guard.check, controls=self.controls,
-            resume_status=plan.resume_status, new_checkpoint_id=self.new_checkpoint_id)
+            resume_status=plan.resume_status, new_checkpoint_id=self.new_checkpoint_id,
+            trace_parent=plan.request.trace_parent)
 
     def new_checkpoint_id(self) -> str:
         """The next link of this run's id segment."""
@@ -314,7 +315,8 @@ class _SessionRun:
     async def on_event(self, event: Event) -> None:
         """Every event of the run: to the caller's ``emit``, then to the process-wide observers (telemetry)."""
         await deliver(self.emit, event)
-        telemetry.observe(event, agent=self.agent, epoch=self.lease.epoch, node_id=self.node_id)
+        telemetry.observe(event, agent=self.agent, epoch=self.lease.epoch, node_id=self.node_id,
+                          store=self.store.url)
 
     async def put_checkpoint(self, ckpt: Checkpoint) -> list[tuple[str, int]]:
         """The loop's checkpoint seam: one incremental object under the lease (see :mod:`loomray.checkpoint_format`),

@@ -23,6 +23,8 @@ class SessionStore(Protocol):
 
     #: The backend: a run on ``memory`` needs no polling for a cancel written by another process.
     objects: ObjectStore
+    #: The store's URL: what metrics label the run's series with.
+    url: str
 
     # -- lease ---------------------------------------------------------------
     def acquire_lease(self, session_id: str, *, user_id: str | None = None, owner: str,

@@ -43,6 +43,11 @@ class InvalidIdError(StorageError, ValueError):
     """An id (session, user, checkpoint, run, step key) is not safe to use as a key segment."""
 
 
+class StorageConfigError(StorageError):
+    """The store is configured wrong for this request (credentials, permissions, region): retrying cannot help,
+    a change of configuration can. A command line reports it as the user's mistake, not as an outage."""
+
+
 class TransientStorageError(StorageError):
     """A transient backend failure (503 SlowDown, timeout, connection reset) outlived its retries."""
 

@@ -156,7 +156,10 @@ class LocalObjectStore(ObjectStore):
                 parent = parent.parent
 
     def fsspec(self) -> tuple[Any, str]:
-        import fsspec  # loads only when an external reader asks for it
+        try:
+            import fsspec  # the [fsspec] extra: loads only when an outside reader asks for it
+        except ImportError as e:
+            raise ImportError("Store.fsspec() needs fsspec: pip install 'loomray[fsspec]'") from e
 
         return fsspec.filesystem("file"), str(self.root)
 

@@ -28,7 +28,7 @@ from botocore import exceptions as bx
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, ProfileNotFound
 
-from storage.errors import PreconditionFailed, StorageError, TransientStorageError
+from storage.errors import PreconditionFailed, StorageConfigError, StorageError, TransientStorageError
 from storage.objects import ObjectInfo, ObjectStore, StoredObject
 
 _TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
@@ -62,7 +62,7 @@ _CREDENTIAL_CODES = {
 }
 
 
-class S3CredentialsError(StorageError):
+class S3CredentialsError(StorageConfigError):
     """S3 refused a request for its credentials (missing, wrong, expired) or their permissions.
 
     Raised at once, never retried: retrying cannot fix it. The message names
@@ -261,7 +261,10 @@ class S3ObjectStore(ObjectStore):
                 raise StorageError(f"{self.describe(errors[0]['Key'])}: DELETE failed: {errors[0].get('Message')}")
 
     def fsspec(self) -> tuple[Any, str]:
-        import s3fs  # s3fs (aiobotocore, fsspec) loads only when an external reader asks for it
+        try:
+            import s3fs  # the [fsspec] extra: loads only when an outside reader asks for it
+        except ImportError as e:
+            raise ImportError("Store.fsspec() on an S3 store needs s3fs: pip install 'loomray[fsspec]'") from e
 
         o = self._fs_options
         fs = s3fs.S3FileSystem(key=o["key"], secret=o["secret"], token=o["token"], endpoint_url=o["endpoint_url"],

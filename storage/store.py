@@ -62,7 +62,8 @@ class Store(CheckpointMethods, CheckpointWrites, JournalMethods, SessionMethods)
 
     def fsspec(self) -> tuple[Any, str]:
         """``(filesystem, root)``: e.g. ``pyarrow.dataset.dataset(root + "/index/checkpoints", filesystem=fs,
-        partitioning="hive")``. Not available for ``memory://``."""
+        partitioning="hive")``. Not available for ``memory://``;
+        needs the ``[fsspec]`` extra (s3fs)."""
         return self.objects.fsspec()
 
     def drop_caches(self) -> None:

@@ -51,7 +51,7 @@ from storage import ANY, SessionRow, Store
 @click.command()
 @click.argument("agent_ref", metavar="MODULE:AGENT")
 @click.argument("prompt")
-@click.option("--session", "session_id", default=None, help="Session id (default: a new sess... id).")
+@click.option("--session", "session_id", default=None, help="Session id (default: a new random id, printed).")
 @user_option
 @store_option
 @address_option
@@ -254,7 +254,8 @@ def _print_sessions(out: list[dict[str, Any]], supervised: bool) -> None:
 @store_option
 @address_option
 @click.option("--user", "user_id", default=None, help="Only this user's sessions.")
-@click.option("--limit", default=100, show_default=True, type=click.IntRange(1, 100_000))
+@click.option("--limit", default=100, show_default=True, type=click.IntRange(1, 100_000),
+              help="Show at most this many sessions, newest first.")
 @json_option
 @guarded
 def status(store_url: str | None, address: str | None, user_id: str | None, limit: int, as_json: bool) -> None:

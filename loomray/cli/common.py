@@ -1,7 +1,9 @@
 """What every ``loomray`` command shares: consoles, options, errors, opening the store.
 
-A user mistake raises :class:`CliError` (one red line on stderr, exit 2); a
-failed run exits 1; neither prints a traceback unless ``LOOMRAY_DEBUG=1``.
+Exit codes: a user mistake raises :class:`CliError` (one red line on stderr,
+exit 2); a failed run, or a failure of the store or cluster that retries did
+not cure, exits 1; an interrupt (Ctrl-C) exits 130; none prints a traceback
+unless ``LOOMRAY_DEBUG=1``.
 Nothing here imports Ray, so ``loomray --help`` and the store-side commands
 stay fast.
 """
@@ -10,9 +12,10 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any, ParamSpec, TypeVar
 from urllib.parse import unquote, urlparse
 
@@ -22,7 +25,7 @@ from rich.console import Console
 
 from loomray.errors import LoomrayRunError, LoomrayUserError
 from storage import Store, open_store
-from storage.errors import StorageError
+from storage.errors import InvalidIdError, ObjectNotFound, StorageConfigError
 from storage.ids import validate_id
 
 console = Console()
@@ -30,14 +33,17 @@ err_console = Console(stderr=True)
 
 EXIT_USER = 2
 EXIT_RUN = 1
+EXIT_INTERRUPTED = 130
 
 #: Rich styles of session and checkpoint statuses in every table.
 STATUS_STYLE = {"running": "cyan", "completed": "green", "failed": "red", "pending": "yellow", "active": "cyan",
                 "awaiting_approval": "magenta", "paused": "yellow", "cancelled": "red"}
 
 #: What a user's mistake looks like when it surfaces as an exception: reported as one line, exit 2.
+#: A store configured wrong (credentials, permissions) is one; a storage failure (an outage after retries, a
+#: corrupt object) is not: it exits 1 like a failed run.
 USER_ERRORS: tuple[type[BaseException], ...] = (LoomrayUserError, ValueError, KeyError, FileNotFoundError,
-                                                StorageError)
+                                                InvalidIdError, ObjectNotFound, StorageConfigError)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -63,7 +69,7 @@ def guarded(fn: Callable[P, R]) -> Callable[P, R | None]:
             raise
         except KeyboardInterrupt:
             err_console.print("interrupted")
-            sys.exit(130)
+            sys.exit(EXIT_INTERRUPTED)
         except Exception as raised:  # noqa: BLE001 - classify, then report the unexpected in one line too
             if os.environ.get("LOOMRAY_DEBUG"):
                 raise
@@ -148,14 +154,26 @@ def who(session_id: str, user_id: str | None) -> str:
     return f"{session_id!r}" + (f" of user {user_id!r}" if user_id else "")
 
 
-def parse_time(value: str | None) -> datetime | None:
-    """An ISO-8601 time (naive means UTC), or a clear error."""
+#: A time given as a span before now: ``90s``, ``30m``, ``12h``, ``7d``, ``2w``.
+_AGO = re.compile(r"^\s*(\d+)\s*([smhdw])\s*$")
+_AGO_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+
+#: The help text of every option that takes a time.
+TIME_HELP = "an ISO-8601 time (naive means UTC) or a span before now: 30m, 12h, 7d, 2w"
+
+
+def parse_time(value: str | None, *, now: datetime | None = None) -> datetime | None:
+    """An ISO-8601 time (naive means UTC) or a span before ``now`` (``7d``), or a clear error."""
     if value is None:
         return None
+    ago = _AGO.match(value)
+    if ago:
+        span = timedelta(**{_AGO_UNITS[ago.group(2)]: int(ago.group(1))})
+        return (now or datetime.now(timezone.utc)) - span
     try:
         t = datetime.fromisoformat(value.replace("Z", "+00:00"))
     except ValueError as e:
-        raise CliError(f"not an ISO-8601 time: {value!r}") from e
+        raise CliError(f"not a time: {value!r} (expected {TIME_HELP})") from e
     return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
 
 
@@ -182,13 +200,22 @@ def sql_to_arrow(con: Any, sql: str) -> pa.Table:
     raise RuntimeError("this DuckDB version cannot return Arrow tables")
 
 
+def inherit_from_group(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    """An option given after the subcommand wins; otherwise the same option given before it (``loomray --store X status``)."""
+    if param.name is None or ctx.get_parameter_source(param.name) is click.core.ParameterSource.COMMANDLINE:
+        return value
+    root = ctx.find_root()
+    given = root.params.get(param.name) if root is not ctx else None
+    return value if given is None else given
+
+
+STORE_HELP = "Store URL: a directory, file://..., s3://bucket/prefix (env LOOMRAY_STORE)."
+ADDRESS_HELP = "Ray cluster address host:port (env RAY_ADDRESS)."
 store_option = click.option(
-    "--store", "store_url", envvar="LOOMRAY_STORE", metavar="URL",
-    help="Store URL: a directory, file://..., s3://bucket/prefix (env LOOMRAY_STORE).",
+    "--store", "store_url", envvar="LOOMRAY_STORE", metavar="URL", callback=inherit_from_group, help=STORE_HELP,
 )
 address_option = click.option(
-    "--address", envvar="RAY_ADDRESS", default=None, metavar="ADDR",
-    help="Ray cluster address host:port (env RAY_ADDRESS).",
+    "--address", envvar="RAY_ADDRESS", default=None, metavar="ADDR", callback=inherit_from_group, help=ADDRESS_HELP,
 )
 json_option = click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
 user_option = click.option("--user", "user_id", default=None, help="The user the session belongs to.")

@@ -10,10 +10,11 @@ so they need no cluster) are in :mod:`loomray.cli.store`,
 ``supervise``) in :mod:`loomray.cli.cluster`, ``resume`` and ``fork`` in
 :mod:`loomray.cli.runs`; ``demo`` in :mod:`loomray.cli.demo`. Every command
 takes ``--store URL`` (or ``LOOMRAY_STORE``) and, where a cluster is
-involved, ``--address`` (or ``RAY_ADDRESS``). ``--json`` prints
-machine-readable output. A user mistake prints one line on stderr and exits
-2; a failed run exits 1; neither prints a traceback (``LOOMRAY_DEBUG=1``
-does).
+involved, ``--address`` (or ``RAY_ADDRESS``), before or after the command's
+name. ``--json`` prints machine-readable output. Exit codes: 0 success, 2 a
+user mistake (one line on stderr), 1 a failed run or a store or cluster
+failure that retries did not cure, 130 interrupted; no traceback is printed
+(``LOOMRAY_DEBUG=1`` prints it).
 
 Output: tables fit the terminal's width (optional columns are dropped, ids,
 statuses and times are never cut); ``--json`` times are ISO 8601 with the
@@ -29,7 +30,9 @@ from __future__ import annotations
 
 import click
 
+from loomray.cli.approvals import approvals
 from loomray.cli.cluster import CLUSTER_COMMANDS
+from loomray.cli.common import ADDRESS_HELP, STORE_HELP
 from loomray.cli.demo import demo
 from loomray.cli.prune import prune
 from loomray.cli.query import query
@@ -38,16 +41,22 @@ from loomray.cli.steering import STEERING_COMMANDS
 from loomray.cli.store import STORE_COMMANDS
 from loomray.runtime.connection import apply_ray_env_defaults
 
-# Ray reads these once, when first imported (nothing above imports it): bind to 127.0.0.1 for a user who
-# runs `loomray demo` directly.
-apply_ray_env_defaults()
-
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="loomray")
-def main() -> None:
-    """loomray: durable long-running LLM agent sessions on Ray."""
+@click.option("--store", "store_url", default=None, metavar="URL", help=STORE_HELP + " Every command takes it too.")
+@click.option("--address", default=None, metavar="ADDR", help=ADDRESS_HELP + " Every cluster command takes it too.")
+def main(store_url: str | None, address: str | None) -> None:
+    """loomray: durable long-running LLM agent sessions on Ray.
+
+    Shell completion: eval "$(_LOOMRAY_COMPLETE=bash_source loomray)" in
+    ~/.bashrc (zsh_source for zsh, fish_source for fish).
+    """
+    # Ray reads these once, when first imported (no command imports it before this runs): a local cluster
+    # binds to 127.0.0.1. Set when a command runs, not when this module is imported, so a program that
+    # imports loomray's CLI keeps its own Ray environment.
+    apply_ray_env_defaults()
 
 
-for _command in (*STORE_COMMANDS, query, prune, *STEERING_COMMANDS, *CLUSTER_COMMANDS, resume, fork, demo):
+for _command in (*STORE_COMMANDS, query, prune, *STEERING_COMMANDS, approvals, *CLUSTER_COMMANDS, resume, fork, demo):
     main.add_command(_command)

@@ -12,6 +12,7 @@ from datetime import datetime
 import click
 
 from loomray.cli.common import (
+    TIME_HELP,
     CliError,
     check_id,
     console,
@@ -34,9 +35,9 @@ _DRY_RUN_LISTED = 50
 
 @click.command()
 @store_option
-@click.option("--before", default=None, help="Only what was created before this ISO-8601 time.")
-@click.option("--session", "session_id", default=None)
-@click.option("--user", "user_id", default=None)
+@click.option("--before", default=None, help=f"Only what was created before this time: {TIME_HELP}.")
+@click.option("--session", "session_id", default=None, help="Only this session's history.")
+@click.option("--user", "user_id", default=None, help="Only this user's sessions.")
 @click.option("--dry-run", is_flag=True, help="List what would be deleted; delete nothing.")
 @click.option("--yes", is_flag=True,
               help="Delete without asking. Without it prune asks on a terminal and refuses when stdin is not one.")

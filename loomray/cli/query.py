@@ -7,10 +7,12 @@ from typing import Any
 
 import click
 import pyarrow as pa
+import pyarrow.compute as pc
 from rich.text import Text
 
 from loomray.cli.common import (
     STATUS_STYLE,
+    TIME_HELP,
     CliError,
     check_id,
     console,
@@ -29,6 +31,11 @@ from storage import ANY, Store
 from storage.rows import SESSION_SCHEMA, session_rows_table
 from storage.table import Staleness, staleness
 
+#: What a checkpoint row's status can be; ``--status`` filters rows by it.
+CHECKPOINT_STATUSES = ("active", "completed", "awaiting_approval", "paused")
+#: Statuses only a session has; ``--status`` then selects the checkpoints of sessions in that status.
+SESSION_ONLY_STATUSES = ("running", "failed", "cancelled", "budget_exceeded")
+
 #: The default ``query`` view: (index column, header, drop rank); rank 0 columns always show.
 _QUERY_VIEW = [("session_id", "session", 0), ("user_id", "user", 3), ("checkpoint_id", "checkpoint", 0),
                ("turn", "turn", 0), ("execution_status", "status", 0), ("created_at", "created", 1),
@@ -41,6 +48,14 @@ def sessions_table(store: Store, user_id: str | None = None) -> pa.Table:
     """The latest status row of each session (of ``user_id``, or every user) as an Arrow table."""
     rows = store.list_sessions(user_id=ANY if user_id is None else user_id)
     return session_rows_table(rows) if rows else SESSION_SCHEMA.empty_table()
+
+
+def _of_sessions_with_status(table: pa.Table, sessions: pa.Table, status: str) -> pa.Table:
+    """The rows of ``table`` whose session's latest status row says ``status``."""
+    chosen = sessions.filter(pc.equal(sessions["status"], status))
+    keys = pc.binary_join_element_wise(pc.fill_null(table["user_id"], ""), table["session_id"], "/")
+    wanted = pc.binary_join_element_wise(pc.fill_null(chosen["user_id"], ""), chosen["session_id"], "/")
+    return table.filter(pc.is_in(keys, value_set=wanted))
 
 
 def _run_sql(store: Store, table: pa.Table, sql: str, user_id: str | None, activity: Activity) -> pa.Table:
@@ -64,13 +79,17 @@ def _run_sql(store: Store, table: pa.Table, sql: str, user_id: str | None, activ
 @click.command()
 @click.argument("sql", required=False)
 @store_option
-@click.option("--user", "user_id", default=None)
-@click.option("--session", "session_id", default=None)
-@click.option("--status", default=None, type=click.Choice(["active", "completed", "awaiting_approval", "paused"]))
-@click.option("--since", default=None, help="ISO-8601 time.")
-@click.option("--until", default=None, help="ISO-8601 time.")
-@click.option("--min-cost", type=float, default=None)
-@click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 1_000_000))
+@click.option("--user", "user_id", default=None, help="Only this user's sessions (default: every user).")
+@click.option("--session", "session_id", default=None, help="Only this session's checkpoints.")
+@click.option("--status", default=None, type=click.Choice([*CHECKPOINT_STATUSES, *SESSION_ONLY_STATUSES]),
+              help="Checkpoints with this status (active, completed, awaiting_approval, paused), or the "
+                   "checkpoints of sessions whose status is this (running, failed, cancelled, budget_exceeded).")
+@click.option("--since", default=None, help=f"Checkpoints created at or after this time: {TIME_HELP}.")
+@click.option("--until", default=None, help=f"Checkpoints created before this time: {TIME_HELP}.")
+@click.option("--min-cost", type=float, default=None, metavar="USD",
+              help="Checkpoints whose session had spent at least this many dollars.")
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 1_000_000),
+              help="Print at most this many rows.")
 @click.option("--columns", default=None, metavar="A,B,...",
               help="Index columns to show, comma-separated (default: the ones that matter that fit the terminal).")
 @progress_option
@@ -83,10 +102,11 @@ def query(sql: str | None, store_url: str | None, user_id: str | None, session_i
 
     Without SQL, prints the live checkpoint rows matching the filters: by
     default session, checkpoint, turn, status, created time and cost, as many
-    as fit the terminal (``--columns`` picks others, ``--json`` has all). With
-    SQL (DuckDB over Arrow), the filtered rows are the table ``checkpoints``
-    and the latest status row of each session is the table ``sessions``, e.g.
-    ``loomray query "select session_id, max(turn) from checkpoints group by 1"``.
+    as fit the terminal (--columns picks others, --json has all). With SQL
+    (DuckDB over Arrow), the filtered rows are the table "checkpoints" and the
+    latest status row of each session is the table "sessions", e.g.
+
+      loomray query "select session_id, max(turn) from checkpoints group by 1"
     """
     check_id(session_id, "session_id")
     check_id(user_id, "user_id")
@@ -95,8 +115,11 @@ def query(sql: str | None, store_url: str | None, user_id: str | None, session_i
     with Activity("query", show_progress) as activity:
         store = open_store_or_fail(store_url)
         activity.step("reading the checkpoint index")
-        table = store.query(user_id=ANY if user_id is None else user_id, session_id=session_id, status=status,
-                            since=parse_time(since), until=parse_time(until), min_cost=min_cost)
+        by_checkpoint = status if status in CHECKPOINT_STATUSES else None
+        table = store.query(user_id=ANY if user_id is None else user_id, session_id=session_id,
+                            status=by_checkpoint, since=parse_time(since), until=parse_time(until), min_cost=min_cost)
+        if status in SESSION_ONLY_STATUSES:
+            table = _of_sessions_with_status(table, sessions_table(store, user_id), status)
         stale = staleness(table)
         if sql:
             table = _run_sql(store, table, sql, user_id, activity)

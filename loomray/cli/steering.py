@@ -8,6 +8,7 @@ up at its next pass boundary, wherever it runs.
 from __future__ import annotations
 
 import json
+import sys
 import time
 from typing import Any
 
@@ -15,6 +16,8 @@ import click
 
 from loomray import control
 from loomray.cli.common import (
+    EXIT_RUN,
+    CliError,
     console,
     err_console,
     guarded,
@@ -26,6 +29,7 @@ from loomray.cli.common import (
     user_option,
 )
 from loomray.cli.output import emit_json, excerpt, iso_time, short_time
+from loomray.cli.progress import stdin_is_tty
 from storage import JournalEntry, Store
 from storage.journal import JournalRun, entry_name, read_run
 
@@ -66,7 +70,7 @@ def approve(session_id: str, call_id: str, store_url: str | None, user_id: str |
     """Approve a tool call a session waits on (stop reason awaiting_approval).
 
     The decision is stored (create-only: the first decision on a call wins);
-    ``loomray resume SESSION`` then runs the call once and continues.
+    `loomray resume SESSION` then runs the call once and continues.
     """
     _decide(session_id, call_id, True, store_url, user_id, as_json)
 
@@ -107,7 +111,7 @@ def signal_cmd(session_id: str, text: str, store_url: str | None, user_id: str |
 @json_option
 @guarded
 def pause(session_id: str, store_url: str | None, user_id: str | None, as_json: bool) -> None:
-    """Ask a session to stop at its next pass boundary (with a checkpoint); ``loomray resume`` continues it."""
+    """Ask a session to stop at its next pass boundary (with a checkpoint); `loomray resume` continues it."""
     store = open_session_store(store_url, session_id, user_id)
     name = control.request_pause(store, session_id, user_id, source="cli")
     _tell(as_json, {"session_id": session_id, "user_id": user_id, "pause": name},
@@ -119,9 +123,11 @@ def pause(session_id: str, store_url: str | None, user_id: str | None, as_json: 
 @click.argument("session_id")
 @store_option
 @user_option
+@click.option("--yes", "-y", is_flag=True,
+              help="Cancel without asking. Without it cancel asks on a terminal and refuses when stdin is not one.")
 @json_option
 @guarded
-def cancel(session_id: str, store_url: str | None, user_id: str | None, as_json: bool) -> None:
+def cancel(session_id: str, store_url: str | None, user_id: str | None, yes: bool, as_json: bool) -> None:
     """Cancel a session: its step in flight is abandoned and nothing it does afterwards is made durable.
 
     Stores the cancel, then takes the session's lease and seals its last run,
@@ -130,6 +136,14 @@ def cancel(session_id: str, store_url: str | None, user_id: str | None, as_json:
     to go on from it).
     """
     store = open_session_store(store_url, session_id, user_id)
+    control.require_session(store, session_id, user_id)  # an unknown session is an error before any question
+    if not yes:
+        if not stdin_is_tty():
+            raise CliError(f"cancel of session {session_id} is final and asks first, but stdin is not a terminal: "
+                           "pass --yes to cancel without asking")
+        if not click.confirm(f"Cancel session {session_id}? It cannot be undone", default=False, err=True):
+            err_console.print("not cancelled", highlight=False)
+            sys.exit(EXIT_RUN)
     epoch = control.cancel_session(store, session_id, user_id, source="cli")
     _tell(as_json, {"session_id": session_id, "user_id": user_id, "cancelled": True, "epoch": epoch},
           f"session {session_id} cancelled; writers fenced at epoch {epoch}")
@@ -236,8 +250,8 @@ def logs(session_id: str, store_url: str | None, user_id: str | None, follow: bo
     """A session's events from the store: its journal entries across runs, oldest first.
 
     Model answers, tool results, signals, pauses, approvals and run starts and
-    ends, one line each (``--json``: one JSON object per line). With
-    ``-f`` it polls for new entries until the run ends or stops (awaiting
+    ends, one line each (`--json`: one JSON object per line). With
+    `-f` it polls for new entries until the run ends or stops (awaiting
     approval, paused, cancelled, ...).
     """
     store = open_session_store(store_url, session_id, user_id)

@@ -59,8 +59,8 @@ class _ListByDefault(click.Group):
 def checkpoints() -> None:
     """A session's checkpoints: list (the default) or quarantine.
 
-    ``loomray checkpoints SESSION`` lists them, newest first;
-    ``loomray checkpoints quarantine SESSION CKPT`` moves a bad one aside.
+    `loomray checkpoints SESSION` lists them, newest first;
+    `loomray checkpoints quarantine SESSION CKPT` moves a bad one aside.
     """
 
 
@@ -68,7 +68,8 @@ def checkpoints() -> None:
 @click.argument("session_id")
 @store_option
 @user_option
-@click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 10_000))
+@click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 10_000),
+              help="Show at most this many checkpoints, newest first.")
 @json_option
 @guarded
 def checkpoints_list(session_id: str, store_url: str | None, user_id: str | None, limit: int, as_json: bool) -> None:

@@ -46,7 +46,8 @@ class AgentLoop(SteeredLoop):
         await self.emit(RunStart(**self.event_fields(), prompt=self.options.prompt,
                                  restored_checkpoint_id=(self.state.parent_checkpoint_id
                                                          if self.options.resumed_from_checkpoint else None),
-                                 replaying=self.steps.replaying))
+                                 replaying=self.steps.replaying, user_id=self.state.user_id,
+                                 forked_from=self.state.forked_from, trace_parent=self.options.trace_parent))
         try:
             try:
                 result = await self.run_passes()
@@ -162,7 +163,9 @@ class AgentLoop(SteeredLoop):
         self.usage = self.usage + response.usage
         self.messages.append(message)
         await self.emit(ModelResponseEvent(**self.event_fields(), message=message, usage=response.usage,
-                                           replayed=replayed))
+                                           replayed=replayed, step_key=model_step_key(self.turn),
+                                           response_model=response.model, response_id=response.id,
+                                           finish_reason=response.stop_reason))
         return message
 
     async def run_tools(self, calls: list[ToolCall]) -> None:

@@ -83,3 +83,5 @@ class LoopOptions:
     resume_status: str | None = None
     #: Makes the id of each checkpoint the run writes (None: ``new_id("ckpt")``).
     new_checkpoint_id: Callable[[], str] | None = None
+    #: The W3C ``traceparent`` the run was requested under (telemetry only).
+    trace_parent: str | None = None

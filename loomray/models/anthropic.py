@@ -129,6 +129,7 @@ class AnthropicModel(ProviderModel):
             usage=self.priced(usage_from_anthropic(data.get("usage") or {}), served_by=data.get("model")),
             stop_reason=data.get("stop_reason"),
             model=data.get("model"),
+            id=data.get("id"),
         )
 
 

@@ -42,6 +42,8 @@ class ModelResponse(BaseModel):
     stop_reason: str | None = None
     #: The provider's model id that answered, informational.
     model: str | None = None
+    #: The provider's id of this answer (a message or completion id), informational.
+    id: str | None = None
 
 
 @runtime_checkable

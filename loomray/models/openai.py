@@ -99,6 +99,7 @@ class OpenAIModel(ProviderModel):
             usage=self.priced(usage_from_openai(data.get("usage")), served_by=data.get("model")),
             stop_reason=choice.get("finish_reason"),
             model=data.get("model"),
+            id=data.get("id"),
         )
 
     async def stream(self, request: ModelRequest, on_delta: DeltaCallback) -> ModelResponse:
@@ -112,10 +113,12 @@ class OpenAIModel(ProviderModel):
         usage: dict[str, Any] | None = None
         finish: str | None = None
         served_by: str | None = None
+        reply_id: str | None = None
         try:
             chunks = await self.client().chat.completions.create(**params)
             async for chunk in chunks:
                 served_by = chunk.model or served_by
+                reply_id = chunk.id or reply_id
                 if chunk.usage is not None:
                     usage = chunk.usage.model_dump()
                 for choice in chunk.choices:
@@ -149,6 +152,7 @@ class OpenAIModel(ProviderModel):
             usage=self.priced(usage_from_openai(usage), served_by=served_by),
             stop_reason=finish,
             model=served_by,
+            id=reply_id,
         )
 
 
@@ -162,11 +166,13 @@ def usage_from_openai(usage: dict[str, Any] | None) -> Usage:
     """OpenAI's usage block in loomray's convention (``prompt_tokens`` already includes cached tokens)."""
     usage = usage or {}
     details = usage.get("prompt_tokens_details") or {}
+    output_details = usage.get("completion_tokens_details") or {}
     return Usage(
         input_tokens=int(usage.get("prompt_tokens") or 0),
         output_tokens=int(usage.get("completion_tokens") or 0),
         cache_read_tokens=int(details.get("cached_tokens") or 0),
         cache_write_tokens=int(details.get("cache_write_tokens") or 0),
+        reasoning_tokens=int(output_details.get("reasoning_tokens") or 0),
         requests=1,
     )
 

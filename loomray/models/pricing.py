@@ -1,28 +1,28 @@
-"""Token prices as data, and the cost of one model call.
+"""The cost of one model call: maintained prices, with local overrides.
 
-The table ships as ``prices.json`` beside this module (USD per million tokens,
-keyed by provider and model id). Users override it without touching code:
+Prices come from ``genai-prices`` (pydantic's maintained price data): it knows
+when a price changed (a call is priced at the date it was made) and the
+long-context tiers some providers bill above a prompt size (for example above
+200k or 272k prompt tokens). Users override it model by model without
+touching code:
 
 - ``LOOMRAY_PRICES=/path/to/prices.json`` in the environment, and/or
 - ``prices=`` given to an adapter (or to ``resolve_model``): a path, a mapping
   in the same format, or a :class:`PriceTable`.
 
-Later sources win per model: built-in < ``LOOMRAY_PRICES`` < ``prices=``.
+Later sources win per model: genai-prices < ``LOOMRAY_PRICES`` < ``prices=``.
+An override file is ``{"prices": {provider: {model: {"input": .., "output":
+.., "cache_read": .., "cache_write": ..}}}}`` in USD per million tokens.
 
-Token accounting convention (the same for every provider): ``Usage.input_tokens``
-counts *every* prompt token, cached or not; ``cache_read_tokens`` and
-``cache_write_tokens`` are the parts of it read from / written to the prompt
-cache. The cost is therefore::
+Token accounting convention (the same for every provider, and genai-prices'
+own): ``Usage.input_tokens`` counts *every* prompt token, cached or not;
+``cache_read_tokens`` and ``cache_write_tokens`` are the parts of it read from /
+written to the prompt cache.
 
-    (input - cache_read - cache_write) * input_price
-    + cache_read * cache_read_price + cache_write * cache_write_price
-    + output * output_price
-
-A model the table does not know costs ``None``, and so does a call that used a
-token category whose price the table leaves empty: an unknown cost is never a
-guess. A dated id (``claude-haiku-4-5-20251001``, ``gpt-4o-2024-08-06``) uses its
-undated entry, because providers price snapshots like their alias; no other
-fuzzy matching is done (``gpt-4o-mini`` never falls back to ``gpt-4o``).
+A model neither source knows costs ``None``: an unknown cost is never a guess.
+Every priced usage names where its price came from (``Usage.price_source``:
+``"genai-prices 0.2.3"`` or ``"override: <file or argument>"``), so a stored
+cost can be explained after prices change.
 """
 
 from __future__ import annotations
@@ -31,23 +31,27 @@ import json
 import os
 import re
 from collections.abc import Mapping
-from importlib import resources
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import genai_prices
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from loomray.errors import ModelConfigError
 from loomray.records import Usage
 
-#: Environment variable naming a JSON price file that overrides the built-in table.
+#: Environment variable naming a JSON price file that overrides genai-prices.
 PRICES_ENV = "LOOMRAY_PRICES"
+
+#: What ``Usage.price_source`` says for a price that came from genai-prices.
+MAINTAINED_SOURCE = f"genai-prices {genai_prices.__version__}"
 
 _DATE_SUFFIX = re.compile(r"-(\d{8}|\d{4}-\d{2}-\d{2})$")
 
 
 class Price(BaseModel):
-    """One model's prices, USD per million tokens. A missing cache price is unknown, not zero."""
+    """One model's override prices, USD per million tokens. A missing cache price is unknown, not zero."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -72,15 +76,34 @@ class Price(BaseModel):
         return micro / 1_000_000
 
 
-class PriceTable:
-    """Prices by ``(provider, model)``: plain data, cheap to pickle with an adapter."""
+def maintained_cost(provider: str, model: str, usage: Usage, at: datetime | None = None) -> float | None:
+    """USD for ``usage`` from genai-prices at the date ``at`` (now when None); None for a model it does not know."""
+    counts = genai_prices.Usage(
+        input_tokens=usage.input_tokens,
+        output_tokens=usage.output_tokens,
+        cache_read_tokens=usage.cache_read_tokens,
+        cache_write_tokens=usage.cache_write_tokens,
+    )
+    try:
+        calc = genai_prices.calc_price(
+            counts, model, provider_id=provider.lower(), genai_request_timestamp=at or datetime.now(timezone.utc)
+        )
+    except LookupError:
+        return None
+    return float(calc.total_price)
 
-    def __init__(self, prices: Mapping[str, Mapping[str, Price]] | None = None):
-        self._prices: dict[str, dict[str, Price]] = {p: dict(models) for p, models in (prices or {}).items()}
+
+class PriceTable:
+    """Override prices by ``(provider, model)``, each with the source it came from: plain data, cheap to pickle."""
+
+    def __init__(self, prices: Mapping[str, Mapping[str, Price]] | None = None, *, source: str = "prices= argument"):
+        self._prices: dict[str, dict[str, tuple[Price, str]]] = {
+            p.lower(): {m: (price, source) for m, price in models.items()} for p, models in (prices or {}).items()
+        }
 
     @classmethod
     def from_data(cls, data: Any, *, source: str) -> PriceTable:
-        """Parse the ``prices.json`` format; a malformed table is a :class:`ModelConfigError` naming ``source``."""
+        """Parse the override format; a malformed table is a :class:`ModelConfigError` naming ``source``."""
         if not isinstance(data, Mapping):
             raise ModelConfigError(f"price table {source}: expected a JSON object, got {type(data).__name__}")
         table = data.get("prices")
@@ -88,7 +111,9 @@ class PriceTable:
             raise ModelConfigError(
                 f'price table {source}: expected a "prices" object mapping provider -> model -> prices'
             )
-        parsed: dict[str, dict[str, Price]] = {}
+        found = data.get("sources")
+        sources: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
+        out = cls()
         for provider, models in table.items():
             if not isinstance(models, Mapping):
                 raise ModelConfigError(f"price table {source}: prices.{provider} must be an object of models")
@@ -97,8 +122,10 @@ class PriceTable:
                     price = entry if isinstance(entry, Price) else Price.model_validate(entry)
                 except ValidationError as e:
                     raise ModelConfigError(f"price table {source}: bad entry prices.{provider}.{model}: {e}") from e
-                parsed.setdefault(str(provider).lower(), {})[str(model)] = price
-        return cls(parsed)
+                named = sources.get(provider)
+                origin = str(named.get(model, source)) if isinstance(named, Mapping) else source
+                out._prices.setdefault(str(provider).lower(), {})[str(model)] = (price, origin)
+        return out
 
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> PriceTable:
@@ -111,52 +138,60 @@ class PriceTable:
             data = json.loads(raw)
         except ValueError as e:
             raise ModelConfigError(f"price table {os.fspath(path)!r} is not valid JSON: {e}") from e
-        return cls.from_data(data, source=repr(os.fspath(path)))
-
-    @classmethod
-    def builtin(cls) -> PriceTable:
-        """The table shipped with loomray (``loomray/models/prices.json``)."""
-        raw = resources.files("loomray.models").joinpath("prices.json").read_text(encoding="utf-8")
-        return cls.from_data(json.loads(raw), source="loomray/models/prices.json")
+        return cls.from_data(data, source=os.fspath(path))
 
     def merged(self, other: PriceTable) -> PriceTable:
         """A new table: ``other``'s entries replace this one's, model by model."""
-        out = {p: dict(m) for p, m in self._prices.items()}
+        out = PriceTable()
+        out._prices = {p: dict(m) for p, m in self._prices.items()}
         for provider, models in other._prices.items():
-            out.setdefault(provider, {}).update(models)
-        return PriceTable(out)
+            out._prices.setdefault(provider, {}).update(models)
+        return out
 
     def lookup(self, provider: str, model: str) -> Price | None:
-        """The price of ``model`` at ``provider``, trying an undated id for a dated snapshot."""
-        models = self._prices.get(provider.lower(), {})
-        if model in models:
-            return models[model]
-        undated = _DATE_SUFFIX.sub("", model)
-        return models.get(undated)
+        """The override price of ``model`` at ``provider``, trying an undated id for a dated snapshot."""
+        entry = self._entry(provider, model)
+        return None if entry is None else entry[0]
 
-    def cost(self, provider: str, model: str, usage: Usage) -> float | None:
-        """USD for ``usage`` on ``model``, or None when the model or a used category is unpriced."""
-        price = self.lookup(provider, model)
-        return None if price is None else price.cost(usage)
+    def _entry(self, provider: str, model: str) -> tuple[Price, str] | None:
+        models = self._prices.get(provider.lower(), {})
+        return models.get(model) or models.get(_DATE_SUFFIX.sub("", model))
+
+    def quote(
+        self, provider: str, model: str, usage: Usage, *, at: datetime | None = None
+    ) -> tuple[float | None, str | None]:
+        """``(USD, source)`` for ``usage``: an override if one names the model, else genai-prices at ``at``."""
+        entry = self._entry(provider, model)
+        if entry is not None:
+            return entry[0].cost(usage), f"override: {entry[1]}"
+        cost = maintained_cost(provider, model, usage, at)
+        return cost, (MAINTAINED_SOURCE if cost is not None else None)
+
+    def cost(self, provider: str, model: str, usage: Usage, *, at: datetime | None = None) -> float | None:
+        """USD for ``usage`` on ``model``, or None when neither an override nor genai-prices knows it."""
+        return self.quote(provider, model, usage, at=at)[0]
 
     def to_data(self) -> dict[str, Any]:
-        """The table in ``prices.json`` format."""
-        return {"prices": {p: {m: v.model_dump() for m, v in ms.items()} for p, ms in self._prices.items()}}
+        """The overrides in the file format, with each entry's source."""
+        return {
+            "prices": {p: {m: v[0].model_dump() for m, v in ms.items()} for p, ms in self._prices.items()},
+            "sources": {p: {m: v[1] for m, v in ms.items()} for p, ms in self._prices.items()},
+        }
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, PriceTable) and other._prices == self._prices
 
     def __repr__(self) -> str:
-        return f"PriceTable({sum(len(m) for m in self._prices.values())} models)"
+        return f"PriceTable({sum(len(m) for m in self._prices.values())} overrides over {MAINTAINED_SOURCE})"
 
 
 def load_prices(prices: PriceTable | Mapping[str, Any] | str | os.PathLike | None = None) -> PriceTable:
-    """Built-in prices, overridden by ``$LOOMRAY_PRICES`` and then by ``prices``.
+    """Overrides from ``$LOOMRAY_PRICES``, then from ``prices``; every other model is priced by genai-prices.
 
-    ``prices`` may be a :class:`PriceTable`, a mapping in ``prices.json`` format,
+    ``prices`` may be a :class:`PriceTable`, a mapping in the override format,
     or a path to such a file. Errors are :class:`ModelConfigError` naming the source.
     """
-    table = PriceTable.builtin()
+    table = PriceTable()
     env_path = os.environ.get(PRICES_ENV)
     if env_path:
         table = table.merged(PriceTable.from_file(env_path))
@@ -169,5 +204,5 @@ def load_prices(prices: PriceTable | Mapping[str, Any] | str | os.PathLike | Non
     if isinstance(prices, Mapping):
         return table.merged(PriceTable.from_data(prices, source="prices= argument"))
     raise ModelConfigError(
-        f"prices must be a path, a mapping in prices.json format or a PriceTable, got {type(prices).__name__}"
+        f"prices must be a path, a mapping in the override format or a PriceTable, got {type(prices).__name__}"
     )

@@ -146,11 +146,11 @@ class ProviderModel:
     # -- results ---------------------------------------------------------
 
     def priced(self, usage: Usage, *, served_by: str | None = None) -> Usage:
-        """``usage`` with ``cost_usd`` from the price table (None when unknown)."""
-        cost = self.prices.cost(self.provider, self.model, usage)
+        """``usage`` with ``cost_usd`` priced now (None when unknown) and the ``price_source`` it came from."""
+        cost, source = self.prices.quote(self.provider, self.model, usage)
         if cost is None and served_by and served_by != self.model:
-            cost = self.prices.cost(self.provider, served_by, usage)
-        return usage.model_copy(update={"cost_usd": cost})
+            cost, source = self.prices.quote(self.provider, served_by, usage)
+        return usage.model_copy(update={"cost_usd": cost, "price_source": source})
 
     def translate_error(self, sdk: Any, err: BaseException) -> BaseException:
         """Map an SDK exception to loomray's typed errors, naming provider and model."""

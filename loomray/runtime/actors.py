@@ -160,6 +160,10 @@ _RESERVED_OPTIONS = ("name", "namespace", "lifetime", "get_if_exists", "max_rest
                      "max_concurrency", "concurrency_groups")
 
 
+class _OptionsProbe:
+    """A class never instantiated: Ray validates actor options against it."""
+
+
 def check_actor_options(options: Any) -> dict[str, Any]:
     """Validate ``actor_options`` the way Ray's ``.options()`` will, but now; return them.
 
@@ -175,11 +179,9 @@ def check_actor_options(options: Any) -> dict[str, Any]:
     if reserved:
         raise LoomrayUserError(f"actor_options may not set {', '.join(reserved)}: loomray sets them itself")
     try:
-        from ray._common.ray_option_utils import validate_actor_options
-    except ImportError:  # Ray before 2.47 kept it private
-        from ray._private.ray_option_utils import validate_actor_options  # type: ignore[no-redef]  # noqa: PLC2701
-    try:
-        validate_actor_options(options, in_options=True)
+        # Ray's public ``ActorClass.options`` checks every option as the actor's creation would, without
+        # starting anything (and without a connection to a cluster).
+        ray.remote(_OptionsProbe).options(**options)
     except (TypeError, ValueError) as e:
         raise LoomrayUserError(f"actor_options {options!r} are not valid Ray actor options: {e}") from e
     return options

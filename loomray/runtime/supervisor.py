@@ -137,7 +137,7 @@ class Supervisor:
 
     def _count_active(self, placement: str, change: int) -> None:
         self._active[placement] += change
-        telemetry.set_active_sessions(placement, self._active[placement])
+        telemetry.set_active_sessions(placement, self._active[placement], self._config.store_url)
 
     def _watching(self, key: SessionKey) -> bool:
         w = self._sessions.get(key)

@@ -27,9 +27,12 @@ first time a run emits an event (set ``LOOMRAY_RAY_METRICS=0`` to opt out;
 sessions in process). Ray exports them on each node's metrics port with a
 ``ray_`` prefix (counters also get ``_total``): model calls, tokens, spend,
 tool calls, replayed steps, checkpoints written/failed, checkpoint bytes and
-checkpoint latency, tagged with ``placement`` (``actor``/``dense``, else
-``unknown``). The supervisor reports restarts and active sessions with
-:func:`record_restart` and :func:`set_active_sessions`.
+latency, model and tool call durations, run stops by reason and lost leases,
+tagged with ``placement`` (``actor``/``dense``, else ``unknown``) and
+``store``. The supervisor reports restarts and active sessions with
+:func:`record_restart` and :func:`set_active_sessions`. Outside Ray,
+:func:`enable_otel_metrics` records the same series through OpenTelemetry's
+metrics API (:mod:`loomray.telemetry.metrics`).
 
 Nothing here imports OpenTelemetry or Ray at module level: ``import loomray``
 works without either being importable.
@@ -37,23 +40,31 @@ works without either being importable.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
-import re
 import sys
-import threading
 from typing import Any
+from urllib.parse import urlparse
 
-from loomray.events import CheckpointEvent, Event, ModelResponseEvent, ReplayedStep, ToolResultEvent
+from loomray.events import Event
+from loomray.telemetry.metrics import (
+    METRIC_NAMES,
+    Instruments,
+    MetricsObserver,
+    OtelInstruments,
+    ray_instruments,
+    use_ray_instruments,
+)
 from loomray.telemetry.registry import Observer, RunInfo, add_observer, observers, remove_observer
 from loomray.telemetry.tracing import TracingObserver, disable_tracing, enable_tracing
 
 log = logging.getLogger("loomray.telemetry")
 
 __all__ = [
-    "METRIC_NAMES", "MetricsObserver", "Observer", "RunInfo", "TracingObserver", "add_observer",
-    "disable_metrics", "disable_tracing", "enable_metrics", "enable_tracing", "observe", "observers",
-    "record_restart", "remove_observer", "set_active_sessions",
+    "METRIC_NAMES", "Instruments", "MetricsObserver", "Observer", "OtelInstruments", "RunInfo", "TracingObserver",
+    "add_observer", "disable_metrics", "disable_tracing", "enable_metrics", "enable_otel_metrics", "enable_tracing",
+    "observe", "observers", "record_restart", "remove_observer", "set_active_sessions", "use_ray_instruments",
 ]
 
 
@@ -61,7 +72,20 @@ __all__ = [
 _auto_checked = False
 
 
-def observe(event: Event, *, agent: Any = None, epoch: int | None = None, node_id: str | None = None) -> None:
+#: Where each provider's API is when an adapter names no ``base_url``.
+_DEFAULT_HOSTS = {"anthropic": "api.anthropic.com", "openai": "api.openai.com"}
+
+
+@functools.lru_cache(maxsize=64)
+def server_address(base_url: str | None, provider: str | None) -> str | None:
+    """The host a model's API calls go to: its ``base_url``'s, else its provider's default, else None."""
+    if isinstance(base_url, str) and base_url:
+        return urlparse(base_url).hostname
+    return _DEFAULT_HOSTS.get(provider or "")
+
+
+def observe(event: Event, *, agent: Any = None, epoch: int | None = None, node_id: str | None = None,
+            store: str | None = None) -> None:
     """Hand ``event`` to every registered observer. Never raises; cheap when none is registered.
 
     ``loomray.session.execute_request`` calls this for each event of a run,
@@ -73,8 +97,10 @@ def observe(event: Event, *, agent: Any = None, epoch: int | None = None, node_i
     if not obs:
         return
     model = getattr(agent, "model", None)
+    provider = getattr(model, "provider", None)
     info = RunInfo(agent_name=getattr(agent, "name", None), model=getattr(model, "name", None),
-                   provider=getattr(model, "provider", None), epoch=epoch, node_id=node_id)
+                   provider=provider, epoch=epoch, node_id=node_id, store=store,
+                   server_address=server_address(getattr(model, "base_url", None), provider))
     for o in obs:
         try:
             o.on_event(event, info)
@@ -84,133 +110,6 @@ def observe(event: Event, *, agent: Any = None, epoch: int | None = None, node_i
 
 
 # -------------------------------------------------------------------------------------------- metrics
-
-#: The metrics loomray records, as named in ``ray.util.metrics`` (Prometheus: ``ray_`` prefix, counters
-#: ``_total`` suffix, e.g. ``ray_loomray_model_calls_total``).
-METRIC_NAMES = {
-    "model_calls": "loomray_model_calls",
-    "tokens": "loomray_tokens",
-    "spend_usd": "loomray_spend_usd",
-    "tool_calls": "loomray_tool_calls",
-    "replayed_steps": "loomray_replayed_steps",
-    "checkpoints_written": "loomray_checkpoints_written",
-    "checkpoint_failures": "loomray_checkpoint_failures",
-    "checkpoint_bytes": "loomray_checkpoint_bytes",
-    "checkpoint_latency": "loomray_checkpoint_latency_seconds",
-    "restarts": "loomray_session_restarts",
-    "active_sessions": "loomray_active_sessions",
-}
-_LATENCY_BOUNDARIES = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
-#: Checkpoint ids are ``ckpt`` + 12 hex digits of creation milliseconds (:func:`loomray.ids.new_id`).
-_CKPT_MS = re.compile(r"^ckpt([0-9a-f]{12})")
-
-
-class _Metrics:
-    """The metric objects, made once per process from ``module`` (``ray.util.metrics``, or a test's fake)."""
-
-    def __init__(self, module: Any) -> None:
-        C, H, G = module.Counter, module.Histogram, module.Gauge
-        n = METRIC_NAMES
-        p = ("placement",)
-        self.model_calls = C(n["model_calls"], "Model calls that really ran (replays excluded).",
-                             tag_keys=(*p, "model"))
-        self.tokens = C(n["tokens"], "Tokens of model calls that really ran.", tag_keys=(*p, "model", "type"))
-        self.spend_usd = C(n["spend_usd"], "Spend in USD of model calls that really ran (known prices only).",
-                           tag_keys=(*p, "model"))
-        self.tool_calls = C(n["tool_calls"], "Tool calls that really ran (replays excluded).",
-                            tag_keys=(*p, "tool", "error"))
-        self.replayed_steps = C(n["replayed_steps"], "Steps answered from the journal instead of executed.",
-                                tag_keys=(*p, "kind"))
-        self.checkpoints_written = C(n["checkpoints_written"], "Checkpoints written.", tag_keys=p)
-        self.checkpoint_failures = C(n["checkpoint_failures"], "Checkpoint writes that failed (run went on).",
-                                     tag_keys=p)
-        self.checkpoint_bytes = C(n["checkpoint_bytes"], "Bytes of checkpoints written.", tag_keys=p)
-        self.checkpoint_latency = H(n["checkpoint_latency"],
-                                    "Seconds from a checkpoint's creation to its write finishing.",
-                                    boundaries=_LATENCY_BOUNDARIES, tag_keys=p)
-        self.restarts = C(n["restarts"], "Sessions restarted by the supervisor.", tag_keys=p)
-        self.active_sessions = G(n["active_sessions"], "Sessions the supervisor keeps running.", tag_keys=p)
-
-
-_metrics_obj: _Metrics | None = None
-_metrics_lock = threading.Lock()
-#: Making the metric objects failed in this process (logged once; metrics stay off).
-_metrics_broken = False
-
-
-def _metrics() -> _Metrics | None:
-    """This process's metric objects, or None while Ray is not initialized here (nothing would export them)."""
-    global _metrics_obj, _metrics_broken
-    if _metrics_obj is None:
-        ray = sys.modules.get("ray")
-        if _metrics_broken or ray is None or not ray.is_initialized():
-            return None
-        with _metrics_lock:
-            if _metrics_obj is None:
-                try:
-                    import ray.util.metrics as module  # Ray is optional and heavy: only once it runs here
-
-                    _metrics_obj = _Metrics(module)
-                except Exception as e:
-                    _metrics_broken = True
-                    log.warning("Ray metrics are off in this process: %s: %s", type(e).__name__, e)
-                    return None
-    return _metrics_obj
-
-
-def _inc(counter: Any, value: float | None, tags: dict[str, str]) -> None:
-    if value is not None and value > 0:  # Ray's Counter refuses 0 and negative increments
-        counter.inc(value, tags=tags)
-
-
-class MetricsObserver:
-    """Records a run's events into Ray metrics (see the module docstring).
-
-    ``metrics`` is for tests (a :class:`_Metrics` over a fake module); by
-    default the process's ``ray.util.metrics`` objects are used, once Ray is
-    initialized in this process.
-    """
-
-    def __init__(self, placement: str | None = None, *, metrics: _Metrics | None = None) -> None:
-        self.placement = placement or "unknown"
-        self._fixed = metrics
-
-    def on_event(self, event: Event, info: RunInfo) -> None:
-        m = self._fixed or _metrics()
-        if m is None:
-            return
-        p = {"placement": self.placement}
-        if isinstance(event, ModelResponseEvent):
-            if event.replayed:
-                return
-            tags = {**p, "model": info.model or "unknown"}
-            m.model_calls.inc(1, tags=tags)
-            _inc(m.tokens, event.usage.input_tokens, {**tags, "type": "input"})
-            _inc(m.tokens, event.usage.output_tokens, {**tags, "type": "output"})
-            _inc(m.spend_usd, event.usage.cost_usd, tags)
-        elif isinstance(event, ToolResultEvent):
-            if not event.replayed:
-                m.tool_calls.inc(1, tags={**p, "tool": event.name, "error": str(event.is_error).lower()})
-        elif isinstance(event, ReplayedStep):
-            m.replayed_steps.inc(1, tags={**p, "kind": event.kind})
-        elif isinstance(event, CheckpointEvent):
-            if not event.ok:
-                m.checkpoint_failures.inc(1, tags=p)
-                return
-            m.checkpoints_written.inc(1, tags=p)
-            _inc(m.checkpoint_bytes, event.size, p)
-            latency = _checkpoint_latency(event)
-            if latency is not None:
-                m.checkpoint_latency.observe(latency, tags=p)
-
-
-def _checkpoint_latency(event: CheckpointEvent) -> float | None:
-    """Seconds from the checkpoint's creation (its id's timestamp) to the write finishing (the event)."""
-    hit = _CKPT_MS.match(event.checkpoint_id)
-    if hit is None:
-        return None
-    created = int(hit.group(1), 16) / 1000.0
-    return max(0.0, event.at.timestamp() - created)
 
 
 def enable_metrics(placement: str | None = None) -> MetricsObserver:
@@ -226,6 +125,22 @@ def enable_metrics(placement: str | None = None) -> MetricsObserver:
     return add_observer(MetricsObserver(placement))
 
 
+def enable_otel_metrics(meter_provider: Any = None, placement: str = "local") -> MetricsObserver:
+    """Record the same metrics through OpenTelemetry's metrics API for the runs of this process (``loomray[otel]``).
+
+    For runs outside Ray (``LocalRuntime``, ``InProcRuntime``): the instruments
+    come from ``meter_provider`` (default: the global one the application set
+    up, e.g. with a Prometheus or OTLP exporter). Replaces a metrics observer
+    registered before.
+    """
+    from opentelemetry import metrics  # the [otel] extra: only when asked for
+
+    provider = meter_provider or metrics.get_meter_provider()
+    disable_metrics()
+    instruments = Instruments(OtelInstruments(provider.get_meter("loomray")))
+    return add_observer(MetricsObserver(placement, metrics=instruments))
+
+
 def disable_metrics() -> None:
     """Unregister the metrics observer of this process."""
     for o in observers():
@@ -233,22 +148,22 @@ def disable_metrics() -> None:
             remove_observer(o)
 
 
-def record_restart(placement: str | None = None) -> None:
+def record_restart(placement: str | None = None, store: str | None = None) -> None:
     """Count one session restarted by the supervisor (no-op unless Ray is initialized in this process)."""
     try:
-        m = _metrics()
+        m = ray_instruments()
         if m is not None:
-            m.restarts.inc(1, tags={"placement": placement or "unknown"})
+            m.restarts.inc(1, tags={"placement": placement or "unknown", "store": store or "unknown"})
     except Exception as e:
         log.debug("could not record a restart: %s", e)
 
 
-def set_active_sessions(placement: str | None, n: int) -> None:
-    """Report how many sessions the supervisor keeps running with ``placement`` (no-op without Ray)."""
+def set_active_sessions(placement: str | None, n: int, store: str | None = None) -> None:
+    """Report how many sessions the supervisor of ``store`` keeps running with ``placement`` (no-op without Ray)."""
     try:
-        m = _metrics()
+        m = ray_instruments()
         if m is not None:
-            m.active_sessions.set(n, tags={"placement": placement or "unknown"})
+            m.active_sessions.set(n, tags={"placement": placement or "unknown", "store": store or "unknown"})
     except Exception as e:
         log.debug("could not record active sessions: %s", e)
 
@@ -265,11 +180,10 @@ def ray_placement() -> str | None:
     try:
         if not ray.is_initialized():
             return None
-        from ray._private import worker  # noqa: PLC2701 - Ray has no public "am I a worker" query
-
-        if worker.global_worker.mode != worker.WORKER_MODE:
-            return None  # a driver: metrics only when asked (enable_metrics)
-        name = ray.get_runtime_context().get_actor_name() or ""
+        context = ray.get_runtime_context()
+        if context.get_actor_id() is None:
+            return None  # a driver (or a task): metrics only when asked (enable_metrics)
+        name = context.get_actor_name() or ""
     except Exception:
         return None
     if name.startswith("loomray/host/"):

@@ -18,6 +18,10 @@ class RunInfo:
     provider: str | None = None
     epoch: int | None = None
     node_id: str | None = None
+    #: The URL of the store the run writes to (the ``store`` label of every metric).
+    store: str | None = None
+    #: The host the model's API is called at (``server.address``), when the model names one.
+    server_address: str | None = None
 
 
 class Observer(Protocol):

@@ -1,12 +1,24 @@
 """OpenTelemetry GenAI spans from a run's events (see :mod:`loomray.telemetry`, Traces).
 
+A run's ``invoke_agent`` span continues the trace it was requested under (the
+request's ``traceparent``), else the session's own trace
+(:func:`loomray.telemetry.context.session_root`): every incarnation of a
+session, on whichever node and after however many restarts or resumes, lands
+in one trace. It links to the session's root when it has another parent, and
+a fork's to its base session's root. Message content (model outputs, tool
+arguments and results) is recorded only when asked for
+(``enable_tracing(capture_content=True)`` or
+``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true``).
+
 OpenTelemetry is an optional extra (``loomray[otel]``): it is imported when
 tracing is enabled, never at module level, so ``import loomray`` works without it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -29,11 +41,14 @@ from loomray.events import (
     ToolResultEvent,
 )
 from loomray.records import ToolCall
+from loomray.telemetry.context import parse_traceparent, session_root
 from loomray.telemetry.registry import RunInfo, add_observer, observers, remove_observer
 
 log = logging.getLogger("loomray.telemetry")
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+#: The environment switch OpenTelemetry's GenAI instrumentations share for recording message content.
+CAPTURE_CONTENT_ENV = "OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT"
 
 
 def _ns(at: datetime) -> int:
@@ -83,11 +98,15 @@ class TracingObserver:
     #: Runs whose spans are tracked at once; older ones (runs that never ended, e.g. cancelled) are forgotten.
     MAX_RUNS = 4096
 
-    def __init__(self, tracer_provider: Any = None) -> None:
+    def __init__(self, tracer_provider: Any = None, *, capture_content: bool | None = None) -> None:
         from opentelemetry import trace  # the optional extra: only once tracing is enabled
 
         self._trace = trace
         self.tracer_provider = tracer_provider
+        if capture_content is None:
+            capture_content = os.environ.get(CAPTURE_CONTENT_ENV, "").strip().lower() in ("1", "true", "yes")
+        #: Record model outputs and tool arguments and results on spans (off by default: they may hold secrets).
+        self.capture_content = capture_content
         self._tracer = trace.get_tracer("loomray", _version(), tracer_provider=tracer_provider)
         self._runs: OrderedDict[tuple[str, str | None], _RunSpans] = OrderedDict()
         self._lock = threading.Lock()
@@ -116,6 +135,26 @@ class TracingObserver:
     def _child(self, run: _RunSpans | None, name: str, kind: Any, start_ns: int, attrs: dict[str, Any]) -> Any:
         context = self._trace.set_span_in_context(run.span) if run is not None and run.span is not None else None
         return self._tracer.start_span(name, context=context, kind=kind, attributes=attrs, start_time=start_ns)
+
+    def _remote(self, trace_id: int, span_id: int, flags: int = 1) -> Any:
+        """A span context from another process (or a derived one), to parent or link to."""
+        return self._trace.SpanContext(trace_id=trace_id, span_id=span_id, is_remote=True,
+                                       trace_flags=self._trace.TraceFlags(flags))
+
+    def _parent_and_links(self, event: RunStart, info: RunInfo) -> tuple[Any, list[Any]]:
+        """The run span's parent (the requester's span, else the session's root) and its links."""
+        root = self._remote(*session_root(info.store, event.user_id, event.session_id))
+        caller = parse_traceparent(event.trace_parent)
+        links = []
+        if caller is None:
+            parent = root
+        else:
+            parent = self._remote(*caller)
+            links.append(self._trace.Link(root, {"loomray.link": "session"}))
+        if event.forked_from:
+            base = self._remote(*session_root(info.store, event.user_id, event.forked_from))
+            links.append(self._trace.Link(base, {"loomray.link": "fork_base", "loomray.forked_from": event.forked_from}))
+        return self._trace.set_span_in_context(self._trace.NonRecordingSpan(parent)), links
 
     def _error(self, span: Any, error_type: str, description: str | None = None) -> None:
         span.set_attribute("error.type", error_type)
@@ -148,6 +187,8 @@ class TracingObserver:
                 span.set_attribute("loomray.stop_reason", event.stop_reason)
                 span.set_attribute("loomray.model_calls", event.model_calls)
                 span.set_attribute("loomray.turns", event.turn)
+                span.set_attribute("gen_ai.usage.input_tokens", event.usage.input_tokens)
+                span.set_attribute("gen_ai.usage.output_tokens", event.usage.output_tokens)
                 span.end(end_time=_ns(event.at))
         elif isinstance(event, RunError):
             self._run_error(event, info)
@@ -170,13 +211,15 @@ class TracingObserver:
         name = f"invoke_agent {info.agent_name}" if info.agent_name else "invoke_agent"
         attrs = self._attrs(event, info, **{
             "gen_ai.operation.name": "invoke_agent", "gen_ai.agent.name": info.agent_name,
+            "gen_ai.agent.id": info.agent_name,
             "gen_ai.request.model": info.model, "gen_ai.provider.name": info.provider,
-            "loomray.run.kind": event.kind,
+            "server.address": info.server_address, "loomray.run.kind": event.kind,
             "loomray.restored_checkpoint_id": event.restored_checkpoint_id, "loomray.node_id": info.node_id,
+            "loomray.forked_from": event.forked_from,
         })
-        # Parent: the span current where the run was started (the caller's, in process), if any.
-        span = self._tracer.start_span(name, kind=self._trace.SpanKind.INTERNAL, attributes=attrs,
-                                       start_time=_ns(event.at))
+        context, links = self._parent_and_links(event, info)
+        span = self._tracer.start_span(name, context=context, kind=self._trace.SpanKind.INTERNAL, attributes=attrs,
+                                       links=links, start_time=_ns(event.at))
         with self._lock:
             old = self._runs.pop((event.session_id, event.run_id), None)
             self._runs[(event.session_id, event.run_id)] = _RunSpans(span)
@@ -197,9 +240,15 @@ class TracingObserver:
             "gen_ai.usage.input_tokens": u.input_tokens, "gen_ai.usage.output_tokens": u.output_tokens,
             "gen_ai.usage.cache_read.input_tokens": u.cache_read_tokens or None,
             "gen_ai.usage.cache_creation.input_tokens": u.cache_write_tokens or None,
+            "gen_ai.usage.reasoning.output_tokens": u.reasoning_tokens or None,
+            "gen_ai.response.model": event.response_model, "gen_ai.response.id": event.response_id,
+            "gen_ai.response.finish_reasons": [event.finish_reason] if event.finish_reason else None,
+            "server.address": info.server_address,
             "loomray.usage.cost_usd": u.cost_usd, "loomray.step_key": pending.step_key if pending else None,
             "loomray.tool_calls": len(event.message.tool_calls),
         })
+        if self.capture_content:
+            attrs["gen_ai.output.messages"] = json.dumps([event.message.model_dump(mode="json")], ensure_ascii=False)
         name = f"chat {info.model}" if info.model else "chat"
         span = self._child(run, name, self._trace.SpanKind.CLIENT, pending.start_ns if pending else end, attrs)
         span.end(end_time=end)
@@ -221,6 +270,9 @@ class TracingObserver:
         if pending is None:
             pending = _ToolStep(_ns(event.at), event.turn, ToolCall(id=event.tool_call_id, name=event.name))
         span = self._tool_span(run, pending, event, info, event.name)
+        if self.capture_content:
+            span.set_attribute("gen_ai.tool.call.arguments", json.dumps(pending.call.arguments, ensure_ascii=False))
+            span.set_attribute("gen_ai.tool.call.result", event.content)
         if event.is_error:
             self._error(span, "tool_error", event.content[:200])
         span.end(end_time=_ns(event.at))
@@ -249,8 +301,11 @@ class TracingObserver:
             run.span.end(end_time=end)
 
 
-def enable_tracing(tracer_provider: Any = None) -> TracingObserver:
+def enable_tracing(tracer_provider: Any = None, *, capture_content: bool | None = None) -> TracingObserver:
     """Emit OpenTelemetry GenAI spans for the runs executed in this process; returns the observer.
+
+    ``capture_content=True`` records model outputs and tool arguments and results on
+    the spans (default: ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT``, else off).
 
     ``tracer_provider`` defaults to the global one (``opentelemetry.trace.
     set_tracer_provider``). Calling it again with the same provider returns the
@@ -264,8 +319,10 @@ def enable_tracing(tracer_provider: Any = None) -> TracingObserver:
         raise ImportError("loomray tracing needs OpenTelemetry: pip install 'loomray[otel]'") from e
     for o in observers():
         if isinstance(o, TracingObserver) and o.tracer_provider is tracer_provider:
+            if capture_content is not None:
+                o.capture_content = capture_content
             return o
-    return add_observer(TracingObserver(tracer_provider))
+    return add_observer(TracingObserver(tracer_provider, capture_content=capture_content))
 
 
 def disable_tracing() -> None:

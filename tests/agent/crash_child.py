@@ -9,6 +9,7 @@ KILL_SPEC picks a deterministic point (no timing):
   ``store:<method>:<before|after>:<n>``  die just before / just after the n-th call of a store method
   ``tool:<n>``                        die inside the n-th tool execution (its effect half done)
 
+With ``CRASH_TRACE_FILE=PATH`` the child exports its spans to PATH (JSON lines).
 With ``CRASH_RESUME=1`` the child calls ``resume(session_id=...)`` (no prompt)
 instead of ``run``. The model is a ScriptedModel with a file-backed call counter (``DATA_DIR/model_calls``);
 the tool appends each effect to ``DATA_DIR/effects``. The result (transcript etc.)
@@ -167,8 +168,33 @@ def _control_out(out: str, result, kill: str | None) -> None:
         die()
 
 
+def _trace_to_file(path: str) -> None:
+    """``CRASH_TRACE_FILE``: every span this process ends, one JSON line each, written as it ends (so a
+    SIGKILL loses only the spans still open, as with any exporter)."""
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+
+    from loomray import telemetry
+
+    class FileExporter(SpanExporter):
+        def export(self, spans):
+            with open(path, "a") as f:
+                f.writelines(json.dumps({
+                    "name": s.name, "trace_id": s.context.trace_id, "span_id": s.context.span_id,
+                    "parent": s.parent.span_id if s.parent else None, "pid": os.getpid(),
+                    "attributes": {k: v for k, v in s.attributes.items() if isinstance(v, (str, int, float))},
+                }) + "\n" for s in spans)
+            return SpanExportResult.SUCCESS
+
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(FileExporter()))
+    telemetry.enable_tracing(provider)
+
+
 async def main() -> None:
     data_dir, session_id, out = sys.argv[1], sys.argv[2], sys.argv[3]
+    if os.environ.get("CRASH_TRACE_FILE"):
+        _trace_to_file(os.environ["CRASH_TRACE_FILE"])
     kill = sys.argv[4] if len(sys.argv) > 4 and sys.argv[4] else None
     position = os.environ.get("CRASH_POSITION", "both")
     agent, emit = build(data_dir, kill, position)

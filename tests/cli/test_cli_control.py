@@ -88,7 +88,7 @@ def test_mistakes_are_one_line_and_exit_2(store_dir, tmp_path):
     agent = make_agent(store_dir, [{"tool": "transfer", "args": {"amount": 1}}, "ok"])
     agent.run_sync("pay", session_id="c3")
     for args in (["approve", "c3", "not-a-call"], ["deny", "nope", "s0000_0"], ["signal", "nope", "hi"],
-                 ["pause", "nope"], ["cancel", "nope"], ["logs", "nope"], ["signal", "c3", ""]):
+                 ["pause", "nope"], ["cancel", "nope", "--yes"], ["logs", "nope"], ["signal", "c3", ""]):
         out = cli(store_dir, *args)
         assert out.exit_code == 2, (args, out.output)
         assert "error:" in out.output and "Traceback" not in out.output
@@ -136,7 +136,11 @@ async def test_cancel_from_the_cli_stops_a_running_session(store_dir, tmp_path):
     agent = make_agent(store_dir, [{"tool": "slow", "args": {"key": "a"}}, "done"], gate.async_tool(), calls=calls)
     task = asyncio.ensure_future(agent.run("go", session_id="c6"))
     await gate.wait_started()
-    out = await acli(store_dir, "cancel", "c6", "--json")
+    refused = await acli(store_dir, "cancel", "c6")  # final, and stdin is not a terminal: nobody to ask
+    assert refused.exit_code == 2 and "--yes" in refused.output
+    assert agent.runtime.store.objects.get(key=layout.control_key("c6", None, "cancel")) is None
+    assert not task.done()
+    out = await acli(store_dir, "cancel", "c6", "--yes", "--json")
     assert out.exit_code == 0, out.output
     assert json.loads(out.stdout)["cancelled"] is True
     assert task.done()  # acknowledged only once the run stopped writing

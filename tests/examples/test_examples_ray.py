@@ -52,5 +52,6 @@ def test_fork_fanout_example(tmp_path):
 def test_index_query_example(tmp_path):
     out = _run("index_query.py", tmp_path / "data").stdout
     assert "duckdb:  bob    sess-2  turns=10" in out
-    assert "store.query: 3 completed checkpoints; alice has 11 checkpoints in 2 sessions" in out
-    assert "same answers: True" in out
+    assert ("store.query: 3 completed checkpoints; alice has 11 checkpoints in 2 sessions; "
+            "same answers as before compaction: True") in out
+    assert "pyarrow: alice has 11 checkpoints" in out

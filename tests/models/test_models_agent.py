@@ -14,6 +14,7 @@ from model_wire import anthropic_message, openai_completion  # noqa: E402
 from loomray import Agent, Tuning  # noqa: E402
 from loomray.models.anthropic import AnthropicModel  # noqa: E402
 from loomray.models.openai import OpenAIModel  # noqa: E402
+from loomray.models.pricing import MAINTAINED_SOURCE  # noqa: E402
 from loomray.runtime.inproc import InProcRuntime  # noqa: E402
 
 
@@ -57,3 +58,6 @@ async def test_agent_checkpointed_on_claude_resumes_on_gpt(anthropic_server, ope
     assert second.usage.requests == 4 and second.usage.input_tokens == 250 + 620
     assert second.usage.cost_usd == pytest.approx((250 * 5 + 18 * 25) / 1e6 + (620 * 2.5 + 18 * 10) / 1e6)
     assert len(anthropic_server.requests) == 2
+    # The stored usage names where its prices came from, so its cost can be explained later.
+    stored = await gpt.get_checkpoint("trip")
+    assert stored.cumulative_usage.price_source == second.usage.price_source == MAINTAINED_SOURCE

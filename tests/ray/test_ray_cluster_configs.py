@@ -14,7 +14,10 @@ yaml = pytest.importorskip("yaml")
 pytest.importorskip("jsonschema")
 from ray.autoscaler._private.util import prepare_config, validate_config  # noqa: E402
 
-CLUSTER = Path(__file__).resolve().parents[2] / "cluster"
+ROOT = Path(__file__).resolve().parents[2]
+CLUSTER = ROOT / "cluster"
+#: The image the cluster files run: the repository's Dockerfile, pushed to the user's registry.
+IMAGE = "REGISTRY/loomray:0.1.0"
 
 
 def _load(name):
@@ -46,7 +49,7 @@ def test_aws_wiring_store_credentials_and_supervisor():
     config = _load("aws.yaml")
     setup = "\n".join(config["setup_commands"])
     assert "export LOOMRAY_STORE=s3://" in setup
-    assert "pip install" in setup and "loomray" in setup
+    assert "pip install" not in setup and config["docker"]["image"] == IMAGE  # loomray comes in the image
     # Credentials come from instance profiles, never from the file.
     assert "AWS_SECRET_ACCESS_KEY" not in (CLUSTER / "aws.yaml").read_text()
     for node_type in config["available_node_types"].values():
@@ -78,18 +81,21 @@ def test_kuberay_manifest_is_a_raycluster_with_head_and_workers():
             assert ref["name"] == "loomray-s3" and ref["key"] == key
             assert "value" not in env[key]  # never a literal credential
         script = container["args"][0]
-        assert "pip install" in script and "loomray" in script
+        assert "pip install" not in script and container["image"] == IMAGE  # loomray comes in the image
         assert "$KUBERAY_GEN_RAY_START_CMD" in script
     # The custom command is only honoured with this annotation.
     assert rc["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
-    assert "loomray supervise" in head["args"][0]
+    # The supervisor runs as a sidecar container of the head pod, never in Ray's container or on workers.
+    sidecar = spec["headGroupSpec"]["template"]["spec"]["containers"][1]
+    assert sidecar["image"] == IMAGE and "exec loomray supervise" in sidecar["args"][0]
+    assert "loomray supervise" not in head["args"][0]
     assert all("loomray supervise" not in g["template"]["spec"]["containers"][0]["args"][0] for g in groups)
 
 
 def test_kuberay_scripts_are_valid_shell():
     rc = _load("kuberay.yaml")
     spec = rc["spec"]
-    containers = [spec["headGroupSpec"]["template"]["spec"]["containers"][0]] + [
+    containers = spec["headGroupSpec"]["template"]["spec"]["containers"] + [
         g["template"]["spec"]["containers"][0] for g in spec["workerGroupSpecs"]]
     for container in containers:
         assert container["command"][:2] == ["/bin/bash", "-lc"]
@@ -102,7 +108,8 @@ def test_kuberay_scripts_are_valid_shell():
 
 def test_aws_runs_a_pinned_image_with_token_auth_and_the_dashboard_on_loopback():
     config = _load("aws.yaml")
-    assert config["docker"]["image"] == "rayproject/ray:2.60.0-py311"  # a known Ray and Python
+    assert config["docker"]["image"] == IMAGE  # the Dockerfile's: a known Ray and Python, loomray installed
+    assert config["available_node_types"][config["head_node_type"]]["resources"] == {"CPU": 0}
     setup = "\n".join(config["setup_commands"])
     assert "export RAY_AUTH_MODE=token" in setup
     # The token travels as a file from the launching machine, never in the file or the store.
@@ -116,16 +123,20 @@ def test_aws_runs_a_pinned_image_with_token_auth_and_the_dashboard_on_loopback()
 def test_kuberay_has_token_auth_structured_resources_and_a_head_that_outlives_supervise():
     rc = _load("kuberay.yaml")
     spec = rc["spec"]
-    assert spec["authOptions"] == {"mode": "token"}
+    assert spec["authOptions"] == {"mode": "token", "secretName": "loomray-ray-auth"}
     assert spec["headGroupSpec"]["serviceType"] == "ClusterIP"  # the dashboard is not public
+    assert spec["headGroupSpec"]["resources"] == {"CPU": "0"} and "num-cpus" not in spec["headGroupSpec"]["rayStartParams"]
     group = spec["workerGroupSpecs"][0]
     assert group["resources"] == {"loomray_session": "200"} and "resources" not in group["rayStartParams"]
-    script = spec["headGroupSpec"]["template"]["spec"]["containers"][0]["args"][0]
-    # Ray is the pod's main process; supervise runs in a retry loop beside it, so its failing never
-    # restarts the head (no `wait -n` on both).
-    assert script.rstrip().splitlines()[-1].strip() == "exec $KUBERAY_GEN_RAY_START_CMD"
-    assert "wait -n" not in script and "while true" in script
-    assert """--resources '{"loomray_session": 1}'""" in script
+    ray_head, sidecar = spec["headGroupSpec"]["template"]["spec"]["containers"]
+    # Ray is the head container's only process; supervise is a container of its own that Kubernetes
+    # restarts when it exits, so its failing never restarts the head.
+    assert ray_head["args"][0].rstrip().splitlines()[-1].strip() == "exec $KUBERAY_GEN_RAY_START_CMD"
+    assert """--resources '{"loomray_session": 1}'""" in sidecar["args"][0]
+    env = _env(sidecar)
+    assert env["RAY_AUTH_MODE"]["value"] == "token"
+    assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "loomray-ray-auth", "key": "auth_token"}
+    assert env["LOOMRAY_ALLOW_AGENTS"]["value"]
 
 
 # --- cluster/kuberay-rayjob.yaml -------------------------------------------------------
@@ -150,9 +161,55 @@ def test_rayjob_runs_submit_wait_with_placement_on_a_token_cluster_it_shuts_down
         env = _env(container)
         assert env["RAY_AUTH_MODE"]["value"] == "token"
         assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "loomray-ray-auth", "key": "auth_token"}
-        assert container["image"] == f"rayproject/ray:{cluster['rayVersion']}-py311"
+        assert container["image"] == IMAGE and "pip install" not in container["args"][0]
         check = subprocess.run(["bash", "-n", "-c", container["args"][0]], capture_output=True, text=True)
         assert check.returncode == 0, check.stderr
         assert container["args"][0].rstrip().splitlines()[-1].strip() == "exec $KUBERAY_GEN_RAY_START_CMD"
     group = cluster["workerGroupSpecs"][0]
     assert group["resources"] == {"loomray_session": "200"} and group["minReplicas"] >= 2
+
+
+# --- Dockerfile -------------------------------------------------------------------------
+
+def _dockerfile() -> tuple[str, list[list[str]]]:
+    """The Dockerfile's base image (its ARG default) and its COPY instructions' sources."""
+    text = (ROOT / "Dockerfile").read_text()
+    base = next(line.split("=", 1)[1] for line in text.splitlines() if line.startswith("ARG RAY_IMAGE="))
+    copies = [line.split()[2:-1] for line in text.splitlines() if line.startswith("COPY ")]
+    return base, copies
+
+
+def test_dockerfile_builds_on_the_ray_the_clusters_name():
+    base, _ = _dockerfile()
+    versions = {_load("kuberay.yaml")["spec"]["rayVersion"],
+                _load("kuberay-rayjob.yaml")["spec"]["rayClusterSpec"]["rayVersion"]}
+    assert versions == {"2.60.0"} and base == "rayproject/ray:2.60.0-py311"
+
+
+def test_dockerfile_copies_exactly_what_builds_the_package(tmp_path):
+    # No Docker daemon here: build what the image's RUN step builds (the wheel, without dependencies)
+    # from exactly the files its COPY lines and .dockerignore let into the build context.
+    import shutil
+    import sys
+    import zipfile
+
+    _, copies = _dockerfile()
+    context = tmp_path / "src"
+    context.mkdir()
+    for sources in copies:
+        for name in sources:
+            src = ROOT / name
+            assert src.exists(), f"the Dockerfile copies {name}, which the repository does not have"
+            if src.is_dir():
+                shutil.copytree(src, context / name, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy(src, context / name)
+    ignore = (ROOT / ".dockerignore").read_text().splitlines()
+    allowed = {line[1:].rstrip("/") for line in ignore if line.startswith("!")}
+    assert {p for c in copies for p in c} <= allowed
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q",
+                          "-w", str(tmp_path / "wheel"), str(context)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    wheel = next((tmp_path / "wheel").glob("loomray-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "loomray/cli/main.py" in names and "storage/store.py" in names and "loomray/py.typed" in names

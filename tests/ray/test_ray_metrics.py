@@ -80,7 +80,7 @@ class Die(BaseException):
 
 
 async def test_metrics_observer_counts_what_really_ran():
-    metrics = telemetry._Metrics(FakeRayMetrics)
+    metrics = telemetry.Instruments(FakeRayMetrics)
     observer = telemetry.add_observer(telemetry.MetricsObserver("actor", metrics=metrics))
     dies = {"left": 1}
 
@@ -124,7 +124,7 @@ async def test_metrics_observer_counts_what_really_ran():
 
 
 async def test_spend_and_tokens_match_the_run():
-    metrics = telemetry._Metrics(FakeRayMetrics)
+    metrics = telemetry.Instruments(FakeRayMetrics)
     observer = telemetry.add_observer(telemetry.MetricsObserver(None, metrics=metrics))
     try:
         model = ScriptedModel([{"tool": "lookup", "args": {"key": "a"}}, "done"])
@@ -139,13 +139,20 @@ async def test_spend_and_tokens_match_the_run():
 
 
 def test_supervisor_metrics_and_auto_enable(monkeypatch):
-    metrics = telemetry._Metrics(FakeRayMetrics)
-    monkeypatch.setattr(telemetry, "_metrics_obj", metrics)
-    telemetry.record_restart("dense")
-    telemetry.record_restart(None)
-    telemetry.set_active_sessions("dense", 3)
-    assert metrics.restarts.records == [(1, {"placement": "dense"}), (1, {"placement": "unknown"})]
-    assert metrics.active_sessions.records == [(3, {"placement": "dense"})]
+    metrics = telemetry.Instruments(FakeRayMetrics)
+    telemetry.use_ray_instruments(metrics)
+    try:
+        telemetry.record_restart("dense", "s3://a/x")
+        telemetry.record_restart(None)
+        telemetry.set_active_sessions("dense", 3, "s3://a/x")
+        telemetry.set_active_sessions("dense", 5, "s3://b/y")
+    finally:
+        telemetry.use_ray_instruments(None)
+    assert metrics.restarts.records == [(1, {"placement": "dense", "store": "s3://a/x"}),
+                                        (1, {"placement": "unknown", "store": "unknown"})]
+    # Two stores on one cluster: two series, never one overwritten by the other.
+    assert metrics.active_sessions.records == [(3, {"placement": "dense", "store": "s3://a/x"}),
+                                               (5, {"placement": "dense", "store": "s3://b/y"})]
 
     # A Ray worker registers the metrics observer by itself, once, with its placement.
     monkeypatch.setattr(telemetry, "_auto_checked", False)
@@ -166,11 +173,10 @@ def test_no_metrics_outside_a_ray_worker(monkeypatch):
     # This test process is no Ray worker: no placement, nothing registered by itself, and without
     # ray.init() the supervisor calls are no-ops.
     assert telemetry.ray_placement() is None
-    monkeypatch.setattr(telemetry, "_metrics_obj", None)
     if "ray" not in sys.modules or not sys.modules["ray"].is_initialized():
         telemetry.record_restart("actor")
         telemetry.set_active_sessions("actor", 1)
-        assert telemetry._metrics_obj is None
+        assert telemetry.ray_instruments() is None
     monkeypatch.setenv("LOOMRAY_RAY_METRICS", "0")
     monkeypatch.setattr(telemetry, "_auto_checked", False)
     monkeypatch.setattr(telemetry, "ray_placement", lambda: "actor")
@@ -261,7 +267,8 @@ def cluster_run(tmp_path_factory):
             result = asyncio.run(agent.run("go", session_id="metered",
                                            emit=lambda e: checkpoints.append(e) if e.type == "checkpoint" else None))
             assert result.turns == 3 and len(checkpoints) == 3
-            yield {"port": port, "result": result, "checkpoints": checkpoints, "dir": root / "telemetry"}
+            yield {"port": port, "result": result, "checkpoints": checkpoints, "dir": root / "telemetry",
+                   "store_url": runtime.store.url}
         finally:
             runtime.close()
     assert lc.leftover == []
@@ -316,9 +323,10 @@ def test_session_metrics_reach_prometheus(cluster_run):
     def supervisor_side():
         from loomray import telemetry as t
 
-        t.record_restart("test-placement")
-        t.record_restart("test-placement")
-        t.set_active_sessions("test-placement", 7)
+        t.record_restart("test-placement", "s3://one/x")
+        t.record_restart("test-placement", "s3://one/x")
+        t.set_active_sessions("test-placement", 7, "s3://one/x")
+        t.set_active_sessions("test-placement", 2, "s3://two/y")
         return True
 
     assert ray.get(supervisor_side.remote(), timeout=60)
@@ -329,8 +337,11 @@ def test_session_metrics_reach_prometheus(cluster_run):
         ("ray_loomray_checkpoints_written_total", "actor"): 3,
         ("ray_loomray_checkpoint_bytes_total", "actor"): sum(c.size for c in checkpoints),
         ("ray_loomray_checkpoint_latency_seconds_count", "actor"): 3,
+        ("ray_loomray_model_call_duration_seconds_count", "actor"): 3,
+        ("ray_loomray_tool_call_duration_seconds_count", "actor"): 2,
+        ("ray_loomray_run_stops_total", "actor"): 1,
         ("ray_loomray_session_restarts_total", "test-placement"): 2,
-        ("ray_loomray_active_sessions", "test-placement"): 7,
+        ("ray_loomray_active_sessions", "test-placement"): 9,
     }
     url = f"http://127.0.0.1:{cluster_run['port']}/metrics"
     deadline = time.monotonic() + 90
@@ -348,3 +359,9 @@ def test_session_metrics_reach_prometheus(cluster_run):
     assert spend == pytest.approx(result.usage.cost_usd, rel=1e-6)
     assert total(series, "ray_loomray_tokens_total", placement="actor", type="input") == result.usage.input_tokens
     assert total(series, "ray_loomray_replayed_steps_total") == 0
+    # Every session series names its store; two supervisors' gauges stay apart.
+    stores = {labels.get("store") for labels, _ in series["ray_loomray_model_calls_total"]}
+    assert stores == {cluster_run["store_url"]}
+    assert total(series, "ray_loomray_active_sessions", store="s3://one/x") == 7
+    assert total(series, "ray_loomray_active_sessions", store="s3://two/y") == 2
+    assert total(series, "ray_loomray_run_stops_total", reason="completed") == 1
