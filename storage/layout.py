@@ -115,6 +115,9 @@ def index_partition(kind_prefix: str, session_id: str, user_id: str | None) -> s
     return f"{kind_prefix}user={user_segment(user_id)}/session={validate_id(session_id, 'session_id')}/"
 
 
+#: The compacted session-status table (see :mod:`storage.session_table`): one Parquet file per user.
+SESSION_TABLE = "index/session_table/"
+
 #: The compacted checkpoint table (see :mod:`storage.table`): one Parquet file per user and UTC day.
 TABLE_INDEX = "index/table/"
 

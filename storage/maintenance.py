@@ -26,6 +26,8 @@ skip it) is moved to :func:`storage.layout.index_quarantine_key` with a
 warning, and the partition's other files are merged as usual: one foreign
 file never stops a compaction (nor the table refresh that ends a prune).
 
+The session-status table (:mod:`storage.session_table`) follows the merge of
+the session status partitions, reading only the sessions whose files changed.
 The compacted table (:mod:`storage.table`) is brought up to date by the same
 pass, from the same reads: the user's manifest is read before the per-session
 LIST, the partitions it absorbed are compared with that LIST, and only the
@@ -51,6 +53,7 @@ from storage.ids import user_segment
 from storage.index import serial_backend
 from storage.partition_merge import MergeItem, MergeResult, PartitionMerger, base_file, listing_now
 from storage.rows import CHECKPOINT_SCHEMA, SESSION_SCHEMA, CompactReport, as_utc, utcnow
+from storage.session_table import publish_session_tables
 from storage.table import UserTable, load_tables, table_clock
 from storage.table_publish import Published, SessionRead, publish
 
@@ -321,6 +324,7 @@ def compact(store: Store, *, tombstone_grace: timedelta | None = None,
     with _Helpers(store) as helpers:
         run = _Compaction(store, grace, segments, grace.total_seconds() / 2, helpers)
         run.sessions()
+        publish_session_tables(store, segments)
         run.checkpoints()
         parts, rows, committed, skipped = run.publish_tables()
     return IndexCompactReport(files_before=run.files_before, files_after=run.files_after, rows=run.rows,

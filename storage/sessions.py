@@ -67,10 +67,10 @@ class SessionMethods:
                 tables[key] = table
 
         keys, _ = self.index.read_listed(prefix, read)
-        pairs = [(k, self._own_session_rows(k, tables[k])) for k in keys if k in tables]
+        pairs = [(k, self.own_session_rows(k, tables[k])) for k in keys if k in tables]
         return self.index.concat(pairs, SESSION_SCHEMA)[1]
 
-    def _own_session_rows(self, key: str, table: pa.Table) -> pa.Table:
+    def own_session_rows(self, key: str, table: pa.Table) -> pa.Table:
         """The rows of index file ``key`` whose (user, session) match the hive partition the file is in."""
         parts = dict(seg.split("=", 1) for seg in key.split("/") if "=" in seg)
         if "session" not in parts or "user" not in parts or not {"session_id", "user_id"} <= set(table.column_names):

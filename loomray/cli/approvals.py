@@ -22,6 +22,7 @@ from loomray.cli.common import (
 )
 from loomray.cli.output import emit_json, excerpt
 from loomray.cli.tables import Col, fit_table
+from loomray.loop import ToolDecision
 from storage import ANY, Store
 
 _COLUMNS = [Col("session", "session"), Col("user", "user", drop=2), Col("call", "call"), Col("tool", "tool"),
@@ -41,8 +42,7 @@ def _waiting(store: Store, session_id: str, user_id: str | None) -> list[dict[st
     rows = []
     for call in calls:
         stored = decided.get(call.id)
-        decision = None if stored is None else ("approved" if stored.get("approved") else
-                                                f"denied: {stored.get('reason') or 'no reason'}")
+        decision = None if stored is None else control.describe_decision(ToolDecision.from_fields(stored))
         rows.append({"session_id": session_id, "user_id": user_id, "call_id": call.id, "tool": call.name,
                      "arguments": call.arguments, "decision": decision})
     return rows

@@ -46,15 +46,16 @@ def _tell(as_json: bool, data: dict[str, Any], text: str) -> None:
         console.print(text, highlight=False, soft_wrap=True)
 
 
-def _decide(session_id: str, call_id: str, decision: bool | str, store_url: str | None, user_id: str | None,
+def _decide(session_id: str, call_id: str, decision: Any, store_url: str | None, user_id: str | None,
             as_json: bool) -> None:
     store = open_session_store(store_url, session_id, user_id)
     written = control.record_decision(store, session_id, user_id, call_id, decision, source="cli")
-    approved, reason = control.normalize_decision(decision)
-    what = "approved" if approved else "denied" + (f" ({reason})" if reason else "")
+    decided = control.normalize_decision(decision)
+    what = control.describe_decision(decided)
     again = "" if written else " (already recorded)"
-    _tell(as_json, {"session_id": session_id, "user_id": user_id, "call_id": call_id, "approved": approved,
-                    "reason": reason, "recorded": written},
+    extra = {k: v for k, v in (("arguments", decided.arguments), ("response", decided.response)) if v is not None}
+    _tell(as_json, {"session_id": session_id, "user_id": user_id, "call_id": call_id, "approved": decided.approved,
+                    "reason": decided.reason, **extra, "recorded": written},
           f"tool call {call_id} of session {session_id} {what}{again}; `{_resume_hint(session_id, user_id)}` "
           "continues the session")
 
@@ -62,17 +63,49 @@ def _decide(session_id: str, call_id: str, decision: bool | str, store_url: str 
 @click.command()
 @click.argument("session_id")
 @click.argument("call_id")
+@click.option("--arguments", "arguments", default=None, metavar="JSON",
+              help="Run the call with these arguments (a JSON object) instead of the model's.")
 @store_option
 @user_option
 @json_option
 @guarded
-def approve(session_id: str, call_id: str, store_url: str | None, user_id: str | None, as_json: bool) -> None:
+def approve(session_id: str, call_id: str, arguments: str | None, store_url: str | None, user_id: str | None,
+            as_json: bool) -> None:
     """Approve a tool call a session waits on (stop reason awaiting_approval).
 
     The decision is stored (create-only: the first decision on a call wins);
-    `loomray resume SESSION` then runs the call once and continues.
+    `loomray resume SESSION` then runs the call once and continues. With
+    --arguments the tool runs with those arguments; the model's call stays as
+    it wrote it in the transcript.
     """
-    _decide(session_id, call_id, True, store_url, user_id, as_json)
+    if arguments is None:
+        _decide(session_id, call_id, True, store_url, user_id, as_json)
+        return
+    try:
+        edited = json.loads(arguments)
+    except ValueError as e:
+        raise CliError(f"--arguments is not JSON: {e}") from e
+    if not isinstance(edited, dict):
+        raise CliError(f"--arguments must be a JSON object, got {type(edited).__name__}")
+    _decide(session_id, call_id, {"arguments": edited}, store_url, user_id, as_json)
+
+
+@click.command()
+@click.argument("session_id")
+@click.argument("call_id")
+@click.argument("text")
+@store_option
+@user_option
+@json_option
+@guarded
+def respond(session_id: str, call_id: str, text: str, store_url: str | None, user_id: str | None,
+            as_json: bool) -> None:
+    """Answer a tool call a session waits on in the tool's place: the tool does not run, the model gets TEXT.
+
+    Stored like approve and deny (the first decision on a call wins);
+    `loomray resume SESSION` continues.
+    """
+    _decide(session_id, call_id, {"respond": text}, store_url, user_id, as_json)
 
 
 @click.command()
@@ -278,4 +311,4 @@ def logs(session_id: str, store_url: str | None, user_id: str | None, follow: bo
             err_console.print(f"session {session_id}: {row.status}", highlight=False, soft_wrap=True)
 
 
-STEERING_COMMANDS: tuple[click.Command, ...] = (approve, deny, signal_cmd, pause, cancel, logs)
+STEERING_COMMANDS: tuple[click.Command, ...] = (approve, respond, deny, signal_cmd, pause, cancel, logs)

@@ -57,6 +57,7 @@ from loomray.control.consume import SessionControls, consumed_names
 from loomray.control.requests import (
     CANCEL,
     decision_name,
+    describe_decision,
     is_cancelled,
     list_requests,
     normalize_decision,
@@ -69,6 +70,6 @@ from loomray.control.requests import (
 )
 
 __all__ = ["CANCEL", "CANCEL_ACK_TIMEOUT_S", "RunHandle", "SessionControls", "cancel_poll_s", "cancel_session",
-           "cancel_session_async", "consumed_names", "decision_name", "is_cancelled", "list_requests", "local_runs",
+           "cancel_session_async", "consumed_names", "decision_name", "describe_decision", "is_cancelled", "list_requests", "local_runs",
            "normalize_decision", "pending_calls", "record_decision", "register", "request_pause", "require_session",
            "send_signal", "session_status", "unregister", "watch_cancel"]

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 from loomray.control.cancel import RunHandle
 from loomray.control.requests import CANCEL, read_request
 from loomray.journal import CONTROL_KINDS, JournalRecord
-from loomray.loop import ControlSnapshot
+from loomray.loop import ControlSnapshot, ToolDecision
 from loomray.session_store import SessionStore
 from storage import layout
 from storage.rows import JournalEntry
@@ -85,7 +85,7 @@ class SessionControls:
             elif kind == "pause":
                 snap.pauses.append(name)
             elif kind == "decision" and isinstance(body.get("call_id"), str):
-                snap.decisions[body["call_id"]] = (name, bool(body.get("approved")), body.get("reason"))
+                snap.decisions[body["call_id"]] = (name, ToolDecision.from_fields(body))
         snap.signals = [(name, text) for _, name, text in sorted(signals)]
         return snap, stale
 

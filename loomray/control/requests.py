@@ -14,7 +14,7 @@ from loomray.checkpoint_format import load_checkpoint
 from loomray.errors import LoomrayUserError
 from loomray.ids import new_id
 from loomray.journal import safe_call_id
-from loomray.loop import dangling_tool_calls
+from loomray.loop import ToolDecision, dangling_tool_calls
 from loomray.records import ToolCall, utcnow
 from loomray.session_store import SessionStore
 from storage import layout
@@ -109,13 +109,33 @@ def request_pause(store: SessionStore, session_id: str, user_id: str | None, *, 
     return name
 
 
-def normalize_decision(value: Any) -> tuple[bool, str | None]:
-    """``True`` approves; ``False`` or a reason (a str) denies."""
+def normalize_decision(value: Any) -> ToolDecision:
+    """A decision from what a caller passes.
+
+    ``True`` approves; ``False`` or a reason (a str) denies; ``{"arguments": {...}}``
+    approves with those arguments in place of the model's; ``{"respond": "text"}``
+    answers in the tool's place (it does not run); a :class:`ToolDecision` as it is.
+    """
+    if isinstance(value, ToolDecision):
+        return value
     if isinstance(value, bool):
-        return value, None
+        return ToolDecision(approved=value)
     if isinstance(value, str):
-        return False, value or None
-    raise TypeError(f"a decision is True, False or a reason for denial (str), got {type(value).__name__}")
+        return ToolDecision(approved=False, reason=value or None)
+    if isinstance(value, dict) and set(value) == {"arguments"}:
+        if not isinstance(value["arguments"], dict):
+            raise TypeError(f"edited arguments must be a JSON object (dict), got {type(value['arguments']).__name__}")
+        try:
+            json.dumps(value["arguments"])
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"edited arguments must be JSON: {e}") from e
+        return ToolDecision(approved=True, arguments=value["arguments"])
+    if isinstance(value, dict) and set(value) == {"respond"}:
+        if not isinstance(value["respond"], str):
+            raise TypeError(f"a response in a tool's place must be a str, got {type(value['respond']).__name__}")
+        return ToolDecision(approved=False, response=value["respond"])
+    raise TypeError("a decision is True, False, a reason for denial (str), {'arguments': {...}} or "
+                    f"{{'respond': 'text'}}, got {value!r:.80}")
 
 
 def pending_calls(store: SessionStore, session_id: str, user_id: str | None) -> list[ToolCall] | None:
@@ -143,7 +163,7 @@ def record_decision(store: SessionStore, session_id: str, user_id: str | None, c
     """
     if not isinstance(call_id, str) or not call_id:
         raise LoomrayUserError("a tool call id must be a non-empty str")
-    approved, reason = normalize_decision(decision)
+    decided = normalize_decision(decision)
     if check_pending:
         require_session(store, session_id, user_id)
         _refuse_cancelled(store, session_id, user_id)
@@ -153,17 +173,25 @@ def record_decision(store: SessionStore, session_id: str, user_id: str | None, c
             raise LoomrayUserError(f"session {session_id!r} does not wait for a decision on tool call {call_id!r} "
                                    f"(it waits on: {waiting})")
     name = decision_name(call_id)
-    body = request_body("decision", name, session_id, user_id, source, call_id=call_id, approved=approved,
-                        reason=reason)
+    body = request_body("decision", name, session_id, user_id, source, call_id=call_id, **decided.fields())
     if create_request(store, session_id, user_id, name, body):
         return True
     existing = read_request(store, layout.control_key(session_id, user_id, name)) or {}
-    if (existing.get("call_id"), existing.get("approved"), existing.get("reason")) == (call_id, approved, reason):
+    if existing.get("call_id") == call_id and ToolDecision.from_fields(existing) == decided:
         return False
     if existing.get("call_id") not in (None, call_id):  # two call ids with the same safe name (never in practice)
         raise LoomrayUserError(f"tool call {call_id!r}: its decision slot holds call {existing.get('call_id')!r}")
-    was = "approved" if existing.get("approved") else f"denied ({existing.get('reason') or 'no reason'})"
-    raise LoomrayUserError(f"tool call {call_id!r} of session {session_id!r} was already decided: {was}")
+    raise LoomrayUserError(f"tool call {call_id!r} of session {session_id!r} was already decided: "
+                           f"{describe_decision(ToolDecision.from_fields(existing))}")
+
+
+def describe_decision(decision: ToolDecision) -> str:
+    """A decision in a few words, for messages and listings."""
+    if decision.response is not None:
+        return "answered in the tool's place"
+    if not decision.approved:
+        return f"denied ({decision.reason or 'no reason'})"
+    return "approved with edited arguments" if decision.arguments is not None else "approved"
 
 
 def list_requests(store: SessionStore, session_id: str, user_id: str | None) -> list[dict[str, Any]]:

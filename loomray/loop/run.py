@@ -181,12 +181,16 @@ class AgentLoop(SteeredLoop):
                 running[0] -= 1
 
         async def run_one(call: ToolCall) -> Message:
-            await self.emit(ToolCallEvent(**self.event_fields(), tool_call=call))
             decided = decisions.get(call.id)
-            if decided is not None and not decided[0]:
-                msg = denial_message(call, decided[1])
+            if decided is not None and decided.arguments is not None:
+                call = call.model_copy(update={"arguments": decided.arguments})  # approved with edited arguments
+            await self.emit(ToolCallEvent(**self.event_fields(), tool_call=call))
+            if decided is not None and not decided.approved:
+                # Answered in the tool's place (it does not run), or denied.
+                msg = (Message(role="tool", content=decided.response, tool_call_id=call.id, name=call.name)
+                       if decided.response is not None else denial_message(call, decided.reason))
                 await self.emit(ToolResultEvent(**self.event_fields(), tool_call_id=call.id, name=call.name,
-                                                content=msg.content, is_error=True, replayed=False))
+                                                content=msg.content, is_error=msg.is_error, replayed=False))
                 return msg
             ctx = ToolContext(session_id=self.state.session_id, user_id=self.state.user_id,
                               run_id=self.state.run_id, turn=self.turn, tool_call_id=call.id,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -29,6 +29,35 @@ class LoopState:
     chain: Any = None
 
 
+@dataclass(frozen=True)
+class ToolDecision:
+    """A person's decision on one tool call that asked for one.
+
+    ``approved``: run it, with ``arguments`` in place of the model's when
+    given (an edit). Not approved: with ``response``, the tool does not run
+    and the model gets ``response`` as its result (an answer in its place);
+    else it is denied, and the model gets the denial with ``reason``.
+    """
+
+    approved: bool
+    reason: str | None = None
+    arguments: dict[str, Any] | None = None
+    response: str | None = None
+
+    @classmethod
+    def from_fields(cls, body: Mapping[str, Any]) -> ToolDecision:
+        """The decision a stored request or a journaled approval holds (fields of the wrong type are ignored)."""
+        reason, arguments, response = body.get("reason"), body.get("arguments"), body.get("response")
+        return cls(approved=bool(body.get("approved")), reason=reason if isinstance(reason, str) else None,
+                   arguments=arguments if isinstance(arguments, dict) else None,
+                   response=response if isinstance(response, str) else None)
+
+    def fields(self) -> dict[str, Any]:
+        """What a request and the journal store of it."""
+        return {"approved": self.approved, "reason": self.reason, "arguments": self.arguments,
+                "response": self.response}
+
+
 @dataclass
 class ControlSnapshot:
     """The control requests pending for a session, as one look at them (``controls.poll()``) found them.
@@ -39,8 +68,8 @@ class ControlSnapshot:
     cancelled: bool = False
     pauses: list[str] = field(default_factory=list)
     signals: list[tuple[str, str]] = field(default_factory=list)
-    #: tool call id -> (request name, approved, reason)
-    decisions: dict[str, tuple[str, bool, str | None]] = field(default_factory=dict)
+    #: tool call id -> (request name, the decision)
+    decisions: dict[str, tuple[str, ToolDecision]] = field(default_factory=dict)
 
 
 class Controls(Protocol):

@@ -12,14 +12,11 @@ import logging
 from loomray.events import ControlEvent, EmitFn
 from loomray.journal import StepRunner, approval_step_key, boundary_step_key, input_hash, model_step_key
 from loomray.loop.core import LoopCore
-from loomray.loop.state import LoopOptions, LoopState
+from loomray.loop.state import LoopOptions, LoopState, ToolDecision
 from loomray.loop.writer import CheckpointWriter
 from loomray.records import Message, RunResult, ToolCall
 
 log = logging.getLogger("loomray.loop")
-
-#: A decision on one tool call: (approved, reason for a denial).
-Decision = tuple[bool, str | None]
 
 
 class RunStopped(Exception):
@@ -47,21 +44,21 @@ class SteeredLoop(LoopCore):
         t = self.steps.tools.get(call.name)
         return t is not None and t.needs_approval(call)
 
-    async def decide(self, calls: list[ToolCall]) -> dict[str, Decision]:
+    async def decide(self, calls: list[ToolCall]) -> dict[str, ToolDecision]:
         """Decisions on the calls of this pass that need approval; raises :class:`RunStopped` when one is missing.
 
         A journaled decision is used as is (the policy is not asked again for it); the others come from
         ``controls`` (one look) and are journaled, all of them, before any call of the pass runs.
         """
-        out: dict[str, Decision] = {}
+        out: dict[str, ToolDecision] = {}
         undecided: list[ToolCall] = []
         for call in calls:
             rec = self.steps.journaled(approval_step_key(self.turn, call.id))
             if rec is not None:
-                out[call.id] = (bool(rec.output.get("approved")), rec.output.get("reason"))
+                out[call.id] = ToolDecision.from_fields(rec.output)
                 await self.emit(ControlEvent(**self.event_fields(), kind="approval", control=rec.output.get("control"),
-                                             tool_call_id=call.id, approved=out[call.id][0],
-                                             reason=out[call.id][1], replayed=True))
+                                             tool_call_id=call.id, approved=out[call.id].approved,
+                                             reason=out[call.id].reason, replayed=True))
             elif self.needs_approval(call):
                 undecided.append(call)
         if not undecided:
@@ -76,15 +73,14 @@ class SteeredLoop(LoopCore):
         if missing:
             raise RunStopped(await self.await_approval(missing))
         for call in undecided:
-            name, approved, reason = snap.decisions[call.id]
+            name, decision = snap.decisions[call.id]
             await self.steps.record("approval", approval_step_key(self.turn, call.id),
                                     input_hash({"name": call.name, "arguments": call.arguments}),
-                                    {"control": name, "call_id": call.id, "tool": call.name, "approved": approved,
-                                     "reason": reason})
+                                    {"control": name, "call_id": call.id, "tool": call.name, **decision.fields()})
             controls.consume(name)
-            out[call.id] = (approved, reason)
+            out[call.id] = decision
             await self.emit(ControlEvent(**self.event_fields(), kind="approval", control=name,
-                                         tool_call_id=call.id, approved=approved, reason=reason))
+                                         tool_call_id=call.id, approved=decision.approved, reason=decision.reason))
         return out
 
     async def await_approval(self, missing: list[ToolCall]) -> RunResult:

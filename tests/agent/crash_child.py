@@ -18,6 +18,7 @@ goes to OUT_JSON when the run completes.
 Control additions (tests/agent/test_agent_control.py), all off unless set:
   ``CONTROL_APPROVE_PAGE=N``   the research call for page N requires approval
   ``CONTROL_APPROVE=CALL_ID``  resume(None) with approvals={CALL_ID: True} instead of run
+  ``CONTROL_DECISION=JSON``    with CONTROL_APPROVE: that decision instead of True
   ``CONTROL_SIGNAL_AT_PAGE=N`` the research call for page N sends a signal (as another client would)
   ``CONTROL_BLOCK_AT_PAGE=N``  the research call for page N writes DATA_DIR/started, then blocks until
                                DATA_DIR/release exists
@@ -152,7 +153,8 @@ async def _control_main(agent, emit, session_id: str, out: str, kill: str | None
     approve = os.environ.get("CONTROL_APPROVE")
     if approve is None:
         return False
-    result = await agent.resume(None, session_id=session_id, emit=emit, approvals={approve: True})
+    decision = json.loads(os.environ.get("CONTROL_DECISION", "true"))  # e.g. {"arguments": {...}}, {"respond": ..}
+    result = await agent.resume(None, session_id=session_id, emit=emit, approvals={approve: decision})
     _control_out(out, result, kill)
     return True
 

@@ -1,0 +1,101 @@
+"""The compacted session-status table: exact after status changes, retention, prune and a forged row, read by
+DuckDB and pyarrow as outside readers would, and rewritten only where sessions changed."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pytest
+
+from storage import CheckpointInfo, SessionRow, open_store
+from storage.rows import session_rows_table
+from storage.session_table import read_session_table, session_table_key
+
+T0 = datetime(2026, 12, 1, tzinfo=timezone.utc)
+
+
+def _status(store, sid, user, status, minute, error=None):
+    store.put_session(SessionRow(session_id=sid, user_id=user, status=status, updated_at=T0 + timedelta(minutes=minute),
+                                 run_id="r1", agent_ref=None, spec_json=None, epoch=1, node_id=None, error=error))
+
+
+def _table_view(store) -> set[tuple]:
+    data = ds.dataset(f"{store.fsspec()[1]}/index/session_table", format="parquet", partitioning="hive").to_table()
+    return {(r["user_id"], r["session_id"], r["status"]) for r in data.to_pylist()}
+
+
+def _listing(store) -> set[tuple]:
+    return {(r.user_id, r.session_id, r.status) for r in store.list_sessions()}
+
+
+@pytest.fixture
+def store(tmp_path):
+    return open_store(tmp_path / "root")
+
+
+def test_the_table_holds_the_latest_status_of_every_session(store):
+    for i in range(4):
+        _status(store, f"s{i}", "alice" if i % 2 else None, "running", i)
+    _status(store, "s1", "alice", "completed", 10)
+    _status(store, "s2", None, "failed", 11, error="ToolError")
+    store.compact()
+    assert _table_view(store) == _listing(store) == {
+        (None, "s0", "running"), ("alice", "s1", "completed"), (None, "s2", "failed"), ("alice", "s3", "running")}
+    duckdb = pytest.importorskip("duckdb")
+    root = store.fsspec()[1]
+    counts = duckdb.sql(f"select user, status, count(*) from read_parquet('{root}/index/session_table/*/*.parquet', "
+                        "hive_partitioning = true) group by all order by all").fetchall()
+    assert counts == [("_", "failed", 1), ("_", "running", 1), ("alice", "completed", 1), ("alice", "running", 1)]
+
+
+def test_exact_after_retention_prune_and_more_status_changes(store):
+    for i in range(3):
+        _status(store, f"s{i}", "bob", "running", i)
+        for n in range(3):
+            store.put_checkpoint(b"{}", CheckpointInfo(session_id=f"s{i}", checkpoint_id=f"c{n}", user_id="bob",
+                                                       turn=n, created_at=T0, position="after_tools",
+                                                       execution_status="active", message_count=n), keep=2)
+    store.compact()
+    _status(store, "s0", "bob", "cancelled", 20)
+    store.prune(session_id="s1", user_id="bob")  # prune compacts its users at once
+    assert _table_view(store) == _listing(store)
+    assert ("bob", "s0", "cancelled") in _table_view(store)
+    _status(store, "s2", "bob", "completed", 30)
+    store.compact()
+    assert _table_view(store) == _listing(store) == {
+        ("bob", "s0", "cancelled"), ("bob", "s1", "running"), ("bob", "s2", "completed")}
+
+
+def test_a_forged_row_in_another_sessions_partition_never_reaches_the_table(store):
+    _status(store, "victim", "carol", "running", 0)
+    _status(store, "mallory", "carol", "running", 0)
+    forged = session_rows_table([SessionRow(session_id="victim", user_id="carol", status="cancelled",
+                                            updated_at=T0 + timedelta(days=1), run_id="x", agent_ref=None,
+                                            spec_json=None, epoch=9, node_id=None, error=None)])
+    store.index.write("index/sessions/user=carol/session=mallory/", forged)
+    store.compact()
+    assert ("carol", "victim", "running") in _table_view(store)
+    assert ("carol", "victim", "cancelled") not in _table_view(store)
+
+
+def test_a_compaction_with_no_change_rewrites_nothing(store):
+    _status(store, "s0", "dave", "running", 0)
+    store.compact()
+    key = session_table_key("dave")
+    before = store.objects.get(key=key)
+    store.compact()
+    after = store.objects.get(key=key)
+    assert before is not None and after is not None and before.etag == after.etag
+    assert read_session_table(store, "dave").num_rows == 1
+
+
+def test_an_unreadable_table_file_is_rebuilt(store):
+    _status(store, "s0", "erin", "running", 0)
+    store.compact()
+    store.objects.put(key=session_table_key("erin"), data=b"not parquet")
+    _status(store, "s0", "erin", "completed", 5)
+    store.compact()
+    assert _table_view(store) == {("erin", "s0", "completed")}
+    assert isinstance(read_session_table(store, "erin"), pa.Table)
