@@ -33,6 +33,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from loomray.errors import LoomrayUserError
 from loomray.runtime.connection import NAMESPACE
+from loomray.runtime.stored_options import REDACTED, without_secrets
 from storage import open_store
 from storage.ids import user_from_segment, user_segment, validate_id
 
@@ -204,21 +205,9 @@ def check_actor_options(options: Any) -> dict[str, Any]:
     try:
         validate_actor_options(options, in_options=True)
     except (TypeError, ValueError) as e:
-        raise LoomrayUserError(f"actor_options {options!r} are not valid Ray actor options: {e}") from e
+        shown = without_secrets(options, placeholder=REDACTED)  # the message reaches logs and terminals
+        raise LoomrayUserError(f"actor_options {shown!r} are not valid Ray actor options: {e}") from e
     return options
-
-
-def storable_options(options: dict[str, Any]) -> dict[str, Any]:
-    """The options that survive as JSON (resources, CPUs, memory, runtime env, labels); objects such as a
-    scheduling strategy stay behind (they cannot be stored, and name nodes that may be gone by then)."""
-    kept = {}
-    for k, v in options.items():
-        try:
-            json.dumps(v)
-        except (TypeError, ValueError):
-            continue
-        kept[k] = v
-    return kept
 
 
 @dataclass(frozen=True)

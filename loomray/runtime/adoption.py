@@ -28,6 +28,7 @@ from loomray.errors import LoomrayUserError
 from loomray.records import utcnow
 from loomray.runtime import active
 from loomray.runtime.actors import AgentSpec, RuntimeConfig, agent_ref_allowed, check_actor_options, check_pattern
+from loomray.runtime.stored_options import restore_secrets
 from loomray.runtime.watcher import WatchedSession
 from loomray.session import RunRequest
 from storage import SessionRow
@@ -102,12 +103,25 @@ class AdoptionPolicy:
         if placement in ("actor", "dense") and placement != self._config.placement:
             changes["placement"] = placement
         options = mark.get("actor_options")
+        if isinstance(options, dict):
+            options = self._with_secrets(options, mark.get("secret_env_vars"))
         if options is not None and options != self._config.actor_options:
             try:
                 changes["actor_options"] = check_actor_options(options)
             except LoomrayUserError as e:
                 log.warning("ignoring the stored actor options of an adopted session: %s", e)
         return dataclasses.replace(self._config, **changes) if changes else None
+
+    def _with_secrets(self, options: dict[str, Any], names: Any) -> dict[str, Any]:
+        """Stored options with the secret env vars the mark left out taken from this supervisor's own options."""
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            return options
+        options, missing = restore_secrets(options, names, self._config.actor_options)
+        if missing:
+            log.warning("an adopted session ran with env vars %s, which are never stored; its restarted actor "
+                        "sees them only if its node's environment has them (or pass them to this supervisor's "
+                        "actor options, e.g. `loomray supervise --runtime-env`)", ", ".join(missing))
+        return options
 
     def request_of(self, row: SessionRow) -> str | None:
         """The JSON run request of the run ``row`` reports, or None (not known yet: try next pass).

@@ -1,0 +1,101 @@
+"""The actor options a session's active mark keeps: JSON only, and never a secret.
+
+A session's actor options are stored with its active mark (``active/{u}/{s}.json``)
+so a supervisor that adopts the session restarts it the way it ran. Whoever
+can read the bucket reads the mark, so an environment variable whose name or
+value looks like a credential (``*_API_KEY``, ``*TOKEN*``, ``sk-…``, ``AKIA…``)
+is left out of what is stored and only its *name* recorded. Restarts do not
+depend on it:
+
+- a supervisor that watched the session restarts it from the options it holds
+  in memory (the submitting runtime's, secrets included), on any node;
+- a supervisor that adopts the session from the store (its own supervisor died,
+  or a new cluster) fills each left-out variable from its own ``actor_options``
+  (``loomray supervise --runtime-env``), else the worker sees whatever the node's
+  environment holds (see :func:`restore_secrets`).
+
+A value that only references the node's environment (``"${ANTHROPIC_API_KEY}"``,
+expanded by Ray on the node) is not a secret and is kept.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from typing import Any
+
+#: Names of environment variables that hold credentials by convention.
+_SECRET_NAME = re.compile(r"KEY|TOKEN|SECRET|PASSW|PWD|CREDENTIAL|AUTH|PRIVATE|COOKIE|SIGNATURE|DSN|CONN_STR",
+                          re.IGNORECASE)
+#: Values that are credentials whatever their name: provider keys, AWS access keys, PEM keys, bearer tokens.
+_SECRET_VALUE = re.compile(r"^(sk-|sk_|rk_|pk_|AKIA|ASIA|ghp_|gho_|github_pat_|xox[abpr]-|glpat-|hf_|Bearer )"
+                           r"|-----BEGIN [A-Z ]*PRIVATE KEY-----")
+#: ``${VAR}``: Ray expands it from the node's environment, so it holds no secret itself.
+_REFERENCE = re.compile(r"^\$\{[A-Za-z_][A-Za-z0-9_]*\}$")
+#: Stands for a left-out value in messages (never stored as a value: it would become the variable).
+REDACTED = "<redacted>"
+
+
+def looks_secret(name: str, value: Any) -> bool:
+    """Whether environment variable ``name=value`` looks like a credential (a ``${VAR}`` reference never does)."""
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    if _REFERENCE.match(text):
+        return False
+    return bool(_SECRET_NAME.search(name) or _SECRET_VALUE.search(text))
+
+
+def _env_vars(options: dict[str, Any]) -> dict[str, Any]:
+    runtime_env = options.get("runtime_env")
+    env = runtime_env.get("env_vars") if isinstance(runtime_env, dict) else None
+    return env if isinstance(env, dict) else {}
+
+
+def secret_env_names(options: dict[str, Any]) -> list[str]:
+    """Names of the secret-looking variables in ``options["runtime_env"]["env_vars"]``, sorted."""
+    return sorted(str(k) for k, v in _env_vars(options).items() if looks_secret(str(k), v))
+
+
+def without_secrets(options: dict[str, Any], *, placeholder: str | None = None) -> dict[str, Any]:
+    """A copy of ``options`` whose secret-looking env vars are left out (or, with ``placeholder``,
+    replaced by it: for messages and logs)."""
+    names = secret_env_names(options)
+    if not names:
+        return options
+    out = copy.deepcopy(options)
+    env = out["runtime_env"]["env_vars"]
+    for name in names:
+        if placeholder is None:
+            del env[name]
+        else:
+            env[name] = placeholder
+    return out
+
+
+def storable_options(options: dict[str, Any]) -> dict[str, Any]:
+    """The options a session's mark stores: those that survive as JSON (resources, CPUs, memory, runtime
+    env, labels), without secret-looking env vars. Objects such as a scheduling strategy stay behind
+    (they cannot be stored, and name nodes that may be gone by then)."""
+    kept = {}
+    for k, v in without_secrets(options).items():
+        try:
+            json.dumps(v)
+        except (TypeError, ValueError):
+            continue
+        kept[k] = v
+    return kept
+
+
+def restore_secrets(stored: dict[str, Any], names: list[str], own: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``(options, missing)``: ``stored`` with each left-out variable of ``names`` filled from ``own`` (the
+    adopting supervisor's actor options); ``missing`` are those ``own`` does not have either (the restarted
+    worker then sees only what its node's environment holds)."""
+    mine = _env_vars(own)
+    found = {n: mine[n] for n in names if n in mine}
+    missing = [n for n in names if n not in mine]
+    if not found:
+        return stored, missing
+    out = copy.deepcopy(stored)
+    runtime_env = out.setdefault("runtime_env", {})
+    runtime_env.setdefault("env_vars", {}).update(found)
+    return out, missing
