@@ -26,6 +26,7 @@ from typing import Any
 
 from loomray.errors import LoomrayUserError
 from loomray.records import utcnow
+from loomray.run_errors import INDEX_ERROR_MAX
 from loomray.runtime import active
 from loomray.runtime.actors import AgentSpec, RuntimeConfig, agent_ref_allowed, check_actor_options, check_pattern
 from loomray.runtime.stored_options import restore_secrets
@@ -155,7 +156,7 @@ class AdoptionPolicy:
         log.warning("supervisor refuses to restart session %r (user %r): %s", row.session_id, row.user_id, reason)
         failed = SessionRow(session_id=row.session_id, user_id=row.user_id, status="failed", updated_at=utcnow(),
                             run_id=row.run_id, agent_ref=row.agent_ref, epoch=row.epoch, node_id=row.node_id,
-                            error=f"refused by the supervisor: {reason}")
+                            error=f"refused by the supervisor: {reason}"[:INDEX_ERROR_MAX])
         try:
             await asyncio.to_thread(self._store.put_session, failed)
         except Exception as e:
