@@ -29,7 +29,7 @@ from loomray.records import utcnow
 from loomray.run_errors import INDEX_ERROR_MAX
 from loomray.runtime import active
 from loomray.runtime.actors import AgentSpec, RuntimeConfig, agent_ref_allowed, check_actor_options, check_pattern
-from loomray.runtime.stored_options import restore_secrets
+from loomray.runtime.stored_options import restore_secrets, trusted_options
 from loomray.runtime.watcher import WatchedSession
 from loomray.session import RunRequest
 from storage import SessionRow
@@ -106,6 +106,10 @@ class AdoptionPolicy:
         options = mark.get("actor_options")
         if isinstance(options, dict):
             options = self._with_secrets(options, mark.get("secret_env_vars"))
+            options, dropped = trusted_options(options, self._config.actor_options)
+            if dropped:  # a bucket writer must not choose what code the cluster runs
+                log.warning("ignoring stored actor options of an adopted session that choose code, not placement: "
+                            "%s (this supervisor's own apply)", ", ".join(dropped))
         if options is not None and options != self._config.actor_options:
             try:
                 changes["actor_options"] = check_actor_options(options)

@@ -99,3 +99,46 @@ def restore_secrets(stored: dict[str, Any], names: list[str], own: dict[str, Any
     runtime_env = out.setdefault("runtime_env", {})
     runtime_env.setdefault("env_vars", {}).update(found)
     return out, missing
+
+
+#: Options an adopted session takes from its mark as stored: where it runs and with what resources.
+_FROM_MARK = ("resources", "num_cpus", "num_gpus", "memory", "accelerator_type", "label_selector", "runtime_env")
+#: Env vars that choose what code a worker loads: from a mark only when the supervisor's own options agree.
+_CODE_ENV = re.compile(r"^(LD_|DYLD_|PYTHON|RAY_|LOOMRAY_)|^PATH$")
+
+
+def trusted_options(stored: dict[str, Any], own: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """``(options, dropped)``: what of a mark's stored options an adopting supervisor applies.
+
+    Whoever can write a user's prefix can write its marks, and must not choose
+    what code the cluster runs: from a mark come resources, CPUs, GPUs, memory,
+    labels and plain ``env_vars``; anything else (``runtime_env`` ``pip``,
+    ``working_dir``, ``py_modules``, ``worker_process_setup_hook``…, env vars
+    such as ``PYTHONPATH`` or ``LD_PRELOAD``) only when it equals the
+    supervisor's own (``own``), whose code settings otherwise apply.
+    ``dropped`` names what was refused.
+    """
+    out, dropped = {}, []
+    for k, v in stored.items():
+        if k in _FROM_MARK or own.get(k) == v:
+            out[k] = v
+        else:
+            dropped.append(k)
+    env = out.get("runtime_env")
+    if not isinstance(env, dict):
+        return out, dropped
+    own_runtime_env = own.get("runtime_env")
+    own_env: dict[str, Any] = own_runtime_env if isinstance(own_runtime_env, dict) else {}
+    kept: dict[str, Any] = {k: v for k, v in own_env.items() if k != "env_vars"}
+    for k, v in env.items():
+        if k == "env_vars" or own_env.get(k) == v:
+            kept[k] = copy.deepcopy(v)
+        else:
+            dropped.append(f"runtime_env.{k}")
+    env_vars, own_vars = kept.get("env_vars"), own_env.get("env_vars") or {}
+    if isinstance(env_vars, dict):
+        for name in [n for n, v in env_vars.items() if _CODE_ENV.match(str(n)) and own_vars.get(n) != v]:
+            dropped.append(f"env_vars.{name}")
+            del env_vars[name]
+    out["runtime_env"] = kept
+    return out, dropped

@@ -67,3 +67,22 @@ def test_a_refused_option_does_not_print_the_secret():
     with pytest.raises(LoomrayUserError) as e:
         check_actor_options({"bogus": 1, "runtime_env": {"env_vars": {"ANTHROPIC_API_KEY": MARKER}}})
     assert MARKER not in str(e.value) and "<redacted>" in str(e.value)
+
+
+def test_a_forged_mark_cannot_choose_what_code_an_adopted_session_runs(tmp_path, caplog):
+    """Whoever can write a user's prefix writes its marks: placement may come from there, code may not."""
+    forged = {"v": 1, "placement": "actor", "since": "2026-07-04T00:00:00+00:00", "actor_options": {
+        "resources": {"loomray_session": 1}, "num_cpus": 0.5,
+        "runtime_env": {"pip": ["evil-package"], "working_dir": "s3://evil/code.zip", "py_modules": ["s3://evil/m.zip"],
+                        "worker_process_setup_hook": "evil:hook", "config": {"setup_timeout_seconds": 60},
+                        "env_vars": {"LOG_LEVEL": "debug", "PYTHONPATH": "/tmp/evil", "LD_PRELOAD": "/tmp/evil.so"}}}}
+    own = RuntimeConfig(store_url=str(tmp_path), actor_options={"runtime_env": {"config": {"setup_timeout_seconds": 60},
+                                                                                "pip": ["requests"]}})
+    with caplog.at_level(logging.WARNING, logger="loomray.runtime.adoption"):
+        config = AdoptionPolicy(own, store=None).config_for(forged)
+    assert config.actor_options == {
+        "resources": {"loomray_session": 1}, "num_cpus": 0.5,
+        "runtime_env": {"pip": ["requests"], "config": {"setup_timeout_seconds": 60}, "env_vars": {"LOG_LEVEL": "debug"}}}
+    for refused in ("runtime_env.pip", "runtime_env.working_dir", "runtime_env.py_modules",
+                    "runtime_env.worker_process_setup_hook", "env_vars.PYTHONPATH", "env_vars.LD_PRELOAD"):
+        assert refused in caplog.text

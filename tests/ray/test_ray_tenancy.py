@@ -7,7 +7,9 @@ one actor, and the supervisor killed (or adopted) the other user's actor.
 
 import asyncio
 import itertools
+import json
 import random
+from pathlib import Path
 
 import pytest
 
@@ -100,3 +102,56 @@ async def test_users_whose_ids_join_alike_get_their_own_actors(runtime):
         assert (result.session_id, result.output) == (session, f"{name} finished")
         assert ray_agents.model_calls(name) == list(range(ray_agents.TURNS + 1))  # one incarnation, no restart
         assert runtime.store.get_session(session, user_id=user).status == "completed"
+
+
+async def test_secrets_in_runtime_env_and_actor_options_never_reach_the_store(runtime, tmp_path):
+    """The Ray-only channels of the secrets sweep (tests/agent/test_agent_secrets_sweep.py has the others):
+    an env var secret by name and one by its value's shape reach the session's actor, never the bucket."""
+    from loomray import Agent
+    from loomray.models import ScriptedModel
+    from loomray.runtime import RayRuntime
+
+    by_name, by_shape = "plain-MARKER-runtime-env-7f3a", "sk-MARKER-actor-option-7f3a"
+    release = tmp_path / "release"
+
+    async def check_env() -> str:
+        """Whether this worker got its keys (never the keys themselves)."""
+        import os
+
+        while not release.exists():
+            await asyncio.sleep(0.05)
+        got = (os.environ.get("ANTHROPIC_API_KEY"), os.environ.get("HARMLESS"), os.environ.get("LOG_LEVEL"))
+        return "env ok" if got == (by_name, by_shape, "debug") else "env missing"
+
+    options = {"resources": {"loomray_session": 1},
+               "runtime_env": {"env_vars": {"ANTHROPIC_API_KEY": by_name, "HARMLESS": by_shape, "LOG_LEVEL": "debug"}}}
+    secret_rt = RayRuntime(runtime.config.store_url, standby_actors=0, actor_options=options)
+    try:
+        agent = Agent("x", model=ScriptedModel([{"tool": "check_env", "args": {}}, "done"]), tools=[check_env],
+                      runtime=secret_rt)
+        run = asyncio.create_task(agent.run("go", session_id="s-env", user_id="tenant"))
+        deadline = asyncio.get_running_loop().time() + 60
+        while (mark := secret_rt.store.get_active("s-env", user_id="tenant")) is None:
+            assert asyncio.get_running_loop().time() < deadline and not run.done(), "the session was never marked"
+            await asyncio.sleep(0.05)
+        stored = json.loads(mark)
+        assert stored["secret_env_vars"] == ["ANTHROPIC_API_KEY", "HARMLESS"]
+        assert stored["actor_options"]["runtime_env"] == {"env_vars": {"LOG_LEVEL": "debug"}}
+        release.write_text("go")
+        result = await asyncio.wait_for(run, 120)
+        assert "env ok" in [m.content for m in result.messages]  # the actor had both keys
+    finally:
+        secret_rt.close()
+    root = Path(runtime.config.store_url.removeprefix("file://"))
+    leaks = [str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()
+             and (by_name in _text(p) or by_shape in _text(p))]
+    assert leaks == []
+
+
+def _text(path: Path) -> str:
+    """An object as text; Parquet decoded (its strings may be compressed)."""
+    import pyarrow.parquet as pq
+
+    if path.suffix == ".parquet":
+        return json.dumps(pq.read_table(path).to_pylist(), default=str)
+    return path.read_bytes().decode("utf-8", "replace")
