@@ -89,6 +89,21 @@ def record_error(store: SessionStore, session_id: str, user_id: str | None, run_
         log.warning("could not keep the error of run %r of session %r: %s", run_id, session_id, type(e).__name__)
 
 
+def read_error(store: SessionStore, session_id: str, user_id: str | None, run_id: str | None) -> str | None:
+    """The full error text of run ``run_id`` of the session, or None (none kept, or unreadable)."""
+    if run_id is None:
+        return None
+    obj = store.objects.get(key=error_key(session_id, user_id, run_id))
+    try:
+        body = json.loads(obj.data) if obj is not None and len(obj.data) <= 2 * FULL_ERROR_MAX else None
+    except ValueError:
+        return None
+    if not isinstance(body, dict) or (body.get("session_id"), body.get("user_id"), body.get("run_id")) != \
+            (session_id, user_id, run_id) or not isinstance(body.get("error"), str):
+        return None
+    return body["error"]
+
+
 def read_errors(store: SessionStore, session_id: str, user_id: str | None) -> list[dict[str, Any]]:
     """The session's recorded run errors, oldest first; unreadable or foreign ones are skipped."""
     prefix = f"{layout.session_prefix(session_id, user_id)}errors/"
