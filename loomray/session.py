@@ -67,6 +67,7 @@ from loomray.journal import StepRunner
 from loomray.loop import CheckpointWriter, LoopOptions, run_loop
 from loomray.records import Checkpoint, RunResult, utcnow
 from loomray.recovery import RunPlan
+from loomray.run_errors import index_error, record_error
 from loomray.run_request import RunRequest
 from loomray.run_writes import GuardedJournal, InflightWrites, StoreJournalSink, WriteGuard
 from loomray.session_store import SessionStore
@@ -218,7 +219,10 @@ class _SessionRun:
                 if isinstance(e, asyncio.CancelledError):
                     raise
                 return _cancelled_result(self.request, self.plan.run_id)
-            await self.status("failed", error=f"{type(e).__name__}: {e}")
+            # The index is read across users: it gets the error's type only; the text stays with the session.
+            await asyncio.to_thread(record_error, self.store, self.request.session_id, self.request.user_id,
+                                    self.plan.run_id, e)
+            await self.status("failed", error=index_error(e))
             raise
         finally:
             if watcher is not None:

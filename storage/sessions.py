@@ -5,6 +5,17 @@ on every status change; the latest ``updated_at`` wins. An active marker is
 one small object per session a supervisor currently owns (``active/{u}/{s}.json``),
 deleted when it finishes, so "what is active" is one LIST whose size follows
 the active sessions, not every session ever run.
+
+Listing by a live status (``pending``, ``running``) must not read every
+session ever run either (a ``loomray supervise`` on a cold store of 2,000
+finished sessions read 2,001 objects). ``put_session`` therefore keeps a live
+marker, an empty object ``live/{u}/{s}``: written *before* a live row, deleted
+*after* a finished one, so a session whose latest row is live always has one.
+``list_sessions(status="running")`` is then one LIST of the markers plus the
+rows of the marked sessions (a marker is a hint, the row decides). A marker a
+crash left behind costs a read until the session's next finished row removes
+it. Sessions of a store written before markers existed are listed by a
+live status only once they write a row again.
 """
 
 from __future__ import annotations
@@ -24,10 +35,17 @@ from storage.rows import SESSION_SCHEMA, SessionRow, as_utc, session_rows_from_t
 log = logging.getLogger("storage")
 ANY: Any = ...  # "any user" in queries; None means "no user"
 _ACTIVE = "active/"
+_LIVE = "live/"
+#: Statuses a later row follows (a run under way): listing by them reads only the live markers.
+LIVE_STATUSES = ("pending", "running")
 
 
 def _active_key(session_id: str, user_id: str | None) -> str:
     return f"{_ACTIVE}{user_segment(user_id)}/{validate_id(session_id, 'session_id')}.json"
+
+
+def _live_key(session_id: str, user_id: str | None) -> str:
+    return f"{_LIVE}{user_segment(user_id)}/{validate_id(session_id, 'session_id')}"
 
 
 def latest_sessions(rows: list[SessionRow]) -> list[SessionRow]:
@@ -47,11 +65,15 @@ class SessionMethods:
     index: ParquetIndex
 
     def put_session(self, row: SessionRow) -> None:
-        """Append a status row for the session."""
-        validate_id(row.session_id, "session_id")
+        """Append a status row for the session (and keep its live marker: see the module docstring)."""
+        live = _live_key(row.session_id, row.user_id)
         row = SessionRow(**{**row.__dict__, "updated_at": as_utc(row.updated_at)})
         partition = layout.index_partition(layout.SESSION_INDEX, row.session_id, row.user_id)
+        if row.status in LIVE_STATUSES:
+            self.objects.put(key=live, data=b"")
         self.index.write(partition, session_rows_table([row]))
+        if row.status not in LIVE_STATUSES:
+            self.objects.delete(keys=[live])
 
     def _session_table(self, prefix: str) -> pa.Table:
         """Session rows under ``prefix``; rows whose ids differ from their file's partition are dropped.
@@ -92,10 +114,33 @@ class SessionMethods:
         return latest_sessions(rows)[0] if rows else None
 
     def list_sessions(self, *, status: str | None = None, user_id: Any = ANY) -> list[SessionRow]:
-        """The latest row of every session (of ``user_id``; ``...`` = any user), filtered by status."""
+        """The latest row of every session (of ``user_id``; ``...`` = any user), filtered by status.
+
+        A live ``status`` (:data:`LIVE_STATUSES`) reads only the sessions with a
+        live marker; any other reads the whole session index.
+        """
+        if status in LIVE_STATUSES:
+            rows = [r for r in map(self._marked_row, self._live_sessions(user_id)) if r is not None]
+            return [r for r in sorted(rows, key=lambda r: r.updated_at, reverse=True) if r.status == status]
         prefix = layout.SESSION_INDEX if user_id is ANY else f"{layout.SESSION_INDEX}user={user_segment(user_id)}/"
         rows = latest_sessions(session_rows_from_table(self._session_table(prefix)))
         return [r for r in rows if status is None or r.status == status]
+
+    def _live_sessions(self, user_id: Any) -> list[tuple[str | None, str]]:
+        """``(user_id, session_id)`` of every live marker (of ``user_id``): one LIST."""
+        prefix = _LIVE if user_id is ANY else f"{_LIVE}{user_segment(user_id)}/"
+        out = []
+        for info in self.objects.list(prefix=prefix):
+            user, _, name = info.key[len(_LIVE):].partition("/")
+            try:
+                out.append((user_from_segment(user) if user == "_" else validate_id(user, "user_id"),
+                            validate_id(name, "session_id")))
+            except ValueError:
+                log.warning("ignoring a live marker that names no session: %s", self.objects.describe(info.key))
+        return out
+
+    def _marked_row(self, key: tuple[str | None, str]) -> SessionRow | None:
+        return self.get_session(key[1], user_id=key[0])
 
     # -- active-session markers ----------------------------------------------
     def put_active(self, session_id: str, *, user_id: str | None = None, data: bytes = b"{}") -> None:

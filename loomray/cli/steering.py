@@ -30,6 +30,7 @@ from loomray.cli.common import (
 )
 from loomray.cli.output import emit_json, excerpt, iso_time, short_time
 from loomray.cli.progress import stdin_is_tty
+from loomray.run_errors import read_errors
 from storage import JournalEntry, Store
 from storage.journal import JournalRun, entry_name, read_run
 
@@ -309,6 +310,9 @@ def logs(session_id: str, store_url: str | None, user_id: str | None, follow: bo
         row = store.get_session(session_id, user_id=user_id)
         if row is not None:
             err_console.print(f"session {session_id}: {row.status}", highlight=False, soft_wrap=True)
+        if row is not None and row.status == "failed":  # the full text: the index holds only its type
+            for rec in read_errors(store, session_id, user_id)[-1:]:
+                err_console.print(f"  {rec['error']}", highlight=False, soft_wrap=True, markup=False)
 
 
 STEERING_COMMANDS: tuple[click.Command, ...] = (approve, respond, deny, signal_cmd, pause, cancel, logs)

@@ -25,6 +25,7 @@ from rich.text import Text
 from loomray.cli.common import STATUS_STYLE, CliError, first_line, who
 from loomray.cli.output import iso_time, parse_iso, time_cells
 from loomray.cli.tables import Col, fit_table
+from loomray.run_errors import read_error
 from storage import RunRecord, Store, layout
 from storage.rows import SESSION_SCHEMA
 
@@ -142,6 +143,8 @@ class _Timeline:
             i.node_id = i.node_id or r["node_id"]
             if i.status_at is None or r["updated_at"] >= i.status_at:
                 i.status, i.status_at, i.error = r["status"], r["updated_at"], r["error"]
+                if r["status"] == "failed":  # the index holds the error's type only; its text is the session's
+                    i.error = read_error(self.store, sid, uid, r["run_id"]) or r["error"]
 
     def read_run_records(self) -> set[tuple[int, str]]:
         """Which run started in which epoch, and from where; returns the ``(epoch, run_id)`` pairs seen."""

@@ -9,7 +9,8 @@ session nobody here watches, a handful of reads (its mark, its session row,
 its lease): O(active sessions), independent of how many sessions ever ran.
 
 A mark carries the session's placement (``actor`` or ``dense``) and its own
-actor options (resources, CPUs, memory, runtime env: those that are JSON), so
+actor options (resources, CPUs, memory, runtime env: those that are JSON,
+without secret-looking env vars, whose names only it records), so
 an adopted session is restarted the way it ran, on the nodes it asked for. A mark whose session row is
 finished and newer than the mark is stale (a supervisor died between the
 outcome and the cleanup) and is removed by the pass that finds it.
@@ -25,6 +26,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from loomray.runtime.actors import ACTIVE_STATES
+from loomray.runtime.stored_options import secret_env_names, storable_options
 from storage import SessionRow, Store
 
 log = logging.getLogger("loomray.runtime.active")
@@ -34,10 +36,18 @@ _ORPHAN_AFTER_S = 3600.0
 
 
 def note(placement: str, actor_options: dict[str, Any] | None = None) -> bytes:
-    """The mark's body: placement, the session's own actor options (JSON ones) and when it was marked."""
+    """The mark's body: placement, the session's own actor options and when it was marked.
+
+    Only JSON options are kept, and never a secret: secret-looking env vars are
+    left out and only their names recorded (``secret_env_vars``; see
+    :mod:`loomray.runtime.stored_options` for how an adopted session gets them back).
+    """
     body: dict[str, Any] = {"v": 1, "placement": placement, "since": datetime.now(timezone.utc).isoformat()}
     if actor_options:
-        body["actor_options"] = actor_options
+        body["actor_options"] = storable_options(actor_options)
+        names = secret_env_names(actor_options)
+        if names:
+            body["secret_env_vars"] = names
     return json.dumps(body).encode()
 
 

@@ -33,7 +33,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from loomray.errors import LoomrayUserError
 from loomray.runtime.connection import NAMESPACE
+from loomray.runtime.stored_options import REDACTED, without_secrets
 from storage import open_store
+from storage.ids import user_from_segment, user_segment, validate_id
 
 #: Name prefix of the detached supervisors (namespace ``loomray``): one per store, any number per
 #: cluster, each named ``loomray:supervisor:{store key}`` (see :func:`supervisor_name`).
@@ -77,9 +79,31 @@ def standby_actor_name(store_url: str) -> str:
     return f"{standby_prefix(store_url)}{uuid.uuid4().hex[:12]}"
 
 
+def _name_part(value: str) -> str:
+    # Ids may hold ':' but never '%' (storage.ids refuses it), so '%3A' for ':' is reversible: the name
+    # splits on ':' into exactly four parts, and two different (user, session) pairs never share a name.
+    return value.replace(":", "%3A")
+
+
 def session_actor_name(store_url: str, session_id: str, user_id: str | None = None) -> str:
-    """``loomray:{store key}:{user or _}:{session_id}``, the actor's name in the ``loomray`` namespace."""
-    return f"loomray:{store_key(store_url)}:{user_id or '_'}:{session_id}"
+    """``loomray:{store key}:{user or _}:{session_id}``, the actor's name in the ``loomray`` namespace.
+
+    The ids are validated and their ``:`` written ``%3A``, so the name is
+    injective over (store key, user, session): user ``org:1`` with session
+    ``x`` and user ``org`` with session ``1:x`` get different actors (see
+    :func:`parse_session_actor_name`, its inverse).
+    """
+    user = _name_part(user_segment(user_id))
+    return f"loomray:{store_key(store_url)}:{user}:{_name_part(validate_id(session_id, 'session_id'))}"
+
+
+def parse_session_actor_name(name: str) -> tuple[str, str | None, str] | None:
+    """``(store key, user_id, session_id)`` of a session actor's name, or None for any other name."""
+    parts = name.split(":")
+    if len(parts) != 4 or parts[0] != "loomray" or parts[1] == "supervisor":
+        return None
+    user, session = (p.replace("%3A", ":") for p in parts[2:])
+    return parts[1], user_from_segment(user), session
 
 
 _REF = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
@@ -183,21 +207,9 @@ def check_actor_options(options: Any) -> dict[str, Any]:
         # starting anything (and without a connection to a cluster).
         ray.remote(_OptionsProbe).options(**options)
     except (TypeError, ValueError) as e:
-        raise LoomrayUserError(f"actor_options {options!r} are not valid Ray actor options: {e}") from e
+        shown = without_secrets(options, placeholder=REDACTED)  # the message reaches logs and terminals
+        raise LoomrayUserError(f"actor_options {shown!r} are not valid Ray actor options: {e}") from e
     return options
-
-
-def storable_options(options: dict[str, Any]) -> dict[str, Any]:
-    """The options that survive as JSON (resources, CPUs, memory, runtime env, labels); objects such as a
-    scheduling strategy stay behind (they cannot be stored, and name nodes that may be gone by then)."""
-    kept = {}
-    for k, v in options.items():
-        try:
-            json.dumps(v)
-        except (TypeError, ValueError):
-            continue
-        kept[k] = v
-    return kept
 
 
 @dataclass(frozen=True)

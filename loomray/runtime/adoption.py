@@ -26,8 +26,10 @@ from typing import Any
 
 from loomray.errors import LoomrayUserError
 from loomray.records import utcnow
+from loomray.run_errors import INDEX_ERROR_MAX
 from loomray.runtime import active
 from loomray.runtime.actors import AgentSpec, RuntimeConfig, agent_ref_allowed, check_actor_options, check_pattern
+from loomray.runtime.stored_options import restore_secrets, trusted_options
 from loomray.runtime.watcher import WatchedSession
 from loomray.session import RunRequest
 from storage import SessionRow
@@ -102,12 +104,29 @@ class AdoptionPolicy:
         if placement in ("actor", "dense") and placement != self._config.placement:
             changes["placement"] = placement
         options = mark.get("actor_options")
+        if isinstance(options, dict):
+            options = self._with_secrets(options, mark.get("secret_env_vars"))
+            options, dropped = trusted_options(options, self._config.actor_options)
+            if dropped:  # a bucket writer must not choose what code the cluster runs
+                log.warning("ignoring stored actor options of an adopted session that choose code, not placement: "
+                            "%s (this supervisor's own apply)", ", ".join(dropped))
         if options is not None and options != self._config.actor_options:
             try:
                 changes["actor_options"] = check_actor_options(options)
             except LoomrayUserError as e:
                 log.warning("ignoring the stored actor options of an adopted session: %s", e)
         return dataclasses.replace(self._config, **changes) if changes else None
+
+    def _with_secrets(self, options: dict[str, Any], names: Any) -> dict[str, Any]:
+        """Stored options with the secret env vars the mark left out taken from this supervisor's own options."""
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            return options
+        options, missing = restore_secrets(options, names, self._config.actor_options)
+        if missing:
+            log.warning("an adopted session ran with env vars %s, which are never stored; its restarted actor "
+                        "sees them only if its node's environment has them (or pass them to this supervisor's "
+                        "actor options, e.g. `loomray supervise --runtime-env`)", ", ".join(missing))
+        return options
 
     def request_of(self, row: SessionRow) -> str | None:
         """The JSON run request of the run ``row`` reports, or None (not known yet: try next pass).
@@ -141,7 +160,7 @@ class AdoptionPolicy:
         log.warning("supervisor refuses to restart session %r (user %r): %s", row.session_id, row.user_id, reason)
         failed = SessionRow(session_id=row.session_id, user_id=row.user_id, status="failed", updated_at=utcnow(),
                             run_id=row.run_id, agent_ref=row.agent_ref, epoch=row.epoch, node_id=row.node_id,
-                            error=f"refused by the supervisor: {reason}")
+                            error=f"refused by the supervisor: {reason}"[:INDEX_ERROR_MAX])
         try:
             await asyncio.to_thread(self._store.put_session, failed)
         except Exception as e:

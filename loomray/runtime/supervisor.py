@@ -41,7 +41,6 @@ from loomray.runtime.actors import (
     Outcome,
     RuntimeConfig,
     session_actor_name,
-    storable_options,
     supervisor_name,
 )
 from loomray.runtime.adoption import AdoptionPolicy
@@ -218,8 +217,7 @@ class Supervisor:
     async def _start_watched(self, w: WatchedSession, placement: str) -> None:
         """Mark the session active, start its first incarnation and its watcher; learn its node."""
         # Marked before it starts, so a supervisor that dies in between still leaves it findable.
-        await active.mark(self._store, w.session_id, w.user_id, placement,
-                          storable_options(self._watcher.config_of(w).actor_options))
+        await active.mark(self._store, w.session_id, w.user_id, placement, self._watcher.config_of(w).actor_options)
         try:
             w.handle = await self._watcher.start(w, avoid_node=None)
         except BaseException:

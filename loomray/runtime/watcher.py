@@ -24,7 +24,9 @@ import ray
 
 from loomray import telemetry
 from loomray.errors import LoomrayRunError
+from loomray.ids import new_id
 from loomray.records import utcnow
+from loomray.run_errors import index_error, record_error
 from loomray.runtime import active
 from loomray.runtime.actors import AgentSpec, Outcome, RuntimeConfig, session_actor_name, session_actor_options
 from loomray.runtime.connection import NAMESPACE
@@ -256,9 +258,12 @@ class SessionWatcher:
         if outcome.status != "fenced":  # fenced: a newer owner holds the session, and the mark is its
             await active.clear(self._store, w.session_id, w.user_id)
         if mark_failed:
+            # The index is read across users: the error's type only; its text stays under the session's prefix.
+            await asyncio.to_thread(record_error, self._store, w.session_id, w.user_id, new_id("supervisor"),
+                                    outcome.error or "", error_type=outcome.error_type)
             row = SessionRow(session_id=w.session_id, user_id=w.user_id, status="failed", updated_at=utcnow(),
-                             agent_ref=w.agent.ref if w.agent else None,
-                             node_id=w.last_node, error=outcome.error, epoch=w.epoch or 0)
+                             agent_ref=w.agent.ref if w.agent else None, node_id=w.last_node,
+                             error=index_error(error_type=outcome.error_type), epoch=w.epoch or 0)
             try:
                 await asyncio.to_thread(self._store.put_session, row)
             except Exception as e:
@@ -268,7 +273,8 @@ class SessionWatcher:
                 await w.handle.stop.remote()
             except ray.exceptions.RayActorError:
                 pass  # the actor kills itself during the call: that is the clean path
-        w.error = outcome.error
+        # status() lists every user's sessions: the type only (the caller of result() gets the whole outcome).
+        w.error = index_error(error_type=outcome.error_type) if outcome.error else None
         if outcome.turn is not None:
             w.turn = outcome.turn
         w.finished_at = time.monotonic()

@@ -156,9 +156,12 @@ class TracingObserver:
             links.append(self._trace.Link(base, {"loomray.link": "fork_base", "loomray.forked_from": event.forked_from}))
         return self._trace.set_span_in_context(self._trace.NonRecordingSpan(parent)), links
 
-    def _error(self, span: Any, error_type: str, description: str | None = None) -> None:
+    def _error(self, span: Any, error_type: str) -> None:
+        # The type only, no description: an error's text may quote content (a tool's error result, a
+        # provider's message echoing the prompt, pydantic quoting the model's answer), and traces leave
+        # the session's prefix for a shared backend.
         span.set_attribute("error.type", error_type)
-        span.set_status(self._trace.Status(self._trace.StatusCode.ERROR, description))
+        span.set_status(self._trace.Status(self._trace.StatusCode.ERROR))
 
     # -- the events
 
@@ -274,7 +277,7 @@ class TracingObserver:
             span.set_attribute("gen_ai.tool.call.arguments", json.dumps(pending.call.arguments, ensure_ascii=False))
             span.set_attribute("gen_ai.tool.call.result", event.content)
         if event.is_error:
-            self._error(span, "tool_error", event.content[:200])
+            self._error(span, "tool_error")
         span.end(end_time=_ns(event.at))
 
     def _run_error(self, event: RunError, info: RunInfo) -> None:
@@ -290,14 +293,14 @@ class TracingObserver:
                 "loomray.turn": model_step.turn, "loomray.step_key": model_step.step_key})
             span = self._child(run, f"chat {info.model}" if info.model else "chat", self._trace.SpanKind.CLIENT,
                                model_step.start_ns, attrs)
-            self._error(span, event.error_type, event.error)
+            self._error(span, event.error_type)
             span.end(end_time=end)
         for tool_step in run.tools.values():
             span = self._tool_span(run, tool_step, event, info, tool_step.call.name)
-            self._error(span, event.error_type, event.error)
+            self._error(span, event.error_type)
             span.end(end_time=end)
         if run.span is not None:
-            self._error(run.span, event.error_type, event.error)
+            self._error(run.span, event.error_type)
             run.span.end(end_time=end)
 
 

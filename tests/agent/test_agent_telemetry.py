@@ -155,7 +155,8 @@ async def test_a_failed_model_call_ends_its_span_with_an_error(tracing):
     assert [(s.attributes["loomray.turn"], s.status.status_code) for s in sorted(
         chats, key=lambda s: s.attributes["loomray.turn"])] == [(0, StatusCode.UNSET), (1, StatusCode.ERROR)]
     failed = next(s for s in chats if s.attributes["loomray.turn"] == 1)
-    assert failed.attributes["error.type"] == "RuntimeError" and failed.status.description == "provider down"
+    # The type only: an error's text may quote content, and traces go to a shared backend.
+    assert failed.attributes["error.type"] == "RuntimeError" and failed.status.description is None
     assert "gen_ai.usage.input_tokens" not in failed.attributes
     assert runs[0].status.status_code == StatusCode.ERROR and runs[0].attributes["error.type"] == "RuntimeError"
 

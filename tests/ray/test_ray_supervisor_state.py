@@ -102,7 +102,7 @@ def test_bad_actor_options_fail_when_the_config_is_built(options, match):
 def test_only_json_options_are_stored_with_a_session():
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from loomray.runtime.actors import storable_options
+    from loomray.runtime.stored_options import storable_options
 
     opts = {"resources": {"loomray_session": 1}, "runtime_env": {"env_vars": {"A": "1"}}, "num_cpus": 0.5,
             "scheduling_strategy": NodeAffinitySchedulingStrategy("ab" * 28, soft=True)}
