@@ -30,7 +30,7 @@ from loomray.errors import ModelError
 from loomray.models import ScriptedModel
 from loomray.runtime import LocalRuntime
 from loomray.telemetry import MetricsObserver, add_observer, remove_observer
-from loomray.telemetry import _Metrics as Metrics
+from loomray.telemetry import Instruments as Metrics
 
 USER = "tenant"
 CHANNELS = ("prompt", "instructions", "context", "metadata", "tool_args", "tool_result", "tool_error",
