@@ -117,9 +117,10 @@ class StepRunner:
     ``prior`` are the records a replay may answer from; ``next_seq`` is where
     this run's own records continue. ``before_model_call``, when given, is
     awaited right before every model call that is not answered from the
-    journal (the session reads its lease there when nothing else proved it
-    since the previous call); whatever it raises stops the run before the
-    call is billed.
+    journal, and ``before_tools`` right before a pass's tools run (the
+    session reads its lease there when nothing else proved it recently);
+    whatever they raise stops the run before the call is billed or the
+    tools act.
     """
 
     def __init__(
@@ -136,9 +137,11 @@ class StepRunner:
         stream: bool = False,
         before_model_call: Callable[[], Awaitable[None]] | None = None,
         journal_tools: bool = True,
+        before_tools: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         self.model = model
         self.before_model_call = before_model_call
+        self._before_tools = before_tools
         #: False when the checkpoint written right after a pass's tools holds their results (a synchronous
         #: checkpoint after every pass): the result of the pass's last tool to finish is then not journaled, since
         #: the very next write (that checkpoint) holds it; the others are, as they finish.
@@ -295,6 +298,11 @@ class StepRunner:
             await self.before_model_record()
         await self.record("model", step_key, ihash, {"response": response.model_dump(mode="json")})
         return response, False
+
+    async def before_tool_pass(self) -> None:
+        """Right before a pass's tool calls start (see ``before_tools``)."""
+        if self._before_tools is not None:
+            await self._before_tools()
 
     async def call_tool(self, call: ToolCall, ctx: ToolContext, *, turn: int,
                         last: Callable[[], bool] | None = None) -> tuple[Message, bool]:

@@ -30,8 +30,9 @@ log = logging.getLogger("loomray.session")
 
 #: A run whose journal appends do not read the lease still re-reads it this often (seconds).
 LEASE_RECHECK_S = 10.0
-#: Before a model call, a run proves it still owns its session once it has done this many writes, or this many
-#: seconds passed, since the last proof (what a fenced writer can do before it stops; see StoreJournalSink).
+#: Before a model call or a pass's tools, a run proves it still owns its session once it has done this many writes,
+#: or this many seconds passed, since the last proof (what a fenced writer can do before it stops; see
+#: StoreJournalSink).
 LEASE_CHECK_WRITES = 32
 LEASE_CHECK_S = 2.0
 
@@ -180,17 +181,23 @@ class StoreJournalSink:
     An append is one PUT: it does not read the lease. Fencing is the next
     incarnation's job: its seal makes replay ignore whatever this writer
     appends once fenced (``storage.journal``). So that a fenced run stops
-    anyway, and soon, the run proves it still owns the session:
+    anyway, and soon, the run proves it still owns the session. A proof is
+    one GET of ``lease.json`` (:meth:`before_step`, :meth:`prove`), or a
+    batch of checkpoints acknowledged by the store (:meth:`proven`: the store
+    listed the epoch markers and read ``lease.json`` after they landed). The
+    run proves it:
 
-    - before a model call (:meth:`before_model_call`) once ``check_writes``
-      writes (appends and checkpoints, :meth:`wrote`) or ``check_s`` seconds
-      have passed since the last proof: one GET of ``lease.json``. A batch of
-      checkpoints acknowledged by the store proves it too (:meth:`proven`:
-      the store listed the epoch markers after they landed). So a fenced
-      writer does at most that many writes, or that much time, of work
-      before it stops, and a run pays about one lease read per
-      ``check_writes`` writes instead of one per pass;
-    - after an append once ``recheck_s`` seconds passed (a long pass).
+    - before every step it starts, a model call or a pass's tools
+      (:meth:`before_step`), once ``check_writes`` writes (appends and
+      checkpoints, :meth:`wrote`) or ``check_s`` seconds have passed since the
+      last proof. So a fenced run starts no step later than that after its
+      last proof; the steps it had started finish and their results are
+      written (a journal entry the new owner's seal makes replay ignore, a
+      checkpoint object that is never indexed). A run pays about one lease
+      read per ``check_writes`` writes, or per ``check_s`` seconds of slow
+      steps, instead of one per step;
+    - after an append once ``recheck_s`` seconds passed (a long pass);
+    - before it reports its end (:meth:`prove`).
     """
 
     def __init__(self, store: JournalStore, request: RunRequest, run_id: str, lease: Lease,
@@ -220,12 +227,12 @@ class StoreJournalSink:
             await asyncio.to_thread(self.store.check_lease, self.lease)
             self.proven()
 
-    async def before_model_call(self) -> None:
-        """Read the lease if this run wrote enough, or long enough, since it was last proven; raises if fenced or
-        unreadable."""
+    async def before_step(self) -> None:
+        """Before a model call or a pass's tools: read the lease if this run wrote enough, or long enough, since
+        it was last proven; raises if fenced or unreadable."""
         if self._writes >= self.check_writes or time.monotonic() - self._proven >= self.check_s:
             # Through the guard: fenced is LeaseLostError, unreadable is DurabilityLost; either stops the run
-            # before the model is billed.
+            # before the step is billed or its tools act.
             await asyncio.to_thread(self.store.check_lease, self.lease)
             self.proven()
 

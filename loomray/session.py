@@ -177,7 +177,8 @@ class _SessionRun:
         self.steps = StepRunner(agent.model, self.tools, sink=self.sink, prior=list(plan.prior),
                                 next_seq=plan.next_seq, emit=self.on_event, session_id=sid, run_id=plan.run_id,
                                 stream=emit is not None,
-                                before_model_call=self.sink.before_model_call if self.sink is not None else None,
+                                before_model_call=self.sink.before_step if self.sink is not None else None,
+                                before_tools=self.sink.before_step if self.sink is not None else None,
                                 journal_tools=not _checkpoint_holds_tool_results(agent.tuning))
         self.controls = control.SessionControls(store, sid, uid, consumed=plan.consumed, handle=handle,
                                                 journaled=self.sink is not None, inflight=self.inflight)

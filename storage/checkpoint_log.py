@@ -12,17 +12,21 @@ file. A run that checkpoints every pass writes through a
   part of what is written, "latest" is the highest ``(epoch, checkpoint_id)``,
   and a takeover's fence (``lease.json``) hides whatever a fenced writer
   lands after it;
-- every ``batch`` puts, and on :meth:`CheckpointLog.flush`, the pending rows
-  are indexed in one file together with retention's tombstones, the epoch
-  markers are listed once (:meth:`storage.leases.Leases.confirm`), and only
-  then are the pending checkpoints *acknowledged*: no takeover raced them, so
-  they stay readable until retention or prune removes them. A writer that
-  learns it was fenced raises :class:`LeaseLostError` (what it had not
-  acknowledged stays as it is: see :meth:`CheckpointLog._abandon`).
+- every ``batch`` puts, and on :meth:`CheckpointLog.flush`, the writer first
+  proves its lease (:meth:`storage.leases.Leases.confirm`: one LIST of the
+  epoch markers and one GET of ``lease.json``), and only then indexes the
+  pending rows in one file together with retention's tombstones: the pending
+  checkpoints are *acknowledged*. No takeover raced them, so they stay
+  readable until retention or prune removes them. A writer that learns it was
+  fenced raises :class:`LeaseLostError` before it has written any row or
+  tombstone (what it had not acknowledged stays as it is: see
+  :meth:`CheckpointLog._abandon`); an unreadable ``lease.json`` raises
+  :class:`storage.errors.LeaseCorruptError`, and nothing is indexed either.
 
-So a fenced writer may land up to ``batch`` objects before it learns so, none
-of which ever becomes "latest" once the new owner has written, or is
-acknowledged.
+So a fenced writer may land up to ``batch`` objects before it learns so; it
+never indexes them, nor retires anything, and none of them is acknowledged.
+Which unindexed objects a reader still admits (the current epoch's tail) is
+:mod:`storage.tails`' rule.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from dataclasses import replace
 from storage import envelope, layout
 from storage.checkpoint_rows import CheckpointRows, over_keep
 from storage.envelope import header_of_row
-from storage.errors import LeaseLostError, StorageError
+from storage.errors import LeaseCorruptError, LeaseLostError, StorageError
 from storage.ids import validate_id
 from storage.leases import Leases
 from storage.rows import CheckpointInfo, CheckpointRow, Lease, as_utc
@@ -109,32 +113,38 @@ class CheckpointLog:
             return []
         try:
             return self.flush()
-        except LeaseLostError:
-            raise
+        except (LeaseLostError, LeaseCorruptError):
+            raise  # fenced, or ownership unprovable: the caller stops
         except StorageError as e:  # the checkpoint itself landed; its row goes with the next batch
             log.warning("session %r: checkpoint index not written yet (%s); retried with the next checkpoint",
                         self.lease.session_id, e)
             return []
 
     def flush(self) -> list[CheckpointRow]:
-        """Index the pending rows (one file, with retention's tombstones), confirm the lease, collect what
+        """Prove the lease, then index the pending rows (one file, with retention's tombstones) and collect what
         retention freed; returns the rows acknowledged (every pending one). Safe to call again after a
-        storage error: what was not indexed is indexed next time."""
+        storage error: what was not indexed is indexed next time.
+
+        The proof comes first: a writer publishes rows and tombstones only for a batch whose objects all
+        landed before it proved that no takeover had claimed an epoch (:meth:`Leases.confirm`, which also
+        reads ``lease.json``). A takeover claims its epoch before it lists the session, so it saw every
+        object of such a batch; a fenced writer publishes nothing, and its retention retires nothing.
+        """
         if not self.pending:
             return []
         view = self._current_view()
         fresh = self.pending[len(self.pending) - self._unindexed:] if self._unindexed else []
         live = {**view, **{r.checkpoint_id: r for r in self.pending}}
         doomed = over_keep(live, self.keep)
+        try:
+            self._leases.confirm(self.lease, read_lease=True)
+        except LeaseLostError:
+            self._abandon()
+            raise
         if fresh or doomed:
             self._rows.write(self.lease.session_id, self.lease.user_id, [*fresh, *doomed],
                              tombstone=[False] * len(fresh) + [True] * len(doomed))
         self._unindexed = 0
-        try:
-            self._leases.confirm(self.lease)
-        except LeaseLostError:
-            self._abandon()
-            raise
         acked, self.pending = self.pending, []
         for r in doomed:
             live.pop(r.checkpoint_id, None)
@@ -164,4 +174,4 @@ class CheckpointLog:
         takeover's fence (``lease.json``) and retired by the next takeover."""
         log.warning("session %r: %d checkpoint(s) written by epoch %d were never acknowledged: a newer epoch "
                     "was taken", self.lease.session_id, len(self.pending), self.lease.epoch)
-        self.pending = []
+        self.pending, self._unindexed = [], 0

@@ -1,9 +1,12 @@
 """Checkpoint fences: what a lease takeover records of the checkpoint index, and the rows it retires.
 
-A writer checks its lease before a checkpoint write and, after its row
-landed, the epoch markers (``Leases.confirm``), retiring the row itself when a
-takeover had claimed its epoch by then. A writer that dies between its row
-and that re-check leaves a fenced row that could be "latest". So every
+``Store.put_checkpoint`` checks its lease before a checkpoint write and,
+after its row landed, the epoch markers (``Leases.confirm``), retiring the
+row itself when a takeover had claimed its epoch by then; a writer that dies
+between its row and that re-check leaves a fenced row that could be "latest".
+A :class:`storage.checkpoint_log.CheckpointLog` proves its lease before it
+indexes a batch, so it never indexes a fenced row; its objects, though, may
+land after a takeover's listing. So every
 takeover lists the session's live rows right before its swap and records a
 fence in the new ``lease.json`` (``"checkpoints"``: the highest row it listed
 and up to ``_CHECKPOINT_FENCES`` earlier owners' fences); right after its

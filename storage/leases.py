@@ -325,9 +325,11 @@ class Leases:
                 f"{self.objects.describe(layout.lease_key(lease.session_id, lease.user_id))}: session "
                 f"{lease.session_id!r} is at epoch {current}; this writer ({lease.owner}) holds epoch {lease.epoch}")
 
-    def confirm(self, lease: Lease) -> None:
+    def confirm(self, lease: Lease, *, read_lease: bool = False) -> None:
         """The re-check after a fenced write landed: :class:`LeaseLostError` if an acquire has claimed an epoch
-        above ``lease``'s, even one that has not swapped ``lease.json`` yet (one LIST of the epoch markers).
+        above ``lease``'s, even one that has not swapped ``lease.json`` yet (one LIST of the epoch markers);
+        with ``read_lease``, ``lease.json`` is read as well (one GET), so that the re-check is a full proof
+        of ownership: :class:`LeaseCorruptError` when it is unreadable.
 
         An acquire claims its epoch marker before it lists the checkpoint
         index for its fence (see :mod:`storage.fencing`), so a write this
@@ -343,7 +345,7 @@ class Leases:
             raise LeaseLostError(
                 f"{self.objects.describe(layout.epoch_marker_key(lease.session_id, lease.user_id, top))}: session "
                 f"{lease.session_id!r} has claimed epoch {top}; this writer ({lease.owner}) holds epoch {lease.epoch}")
-        if lease.epoch not in epochs:
+        if read_lease or lease.epoch not in epochs:
             self.check(lease)
 
     def fence(self, lease: Lease | None, session_id: str, user_id: str | None) -> int:

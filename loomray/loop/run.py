@@ -200,6 +200,7 @@ class AgentLoop(SteeredLoop):
                                             content=msg.content, is_error=msg.is_error, replayed=replayed))
             return msg
 
+        await self.steps.before_tool_pass()  # a run fenced while its model call ran stops before its tools act
         results = await asyncio.gather(*(one(c) for c in calls))
         at = tool_results_slot(self.messages)
         self.messages[at:at] = results
