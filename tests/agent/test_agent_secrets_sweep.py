@@ -29,8 +29,8 @@ from loomray.cli.main import main
 from loomray.errors import ModelError
 from loomray.models import ScriptedModel
 from loomray.runtime import LocalRuntime
-from loomray.telemetry import MetricsObserver, add_observer, remove_observer
 from loomray.telemetry import Instruments as Metrics
+from loomray.telemetry import MetricsObserver, add_observer, remove_observer
 
 USER = "tenant"
 CHANNELS = ("prompt", "instructions", "context", "metadata", "tool_args", "tool_result", "tool_error",
