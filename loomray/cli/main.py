@@ -36,6 +36,7 @@ from loomray.cli.query import query
 from loomray.cli.runs import fork, resume
 from loomray.cli.steering import STEERING_COMMANDS
 from loomray.cli.store import STORE_COMMANDS
+from loomray.cli.ui_command import ui
 from loomray.runtime.connection import apply_ray_env_defaults
 
 # Ray reads these once, when first imported (nothing above imports it): bind to 127.0.0.1 for a user who
@@ -49,5 +50,5 @@ def main() -> None:
     """loomray: durable long-running LLM agent sessions on Ray."""
 
 
-for _command in (*STORE_COMMANDS, query, prune, *STEERING_COMMANDS, *CLUSTER_COMMANDS, resume, fork, demo):
+for _command in (*STORE_COMMANDS, query, prune, *STEERING_COMMANDS, *CLUSTER_COMMANDS, resume, fork, demo, ui):
     main.add_command(_command)
