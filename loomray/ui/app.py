@@ -89,7 +89,7 @@ def list_query(state: UiState, params: Any) -> ListQuery:
 async def sessions_page(request: Request) -> Response:
     state: UiState = request.app.state.ui
     q = list_query(state, request.query_params)
-    page = await asyncio.to_thread(list_sessions, state.store, q)
+    page = await asyncio.to_thread(list_sessions, state.store, q, state.snapshots)
     number = q.offset // PAGE_SIZE + 1
     return render(request, "list.html", page=page, number=number, pages=max(1, -(-page.total // PAGE_SIZE)),
                   params=dict(request.query_params), statuses=CHECKPOINT_STATUSES)

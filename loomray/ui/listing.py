@@ -11,6 +11,8 @@ its status row's, when that is newer).
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -107,14 +109,44 @@ def _session_filter(table: pa.Table, q: ListQuery) -> pa.Table:
     return table if mask is None else table.filter(pc.fill_null(mask, False))
 
 
-def list_sessions(store: Store, q: ListQuery) -> Page:
+class Snapshots:
+    """The per-session rows of recent index reads, kept ``ttl_s`` seconds per (user, since, until).
+
+    Paging, the status and spend filters and the id search of one view work
+    on one read of the index (Arrow operations over a row per session), so
+    turning pages or refining a filter does not query the store again; a
+    page is at most ``ttl_s`` seconds behind the index (the session page and
+    its live stream read the session itself, never this).
+    """
+
+    def __init__(self, ttl_s: float = 10.0) -> None:
+        self.ttl_s = ttl_s
+        self._lock = threading.Lock()
+        self._kept: dict[tuple[Any, ...], tuple[float, pa.Table]] = {}
+
+    def sessions(self, store: Store, q: ListQuery) -> pa.Table:
+        """One row per session in ``q``'s user and time range (cached)."""
+        key = ("*" if q.user is ANY else q.user, q.since, q.until)
+        now = time.monotonic()
+        with self._lock:
+            hit = self._kept.get(key)
+            if hit is not None and now - hit[0] < self.ttl_s:
+                return hit[1]
+        table = latest_per_session(store.query(user_id=q.user, since=q.since, until=q.until, columns=_COLUMNS))
+        with self._lock:
+            self._kept = {k: v for k, v in self._kept.items() if now - v[0] < self.ttl_s}
+            self._kept[key] = (now, table)
+        return table
+
+
+def list_sessions(store: Store, q: ListQuery, snapshots: Snapshots | None = None) -> Page:
     """The page of sessions ``q`` asks for (see the module doc for what is read)."""
-    table = store.query(user_id=q.user, since=q.since, until=q.until, columns=_COLUMNS)
+    table = (snapshots or Snapshots(ttl_s=0)).sessions(store, q)
     if q.search:
         table = table.filter(pc.match_substring(table["session_id"], q.search))
     if table.num_rows == 0:
         return Page(query=q)
-    sessions = _session_filter(latest_per_session(table), q)
+    sessions = _session_filter(table, q)
     total = sessions.num_rows
     page = sessions.sort_by([("last_activity", "descending"), ("session_id", "ascending")]).slice(q.offset, q.limit)
     rows = [SessionSummary(session_id=r["session_id"], user_id=r["user_id"], turns=r["turn"],
