@@ -62,21 +62,29 @@ def build(root: str, sessions: int, users: int, rows: int, threads: int) -> floa
     return time.perf_counter() - t
 
 
+def _get_ms(client: TestClient, path: str) -> float:
+    t = time.perf_counter()
+    res = client.get(path)
+    took = (time.perf_counter() - t) * 1000
+    assert res.status_code == 200 and "<tr data-session=" in res.text, res.text[:300]
+    return took
+
+
 def measure(root: str, reps: int) -> dict[str, dict[str, float]]:
-    """Per page: the first request on a fresh server, and the median of ``reps`` more (milliseconds)."""
+    """Per page (milliseconds): the first request of a server that has read nothing yet (the index read in the
+    request), the first request after the server warmed its default view at start, and the median of ``reps``
+    more."""
     out = {}
     for name, path in PAGES.items():
-        client = TestClient(build_app(root), base_url="http://127.0.0.1")
-        t = time.perf_counter()
-        res = client.get(path)
-        first = (time.perf_counter() - t) * 1000
-        assert res.status_code == 200 and "<tr data-session=" in res.text, res.text[:300]
-        times = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            assert client.get(path).status_code == 200
-            times.append((time.perf_counter() - t) * 1000)
-        out[name] = {"first_ms": first, "median_ms": statistics.median(times)}
+        cold = _get_ms(TestClient(build_app(root), base_url="http://127.0.0.1"), path)  # no lifespan: no warm-up
+        app = build_app(root)
+        with TestClient(app, base_url="http://127.0.0.1") as client:
+            deadline = time.monotonic() + 600
+            while not app.state.ui.snapshots._kept and time.monotonic() < deadline:
+                time.sleep(0.05)
+            first = _get_ms(client, path)
+            times = [_get_ms(client, path) for _ in range(reps)]
+        out[name] = {"cold_ms": cold, "first_ms": first, "median_ms": statistics.median(times)}
     return out
 
 
@@ -95,13 +103,13 @@ def main(argv: list[str] | None = None) -> int:
         figures = measure(root, args.reps)
     print(f"sessions list over {args.sessions:,} sessions (index built and compacted in {built:.0f} s); "
           f"goal: first page <= {GOAL_MS:.0f} ms")
-    print(f"{'page':<12} {'first request ms':>17} {'median ms':>10}")
+    print(f"{'page':<12} {'cold ms':>9} {'first after warm-up ms':>23} {'median ms':>10}")
     for name, f in figures.items():
-        print(f"{name:<12} {f['first_ms']:>17.0f} {f['median_ms']:>10.0f}")
+        print(f"{name:<12} {f['cold_ms']:>9.0f} {f['first_ms']:>23.0f} {f['median_ms']:>10.0f}")
     if args.json:
         args.json.write_text(json.dumps({"sessions": args.sessions, "rows_per_session": args.rows,
                                          "build_s": built, "pages": figures}, indent=2))
-    return 0 if figures["first page"]["median_ms"] <= GOAL_MS else 1
+    return 0 if figures["first page"]["first_ms"] <= GOAL_MS else 1
 
 
 if __name__ == "__main__":

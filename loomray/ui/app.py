@@ -142,6 +142,7 @@ def create_app(state: UiState) -> Starlette:
     ]
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        state.snapshots.warm(state.store, ListQuery(user=state.list_user(None)))  # the list's first view, ready
         yield
         await state.resumes.close()
 

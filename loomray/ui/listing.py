@@ -110,33 +110,62 @@ def _session_filter(table: pa.Table, q: ListQuery) -> pa.Table:
 
 
 class Snapshots:
-    """The per-session rows of recent index reads, kept ``ttl_s`` seconds per (user, since, until).
+    """One row per session from recent index reads, per view (user, since, until), kept off the request path.
 
     Paging, the status and spend filters and the id search of one view work
     on one read of the index (Arrow operations over a row per session), so
-    turning pages or refining a filter does not query the store again; a
-    page is at most ``ttl_s`` seconds behind the index (the session page and
-    its live stream read the session itself, never this).
+    turning pages or refining a filter does not query the store again. A
+    read younger than ``ttl_s`` is served as it is; one younger than
+    ``stale_s`` is served while a background thread reads the index again
+    (stale while revalidating); an older one, or none, is read in the
+    request. :meth:`warm` reads a view in the background (the server warms
+    its default view when it starts). The session page and its live stream
+    read the session itself, never this.
     """
 
-    def __init__(self, ttl_s: float = 10.0) -> None:
-        self.ttl_s = ttl_s
+    def __init__(self, ttl_s: float = 10.0, stale_s: float = 120.0) -> None:
+        self.ttl_s, self.stale_s = ttl_s, stale_s
         self._lock = threading.Lock()
         self._kept: dict[tuple[Any, ...], tuple[float, pa.Table]] = {}
+        self._reading: set[tuple[Any, ...]] = set()
+
+    @staticmethod
+    def _key(q: ListQuery) -> tuple[Any, ...]:
+        return ("*" if q.user is ANY else q.user, q.since, q.until)
+
+    def _read(self, store: Store, q: ListQuery) -> pa.Table:
+        key, t = self._key(q), time.monotonic()
+        try:
+            table = latest_per_session(store.query(user_id=q.user, since=q.since, until=q.until,
+                                                   columns=_COLUMNS))
+        finally:
+            with self._lock:
+                self._reading.discard(key)
+        with self._lock:
+            self._kept = {k: v for k, v in self._kept.items() if t - v[0] < self.stale_s}
+            self._kept[key] = (t, table)
+        return table
+
+    def warm(self, store: Store, q: ListQuery) -> None:
+        """Read ``q``'s view in a background thread (unless one reads it already)."""
+        key = self._key(q)
+        with self._lock:
+            if key in self._reading:
+                return
+            self._reading.add(key)
+        threading.Thread(target=self._read, args=(store, q), name="loomray-ui-index", daemon=True).start()
 
     def sessions(self, store: Store, q: ListQuery) -> pa.Table:
-        """One row per session in ``q``'s user and time range (cached)."""
-        key = ("*" if q.user is ANY else q.user, q.since, q.until)
-        now = time.monotonic()
+        """One row per session in ``q``'s user and time range (see the class doc for how fresh)."""
         with self._lock:
-            hit = self._kept.get(key)
-            if hit is not None and now - hit[0] < self.ttl_s:
-                return hit[1]
-        table = latest_per_session(store.query(user_id=q.user, since=q.since, until=q.until, columns=_COLUMNS))
-        with self._lock:
-            self._kept = {k: v for k, v in self._kept.items() if now - v[0] < self.ttl_s}
-            self._kept[key] = (now, table)
-        return table
+            hit = self._kept.get(self._key(q))
+        age = time.monotonic() - hit[0] if hit is not None else None
+        if hit is not None and age is not None and age < self.ttl_s:
+            return hit[1]
+        if hit is not None and age is not None and age < self.stale_s:
+            self.warm(store, q)
+            return hit[1]
+        return self._read(store, q)
 
 
 def list_sessions(store: Store, q: ListQuery, snapshots: Snapshots | None = None) -> Page:
