@@ -12,8 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,29 +20,13 @@ import pytest
 import ui_agents
 import uvicorn
 from playwright import sync_api as playwright_api
+from ui_harness import bound, wait_for
 
-from loomray.cli.runs import bind, in_process_runtime
 from loomray.ui.server import build_app
 
 CHROMIUM = os.environ.get("LOOMRAY_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]
-
-
-def bound(store_url: str, name: str) -> Any:
-    """``ui_agents.NAME`` on the in-process runtime, remembering its reference (so the UI can resume it)."""
-    return bind(getattr(ui_agents, name), f"ui_agents:{name}", in_process_runtime(store_url))
-
-
-def wait_for(check: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
-    """Poll ``check`` until it returns something truthy; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @dataclass

@@ -7,8 +7,8 @@ import threading
 from pathlib import Path
 
 import ui_agents
-from conftest import bound, wait_for
 from playwright.sync_api import expect
+from ui_harness import bound, wait_for
 
 from storage import open_store
 
