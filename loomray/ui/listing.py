@@ -35,8 +35,8 @@ class ListQuery:
 
     ``user`` is :data:`storage.sessions.ANY` for every user (a UI scoped to
     one user always passes that user). ``status`` filters on the latest
-    checkpoint's status; ``since``/``until`` keep sessions with a checkpoint
-    in that range (``until`` exclusive); ``min_spend`` is on the session's
+    checkpoint's status; ``since``/``until`` keep sessions whose latest
+    checkpoint is in that range (``until`` exclusive); ``min_spend`` is on the session's
     running total; ``search`` keeps session ids that contain it.
     """
 
@@ -103,6 +103,7 @@ def _session_filter(table: pa.Table, q: ListQuery) -> pa.Table:
     for cond in (
         pc.equal(table["execution_status"], q.status) if q.status else None,
         pc.greater_equal(table["cost_usd"], float(q.min_spend)) if q.min_spend is not None else None,
+        pc.less(table["last_activity"], pa.scalar(q.until, table["last_activity"].type)) if q.until else None,
     ):
         if cond is not None:
             mask = cond if mask is None else pc.and_(mask, cond)
@@ -110,7 +111,7 @@ def _session_filter(table: pa.Table, q: ListQuery) -> pa.Table:
 
 
 class Snapshots:
-    """One row per session from recent index reads, per view (user, since, until), kept off the request path.
+    """One row per session from recent index reads, per view (user, since), kept off the request path.
 
     Paging, the status and spend filters and the id search of one view work
     on one read of the index (Arrow operations over a row per session), so
@@ -131,13 +132,14 @@ class Snapshots:
 
     @staticmethod
     def _key(q: ListQuery) -> tuple[Any, ...]:
-        return ("*" if q.user is ANY else q.user, q.since, q.until)
+        return ("*" if q.user is ANY else q.user, q.since)
 
     def _read(self, store: Store, q: ListQuery) -> pa.Table:
         key, t = self._key(q), time.monotonic()
         try:
-            table = latest_per_session(store.query(user_id=q.user, since=q.since, until=q.until,
-                                                   columns=_COLUMNS))
+            # Only ``since`` narrows the read: a session's latest row is at or after it whenever any row is,
+            # while ``until`` applies to the latest row itself (rows after it decide what "latest" is).
+            table = latest_per_session(store.query(user_id=q.user, since=q.since, columns=_COLUMNS))
         finally:
             with self._lock:
                 self._reading.discard(key)
