@@ -19,6 +19,7 @@ demo: $(VENV)/.installed
 	$(VENV)/bin/loomray demo
 
 test: $(VENV)/.installed
+	bash .ci/ensure-browser
 	$(PY) -m pytest -q -p no:cacheprovider
 
 # Lint and types: ruff (style, imports, no private-name imports) and mypy over the library packages.

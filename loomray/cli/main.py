@@ -39,6 +39,7 @@ from loomray.cli.query import query
 from loomray.cli.runs import fork, resume
 from loomray.cli.steering import STEERING_COMMANDS
 from loomray.cli.store import STORE_COMMANDS
+from loomray.cli.ui_command import ui
 from loomray.runtime.connection import apply_ray_env_defaults
 
 
@@ -58,5 +59,6 @@ def main(store_url: str | None, address: str | None) -> None:
     apply_ray_env_defaults()
 
 
-for _command in (*STORE_COMMANDS, query, prune, *STEERING_COMMANDS, approvals, *CLUSTER_COMMANDS, resume, fork, demo):
+for _command in (*STORE_COMMANDS, query, prune, *STEERING_COMMANDS, approvals, *CLUSTER_COMMANDS, resume, fork,
+                 demo, ui):
     main.add_command(_command)
