@@ -10,13 +10,15 @@ needs this server's CSRF token in its form and a same-origin request (see
 :mod:`loomray.ui.security`), and answers with a redirect back to the page
 (POST, redirect, GET) that says what happened.
 
-Not here (the library has no such control yet): approving a call with
-edited arguments, and answering in place of a tool.
+A call waiting for approval can be approved, approved with edited
+arguments (a JSON object), denied with a reason, or answered in the tool's
+place (the tool does not run; the model gets the text).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 from urllib.parse import urlencode
 
@@ -26,15 +28,17 @@ from starlette.responses import RedirectResponse, Response
 
 from loomray import control
 from loomray.errors import LoomrayUserError
+from loomray.loop import ToolDecision
 from loomray.ui.state import UiState
 from storage import Store
 
 SOURCE = "ui"
 
 
-def decisions(store: Store, session_id: str, user_id: str | None) -> dict[str, dict[str, Any]]:
-    """The decisions recorded on the session's tool calls and not consumed yet, by call id."""
-    return {r["call_id"]: r for r in control.list_requests(store, session_id, user_id)
+def decisions(store: Store, session_id: str, user_id: str | None) -> dict[str, str]:
+    """The decisions recorded on the session's tool calls and not consumed yet, in words, by call id."""
+    return {r["call_id"]: control.describe_decision(ToolDecision.from_fields(r))
+            for r in control.list_requests(store, session_id, user_id)
             if r.get("kind") == "decision" and isinstance(r.get("call_id"), str)}
 
 
@@ -50,6 +54,26 @@ def _approve(state: UiState, sid: str, user: str | None, form: Any) -> str:
     call = _text(form, "call_id")
     written = control.record_decision(state.store, sid, user, call, True, source=SOURCE)
     return f"tool call {call} approved" + ("" if written else " (already recorded)") + "; resume to run it"
+
+
+def _approve_edited(state: UiState, sid: str, user: str | None, form: Any) -> str:
+    call = _text(form, "call_id")
+    try:
+        arguments = json.loads(_text(form, "arguments"))
+    except ValueError as e:
+        raise LoomrayUserError(f"the edited arguments are not JSON: {e}") from e
+    if not isinstance(arguments, dict):
+        raise LoomrayUserError("the edited arguments must be a JSON object")
+    written = control.record_decision(state.store, sid, user, call, {"arguments": arguments}, source=SOURCE)
+    return (f"tool call {call} approved with edited arguments" + ("" if written else " (already recorded)")
+            + "; resume to run it")
+
+
+def _respond(state: UiState, sid: str, user: str | None, form: Any) -> str:
+    call, text = _text(form, "call_id"), _text(form, "response")
+    written = control.record_decision(state.store, sid, user, call, {"respond": text}, source=SOURCE)
+    return (f"tool call {call} answered in the tool's place" + ("" if written else " (already recorded)")
+            + "; resume to tell the model")
 
 
 def _deny(state: UiState, sid: str, user: str | None, form: Any) -> str:
@@ -75,7 +99,8 @@ def _cancel(state: UiState, sid: str, user: str | None, form: Any) -> str:
     return f"session cancelled; writers fenced at epoch {epoch}"
 
 
-_STORED = {"approve": _approve, "deny": _deny, "signal": _signal, "pause": _pause, "cancel": _cancel}
+_STORED = {"approve": _approve, "approve-edited": _approve_edited, "respond": _respond, "deny": _deny,
+           "signal": _signal, "pause": _pause, "cancel": _cancel}
 
 
 def back(sid: str, user: str | None, **note: str) -> RedirectResponse:

@@ -41,6 +41,8 @@ class Seeded:
     approve: str
     deny: str
     cancel: str
+    edit: str
+    respond: str
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +57,10 @@ def seeded(tmp_path_factory) -> Seeded:
     bound(url, "xss_agent").run_sync(f"repeat this: {ui_agents.XSS}", session_id="s-xss", user_id="alice")
     chatty.run_sync("Bob's secret plans.", session_id="s-bob-secret", user_id="bob")
     publisher = bound(url, "approval_agent")
-    for sid in ("s-approve", "s-deny", "s-cancel"):
+    for sid in ("s-approve", "s-deny", "s-cancel", "s-edit", "s-respond"):
         assert publisher.run_sync("Publish Q3.", session_id=sid, user_id="alice").stop_reason == "awaiting_approval"
     return Seeded(url=url, fork_root="s-story", forks=forks, xss="s-xss", bob="s-bob-secret", approve="s-approve",
-                  deny="s-deny", cancel="s-cancel")
+                  deny="s-deny", cancel="s-cancel", edit="s-edit", respond="s-respond")
 
 
 class Server:

@@ -27,7 +27,7 @@ def test_the_list_shows_sessions_and_filters_them(page, servers, seeded):
     expect(rows).to_have_count(1)
     expect(rows.first).to_contain_text(seeded.bob)
     page.goto(servers["open"].base + "/?status=awaiting_approval")
-    expect(page.locator("#sessions tbody tr")).to_have_count(3)
+    expect(page.locator("#sessions tbody tr")).to_have_count(5)
     page.goto(servers["open"].base + "/?q=s-xs")
     expect(page.locator("#sessions tbody tr")).to_have_count(1)
     expect(page.locator("#sessions tbody tr").first).to_contain_text(seeded.xss)
@@ -92,10 +92,31 @@ def test_deny_with_a_reason_reaches_the_model(page, servers, seeded):
     page.goto(f"{servers['open'].base}/session/{seeded.deny}?user=alice")
     page.fill(".pending input.reason", "not before the audit")
     page.locator(".pending button.deny").click()
-    expect(page.locator(".pending .decided")).to_contain_text("denied: not before the audit")
+    expect(page.locator(".pending .decided")).to_contain_text("denied (not before the audit)")
     page.click("#resume")
     expect(page.locator("#status")).to_have_text("completed", timeout=20_000)
     expect(page.locator("#transcript .role-assistant").last).to_contain_text("not before the audit")
+
+
+def test_approve_with_edited_arguments_runs_the_tool_with_them(page, servers, seeded):
+    page.goto(f"{servers['open'].base}/session/{seeded.edit}?user=alice")
+    page.fill(".pending input.arguments", '{"title": "Q4 (edited)"}')
+    page.locator(".pending button.approve-edited").click()
+    expect(page.locator(".pending .decided")).to_have_text("approved with edited arguments")
+    page.click("#resume")
+    expect(page.locator("#status")).to_have_text("completed", timeout=20_000)
+    expect(page.locator("#transcript")).to_contain_text("model saw: published as 'Q4 (edited)'")
+
+
+def test_respond_in_the_tools_place_never_runs_it(page, servers, seeded):
+    page.goto(f"{servers['open'].base}/session/{seeded.respond}?user=alice")
+    page.fill(".pending input.response", "already published by hand")
+    page.locator(".pending button.respond").click()
+    expect(page.locator(".pending .decided")).to_have_text("answered in the tool's place")
+    page.click("#resume")
+    expect(page.locator("#status")).to_have_text("completed", timeout=20_000)
+    expect(page.locator("#transcript")).to_contain_text("model saw: already published by hand")
+    expect(page.locator("#transcript")).not_to_contain_text("published as")
 
 
 def test_cancel_asks_first_then_cancels(page, servers, seeded):
