@@ -5,12 +5,10 @@ so the newest checkpoints of a running (or crashed) writer exist as objects
 before any index file names them: its *tail*. Their objects are
 self-describing (:mod:`storage.envelope`), so a reader lists the session's
 checkpoint objects beside its index partition, reads the objects no index row
-(live or retired) names, and takes as tail rows those whose header is intact,
-whose epoch is the session's current one (from ``lease.json``) and which are
-newer than every row that epoch's writer indexed (it indexes in the order it
-writes: an older object without a row is one whose write it saw fail). An older
-epoch's objects without rows are a fenced writer's, or were adopted into the
-index by the takeover that ended that epoch (:mod:`storage.fencing`).
+(live or retired) names, and takes as tail rows those the visibility rule
+admits (:func:`storage.visibility.tail_admitted`: the session's current
+epoch, newer than every row that epoch indexed or a compaction recorded as
+retired). What readers see of a snapshot is :attr:`Snapshot.live`.
 
 One snapshot costs, besides the index LIST and the GETs of index files not
 parsed yet: one LIST of ``checkpoints/``, one GET of ``lease.json`` (both in
@@ -21,6 +19,7 @@ cached).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections import OrderedDict
@@ -77,14 +76,15 @@ class Snapshot:
         """The session's current epoch as ``lease.json`` says (None when it does not say)."""
         return self.rule.epoch
 
-    @property
+    @functools.cached_property
     def rule(self) -> Visibility:
         """The visibility rule ``lease.json`` sets for the session."""
         return Visibility.of(self.lease)
 
-    @property
+    @functools.cached_property
     def live(self) -> dict[str, CheckpointRow]:
-        """The live checkpoints, by id: :attr:`rows` without those a takeover's fence hides."""
+        """The live checkpoints, by id: :attr:`rows` without those a takeover's fence hides (worked out once,
+        when first asked, after :meth:`TailReader.snapshot` completed the rows)."""
         return self.rule.visible(self.rows)
 
 
