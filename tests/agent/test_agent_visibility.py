@@ -50,3 +50,20 @@ async def test_path04_a_fork_that_crashed_before_its_first_checkpoint_resumes_af
     # Nobody else may start from the retired checkpoint.
     with pytest.raises(CheckpointNotFound):
         await agent.resume("again", session_id="orig", from_checkpoint=point.checkpoint_id)
+
+
+async def test_path05_delete_through_the_store_the_run_wrote_with(runtime):
+    """``runtime.store`` is the store the run's checkpoint log wrote through: deleting the newest checkpoint, then
+    a middle one, leaves every other checkpoint loadable (incremental ones build on the older objects)."""
+    agent = agent_for(runtime)
+    await agent.run("task", session_id="s5")
+    metas = await agent.list_checkpoints("s5")
+    assert len(metas) == 5
+    assert runtime.store.delete_checkpoint("s5", metas[0].checkpoint_id)
+    assert runtime.store.delete_checkpoint("s5", metas[2].checkpoint_id)
+    left = [m.checkpoint_id for m in await agent.list_checkpoints("s5")]
+    assert left == [metas[1].checkpoint_id, metas[3].checkpoint_id, metas[4].checkpoint_id]
+    for cid in left:
+        ckpt = await agent.get_checkpoint("s5", cid)
+        assert ckpt is not None and ckpt.checkpoint_id == cid
+    assert (await agent.get_checkpoint("s5")).checkpoint_id == metas[1].checkpoint_id
