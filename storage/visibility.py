@@ -29,8 +29,9 @@ prune and recovery see one and the same history. For one session:
    (``pinned_for=``) after its row was retired: it is never live for anyone
    else (not listed, not "latest", not found by id).
 
-Tombstones: a fenced writer must not write any (its retention runs after its
-lease check, :mod:`storage.checkpoint_log`); a takeover retires what a fenced
+Tombstones are honoured as written, so the writers keep them to lease
+holders: a checkpoint log's retention belongs to a batch whose lease check
+passes (:mod:`storage.checkpoint_log`), and a takeover retires what a fenced
 writer landed. The rule here is pure: it reads nothing, so callers decide
 what to read (one LIST of the index, one of the objects, one GET of
 ``lease.json``) and it never keeps a cache.
@@ -141,13 +142,6 @@ class Visibility:
                 cond = pc.and_(cond, above)
             mask = cond if mask is None else pc.or_(mask, cond)
         return pc.fill_null(mask, False)
-
-    def hide_fenced(self, table: pa.Table) -> pa.Table:
-        """``table`` (one session's rows) without its fenced rows."""
-        mask = self.fenced_mask(table)
-        if mask is None or not pc.any(mask).as_py():
-            return table
-        return table.filter(pc.invert(mask))
 
 
 def epoch_tops(indexed: Iterable[CheckpointRow], retired: Tops | None = None) -> Tops:
