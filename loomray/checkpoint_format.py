@@ -201,7 +201,7 @@ def _checkpoint(doc: dict[str, Any], transcript: list[Message]) -> Checkpoint:
 
 
 def load_checkpoint(store: Any, session_id: str, checkpoint_id: str = "latest", *,
-                    user_id: str | None = None) -> Checkpoint | None:
+                    user_id: str | None = None, pinned_for: str | None = None) -> Checkpoint | None:
     """Read, put together and validate one checkpoint from ``store`` (a :class:`storage.Store`); None when it
     does not exist. The result carries its chain (a run restoring it builds on it).
 
@@ -209,10 +209,12 @@ def load_checkpoint(store: Any, session_id: str, checkpoint_id: str = "latest", 
     load one is a :class:`CheckpointException`: corrupt or truncated bytes, a
     broken chain, an unknown schema version, invalid data, or a storage error
     (kept as ``__cause__``). An invalid id is the caller's mistake and stays a
-    ``ValueError`` (``InvalidIdError``).
+    ``ValueError`` (``InvalidIdError``). ``pinned_for``: the fork reading its
+    fork point, which its pin keeps readable after the parent retired its row.
     """
     try:
-        objects = store.get_checkpoint_chain(session_id, checkpoint_id, user_id=user_id)
+        pinned = {"pinned_for": pinned_for} if pinned_for is not None else {}
+        objects = store.get_checkpoint_chain(session_id, checkpoint_id, user_id=user_id, **pinned)
     except InvalidIdError:
         raise
     except (StorageError, OSError) as e:

@@ -197,15 +197,16 @@ def _load(store: SessionStore, ref: CheckpointRef | None, user_id: str | None,
     """
     if ref is None:
         return None
-    if for_session is not None and ref.session_id != for_session and ref.checkpoint_id != "latest":
+    pinned = for_session if ref.session_id != for_session and ref.checkpoint_id != "latest" else None
+    if pinned is not None:
         try:
-            store.pin_checkpoint(ref.session_id, ref.checkpoint_id, user_id=user_id, dependent=for_session)
+            store.pin_checkpoint(ref.session_id, ref.checkpoint_id, user_id=user_id, dependent=pinned)
         except ObjectNotFound:
             return None  # retired meanwhile: the fork finds no checkpoint to start from
         except StorageError as e:
             raise CheckpointException(f"checkpoint {ref.checkpoint_id!r} of session {ref.session_id!r} could not "
                                       f"be pinned for fork {for_session!r}: {e}") from e
-    return load_checkpoint(store, ref.session_id, ref.checkpoint_id, user_id=user_id)
+    return load_checkpoint(store, ref.session_id, ref.checkpoint_id, user_id=user_id, pinned_for=pinned)
 
 
 def _pending_tool_records(store: SessionStore, ckpt: Checkpoint | None, user_id: str | None) -> list[JournalRecord]:

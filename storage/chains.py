@@ -283,6 +283,15 @@ class Pins:
                 return None
         return out
 
+    def held_for(self, session_id: str, user_id: str | None, dependent: str) -> set[str]:
+        """The checkpoint ids of ``session_id`` that ``dependent``'s pin holds (empty: no pin, or unreadable)."""
+        obj = self.objects.get(key=layout.pin_key(session_id, user_id, dependent))
+        try:
+            ids = json.loads(obj.data).get("checkpoints") if obj is not None else None
+        except (ValueError, AttributeError):
+            ids = None
+        return {c for c in ids if isinstance(c, str)} if isinstance(ids, list) else set()
+
     def release(self, session_id: str, user_id: str | None, dependent: str) -> None:
         """Drop ``dependent``'s pin on ``session_id``."""
         self.objects.delete(keys=[layout.pin_key(session_id, user_id, dependent)])

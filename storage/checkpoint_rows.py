@@ -3,7 +3,9 @@
 Index files are immutable, so a parsed file is cached by key (LRU) for as
 long as a LIST shows it. Retention needs a session's live rows after every
 write: a per-session view of them, refreshed by a full partition LIST on
-first use and every ``_VIEW_REFRESH`` writes, spares a LIST on most writes.
+first use and every ``_VIEW_REFRESH`` writes and kept current by every write
+through this object in between, spares a LIST on most writes. Deleting a
+checkpoint never trusts the view: it collects on a fresh LIST.
 """
 
 from __future__ import annotations
@@ -21,27 +23,11 @@ from storage.errors import IndexChangedError
 from storage.index import ParquetIndex, conform
 from storage.objects import ObjectStore
 from storage.rows import CHECKPOINT_SCHEMA, CheckpointRow, checkpoint_rows_from_table, checkpoint_rows_table, utcnow
+from storage.visibility import FileRows, Tops, live_of, merge_tops, retired_tops
 
 log = logging.getLogger("storage")
 _ROW_CACHE_FILES = 16384
 _VIEW_REFRESH = 32
-#: One index file's rows, each with whether it is a tombstone.
-FileRows = list[tuple[CheckpointRow, bool]]
-
-
-def live_of(files: list[FileRows]) -> dict[str, CheckpointRow]:
-    """The rows of ``files`` no tombstone (in any of them) retires, by checkpoint id."""
-    live: dict[str, CheckpointRow] = {}
-    dead: set[str] = set()
-    for rows in files:
-        for row, tomb in rows:
-            if tomb:
-                dead.add(row.checkpoint_id)
-            else:
-                live[row.checkpoint_id] = row
-    return {cid: r for cid, r in live.items() if cid not in dead}
-
-
 @dataclass
 class _View:
     """A session's live rows as this process knows them, and the writes since they were last listed."""
@@ -59,6 +45,8 @@ class CheckpointRows:
         self._lock = threading.RLock()
         #: Parsed rows per immutable index file key (LRU).
         self._files: OrderedDict[str, FileRows] = OrderedDict()
+        #: The deletion watermarks of parsed files that carry one (compacted ones), by key.
+        self._retired: dict[str, Tops] = {}
         #: Per-session live rows for retention.
         self._views: dict[tuple[str | None, str], _View] = {}
 
@@ -66,6 +54,7 @@ class CheckpointRows:
         """Forget every parsed file (a cold reader parses them again)."""
         with self._lock:
             self._files.clear()
+            self._retired.clear()
 
     def file_rows(self, keys: list[str], vanished: list[str] | None = None) -> list[FileRows]:
         """Parsed rows of each readable index file; files are immutable, so parsing is cached by key.
@@ -78,6 +67,10 @@ class CheckpointRows:
         for key, table in self.index.read_files(missing, cache=False, vanished=vanished):
             try:
                 parsed[key] = checkpoint_rows_from_table(conform(table, CHECKPOINT_SCHEMA))
+                tops = retired_tops(table)
+                if tops:
+                    with self._lock:
+                        self._retired[key] = tops
             except (KeyError, ValueError, TypeError, pa.ArrowInvalid) as e:
                 log.warning("skipping index file with a foreign schema: %s: %s", self.objects.describe(key), e)
         with self._lock:
@@ -90,7 +83,12 @@ class CheckpointRows:
         self._files[key] = rows
         self._files.move_to_end(key)
         while len(self._files) > _ROW_CACHE_FILES:
-            self._files.popitem(last=False)
+            self._retired.pop(self._files.popitem(last=False)[0], None)
+
+    def retired(self, keys: list[str]) -> Tops:
+        """The deletion watermark the index files ``keys`` carry (parsed by :meth:`file_rows`)."""
+        with self._lock:
+            return merge_tops(*(self._retired[k] for k in keys if k in self._retired))
 
     @staticmethod
     def encode(rows: list[CheckpointRow], *, tombstone: bool | list[bool]) -> pa.Table:
@@ -108,6 +106,15 @@ class CheckpointRows:
         key = self.index.write(partition, table, cache=False)
         with self._lock:
             self._remember(key, list(zip(rows, flags, strict=True)))
+            # The view holds the rows of its last LIST and every write of this store since, whoever wrote them
+            # through it (a checkpoint log, put_checkpoint, delete, prune): never a live set older than that.
+            view = self._views.get((user_id, session_id))
+            if view is not None:
+                for r, tomb in zip(rows, flags, strict=True):
+                    if tomb:
+                        view.rows.pop(r.checkpoint_id, None)
+                    else:
+                        view.rows[r.checkpoint_id] = r
 
     def partition_rows(self, session_id: str, user_id: str | None) -> list[FileRows]:
         """Rows and tombstones of every file of the session's partition, as of one fresh LIST.
@@ -127,27 +134,21 @@ class CheckpointRows:
         return result
 
     def retire(self, session_id: str, user_id: str | None, rows: list[CheckpointRow], *, collect: bool = True,
-               also_needed: Iterable[CheckpointRow] = ()) -> None:
+               also_needed: Iterable[CheckpointRow] = (), live: dict[str, CheckpointRow] | None = None) -> None:
         """Tombstone ``rows``, then delete their objects (and their chains' objects) that nothing needs any more.
 
-        Objects a live row's chain, ``also_needed`` (a writer's rows not
-        indexed yet) or another session's pin names stay (see
-        :mod:`storage.chains`); ``collect=False`` keeps every object. A crash
-        between the tombstones and the deletes leaves objects no row names:
-        prune of the session removes them.
+        Objects a live row's chain (``live``: the rows that stay, else a
+        fresh LIST), ``also_needed`` (a writer's rows not indexed yet) or
+        another session's pin names stay (see :mod:`storage.chains`);
+        ``collect=False`` keeps every object. A crash between the tombstones
+        and the deletes leaves objects no row names: prune of the session
+        removes them.
         """
         if not rows:
             return
         self.write(session_id, user_id, rows, tombstone=True)
-        with self._lock:
-            view = self._views.get((user_id, session_id))
-            if view is not None:
-                for r in rows:
-                    view.rows.pop(r.checkpoint_id, None)
-                remaining = dict(view.rows)
         if collect:
-            self.collect(session_id, user_id, rows, also_needed=also_needed,
-                         live=remaining if view is not None else None)
+            self.collect(session_id, user_id, rows, also_needed=also_needed, live=live)
 
     def collect(self, session_id: str, user_id: str | None, retired: list[CheckpointRow], *,
                 also_needed: Iterable[CheckpointRow] = (), live: dict[str, CheckpointRow] | None = None) -> None:
@@ -186,7 +187,9 @@ class CheckpointRows:
             return
         doomed = over_keep(rows, keep)
         if doomed:
-            self.retire(row.session_id, row.user_id, doomed)
+            gone = {r.checkpoint_id for r in doomed}
+            self.retire(row.session_id, row.user_id, doomed,
+                        live={cid: r for cid, r in rows.items() if cid not in gone})
 
     def view_with(self, session_id: str, user_id: str | None, new: list[CheckpointRow]) -> dict[str, CheckpointRow] | None:
         """The session's live rows as this process knows them, ``new`` (just indexed) added; None when a fresh

@@ -22,7 +22,7 @@ from storage.ids import validate_id
 from storage.leases import Leases
 from storage.objects import ObjectStore
 from storage.rows import CheckpointInfo, CheckpointRow, Lease, as_utc
-from storage.tails import TailReader
+from storage.tails import Snapshot, TailReader
 
 log = logging.getLogger("storage")
 
@@ -125,11 +125,17 @@ class CheckpointWrites:
         The pins are written first, then the checkpoint is checked to be live
         (:class:`ObjectNotFound` if it is not, and the pins are released): so
         a collector either sees the pin or the fork never starts from the
-        checkpoint (:mod:`storage.chains`). Pins go in every session the
+        checkpoint (:mod:`storage.chains`). A checkpoint ``dependent``'s pin
+        already holds is pinned again even if its row was retired since (the
+        fork resumes from its fork point). Pins go in every session the
         chain reaches (a fork of a fork builds on its grandparent's objects too).
         """
         validate_id(dependent, "session_id")
-        row = self._tails.snapshot(session_id, user_id).rows.get(checkpoint_id)
+        snap = self._tails.snapshot(session_id, user_id)
+        row = snap.live.get(checkpoint_id)
+        # A fork point this fork pinned before (it crashed before its first checkpoint, say) is still its to
+        # build on after the parent retired its row: that pin kept its objects from every collector since.
+        held = row is None and (row := self._tails.pinned_row(snap, checkpoint_id, dependent)) is not None
         if row is None:
             raise ObjectNotFound(f"{self.objects.describe(layout.checkpoint_key(session_id, user_id, checkpoint_id))}: "
                                  f"session {session_id!r} has no checkpoint {checkpoint_id!r}")
@@ -141,7 +147,7 @@ class CheckpointWrites:
         for sid, ids in needs.items():
             if sid != dependent:
                 pins.write(sid, user_id, dependent, ids)
-        if checkpoint_id not in self._tails.snapshot(session_id, user_id).rows:
+        if not held and checkpoint_id not in self._tails.snapshot(session_id, user_id).live:
             for sid in needs:
                 if sid != dependent:
                     pins.release(sid, user_id, dependent)
@@ -179,23 +185,31 @@ class CheckpointWrites:
 
     def delete_checkpoint(self, session_id: str, checkpoint_id: str, *, user_id: str | None = None) -> bool:
         """Delete one checkpoint: tombstone its row, then its object unless another checkpoint's chain (or a
-        fork's pin) still needs it; False when it does not exist."""
+        fork's pin) still needs it; False when it is not live (:mod:`storage.visibility`: a fenced writer's row
+        is not a checkpoint of the session; the takeovers retire it)."""
         layout.checkpoint_key(session_id, user_id, checkpoint_id)
         snap = self._tails.snapshot(session_id, user_id)
-        row = snap.rows.get(checkpoint_id)
+        row = snap.live.get(checkpoint_id)
         if row is None:
             return False
+        # What stays is judged on a fresh LIST of the index (retire's), never on a cached view of it.
         self._rows.retire(session_id, user_id, [row], also_needed=[r for r in snap.tails.values() if r != row])
         return True
 
     def index_rows(self, session_id: str, *, user_id: str | None = None) -> dict[str, CheckpointRow]:
-        """The session's live checkpoint rows by id, from a fresh LIST: the index's, and its writer's tail.
+        """The session's checkpoint rows no tombstone retires, by id, from a fresh LIST: the index's, and its
+        writer's tail.
 
         Objects are not looked at and fenced rows are included: what
-        maintenance (prune) decides with, not what readers see (that is
-        :meth:`list_checkpoints`).
+        maintenance (prune) retires, not what readers see (that is
+        :meth:`index_snapshot`'s ``live``, and :meth:`list_checkpoints`).
         """
         return self._tails.snapshot(session_id, user_id).rows
+
+    def index_snapshot(self, session_id: str, *, user_id: str | None = None) -> Snapshot:
+        """One look at the session's checkpoints (:class:`storage.tails.Snapshot`): ``rows`` (fenced ones
+        included) and ``live`` (what readers see), from one fresh LIST."""
+        return self._tails.snapshot(session_id, user_id)
 
     def release_pins(self, session_id: str, retired: list[CheckpointRow], *, user_id: str | None = None) -> None:
         """Drop this session's pins on the sessions ``retired`` built on and its live rows no longer do, then

@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from storage import backoff, chains, envelope, layout
 from storage.checkpoint_rows import CheckpointRows
 from storage.errors import CorruptObjectError, IndexChangedError
-from storage.fencing import filter_fenced
 from storage.leases import Leases
 from storage.objects import ObjectStore
 from storage.rows import CheckpointRow
@@ -78,7 +77,7 @@ class CheckpointMethods:
         attempt = 0
         while True:
             snap = self._tails.snapshot(session_id, user_id)
-            rows, present = filter_fenced(snap.lease, snap.rows), snap.present
+            rows, present = snap.live, snap.present
             above: set[str] = set()  # rows newer than the newest one whose object exists, their objects gone
             for row in sorted(rows.values(), key=lambda r: r.order, reverse=True):
                 if row.key in present:
@@ -116,7 +115,10 @@ class CheckpointMethods:
         """The checkpoint's object, verified against the size and sha256 recorded at write time (and its own
         digest, for a self-describing object).
 
-        An explicit id whose object is corrupt or truncated raises
+        What is live is :mod:`storage.visibility`'s rule: an id a fenced
+        writer landed after a takeover (hidden by the takeover's fence) is not
+        a checkpoint of the session, so it reads as ``None``, as a retired one
+        does. An explicit id whose object is corrupt or truncated raises
         :class:`CorruptObjectError` naming the key. ``"latest"`` skips such a
         checkpoint with a warning and returns the newest readable one (the
         journal replays what followed it); it raises only when no checkpoint
@@ -131,13 +133,18 @@ class CheckpointMethods:
         return None if found is None else found[-1]
 
     def get_checkpoint_chain(self, session_id: str, checkpoint_id: str = "latest", *,
-                             user_id: str | None = None) -> list[bytes] | None:
+                             user_id: str | None = None, pinned_for: str | None = None) -> list[bytes] | None:
         """The objects a checkpoint is read from, oldest first: its chain's (``CheckpointRow.chain``, fetched in
         parallel), then its own; each verified. Like :meth:`get_checkpoint` otherwise, except that "latest"
-        also skips a checkpoint whose chain is broken (an object missing or corrupt)."""
-        return self._resolve(session_id, checkpoint_id, user_id, chain=True)
+        also skips a checkpoint whose chain is broken (an object missing or corrupt).
 
-    def _resolve(self, session_id: str, checkpoint_id: str, user_id: str | None, *, chain: bool) -> list[bytes] | None:
+        ``pinned_for``: the fork session reading its fork point. A fork point
+        whose row the parent retired since is still found while that fork's
+        pin holds it (rule 4 of :mod:`storage.visibility`)."""
+        return self._resolve(session_id, checkpoint_id, user_id, chain=True, pinned_for=pinned_for)
+
+    def _resolve(self, session_id: str, checkpoint_id: str, user_id: str | None, *, chain: bool,
+                 pinned_for: str | None = None) -> list[bytes] | None:
         if checkpoint_id != "latest":
             layout.checkpoint_key(session_id, user_id, checkpoint_id)  # validates the id
         read = _Reading(session_id, checkpoint_id)
@@ -146,10 +153,12 @@ class CheckpointMethods:
         while True:
             snap = self._tails.snapshot(session_id, user_id)
             if checkpoint_id == "latest":
-                candidates = sorted(filter_fenced(snap.lease, snap.rows).values(), key=lambda r: r.order,
-                                    reverse=True)
+                candidates = sorted(snap.live.values(), key=lambda r: r.order, reverse=True)
+            elif pinned_for is not None:
+                row = self._tails.pinned_row(snap, checkpoint_id, pinned_for)
+                candidates = [row] if row is not None else []
             else:
-                candidates = [snap.rows[checkpoint_id]] if checkpoint_id in snap.rows else []
+                candidates = [snap.live[checkpoint_id]] if checkpoint_id in snap.live else []
             found = self._read_first(read, candidates, snap, chain)
             if not read.relist:
                 break

@@ -11,7 +11,8 @@ takeover lists the session's live rows right before its swap and records a
 fence in the new ``lease.json`` (``"checkpoints"``: the highest row it listed
 and up to ``_CHECKPOINT_FENCES`` earlier owners' fences); right after its
 swap it retires the older-epoch rows it did not list, and readers skip rows
-that a recorded fence says landed after a takeover.
+that a recorded fence says landed after a takeover (the rule readers apply is
+:mod:`storage.visibility`'s).
 """
 
 from __future__ import annotations
@@ -21,17 +22,16 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from storage import envelope, layout
+from storage import envelope
 from storage.checkpoint_rows import CheckpointRows
 from storage.errors import StorageError
 from storage.objects import ObjectStore
 from storage.rows import CheckpointRow, Lease
+from storage.visibility import fenced_by, parse_fences
 
 log = logging.getLogger("storage")
 #: Earlier owners' checkpoint fences a lease body carries.
 _CHECKPOINT_FENCES = 8
-#: A fence as read back: ``(epoch of the takeover, highest (epoch, checkpoint_id) it listed or None)``.
-Fence = tuple[int, tuple[int, str] | None]
 
 
 def lease_body(data: bytes | None) -> dict[str, Any] | None:
@@ -45,32 +45,8 @@ def lease_body(data: bytes | None) -> dict[str, Any] | None:
     return body if isinstance(body, dict) else None
 
 
-def parse_fences(items: Any) -> list[Fence]:
-    """The well-formed checkpoint fences among ``items`` (lease.json is not trusted: the worst a forged fence
-    does is hide or retire rows of older epochs, never resurrect one)."""
-    out: list[Fence] = []
-    for item in items if isinstance(items, list) else ():
-        if not isinstance(item, dict):
-            continue
-        epoch, top = item.get("epoch"), item.get("top")
-        if type(epoch) is not int or epoch < 1:
-            continue
-        if top is None:
-            out.append((epoch, None))
-        elif isinstance(top, list) and len(top) == 2 and type(top[0]) is int and isinstance(top[1], str):
-            out.append((epoch, (top[0], top[1])))
-    return out
-
-
-def fenced_by(fences: list[Fence]) -> Callable[[CheckpointRow], bool]:
-    """True for a row of an epoch below a fence's that ranks above what that takeover listed before its swap."""
-    if not fences:
-        return lambda row: False
-    return lambda row: row.epoch > 0 and any(row.epoch < k and (top is None or row.order > top) for k, top in fences)
-
-
 class CheckpointFences:
-    """The checkpoint side of a lease takeover, and the filter readers apply (see the module docstring)."""
+    """The checkpoint side of a lease takeover (see the module docstring)."""
 
     def __init__(self, objects: ObjectStore, rows: CheckpointRows, snapshot: Callable[[str, str | None], Any]) -> None:
         self.objects = objects
@@ -144,7 +120,7 @@ class CheckpointFences:
                 self.rows.retire(lease.session_id, lease.user_id, doomed)
         except StorageError as e:
             # The lease is taken and readers skip such rows already (the fence the swap recorded, see
-            # unfenced): the next takeover retires them. Raising would leave the new owner not knowing it
+            # storage.visibility): the next takeover retires them. Raising would leave the new owner not knowing it
             # holds the lease.
             log.warning("session %r: checkpoints a fenced writer may have written before epoch %d was taken are "
                         "not retired yet (%s)", lease.session_id, lease.epoch, e)
@@ -155,33 +131,6 @@ class CheckpointFences:
         rows, so that no reader looks at them again)."""
         snap = self.snapshot(lease.session_id, lease.user_id)
         return [r for r in _older_unindexed(self.rows, snap, lease.epoch) if r.checkpoint_id not in seen]
-
-    def unfenced(self, session_id: str, user_id: str | None,
-                 rows: dict[str, CheckpointRow]) -> dict[str, CheckpointRow]:
-        """``rows`` without those the takeovers recorded in ``lease.json`` fenced (one GET, none when no row was
-        written under a lease).
-
-        A row of an older epoch that ranks above what a takeover listed right
-        before its swap landed after it (see :meth:`retire_fenced`): until
-        its writer or the new owner retires it, readers of "latest" and of the
-        list skip it. Called after the index LIST, so a row that LIST shows,
-        landed after a takeover, is judged by that takeover's fence. A missing
-        or unreadable lease fences nothing here.
-        """
-        if not any(r.epoch for r in rows.values()):
-            return rows  # written without a lease: nothing to fence
-        obj = self.objects.get(key=layout.lease_key(session_id, user_id))
-        return filter_fenced(lease_body(obj.data if obj is not None else None), rows)
-
-
-def filter_fenced(body: dict[str, Any] | None, rows: dict[str, CheckpointRow]) -> dict[str, CheckpointRow]:
-    """``rows`` without those the fences recorded in the lease body ``body`` hide (see
-    :meth:`CheckpointFences.unfenced`)."""
-    fence = body.get("checkpoints") if body is not None else None
-    if body is None or not isinstance(fence, dict) or type(body.get("epoch")) is not int:
-        return rows
-    fenced = fenced_by(parse_fences([{"epoch": body["epoch"], "top": fence.get("top")}, *(fence.get("prev") or ())]))
-    return {cid: r for cid, r in rows.items() if not fenced(r)}
 
 
 def _older_unindexed(rows: CheckpointRows, snap: Any, epoch: int) -> list[CheckpointRow]:

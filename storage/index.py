@@ -62,8 +62,10 @@ def encode(table: pa.Table) -> bytes:
     """
     sink = io.BytesIO()
     if table.num_rows < 1000:
+        # The Arrow schema is stored only for a file with metadata of its own (a compacted file's deletion
+        # watermark, storage.visibility): without it, Parquet keeps no schema metadata.
         pq.write_table(table, sink, compression="snappy", use_dictionary=False, write_statistics=False,
-                       store_schema=False)
+                       store_schema=bool(table.schema.metadata))
     else:
         pq.write_table(table, sink, compression="snappy", row_group_size=256 * 1024,
                        use_dictionary=[c for c in DICTIONARY_COLUMNS if c in table.column_names])

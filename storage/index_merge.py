@@ -12,6 +12,8 @@ from datetime import datetime
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from storage.visibility import Tops, with_retired_tops
+
 
 def _keyed(table: pa.Table) -> pa.Table:
     """Add ``__u`` (user_id with null as "") so joins match "no user" rows: SQL joins never match nulls."""
@@ -72,7 +74,8 @@ def live_checkpoints(table: pa.Table) -> pa.Table:
 
 
 def compact_checkpoint_partition(table: pa.Table, *, keep_tombstones_since: datetime | None = None,
-                                 young_ids: Collection[str] = ()) -> tuple[pa.Table, int]:
+                                 young_ids: Collection[str] = (), retired: Tops | None = None
+                                 ) -> tuple[pa.Table, int]:
     """Merged rows of one partition and the number of rows tombstones retired.
 
     Retired rows are dropped. A tombstone written at or after
@@ -82,11 +85,16 @@ def compact_checkpoint_partition(table: pa.Table, *, keep_tombstones_since: date
     dead (see :func:`storage.maintenance.compact`). So does a tombstone of a
     checkpoint id in ``young_ids`` (its file is young by the store's clock: the
     writer's ``written_at`` may be skewed). Older tombstones go, since their
-    targets are gone or are dropped here; ``None`` keeps none.
+    targets are gone or are dropped here; ``None`` keeps none. The merged
+    table carries the deletion watermark (:func:`storage.visibility.with_retired_tops`:
+    per epoch, the highest row a tombstone it read retired, and ``retired``,
+    the merged files' own), so dropping tombstones never lets a retired
+    checkpoint whose object a pin keeps read as a not-yet-indexed one.
     """
+    tombs = table.filter(pc.fill_null(table["tombstone"], False)) if table.num_rows else table
     fast = _one_session_merge(table, keep_tombstones_since, young_ids)
     if fast is not None:
-        return fast
+        return with_retired_tops(fast[0], tombs, retired or {}), fast[1]
     live, tombs = _split(table)
     applied = 0
     if tombs.num_rows:
@@ -95,7 +103,7 @@ def compact_checkpoint_partition(table: pa.Table, *, keep_tombstones_since: date
             keep = _kept_tombstones(tombs, keep_tombstones_since, young_ids)
             live = pa.concat_tables([live, tombs.filter(keep).select(live.column_names)])
     merged = live.drop_columns(["__u"]) if "__u" in live.column_names else live
-    return merged.sort_by(_MERGED_ORDER), applied
+    return with_retired_tops(merged.sort_by(_MERGED_ORDER), tombs, retired or {}), applied
 
 
 #: The row order of a merged partition file.

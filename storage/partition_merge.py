@@ -26,6 +26,7 @@ from storage.index_merge import compact_checkpoint_partition, live_checkpoints
 from storage.rows import CHECKPOINT_SCHEMA, as_utc, utcnow
 from storage.table import SessionState, days_of, table_rows
 from storage.table_publish import SessionRead
+from storage.visibility import merge_tops, retired_tops
 
 if TYPE_CHECKING:
     from storage.store import Store
@@ -149,13 +150,16 @@ class PartitionMerger:
         tables = [conform(t, self.schema) for _, t in pairs]
         table = pa.concat_tables(tables) if tables else self.schema.empty_table()
         if self.schema is CHECKPOINT_SCHEMA:
+            retired = merge_tops(*(retired_tops(t) for _, t in pairs))  # the merged files' deletion watermarks
             if part.base is not None:
-                merged, applied = compact_checkpoint_partition(table, keep_tombstones_since=_KEEP_ALL)
+                merged, applied = compact_checkpoint_partition(table, keep_tombstones_since=_KEEP_ALL,
+                                                               retired=retired)
             else:
                 grace = self.grace
                 merged, applied = compact_checkpoint_partition(
                     table, keep_tombstones_since=part.wall - grace if grace else None,
-                    young_ids=_young_tombstones(pairs, tables, part.listing, grace, part.now) if grace else ())
+                    young_ids=_young_tombstones(pairs, tables, part.listing, grace, part.now) if grace else (),
+                    retired=retired)
             live = merged.num_rows - pc.sum(merged["tombstone"]).as_py() if merged.num_rows else 0
         else:
             # Session rows arrive in file order; the latest-written row per session is its state.
@@ -180,7 +184,7 @@ class PartitionMerger:
                         self.max_lag)
             return (*unchanged, self._session_read(part, m, keys))
         merged_key = None
-        if merged.num_rows:
+        if merged.num_rows or merged.schema.metadata:  # rows, or a deletion watermark (storage.visibility)
             merged_key = self.store.index.write(part.partition, merged, suffix="-c", cache=False)
             if self._late(part):
                 # It landed too late after all (a pause between the check above and the PUT): a concurrent
@@ -195,7 +199,7 @@ class PartitionMerger:
         read_keys = {k for k, _ in m.pairs}
         self.delete([k for k, _ in m.pairs])
         after = [k for k in keys if k not in read_keys] + ([merged_key] if merged_key else [])
-        return ((1 if merged.num_rows else 0) + (len(keys) - len(m.pairs)) + (base is not None), m.live,
+        return ((1 if merged_key else 0) + (len(keys) - len(m.pairs)) + (base is not None), m.live,
                 m.applied, self._session_read(part, m, after))
 
     def _session_read(self, part: _Part, m: _Merged, files: list[str]) -> SessionRead | None:

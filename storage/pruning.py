@@ -199,8 +199,9 @@ class _Planner:
     def plan(self, uid: str | None, sid: str) -> SessionPrunePlan:
         """What prune deletes of session ``sid`` now."""
         store, cutoff = self.store, self.cutoff
-        live = tuple(store.index_rows(sid, user_id=uid).values())
-        spared = self.needs.spared(uid, sid, live)
+        snap = store.index_snapshot(sid, user_id=uid)
+        live = tuple(snap.rows.values())  # fenced rows too: prune retires them with the rest
+        spared = self.needs.spared(uid, sid, snap.live.values())  # "latest" is what readers see (visibility)
         retired = sorted((r for r in live if (cutoff is None or r.created_at < cutoff)
                           and r.checkpoint_id not in spared), key=lambda r: (r.turn, r.checkpoint_id))
         orphans: list[str] = []

@@ -158,6 +158,8 @@ class Store(CheckpointMethods, CheckpointWrites, JournalMethods, SessionMethods)
         sessions whose per-session files changed since the last compaction),
         so it is as fresh as the per-session index; how stale the compacted part
         was rides along in the schema metadata: ``storage.table.staleness(table)``.
+        The rows are the live ones of :mod:`storage.visibility`: a row a fenced
+        writer landed after a takeover is in neither part.
         """
         segment = None if user_id is ANY else user_segment(user_id)
         if session_id is not None:
@@ -165,7 +167,9 @@ class Store(CheckpointMethods, CheckpointWrites, JournalMethods, SessionMethods)
         # Consistent with one LIST of the per-session files even while a compaction merges them.
         table_part, tail, stale = read_for_query(self, segment=segment, session_id=session_id, since=since,
                                                  until=until)
-        tail = live_checkpoints(tail).drop_columns(["tombstone", "written_at"]).cast(table_part.schema)
+        # The tail as every reader sees it (storage.visibility): tombstones applied, fenced rows hidden.
+        tail = self._tails.hide_fenced(live_checkpoints(tail)).drop_columns(["tombstone", "written_at"])
+        tail = tail.cast(table_part.schema)
         table = pa.concat_tables([table_part, tail]) if table_part.num_rows else tail
         mask = None
         for cond in (

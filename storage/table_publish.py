@@ -241,6 +241,7 @@ def publish(store: Store, ut: UserTable, listed: dict[str, tuple[str, ...]], rea
     ``deadline()`` true: the reads are too old to publish (the compaction's lag limit); nothing more is written.
     """
     base = ut.manifest or Manifest(ut.user_id)
+    reads = _visible(store, reads)
     changes = _plan(ut, base, listed, reads, rebuild, deadline)
     if isinstance(changes, Published):
         return changes
@@ -269,6 +270,25 @@ def publish(store: Store, ut: UserTable, listed: dict[str, tuple[str, ...]], rea
         return Published("conflict")
     store.table_cache[mkey] = (etag, final)
     return Published("committed", len(results), sum(n for _, _, n in results))
+
+
+def _visible(store: Store, reads: dict[str, SessionRead]) -> dict[str, SessionRead]:
+    """``reads`` without the rows a fenced writer landed after a takeover (:mod:`storage.visibility`): the
+    table holds what every reader sees. One mask over the changed sessions' rows at once."""
+    changed = [s for s, r in reads.items() if r.changed and r.rows.num_rows]
+    if not changed:
+        return reads
+    mask = store._tails.fenced_mask(pa.concat_tables([reads[s].rows for s in changed]))
+    if mask is None:
+        return reads
+    out, at = dict(reads), 0
+    for s in changed:
+        rows = reads[s].rows
+        hidden = mask.slice(at, rows.num_rows)
+        at += rows.num_rows
+        if pc.any(hidden).as_py():
+            out[s] = replace(reads[s], rows=rows.filter(pc.invert(hidden)))
+    return out
 
 
 def _release(store: Store, key: str, base: Manifest, held: str) -> None:

@@ -5,12 +5,10 @@ so the newest checkpoints of a running (or crashed) writer exist as objects
 before any index file names them: its *tail*. Their objects are
 self-describing (:mod:`storage.envelope`), so a reader lists the session's
 checkpoint objects beside its index partition, reads the objects no index row
-(live or retired) names, and takes as tail rows those whose header is intact,
-whose epoch is the session's current one (from ``lease.json``) and which are
-newer than every row that epoch's writer indexed (it indexes in the order it
-writes: an older object without a row is one whose write it saw fail). An older
-epoch's objects without rows are a fenced writer's, or were adopted into the
-index by the takeover that ended that epoch (:mod:`storage.fencing`).
+(live or retired) names, and takes as tail rows those the visibility rule
+admits (:func:`storage.visibility.tail_admitted`: the session's current
+epoch, newer than every row that epoch indexed or a compaction recorded as
+retired). What readers see of a snapshot is :attr:`Snapshot.live`.
 
 One snapshot costs, besides the index LIST and the GETs of index files not
 parsed yet: one LIST of ``checkpoints/``, one GET of ``lease.json`` (both in
@@ -21,17 +19,32 @@ cached).
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from storage import envelope, layout
-from storage.checkpoint_rows import CheckpointRows, FileRows, live_of
+from storage.chains import Pins
+from storage.checkpoint_rows import CheckpointRows
 from storage.envelope import row_of_header
 from storage.fencing import lease_body
 from storage.rows import CheckpointRow
+from storage.visibility import (
+    FileRows,
+    Tops,
+    Visibility,
+    epoch_tops,
+    leased_sessions,
+    live_of,
+    sessions_fenced_mask,
+    tail_admitted,
+)
 
 log = logging.getLogger("storage")
 _TAIL_CACHE = 4096
@@ -39,9 +52,9 @@ _TAIL_CACHE = 4096
 
 @dataclass
 class Snapshot:
-    """One look at a session's checkpoints (fences not applied: see ``CheckpointFences.filter``)."""
+    """One look at a session's checkpoints; :attr:`live` is what every reader sees (:mod:`storage.visibility`)."""
 
-    #: Live rows: indexed (no tombstone) and tail, by checkpoint id.
+    #: Rows no tombstone retires: indexed and tail, by checkpoint id (fenced ones included: see :attr:`live`).
     rows: dict[str, CheckpointRow]
     #: The tail rows among them (objects no index file names yet).
     tails: dict[str, CheckpointRow]
@@ -53,12 +66,26 @@ class Snapshot:
     indexed: dict[str, CheckpointRow] = field(default_factory=dict)
     #: Object bytes read while looking for the tail, by key.
     data: dict[str, bytes] = field(default_factory=dict)
+    session_id: str = ""
+    user_id: str | None = None
+    #: The index files' deletion watermark (:data:`storage.visibility.RETIRED_META`).
+    retired: Tops = field(default_factory=dict)
 
     @property
     def epoch(self) -> int | None:
         """The session's current epoch as ``lease.json`` says (None when it does not say)."""
-        epoch = self.lease.get("epoch") if self.lease is not None else None
-        return epoch if type(epoch) is int else None
+        return self.rule.epoch
+
+    @functools.cached_property
+    def rule(self) -> Visibility:
+        """The visibility rule ``lease.json`` sets for the session."""
+        return Visibility.of(self.lease)
+
+    @functools.cached_property
+    def live(self) -> dict[str, CheckpointRow]:
+        """The live checkpoints, by id: :attr:`rows` without those a takeover's fence hides (worked out once,
+        when first asked, after :meth:`TailReader.snapshot` completed the rows)."""
+        return self.rule.visible(self.rows)
 
 
 class TailReader:
@@ -90,7 +117,7 @@ class TailReader:
 
         def part(i: int, keys: list[str], vanished: list[str]) -> Any:
             if i == 0:
-                return self.rows.file_rows(keys, vanished)
+                return self.rows.file_rows(keys, vanished), self.rows.retired(keys)
             if i == 1:
                 return {o.key: o.size for o in objects.list(prefix=prefix) if o.key.endswith(".json")}
             obj = objects.get(key=lease_key)
@@ -102,29 +129,59 @@ class TailReader:
 
         partition = layout.index_partition(layout.CHECKPOINT_INDEX, session_id, user_id)
         self.rows.index.read_listed(partition, read)
-        files: list[FileRows] = got["files"]
-        snap = Snapshot(live_of(files), {}, got["present"], got["lease"], _keys(files))
+        files: list[FileRows] = got["files"][0]
+        snap = Snapshot(live_of(files), {}, got["present"], got["lease"], _keys(files), session_id=session_id,
+                        user_id=user_id, retired=got["files"][1])
         self._read_tail(snap, session_id)
         return snap
 
     def _read_tail(self, snap: Snapshot, session_id: str) -> None:
         epoch = snap.epoch
-        floor = max((r.epoch for r in snap.rows.values()), default=0)
-        # A writer indexes its checkpoints in the order it wrote them: its tail is newer than all it indexed.
-        # An older object without a row is one whose write the writer saw fail (it moved on without it).
-        indexed_top: dict[int, tuple[int, str]] = {}
-        for r in snap.indexed.values():
-            indexed_top[r.epoch] = max(indexed_top.get(r.epoch, r.order), r.order)
+        current = epoch if epoch is not None else max((r.epoch for r in snap.rows.values()), default=0)
+        tops = epoch_tops(snap.indexed.values(), snap.retired)
         todo = [k for k in snap.present if k not in snap.indexed]
         for row in self.rows.index.map_wide(lambda k: self._tail_row(k, snap), todo):
-            if row is None or row.session_id != session_id:
-                continue
-            if row.epoch < (epoch if epoch is not None else floor):
-                continue  # an older epoch's: a fenced writer's, or adopted (then it has a row)
-            if row.epoch in indexed_top and row.order < indexed_top[row.epoch]:
+            if row is None or row.session_id != session_id or not tail_admitted(row, current, tops):
                 continue
             snap.tails[row.checkpoint_id] = row
             snap.rows.setdefault(row.checkpoint_id, row)
+
+    def fenced_mask(self, table: pa.Table) -> pa.ChunkedArray | pa.Array | None:
+        """Per row of ``table`` (index rows of any sessions, tombstones applied): whether its session's
+        takeovers fenced it (rule 2 of :mod:`storage.visibility`); None when none is. One GET of ``lease.json``
+        per session with a row written under a lease, in parallel; column-wide masks, no per-row Python."""
+        pairs = leased_sessions(table)
+        if not pairs:
+            return None
+        objects = self.rows.objects
+
+        def body(pair: tuple[str | None, str]) -> dict[str, Any] | None:
+            obj = objects.get(key=layout.lease_key(pair[1], pair[0]))
+            return lease_body(obj.data if obj is not None else None)
+
+        mask = sessions_fenced_mask(table, dict(zip(pairs, self.rows.index.map_io(body, pairs), strict=True)))
+        return mask if mask is not None and pc.any(mask).as_py() else None
+
+    def hide_fenced(self, table: pa.Table) -> pa.Table:
+        """``table`` without the rows :meth:`fenced_mask` says are fenced."""
+        mask = self.fenced_mask(table)
+        return table if mask is None else table.filter(pc.invert(mask))
+
+    def pinned_row(self, snap: Snapshot, checkpoint_id: str, dependent: str) -> CheckpointRow | None:
+        """The row of checkpoint ``checkpoint_id`` of ``snap``'s session that session ``dependent``'s pin holds:
+        a fork point stays resolvable for its fork after the parent retired its row (rule 4 of
+        :mod:`storage.visibility`); None when the pin does not name it or its object is gone. Its row is the
+        index's (a tombstone is a copy of its row) or the object's own header."""
+        row = snap.live.get(checkpoint_id)
+        if row is not None:
+            return row
+        session_id, user_id = snap.session_id, snap.user_id
+        key = layout.checkpoint_key(session_id, user_id, checkpoint_id)
+        if key not in snap.present or checkpoint_id not in Pins(self.rows.objects).held_for(session_id, user_id,
+                                                                                              dependent):
+            return None
+        row = snap.indexed.get(key) or self._tail_row(key, snap)
+        return row if row is not None and row.checkpoint_id == checkpoint_id and not snap.rule.fenced(row) else None
 
     def _tail_row(self, key: str, snap: Snapshot) -> CheckpointRow | None:
         size = snap.present[key]

@@ -1,0 +1,150 @@
+"""One visibility rule for every reader (storage.visibility): regression tests for the reader side of issue 22.
+
+Each test is named after its path of the issue: 1 a fenced writer's late row, seen by the views other than the
+list (get by id, query, the compacted table); 3 a pruned or deleted checkpoint whose object a fork's pin keeps,
+after compaction dropped its tombstone; 4 a fork that crashed before its first checkpoint, resumed after the
+parent's retention retired its fork point; 5 delete through the store the run wrote with. They run on every
+backend (memory, local directory, S3 via moto) through the ``store`` fixture.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from datetime import timedelta
+
+import pyarrow.parquet as pq
+import pytest
+
+from storage import Store, layout
+from storage.errors import ObjectNotFound
+from storage.faults import ActorCrashed, Fault, FaultPlan, FaultyObjectStore, Rule
+from storage.testing import log_put, put_checkpoint
+
+
+def ids(rows) -> list[str]:
+    return [r.checkpoint_id for r in rows]
+
+
+def query_ids(store: Store, session_id: str) -> list[str]:
+    return sorted(store.query(user_id=None, session_id=session_id)["checkpoint_id"].to_pylist())
+
+
+def table_ids(store: Store) -> list[str]:
+    """The checkpoint ids of the compacted table's partition files, read as any Parquet reader reads them."""
+    out: list[str] = []
+    for key in store.index_files("table"):
+        obj = store.objects.get(key=key)
+        assert obj is not None
+        out += pq.read_table(io.BytesIO(obj.data))["checkpoint_id"].to_pylist()
+    return sorted(out)
+
+
+def _fenced_row_lands(store: Store) -> None:
+    """Holder (epoch 1) writes c1; a takeover runs between its c2 object and c2's row; the row lands and the
+    holder dies before its re-check, so nothing retires the row (see test_review_r4 in test_storage_integrity)."""
+    holder_lease = store.acquire_lease("s1", owner="holder")
+    put_checkpoint(store, "s1", "c1", turn=1, lease=holder_lease)
+    taker = Store(store.objects, "taker")
+    crash = Rule(Fault("crash", applied=True), ops=frozenset({"put"}), key_contains="index/checkpoints/")
+    relay = FaultyObjectStore(store.objects, FaultPlan(rules=[crash]))
+    real_put = relay.put
+
+    def takeover_after_the_object(*, key, data, **kw):
+        etag = real_put(key=key, data=data, **kw)
+        if key.endswith("/checkpoints/c2.json"):
+            taker.acquire_lease("s1", owner="taker")
+        return etag
+
+    relay.put = takeover_after_the_object  # type: ignore[method-assign]
+    with pytest.raises(ActorCrashed):
+        put_checkpoint(Store(relay, "holder"), "s1", "c2", turn=2, lease=holder_lease)
+
+
+def test_path01_a_fenced_row_is_in_no_view(store):
+    """The fenced row c2 is hidden from the list (it was), and now also from get by id, the query (before and
+    after compaction) and the compacted table's files: every view shows c1 alone."""
+    _fenced_row_lands(store)
+    reader = Store(store.objects, "reader")
+    assert ids(reader.list_checkpoints("s1")) == ["c1"]
+    assert reader.get_checkpoint("s1", "c2") is None
+    assert reader.get_checkpoint_chain("s1", "c2") is None
+    assert json.loads(reader.get_checkpoint("s1", "c1"))["checkpoint_id"] == "c1"
+    assert query_ids(reader, "s1") == ["c1"]
+    with pytest.raises(ObjectNotFound):  # no fork from a fenced write
+        reader.pin_checkpoint("s1", "c2", dependent="f1")
+    reader.compact(tombstone_grace=timedelta(0))
+    assert table_ids(reader) == ["c1"]
+    assert query_ids(Store(store.objects, "cold"), "s1") == ["c1"]
+
+
+def _logged(store: Store, n: int, *, keep: int = 20, batch: int = 1):
+    lease = store.acquire_lease("s1", owner="w")
+    log = store.checkpoint_log(lease, keep=keep, batch=batch)
+    for i in range(1, n + 1):
+        log_put(log, f"c{i}", turn=i)
+    log.flush()
+    return log
+
+
+def test_path03_a_pruned_checkpoint_a_pin_keeps_never_comes_back_after_compaction(store):
+    _logged(store, 4)
+    store.pin_checkpoint("s1", "c4", dependent="f1")  # a fork of c4 keeps its object
+    store.prune(session_id="s1")
+    assert store.objects.get(key=layout.checkpoint_key("s1", None, "c4")) is not None  # the pin keeps it
+    assert store.list_checkpoints("s1") == []
+    store.compact(tombstone_grace=timedelta(0))  # the tombstones go
+    for reader in (store, Store(store.objects, "cold")):
+        assert reader.list_checkpoints("s1") == []
+        assert reader.get_checkpoint("s1") is None
+        assert reader.get_checkpoint("s1", "c4") is None
+
+
+def test_path03_a_deleted_newest_checkpoint_a_pin_keeps_stays_deleted_after_compaction(store):
+    _logged(store, 4)
+    store.pin_checkpoint("s1", "c4", dependent="f1")
+    assert store.delete_checkpoint("s1", "c4")
+    store.compact(tombstone_grace=timedelta(0))
+    store.compact(tombstone_grace=timedelta(0))  # a second merge carries the watermark on
+    for reader in (store, Store(store.objects, "cold")):
+        assert ids(reader.list_checkpoints("s1")) == ["c3", "c2", "c1"]
+        assert json.loads(reader.get_checkpoint("s1"))["turn"] == 3
+
+
+def test_path04_a_fork_resumes_from_a_fork_point_the_parents_retention_retired(store):
+    lease = store.acquire_lease("s1", owner="w")
+    log = store.checkpoint_log(lease, keep=2, batch=1)
+    for i in (1, 2):
+        log_put(log, f"c{i}", turn=i)
+    # The fork pins c2 and crashes before its first checkpoint; the parent goes on and retention retires c2.
+    chain = store.pin_checkpoint("s1", "c2", dependent="f1")
+    for i in (3, 4, 5):
+        log_put(log, f"c{i}", turn=i)
+    assert ids(store.list_checkpoints("s1")) == ["c5", "c4"]
+    assert store.objects.get(key=layout.checkpoint_key("s1", None, "c2")) is not None  # pinned
+    # The fork's next attempt pins and reads its fork point again.
+    assert store.pin_checkpoint("s1", "c2", dependent="f1") == chain
+    got = store.get_checkpoint_chain("s1", "c2", pinned_for="f1")
+    assert got == [store.objects.get(key=layout.checkpoint_key("s1", None, "c2")).data]
+    # Nobody else sees it: not listed, not found by id, not pinnable by another fork.
+    assert store.get_checkpoint("s1", "c2") is None
+    assert store.get_checkpoint_chain("s1", "c2", pinned_for="f2") is None
+    with pytest.raises(ObjectNotFound):
+        store.pin_checkpoint("s1", "c2", dependent="f2")
+
+
+def test_path05_delete_through_the_store_the_run_wrote_with(store):
+    """Five checkpoints, each building on the ones before (an incremental chain), written through a log of the
+    very store that then deletes: deleting the newest and then a middle one leaves the others readable."""
+    lease = store.acquire_lease("s1", owner="w")
+    log = store.checkpoint_log(lease, keep=20, batch=1)
+    for i in range(1, 6):
+        log_put(log, f"c{i}", turn=i, chain=tuple(f"c{j}" for j in range(1, i)))
+    assert store.delete_checkpoint("s1", "c5")
+    assert ids(store.list_checkpoints("s1")) == ["c4", "c3", "c2", "c1"]
+    assert store.delete_checkpoint("s1", "c3")
+    assert ids(store.list_checkpoints("s1")) == ["c4", "c2", "c1"]
+    for cid in ("c4", "c2", "c1"):
+        chain = store.get_checkpoint_chain("s1", cid)
+        assert chain is not None and len(chain) == int(cid[1:])
+    assert store.get_checkpoint("s1") is not None
