@@ -33,7 +33,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from durability_checks import Violation, check_all, check_index
+from durability_actors import ROLES
+from durability_checks import Violation, check_all
+from durability_index import check_index
 from durability_world import Spec, World
 
 from storage.faults import Fault, FaultPlan, Rule
@@ -275,7 +277,7 @@ def run_scenario(seed: int, kind: str, backend: str = "memory", *, s3_server: An
         q.setLevel(logging.CRITICAL)  # warn-and-go-on messages are expected by the thousand here
     try:
         with backoff_without_waiting():
-            world.run()
+            world.run(ROLES)
         final = world.new_store(world.inner)
         result.violations += check_all(world, final)
         result.excused = list(world.excused)

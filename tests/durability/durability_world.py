@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import random
 import shutil
 import tempfile
 import traceback
@@ -38,14 +37,13 @@ from typing import Any
 from durability_sched import Scheduler
 
 from loomray import Agent, Tuning
-from loomray.checkpoint_format import load_checkpoint
 from loomray.config import CheckpointConfig
 from loomray.errors import LoomrayError
 from loomray.journal import tool_step_key
 from loomray.models.scripted import ScriptedModel
 from loomray.session import RunRequest, execute_request
 from loomray.tools import ToolContext
-from storage.errors import CorruptObjectError, LeaseLostError, ObjectNotFound, StorageError, TransientStorageError
+from storage.errors import CorruptObjectError, LeaseLostError, ObjectNotFound, StorageError
 from storage.faults import ActorCrashed, FaultPlan, FaultyObjectStore
 from storage.store import Store
 
@@ -327,109 +325,17 @@ class World:
                     inc.store.index.close()
         return fn
 
-    def compactor(self, name: str, rounds: int = 3):
-        world = self
-
-        def fn() -> None:
-            rng = random.Random(f"{world.spec.seed}/{name}")
-            store = world.new_store()
-            for _ in range(rounds):
-                world.sched.pause(rng.randint(0, 30))
-                start = world.faulty.call_count
-                try:
-                    report = store.compact()
-                    outcome = f"ok {report}"
-                except (StorageError, LoomrayError) as e:
-                    outcome = f"{type(e).__name__}: {e}"
-                except Exception as e:
-                    outcome = f"{type(e).__name__}: {e}"
-                    world.unexpected.append((name, traceback.format_exc()))
-                world.compactions.append((name, start, world.faulty.call_count, outcome))
-            store.index.close()
-        return fn
-
-    def pruner(self, name: str, after_acks: int = 1):
-        world = self
-
-        def fn() -> None:
-            acks = sorted((a for inc in world.incarnations for a in inc.acks), key=lambda a: a[0])
-            before = acks[min(after_acks, len(acks)) - 1][3] if acks else datetime.now(timezone.utc)
-            store = world.new_store()
-            start = world.faulty.call_count
-            try:
-                report = store.prune(before=before, session_id=world.spec.session_id, user_id=world.spec.user_id)
-                outcome = f"ok {report}"
-            except (StorageError, LoomrayError) as e:
-                outcome = f"{type(e).__name__}: {e}"
-            except Exception as e:
-                outcome = f"{type(e).__name__}: {e}"
-                world.unexpected.append((name, traceback.format_exc()))
-            world.prunes.append((name, start, world.faulty.call_count, before, outcome))
-            store.index.close()
-        return fn
-
-    def vandal(self, name: str):
-        """A bucket lifecycle rule or an operator's cleanup: deletes the session's lease.json."""
-        world = self
-
-        def fn() -> None:
-            from storage import layout
-
-            key = layout.lease_key(world.spec.session_id, world.spec.user_id)
-            try:
-                world.faulty.delete(keys=[key])
-                world.vandalism.append((name, world.faulty.call_count))
-            except TransientStorageError:
-                pass
-        return fn
-
-    def reader(self, name: str, rounds: int = 2):
-        world = self
-        sid, uid = self.spec.session_id, self.spec.user_id
-
-        def fn() -> None:
-            rng = random.Random(f"{world.spec.seed}/{name}")
-            for _ in range(rounds):
-                world.sched.pause(rng.randint(0, 30))
-                obs = ReaderObs(name, start=world.faulty.call_count)
-                store = world.new_store()
-                try:
-                    rows = store.list_checkpoints(sid, user_id=uid, limit=None)
-                    obs.listed = [r.checkpoint_id for r in rows]
-                    obs.head_id = rows[0].checkpoint_id if rows else None
-                    ckpt = load_checkpoint(store, sid, "latest", user_id=uid)  # read back whole: the chain too
-                    if ckpt is not None:
-                        obs.latest_id, obs.latest_epoch = ckpt.checkpoint_id, ckpt.epoch
-                    if rows:
-                        obs.explicit_ok = store.get_checkpoint(sid, rows[0].checkpoint_id, user_id=uid) is not None
-                    # Planning a resume also reads the journal of the last run.
-                    runs = store.journal_runs(sid, user_id=uid)
-                    if runs:
-                        store.journal_list(sid, runs[-1], user_id=uid)
-                except TransientStorageError as e:
-                    obs.transient, obs.error = True, str(e)
-                except ActorCrashed:
-                    raise
-                except Exception as e:
-                    # Loading a checkpoint wraps a storage error (a transient one included) as its cause.
-                    obs.transient = isinstance(e.__cause__, TransientStorageError)
-                    obs.error = f"{type(e).__name__}: {e}"
-                obs.end = world.faulty.call_count
-                world.readers.append(obs)
-                store.index.close()
-        return fn
-
     # -- running -----------------------------------------------------------------
-    def add_actors(self) -> None:
+    def add_actors(self, roles: dict[str, Any]) -> None:
+        """Register the spec's actors; ``roles`` maps a role to ``factory(world, name, **options)``."""
         for name, role, opts in self.spec.actors:
             opts = dict(opts)
             start_when = opts.pop("start_when", None)
-            factory = {"writer": self.writer, "compactor": self.compactor, "pruner": self.pruner,
-                       "vandal": self.vandal, "reader": self.reader}[role]
-            self.sched.add(name, factory(name, **opts), start_when=start_when)
+            factory = roles[role]
+            self.sched.add(name, factory(self, name, **opts), start_when=start_when)
 
-    def run(self) -> None:
-        self.add_actors()
+    def run(self, roles: dict[str, Any]) -> None:
+        self.add_actors(roles)
         if not self.spec.skews:
             self.sched.run()
             return
