@@ -171,6 +171,8 @@ class World:
         self.compactions: list[tuple[str, int, int, str]] = []
         self.prunes: list[tuple[str, int, int, datetime, str]] = []
         self.vandalism: list[tuple[str, int]] = []
+        #: (actor, checkpoint_id, outcome) of every delete_checkpoint a deleter made.
+        self.deletes: list[tuple[str, str, str]] = []
         self.unexpected: list[tuple[str, str]] = []
         #: Re-executions the billing invariant allowed (filled in by the checks).
         self.excused: list[str] = []
