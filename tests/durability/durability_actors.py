@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import random
 import traceback
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
+from durability_moves import controller, corrupter, deleter, fork_resumer, forker, planter
 from durability_world import ReaderObs, World
 
 from loomray.checkpoint_format import load_checkpoint
@@ -18,7 +19,8 @@ from storage.errors import StorageError, TransientStorageError
 from storage.faults import ActorCrashed
 
 
-def compactor(world: World, name: str, rounds: int = 3):
+def compactor(world: World, name: str, rounds: int = 3, grace: float | None = None):
+    """``store.compact()`` ``rounds`` times; ``grace`` (seconds) drops tombstones younger than the default hour."""
 
     def fn() -> None:
         rng = random.Random(f"{world.spec.seed}/{name}")
@@ -27,7 +29,7 @@ def compactor(world: World, name: str, rounds: int = 3):
             world.sched.pause(rng.randint(0, 30))
             start = world.faulty.call_count
             try:
-                report = store.compact()
+                report = store.compact(tombstone_grace=None if grace is None else timedelta(seconds=grace))
                 outcome = f"ok {report}"
             except (StorageError, LoomrayError) as e:
                 outcome = f"{type(e).__name__}: {e}"
@@ -113,4 +115,6 @@ def writer(world: World, name: str, **opts):
 
 
 #: Every role a scenario's actor can play: ``factory(world, name, **options)`` -> the actor's function.
-ROLES = {"writer": writer, "compactor": compactor, "pruner": pruner, "vandal": vandal, "reader": reader}
+ROLES = {"writer": writer, "compactor": compactor, "pruner": pruner, "vandal": vandal, "reader": reader,
+         "forker": forker, "fork_resumer": fork_resumer, "deleter": deleter, "planter": planter,
+         "corrupter": corrupter, "controller": controller}

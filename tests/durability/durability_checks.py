@@ -54,7 +54,7 @@ from loomray.errors import CheckpointException
 
 def check_all(world: Any, final: Any) -> list[Violation]:
     """Every invariant over ``world`` (a finished :class:`durability_world.World`); ``final`` is a fault-free Store."""
-    h = History.build(world.faulty.calls)
+    h = History.build(world.faulty.calls, world.spec.session_id)
     out: list[Violation] = []
     for check in (_epochs, _acked, _chains, _prune_rule, _readers, _latest, _replay, _billing, _fenced_work, _blind,
                   _status, _root, _errors):
@@ -108,7 +108,7 @@ def _acked(world, h: History, final) -> list[Violation]:
     holders = by_epoch.get(epoch, [])
     if not holders:
         return out
-    pruners = {name for name, *_ in world.prunes}
+    pruners = _removers(world)
     rows = final.list_checkpoints(spec.session_id, user_id=spec.user_id, limit=None)
     listed = {r.checkpoint_id for r in rows}
     latest_raw = final.get_checkpoint(spec.session_id, "latest", user_id=spec.user_id)
@@ -125,7 +125,8 @@ def _acked(world, h: History, final) -> list[Violation]:
                 _v(out, "acked-readable", f"{inc.id}: checkpoint {cid} acknowledged at call {pos} but no index row "
                                           f"for it was ever written")
                 continue
-            if _pruned(h, row.key, pruners):
+            if (_pruned(h, row.key, pruners) or cid in {d for _, d, _ in world.deletes}
+                    or any(before > row.created_at for _, _, _, before, _ in world.prunes)):
                 continue
             if spec.keep >= 1 and sum(1 for r in holder_rows if (r.epoch, r.checkpoint_id) > (row.epoch, cid)) >= spec.keep:
                 continue  # retention may have removed it: the holder wrote keep newer ones
@@ -145,6 +146,11 @@ def _acked(world, h: History, final) -> list[Violation]:
                 _v(out, "acked-readable", f"{inc.id} (epoch {epoch}): checkpoint {cid} acknowledged at call {pos}: "
                                           + "; ".join(problems))
     return out
+
+
+def _removers(world) -> set[str]:
+    """The actors whose deletes are rules (prune, delete_checkpoint), not retention."""
+    return {name for name, *_ in world.prunes} | {name for name, _, _ in world.deletes}
 
 
 def _prune_rule(world, h: History, final) -> list[Violation]:
@@ -172,7 +178,7 @@ def _acked_rows_before(world, h: History, n: int) -> list[RowInfo]:
 
 def _readers(world, h: History, final) -> list[Violation]:
     out: list[Violation] = []
-    pruners = {name for name, *_ in world.prunes}
+    pruners = _removers(world)
     for obs in world.readers:
         if obs.error and not obs.transient:
             _v(out, "reader-latest", f"{obs.actor} (calls {obs.start}-{obs.end}) failed: {obs.error}")
@@ -182,6 +188,7 @@ def _readers(world, h: History, final) -> list[Violation]:
         # Not owed: what prune removed, and rows retired (retention's tombstone) before the reader started.
         floor = [r for r in _acked_rows_before(world, h, obs.start)
                  if not any(c.actor in pruners and c.n <= obs.end for c in h.obj_deletes.get(r.key, ()))
+                 and r.checkpoint_id not in {d for _, d, _ in world.deletes}
                  and h.tombstones.get(r.checkpoint_id, obs.start + 1) > obs.start]
         if not floor:
             continue

@@ -90,13 +90,14 @@ class History:
         return best
 
     @classmethod
-    def build(cls, calls: list[Call]) -> History:
+    def build(cls, calls: list[Call], session_id: str | None = None) -> History:
+        """The history of ``session_id`` (None: of every key, for a scenario of one session)."""
         h = cls(calls)
         for c in calls:
             if c.op == "delete" and c.applied:
                 for k in c.keys:
                     h.obj_deletes[k].append(c)
-            if c.op != "put" or not c.applied or c.key is None:
+            if c.op != "put" or not c.applied or c.key is None or not _of_session(c.key, session_id):
                 continue
             key = c.key
             if key.endswith("/lease.json") and c.data is not None:
@@ -117,8 +118,14 @@ class History:
                     h.rows[cid] = RowInfo(cid, c.n, c.actor, epoch, datetime.fromisoformat(header["created_at"]),
                                           key, str(header.get("execution_status")),
                                           epoch >= h.max_epoch_before(c.n), int(header.get("turn") or 0))
+        h._read_entries(calls, session_id)
+        return h
+
+    def _read_entries(self, calls: list[Call], session_id: str | None) -> None:
+        """Journal entries, index rows and tombstones, and session rows, from the puts that landed."""
+        h = self
         for c in calls:
-            if c.op != "put" or not c.applied or c.key is None or c.data is None:
+            if c.op != "put" or not c.applied or c.key is None or c.data is None or not _of_session(c.key, session_id):
                 continue
             m = _JOURNAL.match(c.key)
             if m:
@@ -135,6 +142,8 @@ class History:
                                         epoch >= h.max_epoch_before(c.n)))
             elif c.key.startswith("index/checkpoints/") and c.key.endswith(".parquet"):
                 table = pq.read_table(io.BytesIO(c.data))
+                if "checkpoint_id" not in table.column_names:
+                    continue  # a foreign file someone put there (readers skip it)
                 for r in table.to_pylist():
                     cid = r["checkpoint_id"]
                     h.indexed.add(cid)
@@ -146,8 +155,20 @@ class History:
                                               int(r.get("turn") or 0))
             elif c.key.startswith("index/sessions/") and c.key.endswith(".parquet"):
                 for r in pq.read_table(io.BytesIO(c.data)).to_pylist():
-                    h.session_rows.append((c.n, c.actor, r))
-        return h
+                    if "status" in r:
+                        h.session_rows.append((c.n, c.actor, r))
+
+
+def _of_session(key: str, session_id: str | None) -> bool:
+    """Whether ``key`` belongs to ``session_id`` (its objects and its index partitions; None: every key)."""
+    if session_id is None:
+        return True
+    parts = key.split("/")
+    if parts[0] == "sessions":
+        return len(parts) > 2 and parts[2] == session_id
+    if parts[0] == "index" and len(parts) > 1 and parts[1] in ("checkpoints", "sessions"):
+        return f"/session={session_id}/" in key
+    return True
 
 
 def _identity(raw: bytes) -> tuple[str, int]:

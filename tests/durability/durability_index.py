@@ -13,47 +13,47 @@ from storage import chains
 
 
 # -- the index after compaction ------------------------------------------------------
+def _ours(path: str, schema: pa.Schema) -> bool:
+    """An index file of ours (a foreign Parquet file a user put in a partition is skipped, as readers skip it)."""
+    return "checkpoint_id" in schema.names and "tombstone" in schema.names
+
+
 def index_tables(world, final) -> dict[str, list[dict]]:
-    """Checkpoint index rows as pyarrow and DuckDB read them from the directory or bucket (or from bytes)."""
+    """Checkpoint index rows as pyarrow and DuckDB read them from the directory or bucket (or from bytes).
+
+    Each file's schema is read first and foreign files are left out of both reads (on S3, DuckDB reads the
+    pyarrow table, since its httpfs extension is a download).
+    """
     import duckdb
-    import pyarrow.dataset as ds
 
-    cols = "checkpoint_id, key, epoch, tombstone"
-    out: dict[str, list[dict]] = {}
+    cols = ["checkpoint_id", "key", "epoch", "tombstone"]
+    paths: list[str] = []
     if world.spec.backend == "memory":
-        tables = []
-        for o in world.inner.list(prefix="index/checkpoints/"):
-            if o.key.endswith(".parquet"):
-                tables.append(pq.read_table(io.BytesIO(world.inner.get(key=o.key).data)))
-        table = pa.concat_tables(tables, promote_options="default") if tables else None
-        out["pyarrow"] = table.select(["checkpoint_id", "key", "epoch", "tombstone"]).to_pylist() if table else []
-        if table is not None:
-            con = duckdb.connect()
-            con.register("idx", table)
-            out["duckdb"] = [dict(zip(("checkpoint_id", "key", "epoch", "tombstone"), r, strict=False))
-                             for r in con.execute(f"select {cols} from idx").fetchall()]
-            con.close()
-        else:
-            out["duckdb"] = []
-        return out
-    fs, root = final.fsspec()
-    base = f"{root}/index/checkpoints"
-    if not fs.exists(base):
-        return {"pyarrow": [], "duckdb": []}
-    if world.spec.backend == "local":
-        dataset = ds.dataset(base, format="parquet", partitioning="hive")
+        tables = [pq.read_table(io.BytesIO(world.inner.get(key=o.key).data))
+                  for o in world.inner.list(prefix="index/checkpoints/") if o.key.endswith(".parquet")]
+        tables = [t for t in tables if _ours("", t.schema)]
     else:
-        from pyarrow.fs import FSSpecHandler, PyFileSystem
-
-        dataset = ds.dataset(base, format="parquet", partitioning="hive", filesystem=PyFileSystem(FSSpecHandler(fs)))
-    out["pyarrow"] = dataset.to_table(columns=["checkpoint_id", "key", "epoch", "tombstone"]).to_pylist()
+        fs, root = final.fsspec()
+        base = f"{root}/index/checkpoints"
+        found = [p for p in fs.find(base) if p.endswith(".parquet")] if fs.exists(base) else []
+        tables = []
+        for p in found:
+            with fs.open(p, "rb") as f:
+                t = pq.read_table(f)
+            if _ours(p, t.schema):
+                tables.append(t)
+                paths.append(p)
+    table = pa.concat_tables([t.select(cols) for t in tables], promote_options="default") if tables else None
+    if table is None:
+        return {"pyarrow": [], "duckdb": []}
+    out = {"pyarrow": table.to_pylist()}
     con = duckdb.connect()
     if world.spec.backend == "local":
-        rel = con.execute(f"select {cols} from read_parquet('{base}/**/*.parquet', hive_partitioning=true)")
+        rel = con.execute(f"select {', '.join(cols)} from read_parquet(?, union_by_name=true)", [paths])
     else:
-        con.register("idx", dataset)
-        rel = con.execute(f"select {cols} from idx")
-    out["duckdb"] = [dict(zip(("checkpoint_id", "key", "epoch", "tombstone"), r, strict=False)) for r in rel.fetchall()]
+        con.register("idx", table)
+        rel = con.execute(f"select {', '.join(cols)} from idx")
+    out["duckdb"] = [dict(zip(cols, r, strict=True)) for r in rel.fetchall()]
     con.close()
     return out
 
@@ -73,7 +73,7 @@ def _needed_objects(world, final) -> set[str]:
 def check_index(world, final) -> list[Violation]:
     """After a final compaction: live rows (pyarrow and DuckDB) match the checkpoint objects."""
     out: list[Violation] = []
-    h = History.build(world.faulty.calls)
+    h = History.build(world.faulty.calls, world.spec.session_id)
     tables = index_tables(world, final)
     live = {name: _live(rows) for name, rows in tables.items()}
     if live.get("pyarrow") != live.get("duckdb"):

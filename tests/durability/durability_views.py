@@ -172,16 +172,12 @@ def fork_each(world: Any, store: Any, views: dict[str, Any], out: list[Violation
     return good
 
 
-def _removed_by_rule(world: Any, h: History, row: Any) -> str | None:
-    """Why a rule may have removed ``row`` (None: nothing may have)."""
+def _removed_by_rule(world: Any, row: Any) -> str | None:
+    """Why prune or delete may have removed ``row`` (None: neither may have)."""
     if any(before > row.created_at for _, _, _, before, _ in world.prunes):
         return "prune"
     if row.checkpoint_id in {cid for _, cid, _ in world.deletes}:
         return "delete"
-    keep = world.spec.keep
-    newer = sum(1 for r in h.rows.values() if r.valid and (r.epoch, r.checkpoint_id) > (row.epoch, row.checkpoint_id))
-    if keep >= 1 and newer >= keep:
-        return "retention"
     return None
 
 
@@ -205,7 +201,7 @@ def _retired_validly(world: Any, h: History) -> dict[str, str]:
 def check_views(world: Any, store: Any) -> list[Violation]:
     """Every view agrees, holds what is owed and nothing fenced or retired (see the module docstring)."""
     out: list[Violation] = []
-    h = History.build(world.faulty.calls)
+    h = History.build(world.faulty.calls, world.spec.session_id)
     views = collect_views(world, store, out)
     listed = views["list"]
     if views["latest"] != (views["order"][0] if views["order"] else None):
@@ -220,8 +216,8 @@ def check_views(world: Any, store: Any) -> list[Violation]:
         how = "a fenced write" if row is not None and not row.valid else "not listed"
         _v(out, "views-agree", f"get_checkpoint({cid}) {what}, {how} (written by {row.actor if row else '?'})")
     everything = set().union(*(views[k] for k in ("list", "get", "query", "table-pyarrow", "table-duckdb")))
-    _owed(world, h, everything, views, out)
     retired = _retired_validly(world, h)
+    _owed(world, h, retired, views, out)
     for cid in sorted(everything):
         row = h.rows.get(cid)
         if row is not None and not row.valid:
@@ -229,21 +225,22 @@ def check_views(world: Any, store: Any) -> list[Violation]:
                                     f"epoch {h.max_epoch_before(row.n)} was taken, is visible")
         elif cid in retired:
             _v(out, "dead-visible", f"{cid} is visible again after it was retired ({retired[cid]})")
-    forked = fork_each(world, store, views, out)
-    del forked
+    fork_each(world, store, views, out)
     return out
 
 
-def _owed(world: Any, h: History, everything: set[str], views: dict[str, Any], out: list[Violation]) -> None:
+def _owed(world: Any, h: History, retired: dict[str, str], views: dict[str, Any], out: list[Violation]) -> None:
+    """Every acknowledged checkpoint of a writer that held the lease is in every view, unless prune or delete
+    removed it or a writer entitled to retired it (retention, by a tombstone of a writer not fenced then)."""
     seen = set()
     for inc in world.incarnations:
         for pos, cid, _st, _ in inc.acks:
             row = h.rows.get(cid)
-            if row is None or not row.valid or cid in seen or _removed_by_rule(world, h, row):
+            if row is None or not row.valid or cid in seen or cid in retired or _removed_by_rule(world, row):
                 continue
             seen.add(cid)
             missing = [k for k in ("list", "get", "query", "table-pyarrow", "table-duckdb") if cid not in views[k]]
             if missing:
+                why = f"; a fenced writer's tombstone retired it at call {h.tombstones[cid]}" if cid in h.tombstones else ""
                 _v(out, "acked-visible", f"{inc.id}: checkpoint {cid} (epoch {row.epoch}) acknowledged at call {pos},"
-                                         f" removed by no rule, is missing from {', '.join(missing)}")
-    del everything
+                                         f" removed by no rule, is missing from {', '.join(missing)}{why}")

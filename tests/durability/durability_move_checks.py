@@ -1,0 +1,81 @@
+"""Invariants of the moves in :mod:`durability_moves` (see :mod:`durability_checks` for the rest):
+
+- ``proof-window``: a writer whose model call spanned a takeover and lasted
+  longer than the proof bound (``LEASE_CHECK_S`` since its last proof, which
+  came before the call) runs none of that pass's tools;
+- ``unproven-end``: after ``lease.json`` became unreadable (and nobody wrote
+  a lease again), no run reports its end: no ``completed`` session row, no
+  normal return;
+- ``fork-resumable``: a fork whose process died before its first checkpoint
+  resumes (its re-issued request restores the fork point's transcript),
+  unless a delete or prune removed the fork point itself;
+- ``budget-carried`` / ``pause-consumed``: what the controller found.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from durability_history import History, Violation, _incs_by_epoch, _v
+
+from loomray.run_writes import LEASE_CHECK_S
+
+
+def check_moves(world: Any, h: History) -> list[Violation]:
+    out: list[Violation] = []
+    for check in (_proof_window, _unproven_end, _forks):
+        check(world, h, out)
+    for invariant, detail in world.control:
+        _v(out, invariant, detail)
+    return out
+
+
+def _proof_window(world: Any, h: History, out: list[Violation]) -> None:
+    _incs_by_epoch(world, h)
+    grants = [(i.acquired, i.epoch, i.id) for i in world.incarnations if i.acquired is not None]
+    for inc_id, turn, start, end, secs in world.spans:
+        inc = next(i for i in world.incarnations if i.id == inc_id)
+        if inc.epoch is None or secs < LEASE_CHECK_S:
+            continue
+        taken = [(g, e, who) for g, e, who in grants if start < g <= end and e > inc.epoch]
+        late = [(p, step) for p, _, step, _ in inc.tool_runs if p >= end and int(step[1:5]) == turn]
+        if taken and late:
+            g, e, who = taken[0]
+            _v(out, "proof-window", f"{inc_id} (epoch {inc.epoch}): its model call of pass {turn} lasted {secs:.0f} s "
+                                    f"(calls {start}-{end}) while {who} took epoch {e} at call {g}; it then still ran "
+                                    f"{', '.join(f'tool {s} at call {p}' for p, s in late)} without proving its lease "
+                                    f"(the bound is {LEASE_CHECK_S:.0f} s since the last proof)")
+
+
+def _lease_written(h: History, after: int, before: int) -> bool:
+    return any(after < n < before for n, _ in h.lease_epochs)
+
+
+def _unproven_end(world: Any, h: History, out: list[Violation]) -> None:
+    for v in world.corruptions:
+        for n, actor, row in h.session_rows:
+            if row.get("status") == "completed" and n > v and not _lease_written(h, v, n):
+                _v(out, "unproven-end", f"{actor} wrote session status 'completed' at call {n}, after lease.json was "
+                                        f"made unreadable at call {v}")
+        for inc in world.incarnations:
+            if inc.outcome != "ok" or not inc.start < v < (inc.end or 0) or _lease_written(h, v, inc.end or 0):
+                continue
+            done_before = any(row.get("status") == "completed" and actor == inc.actor and inc.start < n < v
+                              for n, actor, row in h.session_rows)
+            if not done_before:
+                _v(out, "unproven-end", f"{inc.id} returned normally (calls {inc.start}-{inc.end}) although lease.json "
+                                        f"was unreadable from call {v}")
+
+
+def _forks(world: Any, h: History, out: list[Violation]) -> None:
+    removed = {cid for _, cid, _ in world.deletes}
+    for rec in world.forks:
+        if rec["outcome"] != "crashed" or rec["resumed"] is None or rec["resumed"] == "ok":
+            continue
+        if rec["cid"] in removed or rec["resumed"].startswith("transient"):
+            continue
+        row = h.rows.get(rec["cid"])
+        if row is not None and any(before > row.created_at for _, _, _, before, _ in world.prunes):
+            continue
+        _v(out, "fork-resumable", f"fork {rec['request'].session_id} of checkpoint {rec['cid']} died before its "
+                                  f"first checkpoint; re-issuing it: {rec['resumed']}")
