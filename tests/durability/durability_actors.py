@@ -40,11 +40,15 @@ def compactor(world: World, name: str, rounds: int = 3, grace: float | None = No
         store.index.close()
     return fn
 
-def pruner(world: World, name: str, after_acks: int = 1):
+def pruner(world: World, name: str, after_acks: int = 1, future: bool = False):
+    """``prune(before=...)`` of the session: the wall time of its ``after_acks``-th acknowledgement, or a day
+    ahead (``future``: everything prune may remove)."""
 
     def fn() -> None:
         acks = sorted((a for inc in world.incarnations for a in inc.acks), key=lambda a: a[0])
         before = acks[min(after_acks, len(acks)) - 1][3] if acks else datetime.now(timezone.utc)
+        if future:
+            before = datetime.now(timezone.utc) + timedelta(days=1)
         store = world.new_store()
         start = world.faulty.call_count
         try:

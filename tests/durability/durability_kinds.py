@@ -200,7 +200,8 @@ def _pins(spec: Spec, rng: random.Random, plan: FaultPlan, actors: list, crash: 
     actors.append(("deleter", "deleter", {"pick": rng.choice(["newest", "middle", "oldest", "forked"]),
                                           "own": rng.choice(["holder", None]), "start_when": done("forker")}))
     if rng.random() < 0.5:
-        actors.append(("pruner", "pruner", {"after_acks": rng.randint(1, 3), "start_when": done("forker")}))
+        actors.append(("pruner", "pruner", {"after_acks": rng.randint(1, 3), "future": rng.random() < 0.3,
+                                            "start_when": done("forker")}))
     after = ("deleter", "pruner") if any(a[0] == "pruner" for a in actors) else ("deleter",)
     if rng.random() < 0.6:  # the parent's next run: its retention retires the fork point's row
         actors.append(("taker", "writer", {"kind": "run2", "start_when": done(*after)}))

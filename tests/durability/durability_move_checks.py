@@ -9,21 +9,26 @@
 - ``fork-resumable``: a fork whose process died before its first checkpoint
   resumes (its re-issued request restores the fork point's transcript),
   unless a delete or prune removed the fork point itself;
+- ``prune-records``: after ``prune(before=<future>)`` no run record or
+  ``run_end`` entry written before it is left holding the run's request
+  (its ``metadata``);
 - ``budget-carried`` / ``pause-consumed``: what the controller found.
 """
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from typing import Any
 
 from durability_history import History, Violation, _incs_by_epoch, _v
 
 from loomray.run_writes import LEASE_CHECK_S
+from storage import layout
 
 
 def check_moves(world: Any, h: History) -> list[Violation]:
     out: list[Violation] = []
-    for check in (_proof_window, _unproven_end, _forks):
+    for check in (_proof_window, _unproven_end, _forks, _prune_records):
         check(world, h, out)
     for invariant, detail in world.control:
         _v(out, invariant, detail)
@@ -79,3 +84,20 @@ def _forks(world: Any, h: History, out: list[Violation]) -> None:
             continue
         _v(out, "fork-resumable", f"fork {rec['request'].session_id} of checkpoint {rec['cid']} died before its "
                                   f"first checkpoint; re-issuing it: {rec['resumed']}")
+
+
+def _prune_records(world: Any, h: History, out: list[Violation]) -> None:
+    now = datetime.now(timezone.utc)
+    ends = [end for _, _, end, before, outcome in world.prunes if before > now and outcome.startswith("ok")]
+    if not ends:
+        return
+    end = max(ends)
+    tag = world.tag["durability_tag"].encode()
+    prefix = layout.session_prefix(world.spec.session_id, world.spec.user_id)
+    for o in world.inner.list(prefix=prefix):
+        if not ("/runs/" in o.key or o.key.endswith("-run-end.json")):
+            continue
+        puts = [c.n for c in h.calls if c.op == "put" and c.key == o.key and c.applied]
+        if puts and max(puts) < end and tag in world.inner.get(key=o.key).data:
+            _v(out, "prune-records", f"{o.key} (written at call {max(puts)}) still holds the run's request after "
+                                     f"prune(before=<a day ahead>) ended at call {end}")

@@ -302,10 +302,16 @@ class World:
     def request(self, kind: str) -> RunRequest:
         sid, uid = self.spec.session_id, self.spec.user_id
         if kind == "resume":
-            return RunRequest(kind="resume", prompt=None, session_id=sid, user_id=uid)
+            return RunRequest(kind="resume", prompt=None, session_id=sid, user_id=uid, metadata=self.tag)
         if kind == "run2":  # a new run of the finished conversation
-            return RunRequest(kind="run", prompt=self.spec.prompt + " again", session_id=sid, user_id=uid)
-        return RunRequest(kind="run", prompt=self.spec.prompt, session_id=sid, user_id=uid)
+            return RunRequest(kind="run", prompt=self.spec.prompt + " again", session_id=sid, user_id=uid,
+                              metadata=self.tag)
+        return RunRequest(kind="run", prompt=self.spec.prompt, session_id=sid, user_id=uid, metadata=self.tag)
+
+    @property
+    def tag(self) -> dict[str, str]:
+        """The metadata every run request carries: what a run record holds and prune must remove."""
+        return {"durability_tag": f"tag-{self.spec.seed}-{self.spec.kind}"}
 
     # -- actors ----------------------------------------------------------------
     def writer(self, name: str, kind: str = "run", attempts: int = 3):
