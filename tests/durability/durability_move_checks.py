@@ -56,14 +56,27 @@ def _lease_written(h: History, after: int, before: int) -> bool:
     return any(after < n < before for n, _ in h.lease_epochs)
 
 
+def _proven_after_last_write(h: History, actor: str | None, v: int, n: int) -> bool:
+    """Whether ``actor`` read its lease (ok) after its last durable write before call ``n`` and before the
+    lease became unreadable at ``v``: then reporting its end at ``n`` is proven, whatever came after."""
+    writes = [c.n for c in h.calls[:n - 1] if c.actor == actor and c.op == "put" and c.key is not None
+              and ("/journal/" in c.key or "/checkpoints/" in c.key)]
+    last = max(writes, default=0)
+    return any(c.actor == actor and c.op == "get" and c.outcome == "ok" and (c.key or "").endswith("/lease.json")
+               and last < c.n < v for c in h.calls)
+
+
 def _unproven_end(world: Any, h: History, out: list[Violation]) -> None:
     for v in world.corruptions:
         for n, actor, row in h.session_rows:
-            if row.get("status") == "completed" and n > v and not _lease_written(h, v, n):
+            if (row.get("status") == "completed" and n > v and not _lease_written(h, v, n)
+                    and not _proven_after_last_write(h, actor, v, n)):
                 _v(out, "unproven-end", f"{actor} wrote session status 'completed' at call {n}, after lease.json was "
                                         f"made unreadable at call {v}")
         for inc in world.incarnations:
-            if inc.outcome != "ok" or not inc.start < v < (inc.end or 0) or _lease_written(h, v, inc.end or 0):
+            end = inc.end or 0
+            if (inc.outcome != "ok" or not inc.start < v < end or _lease_written(h, v, end)
+                    or _proven_after_last_write(h, inc.actor, v, end)):
                 continue
             done_before = any(row.get("status") == "completed" and actor == inc.actor and inc.start < n < v
                               for n, actor, row in h.session_rows)
