@@ -60,7 +60,7 @@ def _proven_after_last_write(h: History, actor: str | None, v: int, n: int) -> b
     """Whether ``actor`` read its lease (ok) after its last durable write before call ``n`` and before the
     lease became unreadable at ``v``: then reporting its end at ``n`` is proven, whatever came after."""
     writes = [c.n for c in h.calls[:n - 1] if c.actor == actor and c.op == "put" and c.key is not None
-              and ("/journal/" in c.key or "/checkpoints/" in c.key)]
+              and c.key.startswith("sessions/") and ("/journal/" in c.key or "/checkpoints/" in c.key)]
     last = max(writes, default=0)
     return any(c.actor == actor and c.op == "get" and c.outcome == "ok" and (c.key or "").endswith("/lease.json")
                and last < c.n < v for c in h.calls)
