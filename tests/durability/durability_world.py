@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import random
 import shutil
 import tempfile
 import traceback
@@ -35,17 +34,17 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from durability_clocks import run_with_clocks
 from durability_sched import Scheduler
 
 from loomray import Agent, Tuning
-from loomray.checkpoint_format import load_checkpoint
 from loomray.config import CheckpointConfig
 from loomray.errors import LoomrayError
 from loomray.journal import tool_step_key
 from loomray.models.scripted import ScriptedModel
 from loomray.session import RunRequest, execute_request
 from loomray.tools import ToolContext
-from storage.errors import CorruptObjectError, LeaseLostError, ObjectNotFound, StorageError, TransientStorageError
+from storage.errors import CorruptObjectError, LeaseCorruptError, LeaseLostError, ObjectNotFound, StorageError
 from storage.faults import ActorCrashed, FaultPlan, FaultyObjectStore
 from storage.store import Store
 
@@ -68,6 +67,8 @@ def _untyped_storage_error(e: BaseException) -> BaseException | None:
     cur: BaseException | None = e
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
+        if isinstance(cur, LeaseCorruptError):  # typed: a lease no reader can parse stops the run, no guess
+            return None
         if type(cur) is StorageError or isinstance(cur, (CorruptObjectError, ObjectNotFound)):
             return cur
         cur = cur.__cause__ or cur.__context__
@@ -141,6 +142,11 @@ class Spec:
     #: Clock skew in seconds per actor, as seen by the ids it makes (run and checkpoint ids are time-sortable).
     skews: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    #: Runs of the same task a session goes through ("run2" requests continue the finished conversation).
+    rounds: int = 1
+    #: actor -> (where, n, seconds, until): its first incarnation stops inside tool effect n ("tool") or the model
+    #: call of pass n ("model") until the actors ``until`` are done, and the run's clock moves on by ``seconds``.
+    stalls: dict[str, tuple[str, int, float, tuple[str, ...]]] = field(default_factory=dict)
 
     @property
     def session_id(self) -> str:
@@ -173,11 +179,23 @@ class World:
         self.compactions: list[tuple[str, int, int, str]] = []
         self.prunes: list[tuple[str, int, int, datetime, str]] = []
         self.vandalism: list[tuple[str, int]] = []
+        #: (actor, checkpoint_id, outcome) of every delete_checkpoint a deleter made.
+        self.deletes: list[tuple[str, str, str]] = []
         self.unexpected: list[tuple[str, str]] = []
         #: Re-executions the billing invariant allowed (filled in by the checks).
         self.excused: list[str] = []
         self._stamp = 0
-        self._clocks: dict[str | None, tuple[int, int]] = {}
+        #: actor -> the call at which it stalled; (incarnation, turn, start, end, seconds) of every stalled model call.
+        self.stalled: dict[str, int] = {}
+        self.spans: list[tuple[str, int, int, int, float]] = []
+        #: Seconds the runs' lease-proof clock (``loomray.run_writes``) is ahead of the real one.
+        self.clock_shift = 0.0
+        #: What the move actors saw (forks, lease corruptions, control runs): see durability_moves.
+        self.forks: list[dict[str, Any]] = []
+        self.corruptions: list[int] = []
+        self.control: list[tuple[str, str]] = []
+        self.stores: list[Store] = []
+        self.clocks: dict[str | None, tuple[int, int]] = {}
         self.agent = self._make_agent()
 
     # -- backends ------------------------------------------------------------
@@ -213,6 +231,8 @@ class World:
             return store
 
     def close(self) -> None:
+        for store in self.stores:
+            store.index.close()
         try:
             self.inner.close()
         finally:
@@ -222,8 +242,10 @@ class World:
     # -- the agent -----------------------------------------------------------
     def _make_agent(self) -> Agent:
         world = self
-        replies: list[Any] = [{"tool": "effect", "args": {"n": i}} for i in range(self.spec.passes)]
-        replies.append(f"all {self.spec.passes} effects done")
+        replies: list[Any] = []
+        for r in range(self.spec.rounds):
+            replies += [{"tool": "effect", "args": {"n": r * self.spec.passes + i}} for i in range(self.spec.passes)]
+            replies.append(f"all {self.spec.passes} effects of round {r} done")
 
         class LedgerModel:
             """The scripted model; every real call is counted and stamped (in usage, outside any hash)."""
@@ -238,7 +260,10 @@ class World:
                 world.faulty.check_alive(inc.actor if inc else None)
                 stamp = world.next_stamp()
                 if inc is not None:
-                    inc.model_calls.append((world.faulty.call_count, inc.turn, stamp))
+                    start = world.faulty.call_count
+                    inc.model_calls.append((start, inc.turn, stamp))
+                    if world.stall(inc, "model", inc.turn):
+                        world.spans.append((inc.id, inc.turn, start, world.faulty.call_count, world.clock_shift))
                 response = await self.inner.complete(request)
                 usage = response.usage.model_copy(update={"cache_read_tokens": stamp})
                 return response.model_copy(update={"usage": usage})
@@ -248,14 +273,27 @@ class World:
             inc = current_inc.get()
             world.faulty.check_alive(inc.actor if inc else None)
             if inc is not None:
+                world.stall(inc, "tool", n)
                 inc.tool_runs.append((world.faulty.call_count, ctx.run_id, tool_step_key(ctx.turn, ctx.tool_call_id), n))
             return f"effect {n} done"
 
         tuning = Tuning(checkpoint=CheckpointConfig(position=self.spec.position, full_every=self.spec.full_every),
                         durability=self.spec.durability, journal=True,
-                        max_turns=self.spec.passes + 5)
+                        max_turns=self.spec.passes * self.spec.rounds + 5)
         return Agent("Do the effects one by one.", model=LedgerModel(), tools=[effect], tuning=tuning,
                      name="durability-agent")
+
+    def stall(self, inc: Incarnation, where: str, n: int) -> bool:
+        """Stop ``inc`` here until every other actor is done, if its spec says so (its first incarnation only)."""
+        what = self.spec.stalls.get(inc.actor)
+        if what is None or what[:2] != (where, n) or inc.actor in self.stalled or not inc.id.endswith("#1"):
+            return False
+        self.stalled[inc.actor] = self.faulty.call_count
+        self.clock_shift += what[2]
+        while not all(self.sched.done(name) for name in what[3]):
+            self.sched.pause(1)
+        self.faulty.check_alive(inc.actor)
+        return True
 
     def next_stamp(self) -> int:
         self._stamp += 1
@@ -264,8 +302,16 @@ class World:
     def request(self, kind: str) -> RunRequest:
         sid, uid = self.spec.session_id, self.spec.user_id
         if kind == "resume":
-            return RunRequest(kind="resume", prompt=None, session_id=sid, user_id=uid)
-        return RunRequest(kind="run", prompt=self.spec.prompt, session_id=sid, user_id=uid)
+            return RunRequest(kind="resume", prompt=None, session_id=sid, user_id=uid, metadata=self.tag)
+        if kind == "run2":  # a new run of the finished conversation
+            return RunRequest(kind="run", prompt=self.spec.prompt + " again", session_id=sid, user_id=uid,
+                              metadata=self.tag)
+        return RunRequest(kind="run", prompt=self.spec.prompt, session_id=sid, user_id=uid, metadata=self.tag)
+
+    @property
+    def tag(self) -> dict[str, str]:
+        """The metadata every run request carries: what a run record holds and prune must remove."""
+        return {"durability_tag": f"tag-{self.spec.seed}-{self.spec.kind}"}
 
     # -- actors ----------------------------------------------------------------
     def writer(self, name: str, kind: str = "run", attempts: int = 3):
@@ -294,6 +340,7 @@ class World:
             for attempt in range(attempts):
                 inc = Incarnation(f"{name}#{attempt + 1}", name, kind, start=world.faulty.call_count)
                 inc.store = world.new_store()
+                world.stores.append(inc.store)  # closed with the world: a deleter may use the store a run wrote with
                 world.incarnations.append(inc)
                 token = current_inc.set(inc)
                 try:
@@ -324,147 +371,27 @@ class World:
                 finally:
                     current_inc.reset(token)
                     inc.end = world.faulty.call_count
-                    inc.store.index.close()
-        return fn
-
-    def compactor(self, name: str, rounds: int = 3):
-        world = self
-
-        def fn() -> None:
-            rng = random.Random(f"{world.spec.seed}/{name}")
-            store = world.new_store()
-            for _ in range(rounds):
-                world.sched.pause(rng.randint(0, 30))
-                start = world.faulty.call_count
-                try:
-                    report = store.compact()
-                    outcome = f"ok {report}"
-                except (StorageError, LoomrayError) as e:
-                    outcome = f"{type(e).__name__}: {e}"
-                except Exception as e:
-                    outcome = f"{type(e).__name__}: {e}"
-                    world.unexpected.append((name, traceback.format_exc()))
-                world.compactions.append((name, start, world.faulty.call_count, outcome))
-            store.index.close()
-        return fn
-
-    def pruner(self, name: str, after_acks: int = 1):
-        world = self
-
-        def fn() -> None:
-            acks = sorted((a for inc in world.incarnations for a in inc.acks), key=lambda a: a[0])
-            before = acks[min(after_acks, len(acks)) - 1][3] if acks else datetime.now(timezone.utc)
-            store = world.new_store()
-            start = world.faulty.call_count
-            try:
-                report = store.prune(before=before, session_id=world.spec.session_id, user_id=world.spec.user_id)
-                outcome = f"ok {report}"
-            except (StorageError, LoomrayError) as e:
-                outcome = f"{type(e).__name__}: {e}"
-            except Exception as e:
-                outcome = f"{type(e).__name__}: {e}"
-                world.unexpected.append((name, traceback.format_exc()))
-            world.prunes.append((name, start, world.faulty.call_count, before, outcome))
-            store.index.close()
-        return fn
-
-    def vandal(self, name: str):
-        """A bucket lifecycle rule or an operator's cleanup: deletes the session's lease.json."""
-        world = self
-
-        def fn() -> None:
-            from storage import layout
-
-            key = layout.lease_key(world.spec.session_id, world.spec.user_id)
-            try:
-                world.faulty.delete(keys=[key])
-                world.vandalism.append((name, world.faulty.call_count))
-            except TransientStorageError:
-                pass
-        return fn
-
-    def reader(self, name: str, rounds: int = 2):
-        world = self
-        sid, uid = self.spec.session_id, self.spec.user_id
-
-        def fn() -> None:
-            rng = random.Random(f"{world.spec.seed}/{name}")
-            for _ in range(rounds):
-                world.sched.pause(rng.randint(0, 30))
-                obs = ReaderObs(name, start=world.faulty.call_count)
-                store = world.new_store()
-                try:
-                    rows = store.list_checkpoints(sid, user_id=uid, limit=None)
-                    obs.listed = [r.checkpoint_id for r in rows]
-                    obs.head_id = rows[0].checkpoint_id if rows else None
-                    ckpt = load_checkpoint(store, sid, "latest", user_id=uid)  # read back whole: the chain too
-                    if ckpt is not None:
-                        obs.latest_id, obs.latest_epoch = ckpt.checkpoint_id, ckpt.epoch
-                    if rows:
-                        obs.explicit_ok = store.get_checkpoint(sid, rows[0].checkpoint_id, user_id=uid) is not None
-                    # Planning a resume also reads the journal of the last run.
-                    runs = store.journal_runs(sid, user_id=uid)
-                    if runs:
-                        store.journal_list(sid, runs[-1], user_id=uid)
-                except TransientStorageError as e:
-                    obs.transient, obs.error = True, str(e)
-                except ActorCrashed:
-                    raise
-                except Exception as e:
-                    # Loading a checkpoint wraps a storage error (a transient one included) as its cause.
-                    obs.transient = isinstance(e.__cause__, TransientStorageError)
-                    obs.error = f"{type(e).__name__}: {e}"
-                obs.end = world.faulty.call_count
-                world.readers.append(obs)
-                store.index.close()
         return fn
 
     # -- running -----------------------------------------------------------------
-    def add_actors(self) -> None:
+    def add_actors(self, roles: dict[str, Any]) -> None:
+        """Register the spec's actors; ``roles`` maps a role to ``factory(world, name, **options)``."""
         for name, role, opts in self.spec.actors:
             opts = dict(opts)
             start_when = opts.pop("start_when", None)
-            factory = {"writer": self.writer, "compactor": self.compactor, "pruner": self.pruner,
-                       "vandal": self.vandal, "reader": self.reader}[role]
-            self.sched.add(name, factory(name, **opts), start_when=start_when)
+            factory = roles[role]
+            self.sched.add(name, factory(self, name, **opts), start_when=start_when)
 
-    def run(self) -> None:
-        self.add_actors()
-        if not self.spec.skews:
-            self.sched.run()
-            return
-        import loomray.records
-        import loomray.session
+    def run(self, roles: dict[str, Any]) -> None:
+        """Register the actors and run them all to their end (see :func:`durability_clocks.run_with_clocks`)."""
+        self.add_actors(roles)
+        import storage.maintenance as maintenance
 
-        saved = loomray.session.new_id, loomray.records.new_id, loomray.session.new_segment
-        loomray.session.new_id = loomray.records.new_id = self._skewed_new_id
-        loomray.session.new_segment = self._skewed_new_segment
+        # A compaction merges partitions on 4 threads of a remote store's own pool; threads without an actor's
+        # name cannot be scheduled one call at a time, so every merge runs on its actor's thread, as on local.
+        saved = maintenance._pool
+        maintenance._pool = lambda store: maintenance._InOrder()
         try:
-            self.sched.run()
+            run_with_clocks(self)
         finally:
-            loomray.session.new_id, loomray.records.new_id, loomray.session.new_segment = saved
-
-    def _skewed_tick(self) -> tuple[int, int]:
-        import time
-
-        actor = self.sched.actor_of_call()
-        ms = time.time_ns() // 1_000_000 + int(self.spec.skews.get(actor or "", 0) * 1000)
-        last = self._clocks.get(actor, (0, 0))
-        counter = last[1] + 1 if ms <= last[0] else 0
-        ms = max(ms, last[0])
-        self._clocks[actor] = (ms, counter)
-        return ms, counter
-
-    def _skewed_new_id(self, prefix: str) -> str:
-        """``loomray.ids.new_id`` on the calling actor's own (skewed) clock, each actor monotonic on its own."""
-        import os
-
-        ms, counter = self._skewed_tick()
-        return f"{prefix}{ms:012x}{counter:04x}{os.urandom(5).hex()}"
-
-    def _skewed_new_segment(self) -> str:
-        """``loomray.ids.new_segment`` on the calling actor's skewed clock."""
-        import os
-
-        ms, counter = self._skewed_tick()
-        return f"ckpt{ms:012x}{counter:04x}{os.urandom(2).hex()}"
+            maintenance._pool = saved

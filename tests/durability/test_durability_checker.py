@@ -70,6 +70,17 @@ def test_conditional_puts_that_are_not_conditional_grant_an_epoch_twice():
     assert any("epochs-rise" in f for f in found), found
 
 
+def test_a_reader_that_loses_a_row_shows_as_views_disagreeing(monkeypatch):
+    # The oracle compares every reader: a Store.query that drops the newest row is caught, by name.
+    from storage.store import Store
+
+    real = Store.query
+    monkeypatch.setattr(Store, "query", lambda self, **kw: real(self, **kw).slice(1))
+    found = [run_scenario(seed, "compaction", "memory").violations for seed in range(2)]
+    assert all(any(v.invariant == "views-agree" and v.detail.startswith("query differs") for v in f)
+               for f in found), found
+
+
 # -- the billing excuse is narrow -------------------------------------------------------------------
 def _log(case: str):
     """A hand-written call log: ``old`` (epoch 1) journals a tool step while ``new`` takes over (epoch 2);
@@ -138,7 +149,8 @@ def test_review_r3_rerun_is_excused_only_for_a_live_zombie_inside_a_takeover_lis
     after the takeover's last listing and before its swap (so it was alive during the takeover, whether it
     crashed before the swap or later) and a seal of the takeover's epoch fences it; anything else is a
     ``rerun-tool`` violation."""
-    from durability_checks import History, _billing
+    from durability_history import History
+    from durability_journal_checks import _billing
 
     world = _log(case)
     violations = _billing(world, History.build(world.faulty.calls), None)
