@@ -38,10 +38,10 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from storage import chains, layout
-from storage.errors import PreconditionFailed
 from storage.ids import user_from_segment, user_segment, validate_id
 from storage.journal import RUN_END, last_run_window, load_entries, unfinished_last_run
 from storage.journal.runs import drop_request, requests_held
+from storage.prune_objects import put_back, read_objects, restore_entry
 from storage.rows import CheckpointRow, JournalEntry, PruneReport, RunRecord, as_utc
 
 if TYPE_CHECKING:
@@ -293,19 +293,33 @@ def _delete(store: Store, journal_keys: Sequence[str], record_keys: Sequence[str
 
 def _prune_keeping_recovery(store: Store, planner: _Planner, plan: SessionPrunePlan) -> tuple[int, int]:
     """Carry out ``plan`` (made with a cutoff): objects first, rows last, with what a run recorded meanwhile
-    needs put back in between. ``(checkpoints, journal entries)`` deleted."""
-    uid, sid = plan.user_id, plan.session_id
+    needs put back in between. ``(checkpoints, journal entries)`` deleted. A failure before the rows are
+    retired puts back what was deleted, and raises."""
     doomed, keys = list(plan.retired), list(plan.journal_keys)
     held: dict[str, bytes] = {}
     if plan.object_keys:
         # Objects first, rows later (below): a run recorded meanwhile may need one back.
-        held = _read_objects(store, list(plan.object_keys))
+        held = read_objects(store, list(plan.object_keys))
         store.objects.delete(keys=list(plan.object_keys))
-    _delete(store, keys, plan.run_record_keys)
-    for key in plan.request_keys:  # kept records of finished runs: what decides the last run stays, no request
-        drop_request(store, key)
-    if not (doomed or keys):
-        return 0, 0
+    try:
+        _delete(store, keys, plan.run_record_keys)
+        for key in plan.request_keys:  # kept records of finished runs: what decides the last run stays, no request
+            drop_request(store, key)
+        if not (doomed or keys):
+            return 0, 0
+        return _retire_what_no_run_needs(store, planner, plan, held)
+    except BaseException:
+        # The rows are not tombstoned yet: put back what was deleted, so no reader finds a listed checkpoint
+        # without its object (prune, run again, deletes it for good).
+        put_back(store, held, {k: plan.entries[k] for k in keys if k in plan.entries})
+        raise
+
+
+def _retire_what_no_run_needs(store: Store, planner: _Planner, plan: SessionPrunePlan,
+                              held: Mapping[str, bytes]) -> tuple[int, int]:
+    """After the deletes: put back what a run recorded meanwhile needs, tombstone the rest of the rows."""
+    uid, sid = plan.user_id, plan.session_id
+    doomed, keys = list(plan.retired), list(plan.journal_keys)
     # What recovery needs now, after the deletes: a run recorded since the first look gets back what it
     # names. (Deleted records are never among those the last run is chosen from: no record returns.)
     now = _Needs.of(store, [(uid, sid), *planner.needs.forks.get((uid, sid), ())])
@@ -316,7 +330,7 @@ def _prune_keeping_recovery(store: Store, planner: _Planner, plan: SessionPruneP
     replayed = now.runs.get((uid, sid), set())
     restored = [k for k in keys if plan.entries[k].run_id in replayed]
     for key in restored:
-        _restore_entry(store, key, plan.entries[key])
+        restore_entry(store, key, plan.entries[key])
     if back or restored:
         log.warning("prune of session %r put back %d checkpoint(s) and %d journal entr%s that a run started "
                     "meanwhile needs", sid, len(back), len(restored), "y" if len(restored) == 1 else "ies")
@@ -324,23 +338,6 @@ def _prune_keeping_recovery(store: Store, planner: _Planner, plan: SessionPruneP
     store.retire_checkpoints(sid, doomed, user_id=uid, collect=False)  # tombstones (and the view); objects gone
     store.release_pins(sid, doomed, user_id=uid)
     return len(doomed), len(set(keys) - set(restored))
-
-
-def _read_objects(store: Store, keys: list[str]) -> dict[str, bytes]:
-    """The bytes of ``keys`` that exist (read in parallel), to put back what a run started meanwhile needs."""
-    def read(key: str) -> bytes | None:
-        obj = store.objects.get(key=key)
-        return None if obj is None else obj.data
-
-    datas = store.index.map(read, keys) if len(keys) > 2 else map(read, keys)
-    return {k: d for k, d in zip(keys, datas, strict=False) if d is not None}
-
-
-def _restore_entry(store: Store, key: str, entry: JournalEntry) -> None:
-    try:
-        store.objects.put(key=key, data=entry.__pydantic_serializer__.to_json(entry), if_none_match=True)
-    except PreconditionFailed:
-        pass  # already there again: nothing to put back
 
 
 def _legacy_last_run(store: Store, sid: str, uid: str | None) -> str | None:

@@ -31,7 +31,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from storage import layout
-from storage.rows import SESSION_SCHEMA, session_rows_from_table, session_rows_table
+from storage.rows import SESSION_SCHEMA, SessionRow, session_rows_from_table, session_rows_table
 from storage.sessions import latest_sessions
 
 if TYPE_CHECKING:
@@ -70,6 +70,18 @@ def read_session_table(store: Store, segment: str) -> pa.Table:
         return SESSION_TABLE_SCHEMA.empty_table()
 
 
+def _own_rows(store: Store, key: str, table: pa.Table) -> list[SessionRow]:
+    """The status rows of index file ``key`` that speak for its own session; none from a foreign file (skipped
+    with a warning, as every reader of the index skips it; compaction moves it to quarantine)."""
+    try:
+        own = store.own_session_rows(key, table).select(SESSION_SCHEMA.names).cast(SESSION_SCHEMA)
+        return session_rows_from_table(own)
+    except (KeyError, ValueError, TypeError, pa.ArrowException) as e:
+        log.warning("session table: skipping %s, not a session status file (%s: %s)", store.describe(key),
+                    type(e).__name__, e)
+        return []
+
+
 def _latest_rows(store: Store, files: dict[str, list[str]]) -> pa.Table:
     """The latest own row of each session in ``files`` (session id -> its partition's files), with its source."""
     tables = dict(store.index.read_files([k for keys in files.values() for k in keys]))
@@ -78,8 +90,7 @@ def _latest_rows(store: Store, files: dict[str, list[str]]) -> pa.Table:
         rows = []
         for key in keys:
             if key in tables:
-                own = store.own_session_rows(key, tables[key]).select(SESSION_SCHEMA.names)
-                rows += [(r, key) for r in session_rows_from_table(own.cast(SESSION_SCHEMA))]
+                rows += [(r, key) for r in _own_rows(store, key, tables[key])]
         if rows:
             latest = latest_sessions([r for r, _ in rows])[0]
             source = next(k for r, k in rows if r is latest)

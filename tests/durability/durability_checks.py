@@ -239,7 +239,7 @@ def _latest(world, h: History, final) -> list[Violation]:
 def _root(world, h: History, final) -> list[Violation]:
     out: list[Violation] = []
     for key in world.faulty.written:
-        if key.startswith("/") or ".." in key.split("/") or key.split("/", 1)[0] not in ("sessions", "index"):
+        if key.startswith("/") or ".." in key.split("/") or key.split("/", 1)[0] not in ("sessions", "index", "live", "active"):
             _v(out, "outside-root", f"wrote key {key!r} outside the store layout")
     if world.tmp is not None:
         extra = sorted(p.name for p in world.tmp.iterdir() if p.name != "store")

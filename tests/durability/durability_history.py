@@ -97,6 +97,8 @@ class History:
             if c.op == "delete" and c.applied:
                 for k in c.keys:
                     h.obj_deletes[k].append(c)
+            if c.op == "put" and c.applied and c.key in h.obj_deletes:
+                del h.obj_deletes[c.key]  # put back (a failed prune restores what it deleted): not deleted now
             if c.op != "put" or not c.applied or c.key is None or not _of_session(c.key, session_id):
                 continue
             key = c.key
