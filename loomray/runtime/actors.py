@@ -299,8 +299,22 @@ class Outcome(BaseModel):
     node_id: str | None = None
     #: Passes completed when the run ended (its last event's turn).
     turn: int | None = None
+    #: With ``status == "completed"``: the run's ``RunResult.stop_reason`` ("completed", "cancelled",
+    #: "paused", "awaiting_approval", "budget_exceeded"), what its status row in the store says.
+    stop_reason: str | None = None
     #: The run's exception, to re-raise in the driver; only when it survives pickling. Never stored.
     exception: Any = Field(default=None, exclude=True)
+
+    @property
+    def state(self) -> str:
+        """The session's state as every view reports it (status, session, fan-out progress, the store row).
+
+        A run that returned (``status == "completed"``) ended the way its result says: a cancelled, paused,
+        approval-waiting or over-budget run is not "completed". The one rule every view calls.
+        """
+        if self.status == "completed" and self.stop_reason:
+            return self.stop_reason
+        return self.status
 
 
 def _alive_nodes(exclude: str | None) -> list[str]:

@@ -122,6 +122,14 @@ class RayRuntime(Runtime):
     ``storage_options`` include S3 server-side encryption (``sse``,
     ``sse_kms_key_id``).
 
+    ``max_restarts_per_session`` bounds the starts of one session's run
+    that are charged to it: every start of its own actor, and a dense
+    session's reactivation after a node loss; a reactivation after a shared
+    session host crashed with its node up is not charged (its neighbours
+    did nothing), and a session present at two such crashes runs in a
+    process of its own from then on (see :mod:`loomray.runtime.watcher`).
+    Past the limit the session is marked ``failed`` with the reason.
+
     Besides the ``Agent`` API: :meth:`submit` (fire and forget, by agent
     reference), :meth:`wait`, :meth:`status`, :meth:`session`.
     """
@@ -131,7 +139,7 @@ class RayRuntime(Runtime):
                  on_fork_progress: Callable[[dict[str, Any]], Any] | None = None,
                  placement: str = "actor", hosts_per_node: int | None = None, sessions_per_host: int = 1000,
                  standby_actors: int = DEFAULT_STANDBY_ACTORS, allowed_agents: Sequence[str] = (),
-                 **storage_options: Any) -> None:
+                 max_restarts_per_session: int = 20, **storage_options: Any) -> None:
         if not isinstance(store, (str, os.PathLike)):
             raise TypeError("RayRuntime needs a store URL or path (actors on other nodes open it themselves)")
         if actor_options is not None and not isinstance(actor_options, dict):
@@ -144,7 +152,8 @@ class RayRuntime(Runtime):
                                     max_checkpoints_per_session=self.keep, actor_options=dict(actor_options or {}),
                                     placement=placement, hosts_per_node=hosts_per_node,
                                     sessions_per_host=sessions_per_host, standby_actors=standby_actors,
-                                    allowed_agents=tuple(allowed_agents))
+                                    allowed_agents=tuple(allowed_agents),
+                                    max_restarts_per_session=check_restarts(max_restarts_per_session))
         if isinstance(max_concurrent_forks, bool) or not isinstance(max_concurrent_forks, int) \
                 or max_concurrent_forks < 1:
             raise ValueError(f"max_concurrent_forks must be a positive int, got {max_concurrent_forks!r}")
@@ -177,13 +186,19 @@ class RayRuntime(Runtime):
                 handle = self._supervisor
         return handle
 
-    async def _call(self, method: str, *args: Any) -> Any:
-        """Call a supervisor method; if the supervisor died, use its replacement (which adopts our sessions)."""
+    async def _call(self, method: str, *args: Any, resendable: bool = False) -> Any:
+        """Call a supervisor method; if the supervisor died, use its replacement (which adopts our sessions).
+
+        ``resendable`` calls (submit, run_many) tell the replacement it is a resend: what they carry may have
+        started already under the lost supervisor, and must not start twice.
+        """
         deadline = time.monotonic() + _READOPT_TIMEOUT_S
         replaced = False
         while True:
             try:
                 handle = await asyncio.to_thread(self.supervisor)
+                if replaced and resendable:
+                    return await getattr(handle, method).remote(*args, resend=True)
                 return await getattr(handle, method).remote(*args)
             except ray.exceptions.RayActorError:
                 # Killed or its node died: the next handle is a replacement that re-adopts from the index.
@@ -208,7 +223,8 @@ class RayRuntime(Runtime):
         """
         spec = AgentSpec.of(agent, extra_tools)
         self._allow(spec)
-        await self._call("submit", spec, request.model_dump_json(), emit is not None, self.config)
+        request = _handed_off(request)
+        await self._call("submit", spec, request.model_dump_json(), emit is not None, self.config, resendable=True)
         return await self._wait(request.session_id, request.user_id, emit)
 
     async def _wait(self, session_id: str, user_id: str | None, emit: EmitFn | None) -> RunResult:
@@ -261,13 +277,18 @@ class RayRuntime(Runtime):
 
         ``on_fork_progress`` (if set) is called with the supervisor's progress
         dict (``total``, ``queued``, ``running``, ``completed``, ``failed``,
+        ``cancelled``, ``paused``, ``awaiting_approval``, ``budget_exceeded``,
         ``max_running``, ``limit``) whenever it changes.
         """
         spec = AgentSpec.of(agent, extra_tools)
         self._allow(spec)
         fanout_id = new_id("fanout")
+        # Each fork's run id is chosen here: a resend of the batch continues (or, finished, answers) the forks
+        # a lost supervisor started instead of starting them again.
+        requests = [_handed_off(r.model_copy(update={"run_id": r.run_id or new_id("run")})) for r in requests]
         run = asyncio.create_task(self._call("run_many", spec, [r.model_dump_json() for r in requests],
-                                             self.max_concurrent_forks, fanout_id, emit is not None, self.config))
+                                             self.max_concurrent_forks, fanout_id, emit is not None, self.config,
+                                             resendable=True))
         watchers = []
         if emit is not None:
             watchers += [asyncio.create_task(self._pump_events(r.session_id, r.user_id, emit)) for r in requests]
@@ -326,7 +347,8 @@ class RayRuntime(Runtime):
                              effort=effort)
         spec = AgentSpec.of(agent)
         self._allow(spec)
-        await self._call("submit", spec, request.model_dump_json(), False, self.config)
+        request = _handed_off(request)
+        await self._call("submit", spec, request.model_dump_json(), False, self.config, resendable=True)
         return request.session_id
 
     def submit_sync(self, agent: Agent | str, prompt: str | None = None, **kwargs: Any) -> str:
@@ -371,6 +393,18 @@ def check_placement(placement: Any, hosts_per_node: Any = None, sessions_per_hos
         raise ValueError(f"hosts_per_node must be a positive int or None, got {hosts_per_node!r}")
     if isinstance(sessions_per_host, bool) or not isinstance(sessions_per_host, int) or sessions_per_host < 1:
         raise ValueError(f"sessions_per_host must be a positive int, got {sessions_per_host!r}")
+
+
+def _handed_off(request: RunRequest) -> RunRequest:
+    """``request`` with the id of this hand-off to the supervisor (kept if it has one)."""
+    return request if request.request_id else request.model_copy(update={"request_id": new_id("req")})
+
+
+def check_restarts(value: Any) -> int:
+    """``max_restarts_per_session`` if it is a positive int, else ``ValueError``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"max_restarts_per_session must be a positive int, got {value!r}")
+    return value
 
 
 def _result(outcome: Outcome, session_id: str) -> RunResult:

@@ -241,10 +241,10 @@ def test_a_standby_that_died_with_its_node_does_not_make_the_pool_back_off():
     (the pool once backed off a minute after a node loss, holding a fan-out)."""
     from ray.exceptions import ActorDiedError
 
-    from loomray.runtime.standby import _died_with_its_node
+    from loomray.runtime.standby import died_with_its_node
 
     lost = ActorDiedError()
     lost.error_msg = "The actor died because its node has died. Node Id: 07f8\\n\\tthe actor's node was terminated"
-    assert _died_with_its_node(lost)
-    assert not _died_with_its_node(ActorDiedError())  # died before it started for another reason
-    assert not _died_with_its_node(RuntimeError("its node has died"))
+    assert died_with_its_node(lost)
+    assert not died_with_its_node(ActorDiedError())  # died before it started for another reason
+    assert not died_with_its_node(RuntimeError("its node has died"))
