@@ -213,7 +213,8 @@ class RuntimeConfig:
     actor_options: dict[str, Any] = field(default_factory=dict)
     #: How many forks of one fan-out run at once (the rest queue).
     max_concurrent_forks: int = 32
-    #: Incarnations per session before it is marked failed (a crash loop).
+    #: Starts charged to a session before it is marked failed (a crash loop); a shared host's crash is
+    #: charged to none of its sessions (``SessionWatcher.after_death``).
     max_restarts_per_session: int = 20
     #: Seconds between background ``store.compact()`` runs; None disables.
     compact_interval_s: float | None = 600.0
@@ -243,6 +244,9 @@ class RuntimeConfig:
         if isinstance(self.allowed_agents, str):
             raise TypeError("allowed_agents must be a list of patterns, not one string")
         check_standby_actors(self.standby_actors)
+        restarts = self.max_restarts_per_session
+        if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 1:
+            raise ValueError(f"max_restarts_per_session must be a positive int, got {restarts!r}")
         check_actor_options(self.actor_options)
         object.__setattr__(self, "allowed_agents", tuple(check_pattern(p) for p in self.allowed_agents))
 

@@ -40,6 +40,7 @@ from loomray.records import RunResult
 from loomray.runtime.actors import DEFAULT_STANDBY_ACTORS, AgentSpec, Outcome, RuntimeConfig, agent_ref_allowed
 from loomray.runtime.base import Runtime
 from loomray.runtime.connection import connect, normalize_store_url
+from loomray.runtime.handoffs import handed_off
 from loomray.runtime.supervisor import get_supervisor
 from loomray.session import RunRequest
 from storage import open_store
@@ -122,13 +123,9 @@ class RayRuntime(Runtime):
     ``storage_options`` include S3 server-side encryption (``sse``,
     ``sse_kms_key_id``).
 
-    ``max_restarts_per_session`` bounds the starts of one session's run
-    that are charged to it: every start of its own actor, and a dense
-    session's reactivation after a node loss; a reactivation after a shared
-    session host crashed with its node up is not charged (its neighbours
-    did nothing), and a session present at two such crashes runs in a
-    process of its own from then on (see :mod:`loomray.runtime.watcher`).
-    Past the limit the session is marked ``failed`` with the reason.
+    ``max_restarts_per_session`` bounds the starts charged to a session
+    before it is marked ``failed``; a shared host's crash is charged to none
+    of its sessions (:meth:`~loomray.runtime.watcher.SessionWatcher.after_death`).
 
     Besides the ``Agent`` API: :meth:`submit` (fire and forget, by agent
     reference), :meth:`wait`, :meth:`status`, :meth:`session`.
@@ -153,7 +150,7 @@ class RayRuntime(Runtime):
                                     placement=placement, hosts_per_node=hosts_per_node,
                                     sessions_per_host=sessions_per_host, standby_actors=standby_actors,
                                     allowed_agents=tuple(allowed_agents),
-                                    max_restarts_per_session=check_restarts(max_restarts_per_session))
+                                    max_restarts_per_session=max_restarts_per_session)
         if isinstance(max_concurrent_forks, bool) or not isinstance(max_concurrent_forks, int) \
                 or max_concurrent_forks < 1:
             raise ValueError(f"max_concurrent_forks must be a positive int, got {max_concurrent_forks!r}")
@@ -187,11 +184,8 @@ class RayRuntime(Runtime):
         return handle
 
     async def _call(self, method: str, *args: Any, resendable: bool = False) -> Any:
-        """Call a supervisor method; if the supervisor died, use its replacement (which adopts our sessions).
-
-        ``resendable`` calls (submit, run_many) tell the replacement it is a resend: what they carry may have
-        started already under the lost supervisor, and must not start twice.
-        """
+        """Call a supervisor method; if the supervisor died, use its replacement (which adopts our sessions),
+        telling it of a ``resendable`` call's resend (:mod:`loomray.runtime.handoffs`)."""
         deadline = time.monotonic() + _READOPT_TIMEOUT_S
         replaced = False
         while True:
@@ -223,7 +217,7 @@ class RayRuntime(Runtime):
         """
         spec = AgentSpec.of(agent, extra_tools)
         self._allow(spec)
-        request = _handed_off(request)
+        request = handed_off(request)
         await self._call("submit", spec, request.model_dump_json(), emit is not None, self.config, resendable=True)
         return await self._wait(request.session_id, request.user_id, emit)
 
@@ -283,9 +277,8 @@ class RayRuntime(Runtime):
         spec = AgentSpec.of(agent, extra_tools)
         self._allow(spec)
         fanout_id = new_id("fanout")
-        # Each fork's run id is chosen here: a resend of the batch continues (or, finished, answers) the forks
-        # a lost supervisor started instead of starting them again.
-        requests = [_handed_off(r.model_copy(update={"run_id": r.run_id or new_id("run")})) for r in requests]
+        # Each fork's run id is chosen here: a resend continues or answers what a lost supervisor started.
+        requests = [handed_off(r, fork=True) for r in requests]
         run = asyncio.create_task(self._call("run_many", spec, [r.model_dump_json() for r in requests],
                                              self.max_concurrent_forks, fanout_id, emit is not None, self.config,
                                              resendable=True))
@@ -347,7 +340,7 @@ class RayRuntime(Runtime):
                              effort=effort)
         spec = AgentSpec.of(agent)
         self._allow(spec)
-        request = _handed_off(request)
+        request = handed_off(request)
         await self._call("submit", spec, request.model_dump_json(), False, self.config, resendable=True)
         return request.session_id
 
@@ -393,18 +386,6 @@ def check_placement(placement: Any, hosts_per_node: Any = None, sessions_per_hos
         raise ValueError(f"hosts_per_node must be a positive int or None, got {hosts_per_node!r}")
     if isinstance(sessions_per_host, bool) or not isinstance(sessions_per_host, int) or sessions_per_host < 1:
         raise ValueError(f"sessions_per_host must be a positive int, got {sessions_per_host!r}")
-
-
-def _handed_off(request: RunRequest) -> RunRequest:
-    """``request`` with the id of this hand-off to the supervisor (kept if it has one)."""
-    return request if request.request_id else request.model_copy(update={"request_id": new_id("req")})
-
-
-def check_restarts(value: Any) -> int:
-    """``max_restarts_per_session`` if it is a positive int, else ``ValueError``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"max_restarts_per_session must be a positive int, got {value!r}")
-    return value
 
 
 def _result(outcome: Outcome, session_id: str) -> RunResult:

@@ -49,6 +49,7 @@ from loomray.runtime.compaction import Compaction
 from loomray.runtime.connection import NAMESPACE
 from loomray.runtime.event_relay import EventRelay, SessionKey
 from loomray.runtime.fanouts import Fanouts
+from loomray.runtime.handoffs import pinned
 from loomray.runtime.watcher import SessionWatcher, WatchedSession
 from loomray.session import RunRequest
 
@@ -187,13 +188,8 @@ class Supervisor:
         :class:`LoomrayUserError` here rather than later. ``config`` is the
         submitting runtime's (its retention and actor options apply to this
         session); it must name this supervisor's store. A session adopted
-        later from the index gets the supervisor's own config.
-
-        Idempotent for a driver's resend (``resend``: the driver lost the
-        supervisor it first sent the request to): the same request of a session
-        watched here joins it, and a request whose ``request_id`` started the
-        session's last run (see :meth:`_pinned`) continues that run, which
-        answers from its journal or, finished, returns its result at once.
+        later from the index gets the supervisor's own config. A driver's ``resend`` (it lost the supervisor
+        it sent this to) starts no run twice (:mod:`loomray.runtime.handoffs`).
         """
         if config is not None and config.store_url != self._config.store_url:
             raise LoomrayUserError(f"this supervisor serves store {self._config.store_url!r}, not {config.store_url!r}")
@@ -207,12 +203,11 @@ class Supervisor:
         request = RunRequest.model_validate_json(request_json)
         key = (request.user_id, request.session_id)
         if self._watching(key):
-            w = self._sessions[key]
-            if same_request(w.request_json, request_json):  # a resend: the run it asked for is under way
-                return self._submitted(w)
+            if same_request(self._sessions[key].request_json, request_json):  # a resend: its run is under way
+                return self._submitted(self._sessions[key])
             raise LoomrayUserError(f"session {request.session_id!r} (user {request.user_id!r}) is already running")
         if resend:
-            request_json = await self._pinned(request, request_json)
+            request_json = await pinned(self._store, request, request_json)
         w = WatchedSession(request.session_id, request.user_id, request_json, agent, stream_events=stream_events,
                            config=config)
         self._track(w)
@@ -226,22 +221,8 @@ class Supervisor:
         return self._submitted(w)
 
     def _submitted(self, w: WatchedSession) -> dict[str, Any]:
-        return {"session_id": w.session_id, "user_id": w.user_id,
-                "actor": session_actor_name(self._config.store_url, w.session_id, w.user_id), "node_id": w.last_node}
-
-    async def _pinned(self, request: RunRequest, request_json: str) -> str:
-        """``request_json``, pinned to the session's last run if this very hand-off (``request_id``) started it.
-
-        A resent request that a lost supervisor already started must not start
-        another run (it would call the model again for what is done): with the
-        last run's id it continues that run, as a restart does.
-        """
-        if request.request_id is None or request.run_id is not None:
-            return request_json  # no id to look up, or the run is pinned already (a fork)
-        record = await asyncio.to_thread(self._store.last_run, request.session_id, user_id=request.user_id)
-        if record is None or (record.request or {}).get("request_id") != request.request_id:
-            return request_json
-        return request.model_copy(update={"run_id": record.run_id}).model_dump_json()
+        actor = session_actor_name(self._config.store_url, w.session_id, w.user_id)
+        return {"session_id": w.session_id, "user_id": w.user_id, "actor": actor, "node_id": w.last_node}
 
     async def _start_watched(self, w: WatchedSession, placement: str) -> None:
         """Mark the session active, start its first incarnation and its watcher; learn its node."""
@@ -286,10 +267,7 @@ class Supervisor:
         """Fan-out: one actor per request, at most ``max_concurrent`` (default ``max_concurrent_forks``) at once.
 
         Outcomes come back in request order; ``fanout(fanout_id)`` reports
-        progress meanwhile. A driver's ``resend`` of a batch a lost supervisor
-        was running starts no fork twice: each fork request carries its run id
-        (chosen by the driver), so a fork running under the old supervisor is
-        joined (adopted) and a finished one answers from its final checkpoint.
+        progress meanwhile. A ``resend`` starts no fork twice (:mod:`loomray.runtime.handoffs`).
         """
         async def run_one(request_json: str, request: RunRequest) -> Outcome:
             await self.submit(agent, request_json, stream_events, config, resend)
@@ -299,21 +277,17 @@ class Supervisor:
         return await self._fanouts.run(request_jsons, limit, fanout_id, run_one)
 
     async def fanout(self, fanout_id: str) -> dict[str, Any] | None:
-        """Progress of a fan-out: total, queued, running, one count per ending (completed, failed, cancelled,
-        paused, awaiting_approval, budget_exceeded), max_running, limit; None if unknown."""
+        """Progress of a fan-out (:meth:`Fanouts.progress`); None if unknown."""
         return self._fanouts.progress(fanout_id)
 
     async def status(self) -> list[dict[str, Any]]:
         """One dict per session this supervisor knows (running, or finished within ``forget_after_s``).
 
-        Keys: ``session_id``, ``user_id``, ``status`` (``running``,
-        ``completed``, ``failed``, ``fenced``, ``cancelled``, ``paused``, ``awaiting_approval``,
-        ``budget_exceeded``: :attr:`Outcome.state`, what the store row says too), ``node_id``,
-        ``host``, ``placement``, ``epoch``, ``incarnation``, ``restarts``, ``charged_restarts`` (those
-        counted against ``max_restarts_per_session``: not the restarts after a shared host crashed with its
-        node up), ``quarantined`` (moved to a process of its own after such crashes),
-        ``turn`` (passes completed as of the latest event or checkpoint; asked
-        of live actors with a short timeout, else the last value seen), ``error``.
+        Keys: ``session_id``, ``user_id``, ``status`` (``running``, else :attr:`Outcome.state`, as the
+        store row says), ``node_id``, ``host``, ``placement``, ``epoch``, ``incarnation``, ``restarts``,
+        ``charged_restarts`` and ``quarantined`` (:meth:`SessionWatcher.after_death`), ``turn`` (passes
+        completed as of the latest event or checkpoint; asked of live actors with a short timeout, else the
+        last value seen), ``error``.
         """
         await self._ensure_started()
         self._forget()
@@ -327,15 +301,7 @@ class Supervisor:
             w.turn, w.epoch, w.last_node = p.get("turn", w.turn), p.get("epoch") or w.epoch, p["node_id"]
 
         await asyncio.gather(*(progress(w) for w in live))
-        return [self._describe(w) for w in self._sessions.values()]
-
-    def _describe(self, w: WatchedSession) -> dict[str, Any]:
-        return {"session_id": w.session_id, "user_id": w.user_id,
-                "status": w.done.result().state if w.done.done() else "running",
-                "node_id": w.last_node, "host": w.host, "placement": self._watcher.config_of(w).placement,
-                "epoch": w.epoch, "incarnation": w.incarnation, "restarts": max(0, w.incarnation - 1),
-                "charged_restarts": max(0, w.charged - 1), "quarantined": w.quarantined,
-                "turn": w.turn, "error": w.error}
+        return [w.describe(self._watcher.config_of(w).placement) for w in self._sessions.values()]
 
     async def session(self, session_id: str, user_id: str | None = None) -> dict[str, Any] | None:
         """One supervised session as in :meth:`status`, plus ``pid`` and ``owner`` while it runs; None if unknown."""
@@ -343,7 +309,7 @@ class Supervisor:
         w = self._sessions.get((user_id, session_id))
         if w is None:
             return None
-        out = self._describe(w)
+        out = w.describe(self._watcher.config_of(w).placement)
         if not w.done.done() and w.handle is not None:
             try:
                 info = await asyncio.wait_for(w.handle.info.remote(), timeout=5.0)

@@ -82,6 +82,15 @@ class WatchedSession:
         """Starts that count against the session's restart limit."""
         return self.incarnation - self.uncharged
 
+    def describe(self, placement: str) -> dict[str, Any]:
+        """This session as the supervisor's ``status`` reports it (``placement``: the one it runs with)."""
+        return {"session_id": self.session_id, "user_id": self.user_id,
+                "status": self.done.result().state if self.done.done() else "running",
+                "node_id": self.last_node, "host": self.host, "placement": placement,
+                "epoch": self.epoch, "incarnation": self.incarnation, "restarts": max(0, self.incarnation - 1),
+                "charged_restarts": max(0, self.charged - 1), "quarantined": self.quarantined,
+                "turn": self.turn, "error": self.error}
+
 
 class SessionWatcher:
     """Starts, watches and restarts one supervisor's sessions (see the module docstring)."""
