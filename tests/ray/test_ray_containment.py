@@ -21,7 +21,6 @@ import time
 
 import pytest
 
-
 ray = pytest.importorskip("ray")
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
@@ -71,18 +70,16 @@ def _status(statuses, sid):
 
 @pytest.mark.parametrize("placement", ["actor", "dense"])
 async def test_a_tool_raising_system_exit_fails_its_own_run_only(env, placement):
-    from loomray.errors import ToolAborted
-
     _, _, agents = env
     rt = _runtime(env, placement=placement, hosts_per_node=1 if placement == "dense" else None, standby_actors=0)
     name = "exits" if placement == "actor" else "exits_dense"
     neighbours = [] if placement == "actor" else [0, 1]
     runs = [asyncio.create_task(_mine(agents, f"nb{i}", rt).run("go", session_id=f"s-nb{i}")) for i in neighbours]
 
-    with pytest.raises(ToolAborted, match="SystemExit") as caught:
+    with pytest.raises(Exception, match="SystemExit") as caught:  # on main: a hang (TimeoutError)
         await asyncio.wait_for(_mine(agents, name, rt).run("go", session_id=f"s-{name}"), BOUND_S)
 
-    assert caught.value.tool == "leave"
+    assert type(caught.value).__name__ == "ToolAborted" and caught.value.tool == "leave"
     assert agents.model_calls(name) == [0]
     done = await asyncio.wait_for(asyncio.gather(*runs), BOUND_S)
     assert [r.output for r in done] == [f"nb{i} finished" for i in neighbours]
@@ -98,12 +95,11 @@ async def test_a_tool_raising_system_exit_fails_its_own_run_only(env, placement)
 
 
 async def test_a_tool_raising_keyboard_interrupt_in_its_thread_fails_its_run(env):
-    from loomray.errors import ToolAborted
-
     _, _, agents = env
     rt = _runtime(env, standby_actors=0)
-    with pytest.raises(ToolAborted, match="KeyboardInterrupt"):
+    with pytest.raises(Exception, match="KeyboardInterrupt") as caught:
         await asyncio.wait_for(_mine(agents, "interrupts", rt).run("go", session_id="s-interrupts"), BOUND_S)
+    assert type(caught.value).__name__ == "ToolAborted"
     assert (await rt.session("s-interrupts"))["status"] == "failed"
     rt.close()
 
