@@ -60,7 +60,9 @@ def run(seeds: list[int], sessions: int, bound_s: float) -> int:
            "LOOMRAY_CHAOS_DIR": str(work)}
     os.environ["LOOMRAY_CHAOS_DIR"] = str(work)
     started, failing, faults = time.monotonic(), [], Counter()
-    with local_cluster(num_nodes=3, worker_resources={"loomray_session": 100}, env=env) as lc:
+    # Workers' logs stay in the cluster's log files: the report is one line per seed.
+    with local_cluster(num_nodes=3, worker_resources={"loomray_session": 100}, env=env,
+                       init_kwargs={"log_to_driver": False}) as lc:
         runtimes = _runtimes(work / "store")
         stop = threading.Event()
         keeper = threading.Thread(target=supervise, args=(str(work / "store"),), daemon=True,
