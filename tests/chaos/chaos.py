@@ -67,7 +67,9 @@ def run(seeds: list[int], sessions: int, bound_s: float) -> int:
         stop = threading.Event()
         keeper = threading.Thread(target=supervise, args=(str(work / "store"),), daemon=True,
                                   kwargs={"interval_s": 0.2, "stop": stop, "report": lambda line: None,
-                                          "max_restarts_per_session": MAX_RESTARTS})
+                                          "max_restarts_per_session": MAX_RESTARTS,
+                                          # What an operator passes (--allow-agent): the agents it may adopt.
+                                          "allowed_agents": ("chaos_kinds:*",)})
         keeper.start()
         try:
             for seed in seeds:
