@@ -123,9 +123,8 @@ class RayRuntime(Runtime):
     ``storage_options`` include S3 server-side encryption (``sse``,
     ``sse_kms_key_id``).
 
-    ``max_restarts_per_session`` bounds the starts charged to a session
-    before it is marked ``failed``; a shared host's crash is charged to none
-    of its sessions (:meth:`~loomray.runtime.watcher.SessionWatcher.after_death`).
+    ``max_restarts_per_session`` bounds the starts charged to a session before it fails; a shared
+    host's crash is charged to none (:meth:`~loomray.runtime.watcher.SessionWatcher.after_death`).
 
     Besides the ``Agent`` API: :meth:`submit` (fire and forget, by agent
     reference), :meth:`wait`, :meth:`status`, :meth:`session`.
@@ -184,8 +183,7 @@ class RayRuntime(Runtime):
         return handle
 
     async def _call(self, method: str, *args: Any, resendable: bool = False) -> Any:
-        """Call a supervisor method; if the supervisor died, use its replacement (which adopts our sessions),
-        telling it of a ``resendable`` call's resend (:mod:`loomray.runtime.handoffs`)."""
+        """Call a supervisor method, or its replacement's (told of a ``resendable`` call's resend: handoffs)."""
         deadline = time.monotonic() + _READOPT_TIMEOUT_S
         replaced = False
         while True:
@@ -219,7 +217,14 @@ class RayRuntime(Runtime):
         self._allow(spec)
         request = handed_off(request)
         await self._call("submit", spec, request.model_dump_json(), emit is not None, self.config, resendable=True)
-        return await self._wait(request.session_id, request.user_id, emit)
+        try:
+            return await self._wait(request.session_id, request.user_id, emit)
+        except LoomrayUserError as e:
+            if "not supervised" not in str(e):
+                raise
+            # It ended while its supervisor was lost (never adopted): resent, it returns that run's result.
+            await self._call("submit", spec, request.model_dump_json(), emit is not None, self.config, True)
+            return await self._wait(request.session_id, request.user_id, emit)
 
     async def _wait(self, session_id: str, user_id: str | None, emit: EmitFn | None) -> RunResult:
         if emit is None:
@@ -257,8 +262,8 @@ class RayRuntime(Runtime):
         """Cancel durably (as every runtime does), then have the session's actor stop its run at once.
 
         Once the durable part returns nothing the session does is made durable (it is fenced); telling its
-        actor spares the run the wait for its next look at the store, so an in-flight tool stops now.
-        """
+        actor spares the run the wait for its next look at the store, so an in-flight tool stops now. A
+        resend to a replacement supervisor is harmless: the cancel is a durable request, applied once."""
         await super().cancel(session_id, user_id=user_id)
         try:
             await self._call("cancel", session_id, user_id)
@@ -270,9 +275,8 @@ class RayRuntime(Runtime):
         """Fan-out: one actor per request, at most ``max_concurrent_forks`` at once; results in request order.
 
         ``on_fork_progress`` (if set) is called with the supervisor's progress
-        dict (``total``, ``queued``, ``running``, ``completed``, ``failed``,
-        ``cancelled``, ``paused``, ``awaiting_approval``, ``budget_exceeded``,
-        ``max_running``, ``limit``) whenever it changes.
+        dict (``total``, ``queued``, ``running``, a count per ending, ``max_running``,
+        ``limit``: :meth:`~loomray.runtime.fanouts.Fanouts.progress`) whenever it changes.
         """
         spec = AgentSpec.of(agent, extra_tools)
         self._allow(spec)
