@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: demo test lint soak bench install clean
+.PHONY: demo test lint soak chaos bench install clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -32,6 +32,11 @@ lint: $(VENV)/.installed
 SEEDS ?= 200
 soak: $(VENV)/.installed
 	PYTHONHASHSEED=0 $(PY) tests/durability/soak.py $(if $(SEED),--seed $(SEED),--seeds $(SEEDS))$(if $(SCENARIO), --scenario $(SCENARIO))$(if $(BACKEND), --backend $(BACKEND))$(if $(JOBS), --jobs $(JOBS))
+
+# Chaos checker on a real local Ray cluster: `make chaos SEEDS=20` runs seeds 0..19 (about 20 s each: kept out
+# of `make test`); a failing seed prints its replay command, e.g. `make chaos SEED=7`.
+chaos: $(VENV)/.installed
+	$(PY) tests/chaos/chaos.py $(if $(SEED),--seed $(SEED),--seeds $(SEEDS))
 
 bench: $(VENV)/.installed
 	$(PY) bench/storage_bench.py

@@ -99,3 +99,25 @@ class SessionStartError(LoomrayUserError, LoomrayRunError):
     A user error for the caller of ``submit`` and a run error for a restart
     (the supervisor marks the session failed instead of retrying).
     """
+
+
+class ToolAborted(LoomrayRunError):
+    """A tool tried to end its process or thread (``SystemExit``, ``KeyboardInterrupt``, ``GeneratorExit``).
+
+    Not information for the model, and not the host's business: the run of the
+    session that called the tool ends with this error (its checkpoints stay),
+    and every other session of the process runs on. ``tool`` names the tool,
+    ``raised`` the exception type it raised.
+    """
+
+    def __init__(self, message: str, *, tool: str | None = None, raised: str | None = None) -> None:
+        super().__init__(message)
+        self.tool = tool
+        self.raised = raised
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return (_rebuild_tool_aborted, (str(self), self.tool, self.raised))
+
+
+def _rebuild_tool_aborted(message: str, tool: str | None, raised: str | None) -> ToolAborted:
+    return ToolAborted(message, tool=tool, raised=raised)

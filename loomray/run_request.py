@@ -36,6 +36,10 @@ class RunRequest(BaseModel):
     effort: str | None = None
     fork_of: str | None = None
     trace_parent: str | None = Field(default_factory=current_traceparent)
+    #: Chosen by the driver for each hand-off to a supervisor (``RayRuntime``); a resend of the same hand-off
+    #: to a replacement supervisor carries it, which finds the run it already started by it. Not part of
+    #: the spec: it never decides which run a request continues.
+    request_id: str | None = None
 
     def spec_hash(self) -> str:
         """What makes two requests "the same run" for the recovery rule."""

@@ -29,6 +29,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
+from loomray.errors import ToolAborted
 from loomray.records import Message, ToolCall
 
 
@@ -239,7 +240,11 @@ def as_tools(items: Iterable[Any]) -> dict[str, Tool]:
 
 
 async def run_tool_call(tools: dict[str, Tool], call: ToolCall, ctx: ToolContext) -> Message:
-    """Execute one tool call; any failure becomes an error tool message, never an exception."""
+    """Execute one tool call; any failure becomes an error tool message, never an exception.
+
+    Except a tool's attempt to end its process or thread (``SystemExit``, ``KeyboardInterrupt``,
+    ``GeneratorExit``): that ends this session's run with :class:`~loomray.errors.ToolAborted`.
+    """
     t = tools.get(call.name)
     if t is None:
         content, is_error = f"unknown tool {call.name!r}; available: {sorted(tools)}", True
@@ -252,4 +257,9 @@ async def run_tool_call(tools: dict[str, Tool], call: ToolCall, ctx: ToolContext
             raise
         except Exception as e:  # a tool's failure is information for the model
             content, is_error = f"{type(e).__name__}: {e}", True
+        except (SystemExit, KeyboardInterrupt, GeneratorExit) as e:
+            # Raised on, it would end the event loop that hosts this and (dense placement) other sessions,
+            # silently: the run ends here instead, with a typed error, and the process goes on.
+            raise ToolAborted(f"tool {call.name!r} raised {type(e).__name__}({e}); the run of this session is "
+                              "stopped (its checkpoints stay)", tool=call.name, raised=type(e).__name__) from None
     return Message(role="tool", content=content, tool_call_id=call.id, name=call.name, is_error=is_error)

@@ -295,11 +295,15 @@ def status(store_url: str | None, address: str | None, user_id: str | None, limi
               help="An agent reference (glob wildcards allowed, e.g. 'examples.*:agent') that sessions read from "
                    "the store may run; repeatable. Sessions with any other stored reference are refused "
                    "(marked failed). Env: LOOMRAY_ALLOW_AGENTS, space-separated.")
+@click.option("--max-restarts-per-session", "max_restarts", default=20, show_default=True,
+              type=click.IntRange(1, None),
+              help="Starts of one session's run charged to it before it is marked failed (a shared host's "
+                   "crash is not charged to the sessions it held).")
 @actor_options_flags
 @guarded
 def supervise_cmd(store_url: str | None, address: str | None, interval: float,
-                  allowed_agents: tuple[str, ...], standby_actors: int, actor_options: str | None,
-                  resources: str | None, runtime_env: str | None) -> None:
+                  allowed_agents: tuple[str, ...], max_restarts: int, standby_actors: int,
+                  actor_options: str | None, resources: str | None, runtime_env: str | None) -> None:
     """Keep the store's supervisor alive (re-create it if it dies) until Ctrl-C; run it on the head.
 
     Each store has its own supervisor; any number share a cluster. Only agent
@@ -331,7 +335,8 @@ def supervise_cmd(store_url: str | None, address: str | None, interval: float,
     def keep_alive() -> None:
         try:
             supervise(url, address=address, interval_s=interval, stop=stop, report=report,
-                      allowed_agents=tuple(allowed_agents), actor_options=options, standby_actors=standby_actors)
+                      allowed_agents=tuple(allowed_agents), actor_options=options, standby_actors=standby_actors,
+                      max_restarts_per_session=max_restarts)
         except BaseException as e:  # handed to the main thread, which reports it
             failure.append(e)
 

@@ -227,7 +227,8 @@ class RuntimeConfig:
     actor_options: dict[str, Any] = field(default_factory=dict)
     #: How many forks of one fan-out run at once (the rest queue).
     max_concurrent_forks: int = 32
-    #: Incarnations per session before it is marked failed (a crash loop).
+    #: Starts charged to a session before it is marked failed (a crash loop); a shared host's crash is
+    #: charged to none of its sessions (``SessionWatcher.after_death``).
     max_restarts_per_session: int = 20
     #: Seconds between background ``store.compact()`` runs; None disables.
     compact_interval_s: float | None = 600.0
@@ -257,6 +258,9 @@ class RuntimeConfig:
         if isinstance(self.allowed_agents, str):
             raise TypeError("allowed_agents must be a list of patterns, not one string")
         check_standby_actors(self.standby_actors)
+        restarts = self.max_restarts_per_session
+        if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 1:
+            raise ValueError(f"max_restarts_per_session must be a positive int, got {restarts!r}")
         check_actor_options(self.actor_options)
         object.__setattr__(self, "allowed_agents", tuple(check_pattern(p) for p in self.allowed_agents))
 
@@ -313,8 +317,22 @@ class Outcome(BaseModel):
     node_id: str | None = None
     #: Passes completed when the run ended (its last event's turn).
     turn: int | None = None
+    #: With ``status == "completed"``: the run's ``RunResult.stop_reason`` ("completed", "cancelled",
+    #: "paused", "awaiting_approval", "budget_exceeded"), what its status row in the store says.
+    stop_reason: str | None = None
     #: The run's exception, to re-raise in the driver; only when it survives pickling. Never stored.
     exception: Any = Field(default=None, exclude=True)
+
+    @property
+    def state(self) -> str:
+        """The session's state as every view reports it (status, session, fan-out progress, the store row).
+
+        A run that returned (``status == "completed"``) ended the way its result says: a cancelled, paused,
+        approval-waiting or over-budget run is not "completed". The one rule every view calls.
+        """
+        if self.status == "completed" and self.stop_reason:
+            return self.stop_reason
+        return self.status
 
 
 def _alive_nodes(exclude: str | None) -> list[str]:

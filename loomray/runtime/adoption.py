@@ -21,6 +21,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -35,6 +36,9 @@ from loomray.session import RunRequest
 from storage import SessionRow
 
 log = logging.getLogger("loomray.runtime.adoption")
+
+#: How long a lease newer than its session's status row may stay silent before the session is adopted anyway.
+OWNER_SILENT_S = 20.0
 
 
 def same_request(a: str, b: str) -> bool:
@@ -54,6 +58,8 @@ class AdoptionPolicy:
         #: Agent reference patterns adopted sessions may use: the config's, the operator's, and every
         #: reference submitted here.
         self._allowed: set[str] = set(config.allowed_agents)
+        #: When each newer-than-its-row lease was first seen, by (user, session, row epoch, lease epoch).
+        self._newer_lease_seen: dict[tuple[str | None, str, int, int], float] = {}
 
     def allow(self, patterns: Iterable[str]) -> None:
         """Allow more agent references (patterns as in ``RuntimeConfig.allowed_agents``) for adopted sessions."""
@@ -83,8 +89,10 @@ class AdoptionPolicy:
             return None
         if current is not None and same_request(current.request_json, request_json):
             return None  # we finished this very run; the row is only behind
-        # A newer lease than the row's means a live owner elsewhere took over: not ours to restart.
-        if row.epoch < await asyncio.to_thread(self._store.current_epoch, row.session_id, user_id=row.user_id):
+        # A newer lease than the row's means a live owner elsewhere took over: not ours to restart, unless
+        # that owner stays silent (it died between its lease and its first status row).
+        epoch = await asyncio.to_thread(self._store.current_epoch, row.session_id, user_id=row.user_id)
+        if row.epoch < epoch and not self._owner_silent(row, epoch):
             return None
         refusal = self.refusal(row, request_json)
         if refusal is not None:
@@ -94,6 +102,22 @@ class AdoptionPolicy:
         w = WatchedSession(row.session_id, row.user_id, request_json, agent, last_node=row.node_id, epoch=row.epoch)
         w.config = self.config_for(mark)
         return w
+
+    def _owner_silent(self, row: SessionRow, epoch: int) -> bool:
+        """True once lease ``epoch`` has gone ``OWNER_SILENT_S`` without a status row of its own.
+
+        A live owner writes its ``running`` row right after it takes the lease; one that never does died
+        first (a host crash, a node loss, with no supervisor to see it). Taking over is safe either way:
+        the new epoch fences a late owner.
+        """
+        key = (row.user_id, row.session_id, row.epoch, epoch)
+        first = self._newer_lease_seen.setdefault(key, time.monotonic())
+        if time.monotonic() - first < OWNER_SILENT_S:
+            return False
+        del self._newer_lease_seen[key]
+        log.warning("session %r: lease epoch %d has written no status row for %.0f s; adopting it",
+                    row.session_id, epoch, OWNER_SILENT_S)
+        return True
 
     def config_for(self, mark: dict[str, Any]) -> RuntimeConfig | None:
         """The config an adopted session restarts with: the placement and actor options it ran with, as its

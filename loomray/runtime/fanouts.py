@@ -19,6 +19,9 @@ from typing import Any
 from loomray.runtime.actors import Outcome
 from loomray.session import RunRequest
 
+#: How a fork can end, each counted in the progress (:attr:`Outcome.state`; "fenced" counts as failed).
+ENDINGS = ("completed", "failed", "cancelled", "paused", "awaiting_approval", "budget_exceeded")
+
 #: Fan-out ids for callers that pass none.
 _fanout_ids = itertools.count(1)
 
@@ -39,7 +42,7 @@ class Fanouts:
         requests = [RunRequest.model_validate_json(r) for r in request_jsons]
         fanout_id = fanout_id or f"fanout-{next(_fanout_ids)}"
         progress: dict[str, Any] = {"fanout_id": fanout_id, "total": len(requests), "queued": len(requests),
-                                    "running": 0, "completed": 0, "failed": 0, "max_running": 0, "limit": limit,
+                                    "running": 0, **dict.fromkeys(ENDINGS, 0), "max_running": 0, "limit": limit,
                                     "sessions": [r.session_id for r in requests], "finished_at": None}
         self._progress[fanout_id] = progress
 
@@ -54,7 +57,7 @@ class Fanouts:
                     outcome = Outcome(status="failed", error=f"{type(e).__name__}: {e}", error_type=type(e).__name__)
                 finally:
                     progress["running"] -= 1
-                progress["completed" if outcome.status == "completed" else "failed"] += 1
+                progress[outcome.state if outcome.state in ENDINGS else "failed"] += 1
                 return outcome
 
         try:
@@ -63,7 +66,8 @@ class Fanouts:
             progress["finished_at"] = time.monotonic()
 
     def progress(self, fanout_id: str) -> dict[str, Any] | None:
-        """Progress of a fan-out: total, queued, running, completed, failed, max_running, limit; None if unknown."""
+        """Progress of a fan-out: total, queued, running, one count per ending (completed, failed, cancelled,
+        paused, awaiting_approval, budget_exceeded), max_running, limit; None if unknown."""
         p = self._progress.get(fanout_id)
         return None if p is None else {k: v for k, v in p.items() if k != "finished_at"} | {
             "done": p["finished_at"] is not None}

@@ -58,6 +58,7 @@ import ray
 
 from loomray.errors import SessionNotHosted, SessionStartError
 from loomray.runtime.actors import AgentSpec, RuntimeConfig, store_key
+from loomray.runtime.loop_guard import guard_loop
 from loomray.runtime.raylet_watch import DrainableExecutor, watch_raylet
 from loomray.runtime.session_actor import SessionActor
 from loomray.session import RunRequest
@@ -140,6 +141,7 @@ class SessionHost:
         loop = asyncio.get_running_loop()
         executor = DrainableExecutor(max_workers=HOST_THREADS, thread_name_prefix="loomray-host")
         loop.set_default_executor(executor)
+        guard_loop(loop, executor)  # a loop that dies ends the process: its sessions are reactivated elsewhere
         self._watchdog = loop.create_task(watch_raylet(
             lambda: [a._task for a in self._activations.values() if a._task is not None], executor))
         if self._idle_s and self._idle_s > 0:

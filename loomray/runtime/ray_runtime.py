@@ -40,6 +40,7 @@ from loomray.records import RunResult
 from loomray.runtime.actors import DEFAULT_STANDBY_ACTORS, AgentSpec, Outcome, RuntimeConfig, agent_ref_allowed
 from loomray.runtime.base import Runtime
 from loomray.runtime.connection import connect, normalize_store_url
+from loomray.runtime.handoffs import handed_off
 from loomray.runtime.supervisor import get_supervisor
 from loomray.session import RunRequest
 from storage import open_store
@@ -122,6 +123,9 @@ class RayRuntime(Runtime):
     ``storage_options`` include S3 server-side encryption (``sse``,
     ``sse_kms_key_id``).
 
+    ``max_restarts_per_session`` bounds the starts charged to a session before it fails; a shared
+    host's crash is charged to none (:meth:`~loomray.runtime.watcher.SessionWatcher.after_death`).
+
     Besides the ``Agent`` API: :meth:`submit` (fire and forget, by agent
     reference), :meth:`wait`, :meth:`status`, :meth:`session`.
     """
@@ -131,7 +135,7 @@ class RayRuntime(Runtime):
                  on_fork_progress: Callable[[dict[str, Any]], Any] | None = None,
                  placement: str = "actor", hosts_per_node: int | None = None, sessions_per_host: int = 1000,
                  standby_actors: int = DEFAULT_STANDBY_ACTORS, allowed_agents: Sequence[str] = (),
-                 **storage_options: Any) -> None:
+                 max_restarts_per_session: int = 20, **storage_options: Any) -> None:
         if not isinstance(store, (str, os.PathLike)):
             raise TypeError("RayRuntime needs a store URL or path (actors on other nodes open it themselves)")
         if actor_options is not None and not isinstance(actor_options, dict):
@@ -144,7 +148,8 @@ class RayRuntime(Runtime):
                                     max_checkpoints_per_session=self.keep, actor_options=dict(actor_options or {}),
                                     placement=placement, hosts_per_node=hosts_per_node,
                                     sessions_per_host=sessions_per_host, standby_actors=standby_actors,
-                                    allowed_agents=tuple(allowed_agents))
+                                    allowed_agents=tuple(allowed_agents),
+                                    max_restarts_per_session=max_restarts_per_session)
         if isinstance(max_concurrent_forks, bool) or not isinstance(max_concurrent_forks, int) \
                 or max_concurrent_forks < 1:
             raise ValueError(f"max_concurrent_forks must be a positive int, got {max_concurrent_forks!r}")
@@ -177,13 +182,15 @@ class RayRuntime(Runtime):
                 handle = self._supervisor
         return handle
 
-    async def _call(self, method: str, *args: Any) -> Any:
-        """Call a supervisor method; if the supervisor died, use its replacement (which adopts our sessions)."""
+    async def _call(self, method: str, *args: Any, resendable: bool = False) -> Any:
+        """Call a supervisor method, or its replacement's (told of a ``resendable`` call's resend: handoffs)."""
         deadline = time.monotonic() + _READOPT_TIMEOUT_S
         replaced = False
         while True:
             try:
                 handle = await asyncio.to_thread(self.supervisor)
+                if replaced and resendable:
+                    return await getattr(handle, method).remote(*args, resend=True)
                 return await getattr(handle, method).remote(*args)
             except ray.exceptions.RayActorError:
                 # Killed or its node died: the next handle is a replacement that re-adopts from the index.
@@ -208,8 +215,16 @@ class RayRuntime(Runtime):
         """
         spec = AgentSpec.of(agent, extra_tools)
         self._allow(spec)
-        await self._call("submit", spec, request.model_dump_json(), emit is not None, self.config)
-        return await self._wait(request.session_id, request.user_id, emit)
+        request = handed_off(request)
+        await self._call("submit", spec, request.model_dump_json(), emit is not None, self.config, resendable=True)
+        try:
+            return await self._wait(request.session_id, request.user_id, emit)
+        except LoomrayUserError as e:
+            if "not supervised" not in str(e):
+                raise
+            # It ended while its supervisor was lost (never adopted): resent, it returns that run's result.
+            await self._call("submit", spec, request.model_dump_json(), emit is not None, self.config, True)
+            return await self._wait(request.session_id, request.user_id, emit)
 
     async def _wait(self, session_id: str, user_id: str | None, emit: EmitFn | None) -> RunResult:
         if emit is None:
@@ -247,8 +262,8 @@ class RayRuntime(Runtime):
         """Cancel durably (as every runtime does), then have the session's actor stop its run at once.
 
         Once the durable part returns nothing the session does is made durable (it is fenced); telling its
-        actor spares the run the wait for its next look at the store, so an in-flight tool stops now.
-        """
+        actor spares the run the wait for its next look at the store, so an in-flight tool stops now. A
+        resend to a replacement supervisor is harmless: the cancel is a durable request, applied once."""
         await super().cancel(session_id, user_id=user_id)
         try:
             await self._call("cancel", session_id, user_id)
@@ -260,14 +275,17 @@ class RayRuntime(Runtime):
         """Fan-out: one actor per request, at most ``max_concurrent_forks`` at once; results in request order.
 
         ``on_fork_progress`` (if set) is called with the supervisor's progress
-        dict (``total``, ``queued``, ``running``, ``completed``, ``failed``,
-        ``max_running``, ``limit``) whenever it changes.
+        dict (``total``, ``queued``, ``running``, a count per ending, ``max_running``,
+        ``limit``: :meth:`~loomray.runtime.fanouts.Fanouts.progress`) whenever it changes.
         """
         spec = AgentSpec.of(agent, extra_tools)
         self._allow(spec)
         fanout_id = new_id("fanout")
+        # Each fork's run id is chosen here: a resend continues or answers what a lost supervisor started.
+        requests = [handed_off(r, fork=True) for r in requests]
         run = asyncio.create_task(self._call("run_many", spec, [r.model_dump_json() for r in requests],
-                                             self.max_concurrent_forks, fanout_id, emit is not None, self.config))
+                                             self.max_concurrent_forks, fanout_id, emit is not None, self.config,
+                                             resendable=True))
         watchers = []
         if emit is not None:
             watchers += [asyncio.create_task(self._pump_events(r.session_id, r.user_id, emit)) for r in requests]
@@ -326,7 +344,8 @@ class RayRuntime(Runtime):
                              effort=effort)
         spec = AgentSpec.of(agent)
         self._allow(spec)
-        await self._call("submit", spec, request.model_dump_json(), False, self.config)
+        request = handed_off(request)
+        await self._call("submit", spec, request.model_dump_json(), False, self.config, resendable=True)
         return request.session_id
 
     def submit_sync(self, agent: Agent | str, prompt: str | None = None, **kwargs: Any) -> str:

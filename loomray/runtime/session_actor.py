@@ -56,6 +56,7 @@ from loomray.runtime.actors import (
     json_key,
     supervisor_name,
 )
+from loomray.runtime.loop_guard import guard_loop
 from loomray.runtime.raylet_watch import node_lost, watch_raylet
 from loomray.session import RunRequest, execute_request
 from storage.errors import LeaseLostError
@@ -211,6 +212,7 @@ class SessionActor:
         if self._request is None:
             raise RuntimeError("a standby has no session to run (begin() first)")
         if self._task is None:
+            guard_loop(asyncio.get_running_loop())  # a loop that dies ends the process: the supervisor sees it
             # Stop and exit as soon as this node's raylet dies rather than run on for ~2 s as a zombie
             # (created first: it installs the executor the run's writes go through).
             self._watchdog = asyncio.get_running_loop().create_task(watch_raylet(self._run_tasks))
@@ -236,7 +238,7 @@ class SessionActor:
                 agent_ref=self._agent_spec.ref, node_id=self._node_id,
             )
             outcome = Outcome(status="completed", result_json=result.model_dump_json(), turn=result.turns,
-                              node_id=self._node_id)
+                              stop_reason=result.stop_reason, node_id=self._node_id)
         except LeaseLostError as e:
             # A newer incarnation (or another runtime) owns the session: stop, write nothing more.
             log.warning("session %r fenced on node %s: %s", self._request.session_id, self._node_id, e)
@@ -247,6 +249,11 @@ class SessionActor:
         except Exception as e:  # the run's own failure: reported, never retried (it would fail again)
             outcome = Outcome(status="failed", error=f"{type(e).__name__}: {e}", error_type=type(e).__name__,
                               exception=_portable(e), node_id=self._node_id)
+        except BaseException as e:
+            # SystemExit, KeyboardInterrupt, GeneratorExit from the run's own code (a model, a hook): raised on,
+            # it would end this process's event loop and every run on it; it ends this run alone instead.
+            outcome = Outcome(status="failed", error=f"{type(e).__name__}({e}) raised by the run",
+                              error_type=type(e).__name__, node_id=self._node_id)
         if self._epoch_task is not None:
             await asyncio.wait([self._epoch_task], timeout=10)
         outcome.epoch = self._epoch

@@ -194,7 +194,7 @@ class StandbyPool:
             if s not in self._free.get(s.key, ()):
                 raise  # claimed or killed meanwhile: whoever took it out deals with it
             self.stats["failed"] += 1
-            if _died_with_its_node(e):
+            if died_with_its_node(e):
                 # Not the standby's fault: it was starting on a node that went away. Start it elsewhere at once
                 # (backing off here held a fan-out after a node loss up to a minute).
                 log.info("standby actor %s died with its node; the pool refills on the others", s.name)
@@ -329,7 +329,7 @@ class StandbyPool:
         return {"pools": pools, **self.stats}
 
 
-def _died_with_its_node(error: BaseException) -> bool:
+def died_with_its_node(error: BaseException) -> bool:
     """True when Ray says the actor died because its node did (a node loss, not a failure to start)."""
     text = str(error)
     return isinstance(error, ray.exceptions.ActorDiedError) and ("its node has died" in text

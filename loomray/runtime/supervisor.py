@@ -43,11 +43,12 @@ from loomray.runtime.actors import (
     session_actor_name,
     supervisor_name,
 )
-from loomray.runtime.adoption import AdoptionPolicy
+from loomray.runtime.adoption import AdoptionPolicy, same_request
 from loomray.runtime.compaction import Compaction
 from loomray.runtime.connection import NAMESPACE
 from loomray.runtime.event_relay import EventRelay, SessionKey
 from loomray.runtime.fanouts import Fanouts
+from loomray.runtime.handoffs import pinned
 from loomray.runtime.watcher import SessionWatcher, WatchedSession
 from loomray.session import RunRequest
 
@@ -178,7 +179,7 @@ class Supervisor:
 
     # -- sessions --------------------------------------------------------------
     async def submit(self, agent: AgentSpec, request_json: str, stream_events: bool = False,
-                     config: RuntimeConfig | None = None) -> dict[str, Any]:
+                     config: RuntimeConfig | None = None, resend: bool = False) -> dict[str, Any]:
         """Start a session actor for ``request_json`` and watch it; returns once the actor is constructed.
 
         The run itself goes on without the caller. A constructor failure (an
@@ -186,7 +187,8 @@ class Supervisor:
         :class:`LoomrayUserError` here rather than later. ``config`` is the
         submitting runtime's (its retention and actor options apply to this
         session); it must name this supervisor's store. A session adopted
-        later from the index gets the supervisor's own config.
+        later from the index gets the supervisor's own config. A driver's ``resend`` (it lost the supervisor
+        it sent this to) starts no run twice (:mod:`loomray.runtime.handoffs`).
         """
         if config is not None and config.store_url != self._config.store_url:
             raise LoomrayUserError(f"this supervisor serves store {self._config.store_url!r}, not {config.store_url!r}")
@@ -200,7 +202,11 @@ class Supervisor:
         request = RunRequest.model_validate_json(request_json)
         key = (request.user_id, request.session_id)
         if self._watching(key):
+            if same_request(self._sessions[key].request_json, request_json):  # a resend: its run is under way
+                return self._submitted(self._sessions[key])
             raise LoomrayUserError(f"session {request.session_id!r} (user {request.user_id!r}) is already running")
+        if resend:
+            request_json = await pinned(self._store, request, request_json)
         w = WatchedSession(request.session_id, request.user_id, request_json, agent, stream_events=stream_events,
                            config=config)
         self._track(w)
@@ -211,8 +217,11 @@ class Supervisor:
                     else contextlib.nullcontext())
         with starting:
             await self._start_watched(w, placement)
-        return {"session_id": w.session_id, "user_id": w.user_id, "actor": session_actor_name(self._config.store_url, w.session_id, w.user_id),
-                "node_id": w.last_node}
+        return self._submitted(w)
+
+    def _submitted(self, w: WatchedSession) -> dict[str, Any]:
+        actor = session_actor_name(self._config.store_url, w.session_id, w.user_id)
+        return {"session_id": w.session_id, "user_id": w.user_id, "actor": actor, "node_id": w.last_node}
 
     async def _start_watched(self, w: WatchedSession, placement: str) -> None:
         """Mark the session active, start its first incarnation and its watcher; learn its node."""
@@ -252,31 +261,31 @@ class Supervisor:
 
     async def run_many(self, agent: AgentSpec, request_jsons: list[str], max_concurrent: int | None = None,
                        fanout_id: str | None = None, stream_events: bool = False,
-                       config: RuntimeConfig | None = None) -> list[Outcome]:
+                       config: RuntimeConfig | None = None, resend: bool = False) -> list[Outcome]:
         """Fan-out: one actor per request, at most ``max_concurrent`` (default ``max_concurrent_forks``) at once.
 
         Outcomes come back in request order; ``fanout(fanout_id)`` reports
-        progress meanwhile.
+        progress meanwhile. A ``resend`` starts no fork twice (:mod:`loomray.runtime.handoffs`).
         """
         async def run_one(request_json: str, request: RunRequest) -> Outcome:
-            await self.submit(agent, request_json, stream_events, config)
+            await self.submit(agent, request_json, stream_events, config, resend)
             return await self.result(request.session_id, request.user_id)
 
         limit = max(1, max_concurrent or self._config.max_concurrent_forks)
         return await self._fanouts.run(request_jsons, limit, fanout_id, run_one)
 
     async def fanout(self, fanout_id: str) -> dict[str, Any] | None:
-        """Progress of a fan-out: total, queued, running, completed, failed, max_running, limit; None if unknown."""
+        """Progress of a fan-out (:meth:`Fanouts.progress`); None if unknown."""
         return self._fanouts.progress(fanout_id)
 
     async def status(self) -> list[dict[str, Any]]:
         """One dict per session this supervisor knows (running, or finished within ``forget_after_s``).
 
-        Keys: ``session_id``, ``user_id``, ``status`` (``running``,
-        ``completed``, ``failed``, ``fenced``, ``cancelled``), ``node_id``,
-        ``host``, ``placement``, ``epoch``, ``incarnation``, ``restarts``,
-        ``turn`` (passes completed as of the latest event or checkpoint; asked
-        of live actors with a short timeout, else the last value seen), ``error``.
+        Keys: ``session_id``, ``user_id``, ``status`` (``running``, else :attr:`Outcome.state`, as the
+        store row says), ``node_id``, ``host``, ``placement``, ``epoch``, ``incarnation``, ``restarts``,
+        ``charged_restarts`` and ``quarantined`` (:meth:`SessionWatcher.after_death`), ``turn`` (passes
+        completed as of the latest event or checkpoint; asked of live actors with a short timeout, else the
+        last value seen), ``error``.
         """
         await self._ensure_started()
         self._forget()
@@ -290,14 +299,7 @@ class Supervisor:
             w.turn, w.epoch, w.last_node = p.get("turn", w.turn), p.get("epoch") or w.epoch, p["node_id"]
 
         await asyncio.gather(*(progress(w) for w in live))
-        return [self._describe(w) for w in self._sessions.values()]
-
-    def _describe(self, w: WatchedSession) -> dict[str, Any]:
-        return {"session_id": w.session_id, "user_id": w.user_id,
-                "status": w.done.result().status if w.done.done() else "running",
-                "node_id": w.last_node, "host": w.host, "placement": self._watcher.config_of(w).placement,
-                "epoch": w.epoch, "incarnation": w.incarnation, "restarts": max(0, w.incarnation - 1),
-                "turn": w.turn, "error": w.error}
+        return [w.describe(self._watcher.config_of(w).placement) for w in self._sessions.values()]
 
     async def session(self, session_id: str, user_id: str | None = None) -> dict[str, Any] | None:
         """One supervised session as in :meth:`status`, plus ``pid`` and ``owner`` while it runs; None if unknown."""
@@ -305,7 +307,7 @@ class Supervisor:
         w = self._sessions.get((user_id, session_id))
         if w is None:
             return None
-        out = self._describe(w)
+        out = w.describe(self._watcher.config_of(w).placement)
         if not w.done.done() and w.handle is not None:
             try:
                 info = await asyncio.wait_for(w.handle.info.remote(), timeout=5.0)

@@ -15,6 +15,7 @@ restarting them would fail again.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -32,11 +33,14 @@ from loomray.runtime.actors import AgentSpec, Outcome, RuntimeConfig, session_ac
 from loomray.runtime.connection import NAMESPACE
 from loomray.runtime.placement import HostPool, demand_of
 from loomray.runtime.session_actor import session_actor_class
-from loomray.runtime.standby import STANDBY_BEGIN_TIMEOUT_S, StandbyPool
+from loomray.runtime.standby import STANDBY_BEGIN_TIMEOUT_S, StandbyPool, died_with_its_node
 from loomray.runtime.start_slots import StartSlots, constructed
 from storage import SessionRow
 
 log = logging.getLogger("loomray.runtime.watcher")
+
+#: Crashes of shared session hosts (their node up) a session may be present at before it gets a process of its own.
+QUARANTINE_AFTER = 2
 
 
 def _new_outcome_future() -> asyncio.Future[Outcome]:
@@ -67,6 +71,27 @@ class WatchedSession:
     error: str | None = None
     #: The actor hosting it: its own session actor, or (dense placement) a session host.
     host: str | None = None
+    #: Starts not charged against ``max_restarts_per_session``: restarts after a shared host died while
+    #: its node was up (the session was one of many there; see :meth:`SessionWatcher.after_death`).
+    uncharged: int = 0
+    #: Times a shared host died with this session on it while the host's node was up.
+    host_crashes: int = 0
+    #: Moved to a process of its own after ``QUARANTINE_AFTER`` such deaths.
+    quarantined: bool = False
+
+    @property
+    def charged(self) -> int:
+        """Starts that count against the session's restart limit."""
+        return self.incarnation - self.uncharged
+
+    def describe(self, placement: str) -> dict[str, Any]:
+        """This session as the supervisor's ``status`` reports it (``placement``: the one it runs with)."""
+        return {"session_id": self.session_id, "user_id": self.user_id,
+                "status": self.done.result().state if self.done.done() else "running",
+                "node_id": self.last_node, "host": self.host, "placement": placement,
+                "epoch": self.epoch, "incarnation": self.incarnation, "restarts": max(0, self.incarnation - 1),
+                "charged_restarts": max(0, self.charged - 1), "quarantined": self.quarantined,
+                "turn": self.turn, "error": self.error}
 
 
 class SessionWatcher:
@@ -223,8 +248,9 @@ class SessionWatcher:
         """Await the actor's run; restart it on death; resolve ``w.done`` with the outcome."""
         while True:
             if w.handle is None:
-                if w.incarnation >= self._config.max_restarts_per_session:
-                    return await self.finish(w, Outcome(status="failed", error="restart limit reached",
+                limit = self.config_of(w).max_restarts_per_session
+                if w.charged >= limit:
+                    return await self.finish(w, Outcome(status="failed", error=_limit_reason(w, limit),
                                                         error_type="RestartLimit"), mark_failed=True)
                 try:
                     w.handle = await self.start(w, avoid_node=w.last_node)
@@ -244,6 +270,7 @@ class SessionWatcher:
                     return await self.finish(w, Outcome(status="failed", error=str(e), error_type="ActorInitFailed"),
                                              mark_failed=True)
                 log.warning("session %r lost its actor (%s); restarting", w.session_id, type(e).__name__)
+                await self.after_death(w, e)
                 w.handle = None
                 continue
             except Exception as e:  # anything else would recur on a restart: report, do not loop
@@ -252,6 +279,34 @@ class SessionWatcher:
             w.last_node = outcome.node_id or w.last_node
             w.epoch = outcome.epoch or w.epoch
             return await self.finish(w, outcome, mark_failed=False)
+
+    async def after_death(self, w: WatchedSession, error: BaseException) -> None:
+        """Attribute the death of the process that ran ``w`` before it is restarted.
+
+        A session actor is its session's alone: its death is charged to the
+        session (``max_restarts_per_session``). A session host is shared: when
+        it dies while its node is up, something in it crashed it (a tool's
+        ``os._exit``, a segfault, memory), not necessarily this session. Such a
+        restart is not charged to any of its sessions; each counts that it was
+        there, and a session present at ``QUARANTINE_AFTER`` host crashes is
+        restarted in a session actor of its own, where a crash of its own is
+        charged to it alone and its neighbours run on unharmed. A host lost
+        with its node is a node loss and charged as always.
+        """
+        if self.config_of(w).placement != "dense":
+            return
+        host = getattr(w.handle, "host", None)
+        node = getattr(host, "node_id", None) or w.last_node
+        if died_with_its_node(error) or not await _node_alive(node):
+            return
+        w.uncharged += 1
+        w.host_crashes += 1
+        if w.host_crashes >= QUARANTINE_AFTER:
+            w.quarantined = True
+            # Its own process, and no standby pool for it (a pool would start ``standby_actors`` processes).
+            w.config = dataclasses.replace(self.config_of(w), placement="actor", standby_actors=0)
+            log.warning("session %r was on %d session hosts that crashed with their node up; it runs in a process "
+                        "of its own from now on", w.session_id, w.host_crashes)
 
     async def finish(self, w: WatchedSession, outcome: Outcome, *, mark_failed: bool) -> None:
         """Record the session's end: active mark cleared, row marked failed if asked, actor stopped, ``done``."""
@@ -280,3 +335,23 @@ class SessionWatcher:
         w.finished_at = time.monotonic()
         if not w.done.done():
             w.done.set_result(outcome)
+
+
+def _limit_reason(w: WatchedSession, limit: int) -> str:
+    """Why a session is given up, for its status row: how often, and where, its processes died."""
+    if w.quarantined:
+        return (f"restart limit reached: its own process died {w.charged - 1} time(s) after it was moved out of "
+                f"shared session hosts, which crashed {w.host_crashes} time(s) with it (max_restarts_per_session="
+                f"{limit})")
+    return f"restart limit reached: its process died {max(0, w.charged - 1)} time(s) (max_restarts_per_session={limit})"
+
+
+async def _node_alive(node_id: str | None) -> bool:
+    """Whether Ray lists ``node_id`` alive (True when unknown: only a node known dead is a node loss)."""
+    if node_id is None:
+        return True
+    try:
+        nodes = await asyncio.to_thread(ray.nodes)
+    except Exception:
+        return True
+    return any(n["NodeID"] == node_id and n.get("Alive") for n in nodes)

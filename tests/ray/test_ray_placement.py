@@ -241,10 +241,35 @@ def test_a_standby_that_died_with_its_node_does_not_make_the_pool_back_off():
     (the pool once backed off a minute after a node loss, holding a fan-out)."""
     from ray.exceptions import ActorDiedError
 
-    from loomray.runtime.standby import _died_with_its_node
+    from loomray.runtime.standby import died_with_its_node
 
     lost = ActorDiedError()
     lost.error_msg = "The actor died because its node has died. Node Id: 07f8\\n\\tthe actor's node was terminated"
-    assert _died_with_its_node(lost)
-    assert not _died_with_its_node(ActorDiedError())  # died before it started for another reason
-    assert not _died_with_its_node(RuntimeError("its node has died"))
+    assert died_with_its_node(lost)
+    assert not died_with_its_node(ActorDiedError())  # died before it started for another reason
+    assert not died_with_its_node(RuntimeError("its node has died"))
+
+
+async def test_a_lease_newer_than_its_row_is_adopted_once_its_owner_stays_silent(tmp_path, monkeypatch):
+    """An incarnation took the lease and died before its first status row, with no supervisor to see it (the
+    chaos checker's seed 7): the row's epoch stays behind the lease's. A live owner writes its row at once, so
+    the supervisor waits ``OWNER_SILENT_S``, then adopts (the new epoch fences a late owner anyway)."""
+    from loomray.runtime import adoption
+    from storage import open_store
+
+    store = open_store(str(tmp_path / "store"))
+    now = datetime.now(timezone.utc)
+    spec = RunRequest(prompt="go", session_id="s-silent").model_dump_json()
+    store.put_session(SessionRow("s-silent", None, "running", now, run_id="r1", agent_ref="m.agents:a",
+                                 spec_json=spec, epoch=1, node_id="node-1"))
+    store.acquire_lease("s-silent", owner="first")
+    store.acquire_lease("s-silent", owner="second, died before its row")
+    assert store.current_epoch("s-silent") == 2
+    policy = adoption.AdoptionPolicy(RuntimeConfig(store_url=str(tmp_path / "store"),
+                                                   allowed_agents=("m.agents:*",)), store)
+    row = store.get_session("s-silent")
+
+    assert await policy.review(row, {}, None, None) is None  # its owner may be about to write its row
+    monkeypatch.setattr(adoption, "OWNER_SILENT_S", 0.0)
+    adopted = await policy.review(row, {}, None, None)
+    assert adopted is not None and adopted.session_id == "s-silent"

@@ -1,0 +1,113 @@
+"""The chaos checker: seeded fault schedules against sessions on a real local Ray cluster.
+
+    python tests/chaos/chaos.py --seeds 20          # seeds 0..19 (make chaos SEEDS=20)
+    python tests/chaos/chaos.py --seed 7            # replay one seed (make chaos SEED=7)
+
+One 3-node cluster (a head and two workers that alone run sessions) serves
+every seed; ``loomray supervise`` runs beside it all along (a thread, as on a
+head node). Each seed runs one scenario (:mod:`chaos_scenario`): its sessions
+in one placement (even seeds ``actor``, odd ``dense``), tools that sleep,
+hold the GIL, raise, ``sys.exit`` or ``os._exit``, and faults at random
+points. A failing seed prints the command that replays it (the plan replays
+exactly; the timing of a real cluster does not). Exit status 1 when any
+invariant was violated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+for p in (str(HERE), str(HERE.parents[1])):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+#: Seconds every session has to rest after the last fault.
+BOUND_S = 120.0
+#: Restarts charged to a session before it fails (kept low so an os._exit session fails quickly).
+MAX_RESTARTS = 4
+
+
+def _runtimes(store: Path) -> dict[str, object]:
+    from loomray.runtime import RayRuntime
+
+    options = {"resources": {"loomray_session": 1}}
+    return {"actor": RayRuntime(store, actor_options=options, standby_actors=2, max_restarts_per_session=MAX_RESTARTS),
+            "dense": RayRuntime(store, actor_options=options, placement="dense", hosts_per_node=1,
+                                max_restarts_per_session=MAX_RESTARTS)}
+
+
+def run(seeds: list[int], sessions: int, bound_s: float) -> int:
+    """Run ``seeds`` on one cluster; print a line per seed and a summary; the number of failing seeds."""
+    from loomray.runtime.connection import apply_ray_env_defaults
+
+    apply_ray_env_defaults()
+    from chaos_scenario import execute, plan
+
+    from loomray.runtime.ray_runtime import supervise
+    from loomray.testing.cluster import local_cluster
+
+    work = Path(tempfile.mkdtemp(prefix="loomray-chaos-"))
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p),
+           "LOOMRAY_CHAOS_DIR": str(work)}
+    os.environ["LOOMRAY_CHAOS_DIR"] = str(work)
+    started, failing, faults = time.monotonic(), [], Counter()
+    # Workers' logs stay in the cluster's log files: the report is one line per seed.
+    with local_cluster(num_nodes=3, worker_resources={"loomray_session": 100}, env=env,
+                       init_kwargs={"log_to_driver": False}) as lc:
+        runtimes = _runtimes(work / "store")
+        stop = threading.Event()
+        keeper = threading.Thread(target=supervise, args=(str(work / "store"),), daemon=True,
+                                  kwargs={"interval_s": 0.2, "stop": stop, "report": lambda line: None,
+                                          "max_restarts_per_session": MAX_RESTARTS,
+                                          # What an operator passes (--allow-agent): the agents it may adopt.
+                                          "allowed_agents": ("chaos_kinds:*",)})
+        keeper.start()
+        try:
+            for seed in seeds:
+                p = plan(seed, sessions)
+                faults.update(f for _, f, _ in p.faults)
+                t0 = time.monotonic()
+                violations = asyncio.run(execute(p, runtimes[p.placement], lc, bound_s))
+                print(f"seed {seed:4d} {p.placement:5s} {','.join(p.kinds)} | "
+                      f"{' '.join(f'{f}@{at}s->{i}' for at, f, i in p.faults)} | "
+                      f"{time.monotonic() - t0:5.1f} s {'ok' if not violations else 'VIOLATED'}", flush=True)
+                for v in violations:
+                    print(f"    {v}", flush=True)
+                if violations:
+                    failing.append(seed)
+                    print(f"    replay: python tests/chaos/chaos.py --seed {seed} --sessions {sessions}", flush=True)
+                while len(lc.workers) < 2:
+                    lc.add_node()
+        finally:
+            stop.set()
+            keeper.join(timeout=30)
+    wall = time.monotonic() - started
+    print(f"{len(seeds)} seed(s), {sessions} sessions each, {len(failing)} violating, {wall:.0f} s; faults injected: "
+          f"{dict(sorted(faults.items()))}")
+    return len(failing)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--seeds", type=int, default=20, help="run seeds 0..N-1")
+    group.add_argument("--seed", type=int, help="replay one seed")
+    parser.add_argument("--first", type=int, default=0, help="with --seeds: the first seed")
+    parser.add_argument("--sessions", type=int, default=5, help="sessions per scenario")
+    parser.add_argument("--bound", type=float, default=BOUND_S, help="seconds every session has to rest")
+    args = parser.parse_args(argv)
+    seeds = [args.seed] if args.seed is not None else list(range(args.first, args.first + args.seeds))
+    return 1 if run(seeds, args.sessions, args.bound) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""One chaos scenario: a seeded plan, its run against a real cluster, and the oracle's verdict.
+
+A plan (:func:`plan`, pure: the same seed gives the same plan) is a placement,
+``sessions`` sessions of kinds drawn from :data:`chaos_kinds.KINDS`, and a few
+faults at times drawn between 0.3 s and 3 s after the sessions are handed over:
+
+- ``kill_process``: the process hosting a session dies (``ray.kill``: its own
+  actor, or with dense placement its host and every session on it);
+- ``kill_supervisor``: the supervisor dies (``supervise``, running all along,
+  re-creates it; drivers resend what they were waiting for);
+- ``kill_node``: the worker node of a session is removed (SIGKILL of its
+  raylet and workers), and a fresh one added;
+- ``kill_driver``: the driver's wait for a session is abandoned (the run goes
+  on without it, as after ``loomray submit``; the oracle follows the store);
+- ``cancel``, ``pause``, ``signal``: control requests on a session mid-flight;
+- ``approve``: the session's pending approval is granted once it waits for one.
+
+The oracle (:func:`verdict`), once every session ended or the bound passed:
+each session ends in a terminal or waiting state within the bound; no model
+call is made twice (the logged calls); no healthy session fails (whatever its
+neighbours did); a crashing session fails (contained); every driver that was
+not killed got its answer; and the supervisor's view of each session it
+knows agrees with the store row.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import chaos_kinds
+
+FAULTS = ("kill_process", "kill_supervisor", "kill_node", "kill_driver", "cancel", "pause", "signal", "approve")
+#: Store row states a session may rest in: terminal, or waiting for someone.
+RESTING = ("completed", "failed", "cancelled", "paused", "awaiting_approval", "budget_exceeded")
+
+
+@dataclass
+class Plan:
+    """What one seed does: where sessions run, which kinds, which faults when (seconds) and on whom."""
+
+    seed: int
+    placement: str
+    kinds: list[str]
+    faults: list[tuple[float, str, int]]
+
+    @property
+    def sessions(self) -> list[str]:
+        return [f"c{self.seed}-{i}-{kind}" for i, kind in enumerate(self.kinds)]
+
+
+def plan(seed: int, sessions: int = 5) -> Plan:
+    """The plan of ``seed``: placements alternate with the seed; kinds and faults are drawn."""
+    rng = random.Random(seed)
+    kinds = [rng.choice(chaos_kinds.KINDS) for _ in range(sessions)]
+    if not any(k in chaos_kinds.HEALTHY for k in kinds):
+        kinds[0] = "sleep"  # someone to be harmed
+    faults = sorted((round(rng.uniform(0.3, 3.0), 2), rng.choice(FAULTS), rng.randrange(sessions))
+                    for _ in range(rng.randint(2, 3)))
+    return Plan(seed, ("actor", "dense")[seed % 2], kinds, faults)
+
+
+@dataclass
+class Run:
+    """A plan under way: the drivers' tasks and what the faults did to whom."""
+
+    plan: Plan
+    runtime: Any
+    cluster: Any
+    agents: dict[str, Any]
+    tasks: dict[str, asyncio.Task] = field(default_factory=dict)
+    touched: dict[str, set[str]] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def driver_agent(kind: str, runtime: Any) -> Any:
+    """The driver's handle on agent ``kind``: the Ray runtime and its reference."""
+    from loomray.runtime.actors import set_agent_ref
+
+    agent = copy.copy(getattr(chaos_kinds, chaos_kinds.ref(kind).split(":")[1]))
+    agent.runtime = runtime
+    set_agent_ref(agent, chaos_kinds.ref(kind))
+    return agent
+
+
+async def execute(p: Plan, runtime: Any, cluster: Any, bound_s: float) -> list[str]:
+    """Run plan ``p`` and return the oracle's violations (empty: the scenario held)."""
+    run = Run(p, runtime, cluster, {k: driver_agent(k, runtime) for k in set(p.kinds)})
+    loop = asyncio.get_running_loop()
+    for sid, kind in zip(p.sessions, p.kinds, strict=True):
+        run.tasks[sid] = asyncio.create_task(run.agents[kind].run(sid, session_id=sid))
+        run.touched[sid] = set()
+    start = loop.time()
+    for at, fault, target in p.faults:
+        await asyncio.sleep(max(0.0, start + at - loop.time()))
+        sid = p.sessions[target]
+        run.touched[sid].add(fault)
+        try:
+            await asyncio.wait_for(inject(run, fault, sid), 30)
+        except Exception as e:  # the session may have ended already: a fault that found nothing to break
+            run.notes.append(f"{fault} on {sid}: {type(e).__name__}: {e}")
+    return await settle(run, bound_s)
+
+
+async def inject(run: Run, fault: str, sid: str) -> None:
+    """Do ``fault`` to session ``sid`` (or to the cluster around it)."""
+    import ray
+
+    from loomray.runtime.actors import NAMESPACE, supervisor_name
+
+    agent = run.agents[run.plan.kinds[run.plan.sessions.index(sid)]]
+    if fault == "kill_process":
+        info = await run.runtime.session(sid)
+        if info and info.get("host") and info["status"] == "running":
+            ray.kill(ray.get_actor(info["host"], namespace=NAMESPACE))
+    elif fault == "kill_supervisor":
+        ray.kill(ray.get_actor(supervisor_name(run.runtime.config.store_url), namespace=NAMESPACE))
+    elif fault == "kill_node":
+        info = await run.runtime.session(sid)
+        node = run.cluster.node_of(info["node_id"]) if info and info.get("node_id") else None
+        if node is None or node is run.cluster.head:
+            node = run.cluster.workers[0]
+        await asyncio.to_thread(run.cluster.remove_node, node)
+        await asyncio.to_thread(run.cluster.add_node)
+    elif fault == "kill_driver":
+        run.tasks[sid].cancel()
+    elif fault == "cancel":
+        await agent.cancel(sid)
+    elif fault == "pause":
+        await agent.pause(sid)
+    elif fault == "signal":
+        await agent.signal(sid, "a word from the chaos checker")
+    # "approve" is applied when the session waits for approval (settle).
+
+
+def _row_status(store: Any, sid: str) -> str | None:
+    row = store.get_session(sid)
+    return None if row is None else row.status
+
+
+async def settle(run: Run, bound_s: float) -> list[str]:
+    """Wait (up to ``bound_s``) until every session rests, approving where the plan said so; then judge."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + bound_s
+    approved: set[str] = set()
+    while loop.time() < deadline:
+        rows = {sid: _row_status(run.runtime.store, sid) for sid in run.plan.sessions}
+        for sid, status in rows.items():
+            if status == "awaiting_approval" and "approve" in run.touched[sid] and sid not in approved:
+                approved.add(sid)
+                agent = run.agents[run.plan.kinds[run.plan.sessions.index(sid)]]
+                run.tasks[sid] = asyncio.create_task(agent.resume(None, session_id=sid, approvals={"s0000_0": True}))
+        drivers = [t for sid, t in run.tasks.items() if "kill_driver" not in run.touched[sid]]
+        if all(s in RESTING for s in rows.values()) and all(t.done() for t in drivers) \
+                and not any(s == "awaiting_approval" and sid not in approved and "approve" in run.touched[sid]
+                            for sid, s in rows.items()):
+            break
+        await asyncio.sleep(0.2)
+    for t in run.tasks.values():
+        if not t.done():
+            t.cancel()
+    await asyncio.gather(*run.tasks.values(), return_exceptions=True)
+    return await verdict(run, rows, bound_s)
+
+
+def _allowed(kind: str, touched: set[str]) -> set[str]:
+    """Where a session of ``kind`` may rest after the faults in ``touched``."""
+    ends = {"sleep": {"completed"}, "gil": {"completed"}, "raise": {"completed"}, "sysexit": {"failed"},
+            "osexit": {"failed"}, "approval": {"awaiting_approval", "completed"}}[kind]
+    if "cancel" in touched:
+        ends = ends | {"cancelled"}
+    if "pause" in touched:
+        ends = ends | {"paused"}
+    return ends
+
+
+async def verdict(run: Run, rows: dict[str, str | None], bound_s: float) -> list[str]:
+    """The oracle (module docstring): every violation, one line each."""
+    out = []
+    for sid, kind in zip(run.plan.sessions, run.plan.kinds, strict=True):
+        status, touched = rows[sid], run.touched[sid]
+        if status is None and "kill_driver" in touched and await run.runtime.session(sid) is None:
+            continue  # the driver died before its hand-off reached a supervisor: the session never started
+        if status not in RESTING:
+            out.append(f"{sid}: still {status!r} {bound_s:.0f} s after the faults")
+        elif status not in _allowed(kind, touched):
+            row = run.runtime.store.get_session(sid)
+            out.append(f"{sid}: ended {status!r} ({row.error if row else ''}); a {kind} session after "
+                       f"{sorted(touched) or 'no fault'} may end {sorted(_allowed(kind, touched))}")
+        task = run.tasks[sid]
+        if "kill_driver" not in touched and task.cancelled():
+            out.append(f"{sid}: its driver's call never returned")
+    mine = Counter(line for line in chaos_kinds.calls() if line.split(" ")[0] in set(run.plan.sessions))
+    out += [f"model call made {n} times: {line}" for line, n in sorted(mine.items()) if n > 1]
+    out += await _views_agree(run, rows)
+    return out
+
+
+async def _views_agree(run: Run, rows: dict[str, str | None]) -> list[str]:
+    """The supervisor's view of each session it knows matches the store row (a cancel of an ended run aside)."""
+    out = []
+    with contextlib.suppress(Exception):  # a supervisor being re-created: nothing to compare
+        statuses = {s["session_id"]: s for s in await run.runtime.status()}
+        for sid in run.plan.sessions:
+            live = statuses.get(sid)
+            if live is None or live["status"] == "running" or rows[sid] is None:
+                continue
+            one = await run.runtime.session(sid)
+            if one is not None and one["status"] != live["status"]:
+                out.append(f"{sid}: status() says {live['status']!r}, session() {one['status']!r}")
+            if live["status"] != rows[sid] and not ("cancel" in run.touched[sid] and rows[sid] == "cancelled"):
+                out.append(f"{sid}: the supervisor says {live['status']!r}, the store row {rows[sid]!r}")
+    return out
