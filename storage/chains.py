@@ -297,7 +297,7 @@ class Pins:
             try:
                 ids = json.loads(obj.data).get("checkpoints")
                 out.update(layout.checkpoint_key(session_id, user_id, c) for c in ids)
-            except (ValueError, TypeError, AttributeError, StorageError):
+            except (ValueError, TypeError, AttributeError, RecursionError, StorageError):
                 log.warning("unreadable pin %s: nothing of the session is collected", self.objects.describe(info.key))
                 return None
         return out
