@@ -22,14 +22,13 @@ import pyarrow.parquet as pq
 from fuzz_world import OTHERS, SESSION, USER, World, kind_of
 
 from storage import envelope
-from storage.chains import MAX_LINKS
 
 SEGMENT = "ckpt" + "0" * 19 + "1"
 #: Chains no writer writes: 16.7 million links, one link too many, ranges backwards or across segments, a
 #: chain naming the checkpoint itself (a cycle), refs that are not ids, a ref of another user's session.
 HOSTILE_CHAINS = [
     [f"{SEGMENT}000000..{SEGMENT}ffffff"],
-    [f"{SEGMENT}000000..{SEGMENT}{MAX_LINKS:06x}"],
+    [f"{SEGMENT}000000..{SEGMENT}{4096:06x}"],  # one link more than storage.chains.MAX_LINKS
     [f"{SEGMENT}000009..{SEGMENT}000001"],
     [f"{SEGMENT}000000..ckpt{'0' * 19}2000001"],
     [f"{SEGMENT}000000..{SEGMENT}000fff"] * 3,

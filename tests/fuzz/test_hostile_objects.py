@@ -84,10 +84,10 @@ def test_an_index_file_of_another_users_rows_in_this_partition_is_not_read_as_th
 
 
 def test_a_checkpoint_row_whose_key_is_another_users_object_is_not_fetched(objects):
-    key = _key(objects, f"index/checkpoints/user={USER}/session={SESSION}/")
     bob = _key(objects, "sessions/bob/s-b/checkpoints/")
-    objects[key] = _rewrite(objects[key], lambda t: t.set_column(
-        t.column_names.index("key"), "key", pa.array([bob] * t.num_rows, pa.string())))
+    for key in [k for k in objects if k.startswith(f"index/checkpoints/user={USER}/session={SESSION}/")]:
+        objects[key] = _rewrite(objects[key], lambda t: t.set_column(
+            t.column_names.index("key"), "key", pa.array([bob] * t.num_rows, pa.string())))
     store = _open("memory", 0, objects, None)
     fetched = []
     get = store.objects.get
