@@ -296,6 +296,8 @@ class Pins:
                 continue  # released meanwhile
             try:
                 ids = json.loads(obj.data).get("checkpoints")
+                if not isinstance(ids, list) or len(ids) > MAX_LINKS + 1:  # a pin names a chain and its fork point
+                    raise ValueError(f"a pin's checkpoints must be a list of at most {MAX_LINKS + 1} ids")
                 out.update(layout.checkpoint_key(session_id, user_id, c) for c in ids)
             except (ValueError, TypeError, AttributeError, RecursionError, StorageError):
                 log.warning("unreadable pin %s: nothing of the session is collected", self.objects.describe(info.key))

@@ -10,6 +10,7 @@ the active sessions, not every session ever run.
 from __future__ import annotations
 
 import logging
+from datetime import datetime
 from typing import Any
 
 import pyarrow as pa
@@ -34,6 +35,8 @@ def latest_sessions(rows: list[SessionRow]) -> list[SessionRow]:
     """Latest row per (user, session), newest first; a later row wins a tie on updated_at."""
     latest: dict[tuple[str | None, str], SessionRow] = {}
     for row in rows:  # rows arrive in file (write) order
+        if not isinstance(row.updated_at, datetime):
+            continue  # a row no writer wrote (an index file edited by hand): it cannot be ordered
         k = (row.user_id, row.session_id)
         if k not in latest or row.updated_at >= latest[k].updated_at:
             latest[k] = row

@@ -242,8 +242,12 @@ class SeedResult:
     violations: list[str]
 
 
-def _open(backend: str, seed: int, objects: dict[str, bytes], base: Path) -> Store:
-    store = open_store(f"memory://fuzz-{seed}" if backend == "memory" else base / "store")
+def _open(backend: str, seed: int, objects: dict[str, bytes], base: Path,
+          opener: Callable[[], Store] | None = None) -> Store:
+    if opener is not None:
+        store = opener()
+    else:
+        store = open_store(f"memory://fuzz-{seed}" if backend == "memory" else base / "store")
     for key, data in objects.items():
         store.objects.put(key=key, data=data)
     return store
@@ -275,10 +279,11 @@ def warm_up() -> None:
         _WARM.append(True)
 
 
-def run_seed(seed: int, backend: str, base: Path, *, costly: bool = True) -> SeedResult:
-    """Mutate a copy of the world with ``seed`` and run every read on it (``backend``: memory or local; ``base``:
-    an empty directory of this seed's own, beside which nothing may change; ``costly=False``: all but
-    :data:`COSTLY`)."""
+def run_seed(seed: int, backend: str, base: Path, *, costly: bool = True,
+             opener: Callable[[], Store] | None = None) -> SeedResult:
+    """Mutate a copy of the world with ``seed`` and run every read on it (``backend``: memory or local, or any
+    name with ``opener`` making the store, e.g. on S3; ``base``: an empty directory of this seed's own, beside
+    which nothing may change; ``costly=False``: all reads but :data:`COSTLY`)."""
     warm_up()
     world_ = world()
     objects = dict(world_.objects)
@@ -288,7 +293,7 @@ def run_seed(seed: int, backend: str, base: Path, *, costly: bool = True) -> See
     (base / "outside").mkdir(parents=True, exist_ok=True)
     (base / "outside" / "canary.txt").write_text("outside the store root")
     before = snapshot_outside(base, root)
-    store = _open(backend, seed, objects, base)
+    store = _open(backend, seed, objects, base, opener)
     recorder = Recorder(store)
     outcomes: list[Outcome] = []
     for name, scoped, call in reads(store, _checkpoint_ids()):

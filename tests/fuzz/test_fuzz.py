@@ -15,7 +15,7 @@ from collections import Counter
 
 import pytest
 from fuzz_mutations import mutate
-from fuzz_targets import READ_PEAK_BYTES, READ_SECONDS, Recorder, reads, run_read
+from fuzz_targets import COSTLY, READ_PEAK_BYTES, READ_SECONDS, Recorder, reads, run_read, run_seed
 from fuzz_world import OTHER_USER_MARK, world
 from run import backend_of, report, run_seeds
 
@@ -46,6 +46,17 @@ def test_the_seeds_reach_hostile_paths(suite_run):
     results, warnings, _ = suite_run
     ends = Counter(o.ended for r in results for o in r.outcomes)
     assert ends["ok"] and sum(n for e, n in ends.items() if e != "ok") >= 3 and warnings >= 10
+
+
+@pytest.mark.s3
+def test_a_slice_of_seeds_on_s3(s3_server, tmp_path):
+    """The same seeds on moto's S3 server (a few, without the costly reads: each S3 request is a round trip)."""
+    if not tracemalloc.is_tracing():
+        tracemalloc.start()
+    results = [run_seed(seed, "s3", tmp_path / str(seed), costly=False, opener=s3_server.open_store)
+               for seed in range(3)]
+    assert not [v for r in results for v in r.violations], "\n".join(report(results, 0, 0.0))
+    assert all(len(r.outcomes) == len(reads(open_store("memory://"), ["c1", "c2"])) - len(COSTLY) for r in results)
 
 
 def test_mutations_cover_every_kind_of_object_and_every_kind_of_mutation():

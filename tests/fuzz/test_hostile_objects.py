@@ -6,6 +6,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -105,3 +106,25 @@ def test_an_index_file_with_a_column_of_the_wrong_type_is_skipped(objects):
             t.column_names.index("status"), "status", pa.array([[1]] * t.num_rows, pa.list_(pa.int64()))))
     store = _open("memory", 0, objects, None)
     assert "s-c" not in {r.session_id for r in store.list_sessions(user_id=USER)}  # its only file is skipped
+
+
+@pytest.mark.parametrize("checkpoints", ["y" * 3 * 2**20, ["ckpt1"] * 100_000])
+def test_a_pin_naming_more_than_a_chain_is_unreadable_at_once(objects, checkpoints):
+    """A pin whose ``checkpoints`` was a 3 MB string was read one character at a time (a key built and validated
+    per character: longer than the 20 s the fuzzer allows on a busy machine)."""
+    key = _key(objects, f"{SESSION}/pins/")
+    objects[key] = json.dumps({**json.loads(objects[key]), "checkpoints": checkpoints}).encode()
+    store = _open("memory", 0, objects, None)
+    began = time.monotonic()
+    assert Pins(store.objects).pinned(SESSION, USER) is None  # unreadable: protects every object of the session
+    assert time.monotonic() - began < 2.0
+
+
+def test_session_rows_without_a_time_are_ignored_not_compared(objects):
+    key = _key(objects, f"index/sessions/user={USER}/session={SESSION}/")
+    objects[key] = _rewrite(objects[key], lambda t: t.set_column(
+        t.column_names.index("updated_at"), "updated_at", pa.nulls(t.num_rows, t.schema.field("updated_at").type)))
+    store = _open("memory", 0, objects, None)
+    assert {r.session_id for r in store.list_sessions(user_id=USER)} >= {SESSION, "s-c"}  # its later rows
+    store.compact()
+    assert store.get_session(SESSION, user_id=USER) is not None
