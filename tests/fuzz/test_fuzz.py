@@ -50,11 +50,11 @@ def test_the_seeds_reach_hostile_paths(suite_run):
 
 @pytest.mark.s3
 def test_a_slice_of_seeds_on_s3(s3_server, tmp_path):
-    """The same seeds on moto's S3 server (a few, without the costly reads: each S3 request is a round trip)."""
+    """A seed on moto's S3 server (one, without the costly reads: each S3 request is a round trip)."""
     if not tracemalloc.is_tracing():
         tracemalloc.start()
     results = [run_seed(seed, "s3", tmp_path / str(seed), costly=False, opener=s3_server.open_store)
-               for seed in range(3)]
+               for seed in range(1)]
     assert not [v for r in results for v in r.violations], "\n".join(report(results, 0, 0.0))
     assert all(len(r.outcomes) == len(reads(open_store("memory://"), ["c1", "c2"])) - len(COSTLY) for r in results)
 
