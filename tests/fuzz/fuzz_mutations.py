@@ -14,6 +14,7 @@ import gzip
 import io
 import json
 import random
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,7 +149,7 @@ def _json_edit(data: bytes, edit: Any, *, gz: bool) -> bytes:
     flipped in one byte when it does not parse."""
     try:
         doc = json.loads(gzip.decompress(data) if gz else data)
-    except (ValueError, OSError, EOFError):
+    except (ValueError, OSError, EOFError, RecursionError, zlib.error):  # an earlier mutation of this seed broke it
         return data[:-1]
     sealed = envelope.is_enveloped(data) and isinstance(doc, dict)
     if sealed:
