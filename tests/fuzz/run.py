@@ -56,8 +56,11 @@ def run_seeds(seeds: list[int], forced: str | None, progress: bool = False,
         with tempfile.TemporaryDirectory(prefix="loomray-fuzz-") as tmp:
             for seed in seeds:
                 backend = backend_of(seed, forced)
-                out.append(run_seed(seed, backend, Path(tmp) / f"{backend}-{seed}",
-                                    costly=seed % costly_every == 0))
+                try:
+                    out.append(run_seed(seed, backend, Path(tmp) / f"{backend}-{seed}",
+                                        costly=seed % costly_every == 0))
+                except Exception as e:  # noqa: BLE001 - a fuzzer bug fails its seed, not the whole run
+                    out.append(SeedResult(seed, backend, [], [], [f"fuzzer error: {type(e).__name__}: {e}"]))
                 if progress and (out[-1].violations or len(out) % 100 == 0):
                     print(f"[{len(out)}/{len(seeds)}] seed {seed} ({backend}): {out[-1].violations[:3]}",
                           file=sys.stderr, flush=True)
