@@ -209,9 +209,10 @@ def run_read(name: str, scoped: bool, call: Callable[[], Any], recorder: Recorde
         out.violations.append(f"{name}: peak memory {peak / 2**20:.0f} MiB")
     out.violations += [f"{name}: {event}" for event in AUDIT.events]
     if scoped:
-        out.violations += [f"{name}: fetched {k}" for k in sorted(set(recorder.keys)) if not k.startswith(ALICE)]
+        out.violations += [f"{name}: fetched {k!r}" for k in sorted(set(recorder.keys), key=str)
+                           if not str(k).startswith(ALICE)]
     if "value" in box and scoped:
-        out.violations += [f"{name}: returned a row of user {u!r}" for u in sorted(_users(box["value"]) - {USER})]
+        out.violations += [f"{name}: returned a row of user {u!r}" for u in sorted(_users(box["value"]) - {USER}, key=repr)]
     if "value" in box:
         text = _text(box["value"])
         for mark in (OTHER_USER_MARK, SAME_USER_MARK):
