@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: demo test lint soak chaos bench install clean
+.PHONY: demo test lint soak fuzz chaos bench install clean
 
 $(VENV)/.installed: pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -37,6 +37,11 @@ soak: $(VENV)/.installed
 # of `make test`); a failing seed prints its replay command, e.g. `make chaos SEED=7`.
 chaos: $(VENV)/.installed
 	$(PY) tests/chaos/chaos.py $(if $(SEED),--seed $(SEED),--seeds $(SEEDS))
+
+# Hostile-bucket fuzzer: `make fuzz SEEDS=5000` runs seeds 0..4999 (a quarter on a local directory, the rest in
+# memory); a failing seed prints the one command that replays it, e.g. `make fuzz SEED=1234 BACKEND=local`.
+fuzz: $(VENV)/.installed
+	$(PY) tests/fuzz/run.py $(if $(SEED),--seed $(SEED),--seeds $(SEEDS))$(if $(BACKEND), --backend $(BACKEND))$(if $(JOBS), --jobs $(JOBS))
 
 bench: $(VENV)/.installed
 	$(PY) bench/storage_bench.py

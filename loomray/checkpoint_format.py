@@ -33,7 +33,7 @@ from pydantic import ValidationError
 
 from loomray.errors import CheckpointException
 from loomray.records import Checkpoint, Message, Usage
-from storage.chains import compress, expand, extend, ref_of
+from storage.chains import MAX_LINKS, compress, expand, extend, ref_of
 from storage.errors import InvalidIdError, StorageError
 
 SCHEMA_VERSION_V2 = "2.0"
@@ -95,8 +95,8 @@ class ChainEncoder:
     """
 
     def __init__(self, state: ChainState | None, *, full_every: int = FULL_EVERY) -> None:
-        if full_every < 1:
-            raise ValueError(f"full_every must be >= 1, got {full_every!r}")
+        if not 1 <= full_every <= MAX_LINKS:
+            raise ValueError(f"full_every must be in [1, {MAX_LINKS}], got {full_every!r}")
         self.state, self.full_every = state, full_every
 
     def encode(self, ckpt: Checkpoint) -> Encoded:
@@ -135,9 +135,23 @@ class ChainEncoder:
 
 def materialize(objects: list[bytes], session_id: str) -> tuple[Checkpoint, ChainState]:
     """The whole checkpoint ``objects`` (its chain's objects then its own, oldest first) read back as, and its
-    chain in session ``session_id``'s view. :class:`CheckpointException` when they do not fit together."""
+    chain in session ``session_id``'s view. :class:`CheckpointException` when they do not fit together, or when
+    one is intact JSON of the wrong shape (a member of the wrong type, an invalid message, a malformed ref)."""
     if not objects:
         raise CheckpointException("no checkpoint object to read")
+    try:
+        return _materialize(objects, session_id)
+    except CheckpointException:
+        raise
+    except (TypeError, ValueError, AttributeError, KeyError) as e:  # ValueError covers pydantic's ValidationError
+        raise CheckpointException(f"malformed checkpoint object ({type(e).__name__}): {str(e)[:_DETAIL]}") from e
+
+
+#: Characters of a parser's message a CheckpointException quotes (pydantic's can run long).
+_DETAIL = 500
+
+
+def _materialize(objects: list[bytes], session_id: str) -> tuple[Checkpoint, ChainState]:
     transcript: list[Message] = []
     sizes: tuple[int, ...] = ()
     refs: list[str] = []
@@ -152,22 +166,31 @@ def materialize(objects: list[bytes], session_id: str) -> tuple[Checkpoint, Chai
             sizes = tuple(len(p) for p in _serialized(transcript))
             held, ref = sum(sizes), ref_of(old.session_id, old.checkpoint_id, session_id)
         else:
+            if not isinstance(header, dict):
+                raise CheckpointException(f"the index header must be a JSON object, got {type(header).__name__}")
             owner = str(header.get("session_id", session_id))
             ref = ref_of(owner, str(header.get("checkpoint_id")), session_id)
-            base = doc.get("base")
-            expected = refs[-1] if refs else None
-            if (base is None) != (expected is None) or (
-                    base is not None and ref_of(*expand([base], owner)[0], session_id) != expected):
-                raise CheckpointException(f"checkpoint {ref!r}: its base {base!r} is not the previous object of "
-                                          f"its chain ({expected!r})")
-            keep = int(doc.get("keep") or 0)
-            new = [Message.model_validate(m) for m in doc.get("messages", [])]
+            _check_base(doc.get("base"), refs[-1] if refs else None, owner, ref, session_id)
+            keep, listed = doc.get("keep", 0), doc.get("messages", [])
+            if type(keep) is not int or not 0 <= keep <= len(transcript) or not isinstance(listed, list):
+                raise CheckpointException(f"checkpoint {ref!r}: keep {keep!r:.40} of {len(transcript)} messages, "
+                                          f"messages a {type(listed).__name__}")
+            new = [Message.model_validate(m) for m in listed]
             new_sizes = tuple(len(p) for p in _serialized(new))
             transcript, sizes = transcript[:keep] + new, sizes[:keep] + new_sizes
             held += sum(new_sizes)
         refs.append(ref)
     ckpt = _checkpoint(doc, transcript)
     return ckpt, ChainState(tuple(refs), compress(refs), held, tuple(transcript), sizes)
+
+
+def _check_base(base: Any, expected: str | None, owner: str, ref: str, session_id: str) -> None:
+    """:class:`CheckpointException` unless ``base`` (as object ``ref`` of session ``owner`` names it) is the
+    previous object of the chain, ``expected`` (None: there is none)."""
+    if (base is None) != (expected is None) or (
+            base is not None and ref_of(*expand([str(base)], owner)[0], session_id) != expected):
+        raise CheckpointException(f"checkpoint {ref!r}: its base {base!r:.200} is not the previous object of "
+                                  f"its chain ({expected!r})")
 
 
 def _parse(raw: bytes) -> dict[str, Any]:
@@ -227,5 +250,8 @@ def load_checkpoint(store: Any, session_id: str, checkpoint_id: str = "latest", 
         ckpt, chain = materialize(objects, session_id)
     except CheckpointException as e:  # say which checkpoint: the parser only sees bytes
         raise CheckpointException(f"checkpoint {checkpoint_id!r} of session {session_id!r} (user {user_id!r}): {e}") from e
+    if (ckpt.session_id, ckpt.user_id) != (session_id, user_id):  # an object copied from another session's prefix
+        raise CheckpointException(f"checkpoint {checkpoint_id!r} of session {session_id!r} (user {user_id!r}) holds "
+                                  f"session {ckpt.session_id!r:.140} of user {ckpt.user_id!r:.140}")
     ckpt._chain = chain
     return ckpt

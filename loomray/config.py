@@ -16,6 +16,8 @@ if TYPE_CHECKING:  # annotations only: the records need the storage package; con
     from loomray.records import Usage
 
 _POSITIONS = ("after_tools", "after_model", "both")
+#: The longest chain a reader accepts: the same number as ``storage.chains.MAX_LINKS`` (a test holds them equal).
+MAX_LINKS = 4096
 _DURABILITY = ("sync", "async")
 
 
@@ -29,7 +31,8 @@ class CheckpointConfig:
     (:mod:`loomray.checkpoint_format`); ``full_every`` bounds how many links
     a chain reaches before a full snapshot starts a new one: what reading a
     checkpoint fetches (in parallel) against what a full snapshot costs to
-    write.
+    write. It is at most ``storage.chains.MAX_LINKS`` (4096): a reader refuses a
+    longer chain as one no writer wrote.
     """
 
     position: Literal["after_tools", "after_model", "both"] = "after_tools"
@@ -38,8 +41,8 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if self.position not in _POSITIONS:
             raise ValueError(f"CheckpointConfig.position must be one of {_POSITIONS}, got {self.position!r}")
-        if type(self.full_every) is not int or self.full_every < 1:
-            raise ValueError(f"CheckpointConfig.full_every must be an int >= 1, got {self.full_every!r}")
+        if type(self.full_every) is not int or not 1 <= self.full_every <= MAX_LINKS:
+            raise ValueError(f"CheckpointConfig.full_every must be an int in [1, {MAX_LINKS}], got {self.full_every!r}")
 
     def saves_after_tools(self) -> bool:
         """True when position is "after_tools" or "both"."""

@@ -67,12 +67,27 @@ def ref_of(session_id: str, checkpoint_id: str, from_session_id: str) -> str:
     return checkpoint_id if session_id == from_session_id else f"{session_id}/{checkpoint_id}"
 
 
+#: The most links a chain may name. A writer starts a new chain (a full snapshot) once its chain reaches
+#: ``full_every`` links, which loomray's ``CheckpointConfig`` keeps at or below this; so a longer chain is one no
+#: writer wrote (a hand-made header naming, say, a range of 16.7 million links) and is refused before anything
+#: is expanded or fetched, in time and memory proportional to its entries.
+MAX_LINKS = 4096
+
+
 def expand(chain: Iterable[str], session_id: str) -> list[tuple[str, str]]:
     """The ``(session_id, checkpoint_id)`` of every link a chain names, oldest first: entries are single refs or
-    ranges ``"[{session}/]{first}..{last}"`` of one segment's consecutive links (``ValueError`` if malformed)."""
-    out: list[tuple[str, str]] = []
+    ranges ``"[{session}/]{first}..{last}"`` of one segment's consecutive links (``ValueError`` if malformed, or
+    if it names more than :data:`MAX_LINKS` links)."""
+    parsed: list[tuple[str, tuple[str, str, int, int] | None]] = []
+    total = 0
     for entry in chain:
         span = _span(entry, session_id)
+        total += 1 if span is None else span[3] - span[2] + 1
+        if total > MAX_LINKS:
+            raise ValueError(f"a chain of more than {MAX_LINKS} links, more than any writer writes")
+        parsed.append((entry, span))
+    out: list[tuple[str, str]] = []
+    for entry, span in parsed:
         if span is None:
             out.append(ref_parts(entry, session_id))
             continue
@@ -89,8 +104,12 @@ def _span(entry: str, session_id: str) -> tuple[str, str, int, int] | None:
     sid, cid = ref_parts(first, session_id)
     a, b = _SEGMENT.match(cid), _SEGMENT.match(last)
     if a is None or b is None or a.group(1) != b.group(1) or int(a.group(2), 16) > int(b.group(2), 16):
-        raise ValueError(f"malformed chain range {entry!r}")
-    return sid, a.group(1), int(a.group(2), 16), int(b.group(2), 16)
+        raise ValueError(f"malformed chain range {entry!r:.300}")
+    lo, hi = int(a.group(2), 16), int(b.group(2), 16)
+    if hi - lo >= MAX_LINKS:
+        raise ValueError(f"chain range {entry!r:.300} names {hi - lo + 1} links, more than any writer writes "
+                         f"({MAX_LINKS})")
+    return sid, a.group(1), lo, hi
 
 
 def compress(refs: Iterable[str]) -> tuple[str, ...]:
@@ -277,8 +296,10 @@ class Pins:
                 continue  # released meanwhile
             try:
                 ids = json.loads(obj.data).get("checkpoints")
+                if not isinstance(ids, list) or len(ids) > MAX_LINKS + 1:  # a pin names a chain and its fork point
+                    raise ValueError(f"a pin's checkpoints must be a list of at most {MAX_LINKS + 1} ids")
                 out.update(layout.checkpoint_key(session_id, user_id, c) for c in ids)
-            except (ValueError, TypeError, AttributeError, StorageError):
+            except (ValueError, TypeError, AttributeError, RecursionError, StorageError):
                 log.warning("unreadable pin %s: nothing of the session is collected", self.objects.describe(info.key))
                 return None
         return out

@@ -40,7 +40,7 @@ def lease_body(data: bytes | None) -> dict[str, Any] | None:
         return None
     try:
         body = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested deeper than the parser recurses
         return None
     return body if isinstance(body, dict) else None
 

@@ -17,6 +17,7 @@ import io
 import logging
 import os
 import random
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -25,9 +26,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from storage.errors import CorruptObjectError, IndexChangedError
+from storage.errors import CorruptObjectError, IndexChangedError, InvalidIdError
+from storage.ids import user_from_segment, validate_id
 from storage.objects import ObjectInfo, ObjectStore
 
 log = logging.getLogger("storage.index")
@@ -193,7 +196,7 @@ class ParquetIndex:
                 vanished.append(key)  # compacted away between LIST and GET
             return None
         try:
-            table = parquet_table(obj.data)
+            table = own_rows(parquet_table(obj.data), key)
         except Exception as e:  # pyarrow raises several types for bad bytes
             log.warning("skipping unreadable index file: %s", CorruptObjectError(f"{self.objects.describe(key)}: {e}"))
             return None
@@ -272,8 +275,68 @@ class ParquetIndex:
         return [k for k, _ in pairs], table
 
 
+_PARTITION = re.compile(r"^index/(?:checkpoints|table)/user=([^/]+)/(?:session=([^/]+)/)?")
+
+
+def own_rows(table: pa.Table, key: str) -> pa.Table:
+    """The rows of checkpoint index or table file ``key`` that belong to the partition its key names.
+
+    Anyone who may write one user's (or session's) partition could put rows of
+    another user or session there, or a checkpoint row whose ``key`` is not
+    its own checkpoint's; a reader of that partition would then follow them
+    to the other's objects. Such rows are dropped, with a warning. A
+    ``user_id``, ``session_id``, ``checkpoint_id`` or ``key`` column that is
+    not text is another schema (``ValueError``: the file is skipped).
+    """
+    m = _PARTITION.match(key)
+    if m is None or table.num_rows == 0:
+        return table
+    keep = None
+    for column, value in (("user_id", user_from_segment(m.group(1))), ("session_id", m.group(2))):
+        if column not in table.column_names or (column == "session_id" and value is None):
+            continue
+        col = text_column(table, column)
+        same = pc.is_null(col) if value is None else pc.fill_null(pc.equal(col, value), False)
+        keep = same if keep is None else pc.and_(keep, same)
+    if m.group(2) is not None and "key" in table.column_names and "checkpoint_id" in table.column_names:
+        keep = pc.and_(keep, _own_keys(table, f"sessions/{m.group(1)}/{m.group(2)}/checkpoints/"))
+    if keep is None or pc.all(keep).as_py():
+        return table
+    log.warning("dropping rows of another user or session from index file %s", key)
+    return table.filter(keep)
+
+
+def _own_keys(table: pa.Table, prefix: str) -> pa.ChunkedArray:
+    """Per checkpoint row: its id is valid and its ``key`` is that checkpoint's object under ``prefix``."""
+    ids, keys = text_column(table, "checkpoint_id"), text_column(table, "key")
+    bad = [c for c in pc.unique(ids).to_pylist() if not _is_id(c)]
+    expected = pc.binary_join_element_wise(prefix, ids, ".json", "")
+    same = pc.fill_null(pc.equal(keys, expected), False)
+    return pc.and_(same, pc.invert(pc.is_in(ids, value_set=pa.array(bad, pa.string())))) if bad else same
+
+
+def text_column(table: pa.Table, column: str) -> pa.ChunkedArray:
+    """A column of ids or keys as plain strings (a compacted file dictionary-encodes some); ``ValueError`` when it
+    holds anything but text."""
+    col = table[column]
+    if pa.types.is_dictionary(col.type):
+        col = col.cast(col.type.value_type)
+    if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type) or pa.types.is_null(col.type)):
+        raise ValueError(f"column {column} is {col.type}, not text")
+    return col
+
+
+def _is_id(value: object) -> bool:
+    try:
+        validate_id(value)
+    except InvalidIdError:
+        return False
+    return True
+
+
 def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
-    """``table`` in exactly ``schema`` (column order and types); a no-op for files this package wrote."""
+    """``table`` in exactly ``schema`` (column order and types); a no-op for files this package wrote.
+    ``KeyError`` or ``pyarrow.ArrowInvalid`` when it cannot be (another schema: readers skip the file)."""
     if table.schema.equals(schema):
         return table
     # A nullable column added since the file was written reads as nulls; a file without the schema's leading
@@ -282,4 +345,7 @@ def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
         for f in schema:
             if f.name not in table.schema.names and f.nullable:
                 table = table.append_column(f.name, pa.nulls(table.num_rows, f.type))
-    return table.select(schema.names).cast(schema)
+    try:
+        return table.select(schema.names).cast(schema)
+    except pa.ArrowException as e:  # a column of a type no cast reaches (a list for an int): not our schema
+        raise pa.ArrowInvalid(f"not readable in the index schema: {e}") from e

@@ -153,7 +153,7 @@ class Leases:
         obj = self.objects.get(key=key)
         try:
             epoch = json.loads(obj.data).get("epoch") if obj is not None else None
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             epoch = None
         return epoch if layout.is_epoch(epoch) else 0
 
@@ -169,7 +169,7 @@ class Leases:
             obj = self.objects.get(key=info.key)
             try:
                 base = json.loads(obj.data).get("base") if obj is not None else None
-            except (ValueError, AttributeError):
+            except (ValueError, AttributeError, RecursionError):
                 base = None
             if obj is None or base != etag:
                 top = epoch

@@ -43,7 +43,8 @@ def latest_session_rows(table: pa.Table) -> pa.Table:
     if table.num_rows < 2:
         return table
     stamps = table["updated_at"].to_pylist()
-    best = max(range(len(stamps)), key=lambda i: (stamps[i], i))
+    # A null updated_at (a file edited by hand) ranks below every stamp; the flag keeps None and a datetime apart.
+    best = max(range(len(stamps)), key=lambda i: (stamps[i] is not None, stamps[i], i))
     return table.slice(best, 1)
 
 

@@ -247,6 +247,13 @@ def decode_chain(value: str | None) -> tuple[str, ...]:
     return tuple(refs)
 
 
+def strings(value: Any) -> tuple[str, ...]:
+    """A JSON list of strings (names, days) as a tuple; ``ValueError`` for anything else."""
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"expected a list of strings, got {value!r:.80}")
+    return tuple(value)
+
+
 def checkpoint_rows_table(rows: list[CheckpointRow], *, tombstone: bool | list[bool],
                           written_at: datetime) -> pa.Table:
     """Rows (or tombstones for them) as one Arrow table in ``CHECKPOINT_SCHEMA``; ``tombstone`` is one flag for

@@ -21,6 +21,7 @@ live status only once they write a row again.
 from __future__ import annotations
 
 import logging
+from datetime import datetime
 from typing import Any
 
 import pyarrow as pa
@@ -28,7 +29,7 @@ import pyarrow.compute as pc
 
 from storage import layout
 from storage.ids import user_from_segment, user_segment, validate_id
-from storage.index import ParquetIndex
+from storage.index import ParquetIndex, text_column
 from storage.objects import ObjectStore
 from storage.rows import SESSION_SCHEMA, SessionRow, as_utc, session_rows_from_table, session_rows_table
 
@@ -52,6 +53,8 @@ def latest_sessions(rows: list[SessionRow]) -> list[SessionRow]:
     """Latest row per (user, session), newest first; a later row wins a tie on updated_at."""
     latest: dict[tuple[str | None, str], SessionRow] = {}
     for row in rows:  # rows arrive in file (write) order
+        if not isinstance(row.updated_at, datetime):
+            continue  # a row no writer wrote (an index file edited by hand): it cannot be ordered
         k = (row.user_id, row.session_id)
         if k not in latest or row.updated_at >= latest[k].updated_at:
             latest[k] = row
@@ -98,8 +101,13 @@ class SessionMethods:
         if "session" not in parts or "user" not in parts or not {"session_id", "user_id"} <= set(table.column_names):
             return table  # not a partition file, or a foreign schema that the reader skips anyway
         user = user_from_segment(parts["user"])
-        same = pc.equal(table["session_id"], parts["session"])
-        same = pc.and_(same, pc.is_null(table["user_id"]) if user is None else pc.equal(table["user_id"], user))
+        try:
+            sids, uids = text_column(table, "session_id"), text_column(table, "user_id")
+        except ValueError as e:  # ids that are not text: another schema (pc.equal would raise Arrow's own error)
+            log.warning("skipping index file with a foreign schema: %s: %s", self.objects.describe(key), e)
+            return table.slice(0, 0)
+        same = pc.equal(sids, parts["session"])
+        same = pc.and_(same, pc.is_null(uids) if user is None else pc.equal(uids, user))
         same = pc.fill_null(same, False)
         if pc.all(same).as_py():
             return table

@@ -70,6 +70,7 @@ import io
 import json
 import logging
 import threading
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -84,7 +85,7 @@ from storage import layout
 from storage.errors import StorageError
 from storage.ids import user_from_segment
 from storage.index import DICTIONARY_COLUMNS, conform, parquet_table, serial_backend
-from storage.rows import CHECKPOINT_SCHEMA, as_utc, utcnow
+from storage.rows import CHECKPOINT_SCHEMA, as_utc, strings, utcnow
 
 if TYPE_CHECKING:
     from storage.store import Store
@@ -146,8 +147,8 @@ class Manifest:
             doc = json.loads(gzip.decompress(data))
             if not isinstance(doc, dict) or doc.get("type") != "index_table_manifest":
                 raise ValueError("not an index table manifest")
-            sessions = {str(s): SessionState(tuple(v[0]), tuple(v[1]), bool(v[2]), int(v[3]),
-                                                   tuple(v[4]) if len(v) > 4 else ())
+            sessions = {str(s): SessionState(strings(v[0]), strings(v[1]), bool(v[2]), int(v[3]),
+                                                   strings(v[4]) if len(v) > 4 else ())
                         for s, v in doc.get("sessions", {}).items()}
             parts = {str(d): {"etag": str(p["etag"]), "rows": int(p.get("rows", 0))}
                      for d, p in doc.get("partitions", {}).items()}
@@ -155,7 +156,7 @@ class Manifest:
             return cls(doc.get("user_id"), int(doc.get("generation", 0)), _parse_iso(doc.get("listed_at")),
                        _parse_iso(doc.get("committed_at")), parts, sessions,
                        intent if isinstance(intent, dict) else None)
-        except (OSError, EOFError, ValueError, TypeError, KeyError, IndexError, AttributeError) as e:
+        except (OSError, EOFError, zlib.error, ValueError, TypeError, LookupError, AttributeError, RecursionError) as e:
             raise _Unreadable(f"{where}: unreadable table manifest ({e})") from e
 
 

@@ -18,6 +18,7 @@ import pyarrow.compute as pc
 from storage import layout
 from storage.errors import StorageError
 from storage.ids import user_from_segment
+from storage.index import own_rows
 from storage.rows import CHECKPOINT_SCHEMA, as_utc
 from storage.table import TABLE_SCHEMA, Staleness, UserTable, decode_partition, for_each, load_tables
 
@@ -102,7 +103,7 @@ def _partition_rows(store: Store, seg: str, day: str, etag: str | None) -> pa.Ta
     if obj is None:
         return TABLE_SCHEMA.empty_table()  # never deleted by loomray; someone removed it: no rows
     try:
-        rows = decode_partition(obj.data)
+        rows = own_rows(decode_partition(obj.data), key)  # never another user's rows, whatever the file holds
     except Exception as e:  # pyarrow raises several types for bad bytes
         raise StorageError(f"{store.describe(key)}: unreadable table partition ({e}); run compact() to "
                            "rebuild it") from e

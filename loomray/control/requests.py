@@ -53,7 +53,7 @@ def read_request(store: SessionStore, key: str) -> dict[str, Any] | None:
         return None
     try:
         body = json.loads(obj.data)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested deeper than the parser recurses
         log.warning("skipping unreadable control request %s", store.describe(key))
         return None
     return body if isinstance(body, dict) and body.get("type") == "control" else None

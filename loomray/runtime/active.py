@@ -57,7 +57,7 @@ def parse(raw: bytes | None) -> dict[str, Any]:
         return {}
     try:
         value = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested deeper than the parser recurses
         return {}
     return value if isinstance(value, dict) else {}
 
