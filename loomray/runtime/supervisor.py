@@ -10,15 +10,12 @@ restart is a fresh lease epoch decided once. Its jobs, each in its own part:
 - adopt (:mod:`loomray.runtime.adoption`): take over the store's active
   sessions nobody here watches (a killed supervisor's, a lost cluster's),
   refusing what the store must not choose;
-- relay events (:mod:`loomray.runtime.event_relay`) from session actors to
-  the drivers that stream them;
-- run fan-outs with bounded concurrency (:mod:`loomray.runtime.fanouts`);
-- compact the store's index in the background (:mod:`loomray.runtime.compaction`).
+- relay events (:mod:`loomray.runtime.event_relay`), run fan-outs
+  (:mod:`loomray.runtime.fanouts`), compact the index (:mod:`loomray.runtime.compaction`).
 
 Its state is derived, never authoritative: what it watches comes from the
 store's active-session marks, so a replacement supervisor picks up every
-active session. Finished sessions are reported for ``forget_after_s`` and
-then forgotten, so memory stays bounded however long the cluster runs.
+active session. Finished sessions are reported for ``forget_after_s``, then forgotten.
 """
 
 from __future__ import annotations
@@ -68,6 +65,7 @@ class Supervisor:
         self._sessions: dict[SessionKey, WatchedSession] = {}
         #: Sessions whose run is not over, per placement (what telemetry's active-sessions gauge shows).
         self._active: Counter[str] = Counter()
+        self._awaiting: set[SessionKey] = set()
         self._watcher = SessionWatcher(config, self._store)
         self._adoption = AdoptionPolicy(config, self._store)
         self._events = EventRelay()
@@ -129,15 +127,24 @@ class Supervisor:
 
     # -- the sessions watched ------------------------------------------------------
     def _track(self, w: WatchedSession) -> None:
-        """Hold ``w`` as a session whose run is active, and count it until its outcome is in."""
-        self._sessions[(w.user_id, w.session_id)] = w
+        """Hold ``w`` as a session whose run is active, and count it until its outcome is in (and whether that
+        outcome waits for a person: the awaiting-approval gauge, until the session runs again)."""
+        key = (w.user_id, w.session_id)
+        self._sessions[key] = w
         placement = self._watcher.config_of(w).placement
+        self._awaiting.discard(key)
         self._count_active(placement, +1)
-        w.done.add_done_callback(lambda _: self._count_active(placement, -1))
+        w.done.add_done_callback(lambda done: self._ended(placement, key, done))
+
+    def _ended(self, placement: str, key: SessionKey, done: asyncio.Future) -> None:
+        waits = not done.cancelled() and done.exception() is None and done.result().state == "awaiting_approval"
+        (self._awaiting.add if waits else self._awaiting.discard)(key)
+        self._count_active(placement, -1)
 
     def _count_active(self, placement: str, change: int) -> None:
         self._active[placement] += change
         telemetry.set_active_sessions(placement, self._active[placement], self._config.store_url)
+        telemetry.set_awaiting_approval(len(self._awaiting), self._config.store_url)
 
     def _watching(self, key: SessionKey) -> bool:
         w = self._sessions.get(key)

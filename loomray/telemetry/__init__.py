@@ -64,7 +64,8 @@ log = logging.getLogger("loomray.telemetry")
 __all__ = [
     "METRIC_NAMES", "Instruments", "MetricsObserver", "Observer", "OtelInstruments", "RunInfo", "TracingObserver",
     "add_observer", "disable_metrics", "disable_tracing", "enable_metrics", "enable_otel_metrics", "enable_tracing",
-    "observe", "observers", "record_restart", "remove_observer", "set_active_sessions", "use_ray_instruments",
+    "observe", "observers", "record_restart", "remove_observer", "set_active_sessions", "set_awaiting_approval",
+    "use_ray_instruments",
 ]
 
 
@@ -166,6 +167,16 @@ def set_active_sessions(placement: str | None, n: int, store: str | None = None)
             m.active_sessions.set(n, tags={"placement": placement or "unknown", "store": store or "unknown"})
     except Exception as e:
         log.debug("could not record active sessions: %s", e)
+
+
+def set_awaiting_approval(n: int, store: str | None = None) -> None:
+    """Report how many sessions of ``store`` wait for a person's decision on a tool call (no-op without Ray)."""
+    try:
+        m = ray_instruments()
+        if m is not None:
+            m.awaiting_approval.set(n, tags={"store": store or "unknown"})
+    except Exception as e:
+        log.debug("could not record sessions awaiting approval: %s", e)
 
 
 # ------------------------------------------------------------------------- automatic metrics in Ray

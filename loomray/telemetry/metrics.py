@@ -56,6 +56,7 @@ METRIC_NAMES = {
     "leases_lost": "loomray_leases_lost",
     "restarts": "loomray_session_restarts",
     "active_sessions": "loomray_active_sessions",
+    "awaiting_approval": "loomray_sessions_awaiting_approval",
 }
 _LATENCY_BOUNDARIES = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 #: Model and tool calls take longer: the buckets of OpenTelemetry's ``gen_ai.client.operation.duration``.
@@ -100,6 +101,8 @@ class Instruments:
                              tag_keys=p)
         self.restarts = C(n["restarts"], "Sessions restarted by the supervisor.", tag_keys=p)
         self.active_sessions = G(n["active_sessions"], "Sessions the supervisor keeps running.", tag_keys=p)
+        self.awaiting_approval = G(n["awaiting_approval"], "Sessions whose last run stopped for a person's decision.",
+                                   tag_keys=("store",))
 
 
 def _inc(counter: Any, value: float | None, tags: dict[str, str]) -> None:

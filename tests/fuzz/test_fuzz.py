@@ -106,7 +106,7 @@ def test_returning_another_users_content_is_a_violation(recorder):
 def test_fetching_outside_the_users_prefixes_is_a_violation(recorder):
     rec, store = recorder
     out = run_read("r", True, lambda: store.objects.get(key="sessions/bob/s-b/lease.json"), rec, set())
-    assert out.violations == ["r: fetched sessions/bob/s-b/lease.json"]
+    assert out.violations == ["r: fetched 'sessions/bob/s-b/lease.json'"]
     assert not run_read("r", True, lambda: store.objects.get(key="sessions/alice/x"), rec, set()).violations
 
 

@@ -146,6 +146,7 @@ def test_supervisor_metrics_and_auto_enable(monkeypatch):
         telemetry.record_restart(None)
         telemetry.set_active_sessions("dense", 3, "s3://a/x")
         telemetry.set_active_sessions("dense", 5, "s3://b/y")
+        telemetry.set_awaiting_approval(2, "s3://a/x")
     finally:
         telemetry.use_ray_instruments(None)
     assert metrics.restarts.records == [(1, {"placement": "dense", "store": "s3://a/x"}),
@@ -153,6 +154,7 @@ def test_supervisor_metrics_and_auto_enable(monkeypatch):
     # Two stores on one cluster: two series, never one overwritten by the other.
     assert metrics.active_sessions.records == [(3, {"placement": "dense", "store": "s3://a/x"}),
                                                (5, {"placement": "dense", "store": "s3://b/y"})]
+    assert metrics.awaiting_approval.records == [(2, {"store": "s3://a/x"})]
 
     # A Ray worker registers the metrics observer by itself, once, with its placement.
     monkeypatch.setattr(telemetry, "_auto_checked", False)
@@ -327,6 +329,7 @@ def test_session_metrics_reach_prometheus(cluster_run):
         t.record_restart("test-placement", "s3://one/x")
         t.set_active_sessions("test-placement", 7, "s3://one/x")
         t.set_active_sessions("test-placement", 2, "s3://two/y")
+        t.set_awaiting_approval(4, "s3://one/x")
         return True
 
     assert ray.get(supervisor_side.remote(), timeout=60)
@@ -365,3 +368,4 @@ def test_session_metrics_reach_prometheus(cluster_run):
     assert total(series, "ray_loomray_active_sessions", store="s3://one/x") == 7
     assert total(series, "ray_loomray_active_sessions", store="s3://two/y") == 2
     assert total(series, "ray_loomray_run_stops_total", reason="completed") == 1
+    assert total(series, "ray_loomray_sessions_awaiting_approval", store="s3://one/x") == 4
