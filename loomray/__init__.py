@@ -10,8 +10,10 @@ from loomray.errors import CheckpointException
 from loomray.ids import new_id
 from loomray.records import Checkpoint, CheckpointMeta, Message, RunResult, ToolCall, Usage
 from loomray.tools import Tool, ToolContext, tool
+from loomray.variants import Edit, Variant
 
 __all__ = [
     "Agent", "Tuning", "CheckpointConfig", "tool", "Tool", "ToolContext", "Message", "ToolCall", "Usage",
     "Checkpoint", "CheckpointMeta", "RunResult", "new_id", "CheckpointException",
+    "Variant", "Edit",
 ]
