@@ -62,6 +62,7 @@ from loomray import control, telemetry
 from loomray.checkpoint_format import ChainEncoder
 from loomray.errors import CheckpointNotFound
 from loomray.events import EmitFn, Event, deliver
+from loomray.fencing import fence_session, take_lease
 from loomray.ids import new_id, new_segment, segment_id
 from loomray.journal import StepRunner
 from loomray.loop import CheckpointWriter, LoopOptions, run_loop
@@ -71,7 +72,7 @@ from loomray.run_errors import index_error, record_error
 from loomray.run_request import RunRequest
 from loomray.run_writes import GuardedJournal, InflightWrites, StoreJournalSink, WriteGuard
 from loomray.session_store import SessionStore
-from loomray.takeover import fence_session, plan_takeover, take_lease
+from loomray.takeover import plan_takeover
 from loomray.tools import as_tools
 from storage import CheckpointInfo
 from storage.errors import LeaseLostError

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 from loomray.checkpoint_format import load_checkpoint
 from loomray.errors import CheckpointException
+from loomray.fencing import seal_listed
 from loomray.journal import JournalRecord
 from loomray.records import Checkpoint
 from loomray.recovery import (
@@ -39,7 +40,7 @@ from loomray.recovery import (
 from loomray.run_request import RunRequest
 from loomray.session_store import SessionStore
 from storage.errors import ObjectNotFound, StorageError
-from storage.journal import FenceNote, JournalRun, Listing
+from storage.journal import FenceNote, JournalRun
 from storage.rows import JournalEntry, Lease
 
 #: The session's logger: a run's warnings keep one name, whichever module logs them.
@@ -47,52 +48,6 @@ log = logging.getLogger("loomray.session")
 
 #: The journal keys of each run the pre-lease listing showed (run id -> keys).
 Seen = dict[str, frozenset[str]]
-
-
-def pre_lease_listing(store: SessionStore, request: RunRequest) -> Listing:
-    """What a new owner must fence, listed right before its lease swap.
-
-    The session's last run (the run its old owner may still be appending to)
-    and the run the request names. Right after the lease, each is sealed
-    above its listed keys, so whatever the old owner appends from then on is
-    never replayed.
-    """
-    return store.journal_listing(request.session_id, user_id=request.user_id, run_id=request.run_id)
-
-
-def take_lease(store: SessionStore, request: RunRequest, owner: str) -> tuple[Lease, FenceNote]:
-    """Take the session's lease; the note holds the listing the swap recorded and the predecessors' fences.
-
-    Listed right before the lease swap (what the seals go above), and
-    recorded by that swap, so the fence survives this process dying between
-    taking the lease and sealing (``storage.journal.FenceNote``).
-    """
-    fence = FenceNote(lambda: pre_lease_listing(store, request))
-    lease = store.acquire_lease(request.session_id, user_id=request.user_id, owner=owner, note=fence)
-    return lease, fence
-
-
-def fence_session(store: SessionStore, session_id: str, user_id: str | None, *, owner: str) -> Lease:
-    """Take the session's lease and seal the runs its old owner may still append to; return the lease.
-
-    What a new owner does before its first step, without running anything:
-    afterwards whatever an older writer does is not durable (its checkpoint
-    writes are refused or retired, its journal entries above the seals are
-    never replayed). ``loomray cancel`` uses it.
-    """
-    lease, fence = take_lease(store, RunRequest(session_id=session_id, user_id=user_id), owner)
-    _seal_listed(store, session_id, user_id, lease, fence)
-    return lease
-
-
-def _seal_listed(store: SessionStore, sid: str, uid: str | None, lease: Lease, fence: FenceNote) -> set[str]:
-    """Seal the runs the pre-lease listing showed (one PUT per run) and write the seals earlier owners
-    recorded in the lease but never wrote; return the sealed run ids."""
-    for run_id, keys in fence.listing.runs.items():
-        store.journal_seal_listed(sid, run_id, user_id=uid, lease=lease, listed=keys)
-    if fence.chain:
-        store.journal_complete_fences(sid, user_id=uid, chain=fence.chain, listed=dict(fence.listing.runs))
-    return set(fence.listing.runs)
 
 
 def _seen_keys(seen: Seen, run_id: str) -> frozenset[str]:
@@ -123,7 +78,7 @@ def plan_takeover(store: SessionStore, request: RunRequest, lease: Lease, fence:
     """Fence, read and plan the run ``request`` asks for, record it, and prove the lease; see the module."""
     sid, uid = request.session_id, request.user_id
     seen = dict(fence.listing.runs)
-    sealed = _seal_listed(store, sid, uid, lease, fence)
+    sealed = seal_listed(store, sid, uid, lease, fence)
     last = read_last_run(store, sid, uid, lease, seen, sealed)
     known: Sequence[str] = ()
     if request.run_id is not None and request.run_id != last.run_id:

@@ -98,7 +98,7 @@ def _child(target: Callable[..., Any], args: tuple, env: dict[str, str], cwd: st
 
 def loomray_main(argv: list[str]) -> None:
     """What the ``loomray`` console script does with ``argv`` (``sys.exit(main())``)."""
-    from loomray.cli import main
+    from loomray.cli.main import main
 
     sys.argv = ["loomray", *argv]
     sys.exit(main())

@@ -37,32 +37,36 @@ def _is_type_checking(node: ast.If) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _module_level_imports(tree: ast.Module, module: str, is_package: bool) -> set[str]:
-    """What importing ``module`` imports: top-level statements outside ``if TYPE_CHECKING``.
+def _imports(tree: ast.Module, module: str, is_package: bool) -> set[str]:
+    """What ``module`` imports, at its top level or inside any function, outside ``if TYPE_CHECKING``.
 
+    A function-local import is counted: it closes a cycle as surely as a top-level one, only later.
     ``from a import b`` yields ``a.b`` (resolved later to the submodule ``a.b`` or the package ``a``).
     """
     found: set[str] = set()
 
-    def visit(body: list[ast.stmt]) -> None:
-        for node in body:
-            if isinstance(node, ast.If):
-                if not _is_type_checking(node):
-                    visit(node.body)
-                    visit(node.orelse)
-            elif isinstance(node, ast.Try):
-                visit(node.body)
-            elif isinstance(node, ast.Import):
-                found.update(alias.name for alias in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = module.split(".") if is_package else module.split(".")[:-1]
-                    anchor = anchor[: len(anchor) - node.level + 1]
-                    base = ".".join(anchor + ([base] if base else []))
-                found.update(f"{base}.{alias.name}" for alias in node.names)
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child):
+                for stmt in child.orelse:
+                    visit_node(stmt)
+            else:
+                visit_node(child)
 
-    visit(tree.body)
+    def visit_node(node: ast.AST) -> None:
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".") if is_package else module.split(".")[:-1]
+                anchor = anchor[: len(anchor) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+        else:
+            visit(node)
+
+    visit(tree)
     return found
 
 
@@ -74,7 +78,7 @@ def _graph() -> dict[str, set[str]]:
     for name, (path, tree) in trees.items():
         ancestors = {".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)}
         edges = set()
-        for imported in _module_level_imports(tree, name, path.name == "__init__.py"):
+        for imported in _imports(tree, name, path.name == "__init__.py"):
             parts = imported.split(".")
             prefixes = [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
             target = next((m for m in reversed(prefixes) if m in known), None)
@@ -130,8 +134,9 @@ def test_no_import_cycles():
 
 
 def test_the_import_reader_sees_what_a_cycle_is_made_of():
-    tree = ast.parse("from . import b\nif TYPE_CHECKING:\n    import c\nfrom .d import E")
-    assert _module_level_imports(tree, "loomray.a", False) == {"loomray.b", "loomray.d.E"}
+    tree = ast.parse("from . import b\nif TYPE_CHECKING:\n    import c\nfrom .d import E\n"
+                     "def f():\n    from loomray.g import h")
+    assert _imports(tree, "loomray.a", False) == {"loomray.b", "loomray.d.E", "loomray.g.h"}
 
 
 @pytest.mark.parametrize("layer, forbidden", [

@@ -12,6 +12,7 @@ import os
 import threading
 
 from loomray.control.requests import CANCEL, create_request, request_body, require_session
+from loomray.fencing import fence_session
 from loomray.records import utcnow
 from loomray.session_store import SessionStore
 from storage import layout
@@ -129,8 +130,6 @@ def _write_cancel(store: SessionStore, session_id: str, user_id: str | None, sou
 
 def _fence_and_mark(store: SessionStore, session_id: str, user_id: str | None, source: str) -> int:
     """Fence every writer of the session elsewhere (take its lease, seal its last run) and mark it cancelled."""
-    from loomray.session import fence_session  # here, not at the top: loomray.session imports loomray.control
-
     lease = fence_session(store, session_id, user_id, owner=f"loomray cancel ({source})")
     last = store.last_run(session_id, user_id=user_id)
     runs = [last.run_id] if last is not None else store.journal_runs(session_id, user_id=user_id)[-1:]

@@ -1,10 +1,9 @@
 """``RayRuntime``: one Ray actor per session, watched by a detached supervisor.
 
-The driver side is thin. ``execute`` ships the agent (by value, plus the
-importable reference registered with :func:`set_agent_ref`) and the request JSON to the
-store's supervisor actor (``loomray:supervisor:{store key}``; one per store,
-any number per cluster), which starts a ``SessionActor`` and restarts it
-from the store if its node dies; the driver then waits for the outcome.
+The driver side is thin. ``execute`` ships the agent (by value, plus the importable reference
+registered with :func:`set_agent_ref`) and the request JSON to the store's supervisor actor
+(``loomray:supervisor:{store key}``; one per store, any number per cluster), which starts a
+``SessionActor`` and restarts it from the store if its node dies; the driver waits for the outcome.
 Checkpoint reads (``list_checkpoints``, ``get_checkpoint``) go straight to the
 store from this process, exactly as with ``LocalRuntime``.
 
@@ -13,9 +12,8 @@ session_id=...)`` starts a run by agent reference and returns as soon as its
 actor exists; the run goes on after the driver exits (session actors and the
 supervisor are detached), and ``wait``/``status`` or the store follow it.
 
-The store must be reachable from every node under the same URL: an
-``s3://`` URL on a real cluster; a local path only works when every node is on
-this machine (tests, ``cluster/local.sh``).
+The store must be reachable from every node under the same URL: an ``s3://`` URL on a real
+cluster; a local path only works when every node is on this machine (tests, ``cluster/local.sh``).
 """
 
 from __future__ import annotations
@@ -28,11 +26,10 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
-from loomray.agent import Agent
 from loomray.errors import LoomrayRunError, LoomrayUserError
 from loomray.events import EmitFn, deliver, event_from_dict
 from loomray.ids import new_id
@@ -44,6 +41,9 @@ from loomray.runtime.handoffs import handed_off
 from loomray.runtime.supervisor import get_supervisor
 from loomray.session import RunRequest
 from storage import open_store
+
+if TYPE_CHECKING:  # annotations only: the Agent module imports the runtimes package for its default
+    from loomray.agent import Agent
 
 log = logging.getLogger("loomray.runtime.ray")
 

@@ -264,7 +264,7 @@ async def test_path10_resume_from_an_explicit_older_checkpoint_when_the_newest_i
 async def test_path11_every_checkpoint_load_failure_is_a_checkpoint_exception(tmp_path):
     from click.testing import CliRunner
 
-    from loomray.cli import main
+    from loomray.cli.main import main
 
     rt, objects = faulty_runtime(tmp_path)
     agent = make_agent(rt)

@@ -15,7 +15,7 @@ from control_tools import effects, lookup, reset_effects, transfer  # noqa: F401
 from crash_procs import run_child
 
 from loomray import Agent, CheckpointConfig, Tuning
-from loomray.cli import main
+from loomray.cli.main import main
 from loomray.models import ScriptedModel
 from loomray.models.scripted import count_calls
 from loomray.runtime import LocalRuntime

@@ -23,7 +23,7 @@ from control_tools import (
 )
 
 from loomray import Agent, CheckpointConfig, Tuning
-from loomray.cli import main
+from loomray.cli.main import main
 from loomray.models import ScriptedModel
 from loomray.models.scripted import count_calls
 from loomray.runtime import LocalRuntime

@@ -12,8 +12,8 @@ from click.testing import CliRunner
 from control_tools import lookup, reset_effects, transfer  # noqa: F401 - reset_effects is an autouse fixture
 
 from loomray import Agent, CheckpointConfig, Tuning, control
-from loomray.cli import main
 from loomray.cli.common import CliError, guarded, parse_time
+from loomray.cli.main import main
 from loomray.models import ScriptedModel
 from loomray.runtime import LocalRuntime
 from storage.errors import CorruptObjectError, InvalidIdError, StorageConfigError, TransientStorageError

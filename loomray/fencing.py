@@ -1,0 +1,62 @@
+"""Fencing a session: take its lease and seal the runs an older owner may still append to.
+
+Both a run's takeover (:mod:`loomray.takeover`) and ``loomray cancel``
+(:mod:`loomray.control.cancel`) fence; this module needs neither of them.
+Taking the lease fences whatever older writer may still be alive: the runs
+that writer may append to are listed right before the lease swap and sealed
+right after it (:mod:`storage.journal`), so whatever it appends from then on
+is never replayed.
+"""
+
+from __future__ import annotations
+
+from loomray.run_request import RunRequest
+from loomray.session_store import SessionStore
+from storage.journal import FenceNote, Listing
+from storage.rows import Lease
+
+
+def pre_lease_listing(store: SessionStore, request: RunRequest) -> Listing:
+    """What a new owner must fence, listed right before its lease swap.
+
+    The session's last run (the run its old owner may still be appending to)
+    and the run the request names. Right after the lease, each is sealed
+    above its listed keys, so whatever the old owner appends from then on is
+    never replayed.
+    """
+    return store.journal_listing(request.session_id, user_id=request.user_id, run_id=request.run_id)
+
+
+def take_lease(store: SessionStore, request: RunRequest, owner: str) -> tuple[Lease, FenceNote]:
+    """Take the session's lease; the note holds the listing the swap recorded and the predecessors' fences.
+
+    Listed right before the lease swap (what the seals go above), and
+    recorded by that swap, so the fence survives this process dying between
+    taking the lease and sealing (``storage.journal.FenceNote``).
+    """
+    fence = FenceNote(lambda: pre_lease_listing(store, request))
+    lease = store.acquire_lease(request.session_id, user_id=request.user_id, owner=owner, note=fence)
+    return lease, fence
+
+
+def fence_session(store: SessionStore, session_id: str, user_id: str | None, *, owner: str) -> Lease:
+    """Take the session's lease and seal the runs its old owner may still append to; return the lease.
+
+    What a new owner does before its first step, without running anything:
+    afterwards whatever an older writer does is not durable (its checkpoint
+    writes are refused or retired, its journal entries above the seals are
+    never replayed). ``loomray cancel`` uses it.
+    """
+    lease, fence = take_lease(store, RunRequest(session_id=session_id, user_id=user_id), owner)
+    seal_listed(store, session_id, user_id, lease, fence)
+    return lease
+
+
+def seal_listed(store: SessionStore, sid: str, uid: str | None, lease: Lease, fence: FenceNote) -> set[str]:
+    """Seal the runs the pre-lease listing showed (one PUT per run) and write the seals earlier owners
+    recorded in the lease but never wrote; return the sealed run ids."""
+    for run_id, keys in fence.listing.runs.items():
+        store.journal_seal_listed(sid, run_id, user_id=uid, lease=lease, listed=keys)
+    if fence.chain:
+        store.journal_complete_fences(sid, user_id=uid, chain=fence.chain, listed=dict(fence.listing.runs))
+    return set(fence.listing.runs)
