@@ -5,7 +5,10 @@ request's ``traceparent``), else the session's own trace
 (:func:`loomray.telemetry.context.session_root`): every incarnation of a
 session, on whichever node and after however many restarts or resumes, lands
 in one trace. It links to the session's root when it has another parent, and
-a fork's to its base session's root. Message content (model outputs, tool
+a fork's to its base session's root. Its span id is derived from the session
+and the lease epoch, so an incarnation that continues a run links to the
+run span of the one before it (which its process never exported, but whose
+steps name it as their parent). Message content (model outputs, tool
 arguments and results) is recorded only when asked for
 (``enable_tracing(capture_content=True)`` or
 ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true``).
