@@ -3,7 +3,8 @@
 The session actors export their spans over OTLP/HTTP to a collector this test
 runs on 127.0.0.1 (``otlp_collector``), which feeds an in-memory exporter; the
 test's own spans (the requests) go to the same exporter. A worker node running
-a session is removed (SIGKILL): the session continues on the other worker, and
+a session is removed (SIGKILL) while the session is held in a tool step
+(``trace_agents.slow_step``): the session continues on the other worker, and
 every span of both incarnations is in the trace the run was asked for under,
 the survivor's run span linked to the lost one's. A fork asked for under a
 span is that span's child, in the same trace as its base when both were asked
@@ -37,14 +38,14 @@ def traced(shared_cluster, tmp_path_factory):
 
     from loomray.runtime import RayRuntime
 
-    collector = Collector()
+    collector, held = Collector(), tmp_path_factory.mktemp("ray-traces-held")
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(collector.exporter))
     options = {"resources": {"loomray_session": 1},
-               "runtime_env": {"env_vars": {trace_agents.ENDPOINT: collector.endpoint}}}
-    runtime = RayRuntime(tmp_path_factory.mktemp("ray-traces") / "store", actor_options=options)
+               "runtime_env": {"env_vars": {trace_agents.ENDPOINT: collector.endpoint, trace_agents.HOLD_DIR: str(held)}}}
+    runtime = RayRuntime(tmp_path_factory.mktemp("ray-traces") / "store", actor_options=options, standby_actors=0)
     try:
-        yield shared_cluster.lc, runtime, collector, provider.get_tracer("test")
+        yield shared_cluster.lc, runtime, collector, provider.get_tracer("test"), held
     finally:
         runtime.close()
         provider.shutdown()
@@ -67,13 +68,13 @@ async def _until(predicate, timeout, what):
 async def test_one_trace_across_a_node_loss(traced):
     import trace_agents
 
-    lc, runtime, collector, tracer = traced
+    lc, runtime, collector, tracer, held = traced
     sid = "s-node-loss"
     agent = trace_agents.slow("nodeloss")
     agent.runtime = runtime
     with tracer.start_as_current_span("request") as request:
         run = asyncio.create_task(agent.run("go", session_id=sid))
-        await _until(lambda: len(_spans(collector, sid, "execute_tool")) >= 2, 60, "two tool spans")
+        await _until(lambda: any(held.glob("holding-*")), 60, "the run held in its third tool step")
         first = (await runtime.session(sid))["node_id"]
         victim = lc.node_of(first)
         assert victim is not None and victim is not lc.head
@@ -104,7 +105,7 @@ async def test_one_trace_across_a_node_loss(traced):
 async def test_a_fork_is_the_child_of_the_span_it_was_asked_under_and_links_to_its_base(traced):
     import trace_agents
 
-    _, runtime, collector, tracer = traced
+    _, runtime, collector, tracer, _ = traced
     agent = trace_agents.forking("forker")
     agent.runtime = runtime
     with tracer.start_as_current_span("task") as task:

@@ -12,13 +12,18 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
+from pathlib import Path
 
 from loomray import Agent, CheckpointConfig, Tuning, telemetry
 from loomray.models import ScriptedModel
 
 ENDPOINT = "LOOMRAY_TEST_OTLP_ENDPOINT"
+#: Where the first process to reach tool step HOLD_AT leaves ``holding-{pid}`` and stays.
+HOLD_DIR = "LOOMRAY_TEST_TRACE_DIR"
 #: Tool passes of the slow agent, before its final answer.
 TURNS = 6
+HOLD_AT = 2
 
 
 def _setup() -> None:
@@ -41,8 +46,18 @@ _setup()
 
 
 async def slow_step(n: int) -> str:
-    """One unit of slow work (stands in for a long tool call)."""
-    await asyncio.sleep(0.3)
+    """One unit of slow work (stands in for a long tool call).
+
+    The first process to reach step HOLD_AT stays in it (until its node is removed): the test kills a
+    session that is certainly mid-run, and a successor process goes through.
+    """
+    folder = os.environ.get(HOLD_DIR)
+    if n == HOLD_AT and folder and not any(Path(folder).glob("holding-*")):
+        (Path(folder) / f"holding-{os.getpid()}").write_text(str(n))
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+    await asyncio.sleep(0.1)
     return f"step {n} done"
 
 
