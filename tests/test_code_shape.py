@@ -170,6 +170,22 @@ def test_nothing_points_outside_the_repository():
     assert not hits, "references outside the repository:\n" + "\n".join(hits)
 
 
+#: Ray internals still imported, each with its reason in docs/choices.md ("No ray._private ... import").
+RAY_INTERNALS_ALLOWED = {("loomray/cli/demo_steps.py", "ray._private.worker")}
+
+
+def test_no_private_ray_imports():
+    files = [*_sources(), *(ROOT / "examples").rglob("*.py"), *(ROOT / "bench").rglob("*.py"),
+             *(ROOT / "cluster").rglob("*.py")]
+    found = set()
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found |= {(str(path.relative_to(ROOT)), n) for n in names if re.match(r"ray\._(private|common)\b", n)}
+    assert found == RAY_INTERNALS_ALLOWED
+
+
 def test_relative_doc_links_resolve():
     broken = []
     for doc in [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "cluster").rglob("*.md")]:

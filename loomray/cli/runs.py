@@ -208,7 +208,11 @@ def _fork_base(store: Store, session_id: str, user_id: str | None, from_checkpoi
 @guarded
 def fork(session_id: str, from_checkpoint: str, prompts: tuple[str, ...], agent_ref: str | None,
          user_id: str | None, store_url: str | None, address: str | None, placement: str, as_json: bool) -> None:
-    """Fan out: one new session per --prompt, all from one checkpoint, running at once."""
+    """Fork a session: one new session per --prompt, each starting from the same checkpoint of SESSION_ID.
+
+    The forks run at once (on the cluster with --address, else in this process); SESSION_ID itself is
+    left as it is. Prints each fork's new session id and result.
+    """
     check_id(session_id, "session_id")
     check_id(user_id, "user_id")
     store = open_store_or_fail(store_url)

@@ -129,7 +129,7 @@ def checkpoints_quarantine(session_id: str, checkpoint_id: str, store_url: str |
 @click.argument("checkpoint_id", default="latest")
 @store_option
 @user_option
-@click.option("--messages/--no-messages", default=True, help="Print the transcript.")
+@click.option("--messages/--no-messages", default=True, help="Print the transcript (the default), or only the checkpoint's header with --no-messages.")
 @click.option("--raw", "raw_object", is_flag=True,
               help="Print the stored object as it is (an incremental checkpoint holds only what its pass added).")
 @json_option
@@ -186,7 +186,11 @@ def _no_checkpoint(store: Any, session_id: str, checkpoint_id: str, user_id: str
 @json_option
 @guarded
 def compact(store_url: str | None, show_progress: bool, as_json: bool) -> None:
-    """Merge small Parquet index files and drop tombstoned rows."""
+    """Compact the store's index: merge its small Parquet files, drop the rows of deleted checkpoints.
+
+    Queries (`loomray query`, outside readers) read fewer files afterwards. A running supervisor also does it
+    every 10 minutes.
+    """
     with Activity("compact", show_progress) as activity:
         store = open_store_or_fail(store_url)
         if activity.enabled:
@@ -205,7 +209,7 @@ def compact(store_url: str | None, show_progress: bool, as_json: bool) -> None:
 
 @click.group()
 def lease() -> None:
-    """Repair a session's lease (lease.json)."""
+    """Repair a session's lease: lease.json, the record of which incarnation may write the session."""
 
 
 @lease.command("repair")

@@ -17,8 +17,8 @@ NAMESPACE = "loomray"
 
 #: Environment defaults applied before Ray is imported (a variable already set wins).
 RAY_ENV_DEFAULTS = {
-    # Ray reads this when ``ray._private.ray_constants`` is first imported, to decide whether
-    # to bind to the host's address or to loopback: "0" keeps a local cluster on 127.0.0.1.
+    # Ray reads this once, when it is first imported, to decide whether to bind to the
+    # host's address or to loopback: "0" keeps a local cluster on 127.0.0.1.
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
     "RAY_USAGE_STATS_ENABLED": "0",
 }

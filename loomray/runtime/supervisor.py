@@ -33,13 +33,7 @@ import ray
 from loomray import telemetry
 from loomray.errors import LoomrayUserError
 from loomray.runtime import active
-from loomray.runtime.actors import (
-    AgentSpec,
-    Outcome,
-    RuntimeConfig,
-    session_actor_name,
-    supervisor_name,
-)
+from loomray.runtime.actors import AgentSpec, Outcome, RuntimeConfig, session_actor_name, supervisor_name
 from loomray.runtime.adoption import AdoptionPolicy, same_request
 from loomray.runtime.compaction import Compaction
 from loomray.runtime.connection import NAMESPACE
@@ -101,6 +95,7 @@ class Supervisor:
             loop = asyncio.get_running_loop()
             self._started = loop.create_task(self._adopt())
             self._background.append(loop.create_task(self._reconcile_loop()))
+            self._background.append(loop.create_task(telemetry.hold_gauges()))  # Ray drops a gauge not set again
             if self._config.compact_interval_s:
                 self._background.append(loop.create_task(self._compaction.every(self._config.compact_interval_s)))
         await asyncio.shield(self._started)
@@ -143,8 +138,8 @@ class Supervisor:
 
     def _count_active(self, placement: str, change: int) -> None:
         self._active[placement] += change
-        telemetry.set_active_sessions(placement, self._active[placement], self._config.store_url)
-        telemetry.set_awaiting_approval(len(self._awaiting), self._config.store_url)
+        telemetry.set_active_sessions(placement, self._active[placement], self._store.url)
+        telemetry.set_awaiting_approval(len(self._awaiting), self._store.url)
 
     def _watching(self, key: SessionKey) -> bool:
         w = self._sessions.get(key)

@@ -255,7 +255,7 @@ class SessionWatcher:
                 try:
                     w.handle = await self.start(w, avoid_node=w.last_node)
                     self.restarts += 1
-                    telemetry.record_restart(self.config_of(w).placement, self.config_of(w).store_url)
+                    telemetry.record_restart(self.config_of(w).placement, self._store.url)
                 except LoomrayRunError as e:
                     return await self.finish(w, Outcome(status="failed", error=str(e), error_type=type(e).__name__),
                                              mark_failed=True)

@@ -40,6 +40,7 @@ works without either being importable.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import os
@@ -50,6 +51,7 @@ from urllib.parse import urlparse
 from loomray.events import Event
 from loomray.telemetry.metrics import (
     METRIC_NAMES,
+    HeldGauge,
     Instruments,
     MetricsObserver,
     OtelInstruments,
@@ -62,10 +64,10 @@ from loomray.telemetry.tracing import TracingObserver, disable_tracing, enable_t
 log = logging.getLogger("loomray.telemetry")
 
 __all__ = [
-    "METRIC_NAMES", "Instruments", "MetricsObserver", "Observer", "OtelInstruments", "RunInfo", "TracingObserver",
-    "add_observer", "disable_metrics", "disable_tracing", "enable_metrics", "enable_otel_metrics", "enable_tracing",
-    "observe", "observers", "record_restart", "remove_observer", "set_active_sessions", "set_awaiting_approval",
-    "use_ray_instruments",
+    "METRIC_NAMES", "HeldGauge", "Instruments", "MetricsObserver", "Observer", "OtelInstruments", "RunInfo",
+    "TracingObserver", "add_observer", "disable_metrics", "disable_tracing", "enable_metrics", "enable_otel_metrics",
+    "enable_tracing", "hold_gauges", "observe", "observers", "record_restart", "remove_observer",
+    "set_active_sessions", "set_awaiting_approval", "use_ray_instruments",
 ]
 
 
@@ -177,6 +179,23 @@ def set_awaiting_approval(n: int, store: str | None = None) -> None:
             m.awaiting_approval.set(n, tags={"store": store or "unknown"})
     except Exception as e:
         log.debug("could not record sessions awaiting approval: %s", e)
+
+
+async def hold_gauges(every_s: float = 5.0) -> None:
+    """Set this process's supervisor gauges again every ``every_s`` seconds, until cancelled.
+
+    Ray stops exporting a gauge series nobody sets again (about 20 s on Ray 2.60), and the supervisor sets
+    active sessions and sessions awaiting approval only when they change. Never raises but to cancel.
+    """
+    while True:
+        await asyncio.sleep(every_s)
+        try:
+            m = ray_instruments()
+            for gauge in (m.active_sessions, m.awaiting_approval) if m is not None else ():
+                if isinstance(gauge, HeldGauge):
+                    gauge.again()
+        except Exception as e:
+            log.debug("could not set the gauges again: %s", e)
 
 
 # ------------------------------------------------------------------------- automatic metrics in Ray

@@ -50,3 +50,10 @@ def session_root(store: str | None, user_id: str | None, session_id: str) -> tup
     trace_id = int.from_bytes(digest[:16], "big") or 1
     span_id = int.from_bytes(digest[16:24], "big") or 1
     return trace_id, span_id
+
+
+def incarnation_span_id(store: str | None, user_id: str | None, session_id: str, epoch: int) -> int:
+    """The span id of the run span the session's lease holder of ``epoch`` opens: derived, not random, so the
+    next incarnation (epoch + 1, another process, after a crash) can link to it without anything stored."""
+    key = "\0".join(("loomray-incarnation", store or "", user_id or "", session_id, str(epoch)))
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") or 1

@@ -227,12 +227,44 @@ def ray_instruments() -> Instruments | None:
                 try:
                     import ray.util.metrics as module  # Ray is optional and heavy: only once it runs here
 
-                    _ray_obj = Instruments(module)
+                    made = Instruments(module)
+                    made.active_sessions = HeldGauge(made.active_sessions)
+                    made.awaiting_approval = HeldGauge(made.awaiting_approval)
+                    _ray_obj = made
                 except Exception as e:
                     _ray_broken = True
                     log.warning("Ray metrics are off in this process: %s: %s", type(e).__name__, e)
                     return None
     return _ray_obj
+
+
+class HeldGauge:
+    """A Ray gauge that remembers its last value per label set, to set them all again (:meth:`again`).
+
+    Ray stops exporting a gauge series that is not set again for a while (about
+    20 s on Ray 2.60, measured: docs/telemetry.md), and the supervisor sets its
+    gauges only when a count changes: a steady count would vanish from
+    Prometheus. The supervisor's event loop calls :meth:`again` every few
+    seconds (:func:`loomray.telemetry.hold_gauges`).
+    """
+
+    def __init__(self, gauge: Any) -> None:
+        self.gauge = gauge
+        self._last: dict[tuple[tuple[str, str], ...], float] = {}
+        self._lock = threading.Lock()
+
+    def set(self, value: float, tags: dict[str, str] | None = None) -> None:
+        key = tuple(sorted((tags or {}).items()))
+        with self._lock:
+            self._last[key] = value
+        self.gauge.set(value, tags=dict(key))
+
+    def again(self) -> None:
+        """Set every label set's last value again."""
+        with self._lock:
+            last = list(self._last.items())
+        for key, value in last:
+            self.gauge.set(value, tags=dict(key))
 
 
 def use_ray_instruments(instruments: Instruments | None) -> None:

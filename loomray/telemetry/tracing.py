@@ -5,7 +5,10 @@ request's ``traceparent``), else the session's own trace
 (:func:`loomray.telemetry.context.session_root`): every incarnation of a
 session, on whichever node and after however many restarts or resumes, lands
 in one trace. It links to the session's root when it has another parent, and
-a fork's to its base session's root. Message content (model outputs, tool
+a fork's to its base session's root. Its span id is derived from the session
+and the lease epoch, so an incarnation that continues a run links to the
+run span of the one before it (which its process never exported, but whose
+steps name it as their parent). Message content (model outputs, tool
 arguments and results) is recorded only when asked for
 (``enable_tracing(capture_content=True)`` or
 ``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true``).
@@ -16,6 +19,7 @@ tracing is enabled, never at module level, so ``import loomray`` works without i
 
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
 import os
@@ -41,7 +45,7 @@ from loomray.events import (
     ToolResultEvent,
 )
 from loomray.records import ToolCall
-from loomray.telemetry.context import parse_traceparent, session_root
+from loomray.telemetry.context import incarnation_span_id, parse_traceparent, session_root
 from loomray.telemetry.registry import RunInfo, add_observer, observers, remove_observer
 
 log = logging.getLogger("loomray.telemetry")
@@ -92,6 +96,27 @@ class _RunSpans:
         self.tools: dict[str, _ToolStep] = {}
 
 
+class _ChosenSpanIds:
+    """A tracer's id generator that hands out a span id chosen by the caller once (a run span's derived id)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.chosen: contextvars.ContextVar[int | None] = contextvars.ContextVar("loomray_span_id", default=None)
+
+    def generate_span_id(self) -> int:
+        chosen = self.chosen.get()
+        if chosen is None:
+            return int(self.inner.generate_span_id())
+        self.chosen.set(None)
+        return chosen
+
+    def generate_trace_id(self) -> int:
+        return int(self.inner.generate_trace_id())
+
+    def __getattr__(self, name: str) -> Any:  # whatever else the SDK asks of its generator (is_trace_id_random)
+        return getattr(self.inner, name)
+
+
 class TracingObserver:
     """Turns a run's events into OpenTelemetry GenAI spans (see the module docstring)."""
 
@@ -108,10 +133,21 @@ class TracingObserver:
         #: Record model outputs and tool arguments and results on spans (off by default: they may hold secrets).
         self.capture_content = capture_content
         self._tracer = trace.get_tracer("loomray", _version(), tracer_provider=tracer_provider)
+        self._ids = self._chosen_ids(self._tracer)
         self._runs: OrderedDict[tuple[str, str | None], _RunSpans] = OrderedDict()
         self._lock = threading.Lock()
 
     # -- helpers
+
+    @staticmethod
+    def _chosen_ids(tracer: Any) -> _ChosenSpanIds | None:
+        """The SDK tracer's id generator, wrapped so a run span can get its derived id (None: not the SDK's
+        tracer, e.g. a proxy before a global provider is set: run spans get random ids and no incarnation link)."""
+        inner = getattr(tracer, "id_generator", None)
+        if inner is None or isinstance(inner, _ChosenSpanIds):
+            return inner
+        tracer.id_generator = _ChosenSpanIds(inner)
+        return tracer.id_generator
 
     def _attrs(self, event: Event, info: RunInfo, **extra: Any) -> dict[str, Any]:
         attrs = {
@@ -151,6 +187,14 @@ class TracingObserver:
         else:
             parent = self._remote(*caller)
             links.append(self._trace.Link(root, {"loomray.link": "session"}))
+        if event.replaying and info.epoch and info.epoch > 1 and self._ids is not None:
+            # The same run, continued by a new incarnation (after a crash or a node loss): link to the run span
+            # of the lease holder before it, whose id is derived too. That span was never exported when its
+            # process died, but its finished steps name it as their parent: the link joins them to this one.
+            before = incarnation_span_id(info.store, event.user_id, event.session_id, info.epoch - 1)
+            trace_id = caller[0] if caller is not None else root.trace_id
+            links.append(self._trace.Link(self._remote(trace_id, before),
+                                          {"loomray.link": "previous_incarnation", "loomray.epoch": info.epoch - 1}))
         if event.forked_from:
             base = self._remote(*session_root(info.store, event.user_id, event.forked_from))
             links.append(self._trace.Link(base, {"loomray.link": "fork_base", "loomray.forked_from": event.forked_from}))
@@ -221,8 +265,15 @@ class TracingObserver:
             "loomray.forked_from": event.forked_from,
         })
         context, links = self._parent_and_links(event, info)
-        span = self._tracer.start_span(name, context=context, kind=self._trace.SpanKind.INTERNAL, attributes=attrs,
-                                       links=links, start_time=_ns(event.at))
+        ids, token = self._ids, None
+        if ids is not None and info.epoch:  # the id the next incarnation links to (see _parent_and_links)
+            token = ids.chosen.set(incarnation_span_id(info.store, event.user_id, event.session_id, info.epoch))
+        try:
+            span = self._tracer.start_span(name, context=context, kind=self._trace.SpanKind.INTERNAL,
+                                           attributes=attrs, links=links, start_time=_ns(event.at))
+        finally:
+            if ids is not None and token is not None:
+                ids.chosen.reset(token)
         with self._lock:
             old = self._runs.pop((event.session_id, event.run_id), None)
             self._runs[(event.session_id, event.run_id)] = _RunSpans(span)

@@ -1,5 +1,6 @@
 """Traces that outlive a process: one trace for a session across a SIGKILL and a restart in a new process,
-a fork linked to its base, the requester's span carried in the request, and content off unless asked for."""
+an incarnation linked to the one before, a fork linked to its base, the requester's span carried in the
+request, and content off unless asked for. tests/ray/test_ray_traces.py does it across a Ray node loss."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from loomray import Agent, CheckpointConfig, Tuning, telemetry
 from loomray.models import ScriptedModel
 from loomray.run_request import RunRequest
 from loomray.runtime import LocalRuntime
-from loomray.telemetry.context import session_root
+from loomray.telemetry.context import incarnation_span_id, session_root
 
 pytest.importorskip("opentelemetry.sdk")
 
@@ -117,3 +118,35 @@ async def test_a_requesters_span_travels_with_the_request_and_content_is_capture
     tool = next(s for s in exporter.get_finished_spans() if s.attributes.get("gen_ai.operation.name") == "execute_tool")
     assert SECRET in tool.attributes["gen_ai.tool.call.result"]
     assert json.loads(tool.attributes["gen_ai.tool.call.arguments"]) == {"key": "a"}
+
+
+class Die(BaseException):
+    """The process dying inside a tool: nothing after it runs, not even the run's error event."""
+
+
+async def test_an_incarnation_continuing_a_run_links_to_the_one_before(tmp_path, tracing):
+    _, exporter, _ = tracing
+    runtime = LocalRuntime(tmp_path / "store")
+    dies = {"left": 1}
+
+    def fetch(key: str) -> str:
+        """Fetch a value."""
+        if key == "b" and dies["left"]:
+            dies["left"] -= 1
+            raise Die()
+        return f"value of {key}"
+
+    script = [{"tool": "fetch", "args": {"key": "a"}}, {"tool": "fetch", "args": {"key": "b"}}, "done"]
+    agent = Agent("x", model=ScriptedModel(script), tools=[fetch], runtime=runtime,
+                  tuning=Tuning(checkpoint=CheckpointConfig()))
+    with pytest.raises(Die):
+        await agent.run("go", session_id="twice")
+    lost = list(exporter.get_finished_spans())  # the first incarnation's finished steps, not its run span
+    assert lost and not [s for s in lost if s.attributes["gen_ai.operation.name"] == "invoke_agent"]
+    await agent.run("go", session_id="twice")  # a new incarnation (epoch 2) continues the run
+    [run] = [s for s in exporter.get_finished_spans() if s.attributes["gen_ai.operation.name"] == "invoke_agent"]
+    store = runtime.store.url
+    assert run.attributes["loomray.epoch"] == 2 and run.context.span_id == incarnation_span_id(store, None, "twice", 2)
+    [link] = [lk for lk in run.links if lk.attributes["loomray.link"] == "previous_incarnation"]
+    assert link.context.trace_id == run.context.trace_id and link.attributes["loomray.epoch"] == 1
+    assert {s.parent.span_id for s in lost} == {link.context.span_id} == {incarnation_span_id(store, None, "twice", 1)}

@@ -31,3 +31,14 @@ def test_help_reads_as_text_and_explains_every_option(path, command):
     unexplained = [p.opts[0] for p in command.params
                    if isinstance(p, click.Option) and not p.hidden and not (p.help or "").strip()]
     assert not unexplained, f"{' '.join(path)}: options without help: {unexplained}"
+
+
+def test_shell_completion_completes_commands_and_options():
+    # What `eval "$(_LOOMRAY_COMPLETE=bash_source loomray)"` (the main --help) installs asks this.
+    env = {"_LOOMRAY_COMPLETE": "bash_complete", "COMP_WORDS": "loomray appr", "COMP_CWORD": "1"}
+    out = CliRunner().invoke(main, [], prog_name="loomray", env=env)
+    assert out.exit_code == 0 and "plain,approvals" in out.output.splitlines() and "approve" in out.output
+    env = {"_LOOMRAY_COMPLETE": "bash_complete", "COMP_WORDS": "loomray cancel --y", "COMP_CWORD": "2"}
+    assert "plain,--yes" in CliRunner().invoke(main, [], prog_name="loomray", env=env).output.splitlines()
+    source = CliRunner().invoke(main, [], prog_name="loomray", env={"_LOOMRAY_COMPLETE": "bash_source"})
+    assert "_LOOMRAY_COMPLETE=bash_complete" in source.output

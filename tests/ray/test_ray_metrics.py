@@ -75,6 +75,19 @@ def lookup(key: str) -> str:
     return f"value of {key}"
 
 
+def intrude(store: str, session: str) -> str:
+    """Take the session's lease from the run that called this tool, as a second incarnation would."""
+    from storage import open_store
+
+    open_store(store).acquire_lease(session, owner="intruder")
+    return "taken"
+
+
+def publish() -> str:
+    """Publish (waits for a person's approval)."""
+    return "published"
+
+
 class Die(BaseException):
     """The process dying inside a tool."""
 
@@ -171,6 +184,35 @@ def test_supervisor_metrics_and_auto_enable(monkeypatch):
         telemetry.disable_metrics()
 
 
+async def test_the_supervisors_gauges_are_set_again_until_they_change():
+    # Ray stops exporting a gauge that is not set again: the supervisor's loop sets its gauges again.
+    metrics = telemetry.Instruments(FakeRayMetrics)
+    metrics.awaiting_approval = telemetry.HeldGauge(metrics.awaiting_approval)
+    metrics.active_sessions = telemetry.HeldGauge(metrics.active_sessions)
+    gauge = metrics.awaiting_approval.gauge
+    telemetry.use_ray_instruments(metrics)
+    holding = asyncio.ensure_future(telemetry.hold_gauges(every_s=0.01))
+    try:
+        telemetry.set_awaiting_approval(3, "s3://a/x")
+        telemetry.set_awaiting_approval(1, "s3://b/y")
+        await _until(lambda: len(gauge.records) >= 6, "the gauge set again")
+        assert {v for v, t in gauge.records[2:] if t == {"store": "s3://a/x"}} == {3}
+        assert {v for v, t in gauge.records[2:] if t == {"store": "s3://b/y"}} == {1}
+        telemetry.set_awaiting_approval(0, "s3://a/x")
+        seen = len(gauge.records)
+        await _until(lambda: (0, {"store": "s3://a/x"}) in gauge.records[seen:], "the new value set again")
+    finally:
+        holding.cancel()
+        telemetry.use_ray_instruments(None)
+
+
+async def _until(predicate, what, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
 def test_no_metrics_outside_a_ray_worker(monkeypatch):
     # This test process is no Ray worker: no placement, nothing registered by itself, and without
     # ray.init() the supervisor calls are no-ops.
@@ -212,6 +254,7 @@ def worker_setup() -> None:
             with open(os.path.join(out, f"spans-{os.getpid()}.jsonl"), "a") as f:
                 f.writelines(json.dumps({
                         "name": s.name, "attributes": dict(s.attributes), "span_id": s.context.span_id,
+                        "pid": os.getpid(),
                         "parent": s.parent.span_id if s.parent else None, "status": s.status.status_code.name,
                     }) + "\n" for s in spans)
             return SpanExportResult.SUCCESS
@@ -245,7 +288,8 @@ def _metrics_agent_missing() -> str | None:
 
 @pytest.fixture(scope="module")
 def cluster_run(tmp_path_factory):
-    """One cluster, one session (3 passes, a checkpoint after each) run by a session actor."""
+    """One cluster, one session (3 passes, a checkpoint after each) run by a session actor; on a second
+    store (its own supervisor), a session that waits for an approval and one that loses its lease."""
     pytest.importorskip("opentelemetry.sdk")
     from loomray.runtime import RayRuntime
     from loomray.testing.cluster import local_cluster
@@ -259,7 +303,8 @@ def cluster_run(tmp_path_factory):
                        head_node_args={"metrics_export_port": port},
                        env={"PYTHONPATH": pythonpath, TELEMETRY_DIR: str(root / "telemetry")},
                        init_kwargs={"runtime_env": {"worker_process_setup_hook": f"{__name__}.worker_setup"}}) as lc:
-        runtime = RayRuntime(root / "store")
+        # No standby actors: each would be an idle worker process, and this module needs none.
+        runtime, other = RayRuntime(root / "store", standby_actors=0), RayRuntime(root / "other", standby_actors=0)
         try:
             model = ScriptedModel([{"tool": "lookup", "args": {"key": "a"}}, {"tool": "lookup", "args": {"key": "b"}},
                                    "done"])
@@ -269,18 +314,37 @@ def cluster_run(tmp_path_factory):
             result = asyncio.run(agent.run("go", session_id="metered",
                                            emit=lambda e: checkpoints.append(e) if e.type == "checkpoint" else None))
             assert result.turns == 3 and len(checkpoints) == 3
+            asyncio.run(_approval_and_lost_lease(other))
             yield {"port": port, "result": result, "checkpoints": checkpoints, "dir": root / "telemetry",
-                   "store_url": runtime.store.url}
+                   "store_url": runtime.store.url, "other_url": other.store.url}
         finally:
             runtime.close()
+            other.close()
     assert lc.leftover == []
+
+
+async def _approval_and_lost_lease(runtime) -> None:
+    """Two sessions of ``runtime``'s store: one stops for a person's approval (its supervisor's gauge counts
+    it), one loses its lease to an intruder mid-run (its session actor counts it)."""
+    from loomray import tool
+    from storage.errors import LeaseLostError
+
+    waiting = Agent("x", model=ScriptedModel([{"tool": "publish", "args": {}}, "published"]), runtime=runtime,
+                    tools=[tool(publish, requires_approval=True)], tuning=Tuning(checkpoint=CheckpointConfig()))
+    assert (await waiting.run("go", session_id="waits")).stop_reason == "awaiting_approval"
+    script = [{"tool": "intrude", "args": {"store": runtime.store.url, "session": "fenced"}}, "unreachable"]
+    fenced = Agent("x", model=ScriptedModel(script), tools=[intrude], runtime=runtime,
+                   tuning=Tuning(checkpoint=CheckpointConfig()))
+    with pytest.raises(LeaseLostError):
+        await fenced.run("go", session_id="fenced")
 
 
 @pytest.mark.ray
 def test_session_actor_traces_and_registers_metrics_by_itself(cluster_run):
     out, result = cluster_run["dir"], cluster_run["result"]
     spans = [json.loads(line) for f in out.glob("spans-*.jsonl") for line in f.read_text().splitlines()]
-    assert len({f.name for f in out.glob("spans-*.jsonl")}) == 1  # one process ran the session: its actor
+    spans = [s for s in spans if s["attributes"]["loomray.session_id"] == "metered"]
+    assert len({s["pid"] for s in spans}) == 1  # one process ran the session: its actor
     ops = [s["attributes"]["gen_ai.operation.name"] for s in spans]
     assert sorted(ops) == ["chat", "chat", "chat", "execute_tool", "execute_tool", "invoke_agent"]
     run = next(s for s in spans if s["name"] == "invoke_agent metered")
@@ -288,9 +352,8 @@ def test_session_actor_traces_and_registers_metrics_by_itself(cluster_run):
     assert {s["attributes"]["loomray.run_id"] for s in spans} == {result.run_id}
     assert run["attributes"]["loomray.node_id"] and run["attributes"]["loomray.epoch"] == 1
     # In the session actor the metrics observer registered itself, with the actor's placement.
-    snapshots = [json.loads(f.read_text()) for f in out.glob("observers-*.json")]
-    assert len(snapshots) == 1
-    assert ["MetricsObserver", "actor"] in snapshots[0] and ["TracingObserver", None] in snapshots[0]
+    snapshot = json.loads((out / f"observers-{spans[0]['pid']}.json").read_text())
+    assert ["MetricsObserver", "actor"] in snapshot and ["TracingObserver", None] in snapshot
 
 
 _LINE = re.compile(r'^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)$')
@@ -322,29 +385,47 @@ def test_session_metrics_reach_prometheus(cluster_run):
     result, checkpoints = cluster_run["result"], cluster_run["checkpoints"]
 
     @ray.remote(num_cpus=0)
-    def supervisor_side():
-        from loomray import telemetry as t
+    class SupervisorSide:
+        """A live process that reports as supervisors do (a task's worker may exit, and its gauges with it)."""
 
-        t.record_restart("test-placement", "s3://one/x")
-        t.record_restart("test-placement", "s3://one/x")
-        t.set_active_sessions("test-placement", 7, "s3://one/x")
-        t.set_active_sessions("test-placement", 2, "s3://two/y")
-        t.set_awaiting_approval(4, "s3://one/x")
-        return True
+        async def hold(self):
+            from loomray import telemetry as t
 
-    assert ray.get(supervisor_side.remote(), timeout=60)
+            await t.hold_gauges(1.0)
 
+        def report(self):
+            from loomray import telemetry as t
+
+            t.record_restart("test-placement", "s3://one/x")
+            t.record_restart("test-placement", "s3://one/x")
+            t.set_active_sessions("test-placement", 7, "s3://one/x")
+            t.set_active_sessions("test-placement", 2, "s3://two/y")
+            t.set_awaiting_approval(4, "s3://one/x")
+            return True
+
+    side = SupervisorSide.remote()
+    assert ray.get(side.report.remote(), timeout=60)
+    side.hold.remote()  # as a supervisor's loop does: the gauges stay while the scrape polls
+
+    mine, other = cluster_run["store_url"], cluster_run["other_url"]
+    actor = (("placement", "actor"), ("store", mine))
     expected = {
-        ("ray_loomray_model_calls_total", "actor"): 3,
-        ("ray_loomray_tool_calls_total", "actor"): 2,
-        ("ray_loomray_checkpoints_written_total", "actor"): 3,
-        ("ray_loomray_checkpoint_bytes_total", "actor"): sum(c.size for c in checkpoints),
-        ("ray_loomray_checkpoint_latency_seconds_count", "actor"): 3,
-        ("ray_loomray_model_call_duration_seconds_count", "actor"): 3,
-        ("ray_loomray_tool_call_duration_seconds_count", "actor"): 2,
-        ("ray_loomray_run_stops_total", "actor"): 1,
-        ("ray_loomray_session_restarts_total", "test-placement"): 2,
-        ("ray_loomray_active_sessions", "test-placement"): 9,
+        ("ray_loomray_model_calls_total", actor): 3,
+        ("ray_loomray_tool_calls_total", actor): 2,
+        ("ray_loomray_checkpoints_written_total", actor): 3,
+        ("ray_loomray_checkpoint_bytes_total", actor): sum(c.size for c in checkpoints),
+        ("ray_loomray_checkpoint_latency_seconds_count", actor): 3,
+        ("ray_loomray_model_call_duration_seconds_count", actor): 3,
+        ("ray_loomray_tool_call_duration_seconds_count", actor): 2,
+        ("ray_loomray_run_stops_total", actor): 1,
+        ("ray_loomray_session_restarts_total", (("placement", "test-placement"),)): 2,
+        ("ray_loomray_active_sessions", (("placement", "test-placement"),)): 9,
+        # The other store's supervisor counts its session waiting for approval; its fenced session's actor
+        # counts the lease it lost (a run that failed).
+        ("ray_loomray_sessions_awaiting_approval", (("store", other),)): 1,
+        ("ray_loomray_run_stops_total", (("store", other), ("reason", "awaiting_approval"))): 1,
+        ("ray_loomray_leases_lost_total", (("placement", "actor"), ("store", other))): 1,
+        ("ray_loomray_run_stops_total", (("store", other), ("reason", "failed"))): 1,
     }
     url = f"http://127.0.0.1:{cluster_run['port']}/metrics"
     deadline = time.monotonic() + 90
@@ -353,19 +434,24 @@ def test_session_metrics_reach_prometheus(cluster_run):
             series = parse_prometheus(urllib.request.urlopen(url, timeout=10).read().decode())
         except OSError:
             series = {}
-        got = {k: total(series, k[0], placement=k[1]) for k in expected}
+        got = {k: total(series, k[0], **dict(k[1])) for k in expected}
         if got == expected or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert got == expected, {k: (got[k], v) for k, v in expected.items() if got[k] != v}
-    spend = total(series, "ray_loomray_spend_usd_total", placement="actor", model="scripted")
+    spend = total(series, "ray_loomray_spend_usd_total", placement="actor", model="scripted", store=mine)
     assert spend == pytest.approx(result.usage.cost_usd, rel=1e-6)
-    assert total(series, "ray_loomray_tokens_total", placement="actor", type="input") == result.usage.input_tokens
+    assert total(series, "ray_loomray_tokens_total", store=mine, type="input") == result.usage.input_tokens
     assert total(series, "ray_loomray_replayed_steps_total") == 0
     # Every session series names its store; two supervisors' gauges stay apart.
     stores = {labels.get("store") for labels, _ in series["ray_loomray_model_calls_total"]}
-    assert stores == {cluster_run["store_url"]}
+    assert stores == {mine, other}
+    # Ray keeps its WorkerId label on application metrics (it drops it only from its own task and actor
+    # series): one series per session actor process, which a dashboard sums over.
+    assert all("WorkerId" in labels for labels, _ in series["ray_loomray_model_calls_total"])
     assert total(series, "ray_loomray_active_sessions", store="s3://one/x") == 7
     assert total(series, "ray_loomray_active_sessions", store="s3://two/y") == 2
     assert total(series, "ray_loomray_run_stops_total", reason="completed") == 1
     assert total(series, "ray_loomray_sessions_awaiting_approval", store="s3://one/x") == 4
+    assert total(series, "ray_loomray_sessions_awaiting_approval", store=mine) == 0
+    assert total(series, "ray_loomray_leases_lost_total", store=mine) == 0
