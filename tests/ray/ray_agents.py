@@ -229,3 +229,26 @@ budget_low = priced("budget", max_tokens=1)
 budget_high = priced("budget")
 #: A fork tree's spend.
 spend = priced("spend")
+
+
+def instructed(request) -> str:
+    """A final answer that names the instructions the model was given (the transcript's system message)."""
+    system = [m.content for m in request.messages if m.role == "system"]
+    return f"finished under: {system[0] if system else '-'}"
+
+
+def variant_parts(name: str, step_s: float = 0.4) -> tuple[Agent, ScriptedModel]:
+    """A base agent that answers its source run at once, and the model of a variant that forks it: TURNS slow
+    tool passes (replies 1..TURNS, after the source's one answer), then :func:`instructed`. Each model logs its
+    calls to its own file (``{name}`` and ``{name}-variant``)."""
+    base = make(name, step_s)
+    base.model = ScriptedModel(["source ready"], name="base-model", counter_path=ROOT / name / "model-calls")
+    workdir = ROOT / f"{name}-variant"
+    workdir.mkdir(parents=True, exist_ok=True)
+    script = ["-", *({"tool": "slow_step", "args": {"n": i}} for i in range(TURNS)), instructed]
+    return base, ScriptedModel(script, name="variant-model", counter_path=workdir / "model-calls")
+
+
+#: A variant fork whose node is removed mid-run (per placement).
+variant_kill, variant_kill_model = variant_parts("variant_kill")
+variant_kill_dense, variant_kill_dense_model = variant_parts("variant_kill_dense")
