@@ -5,6 +5,7 @@ same agent from the store; a variant that cannot apply fails with a typed error 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from control_tools import effects, lookup, reset_effects, transfer  # noqa: F401 - reset_effects: autouse
@@ -210,3 +211,44 @@ async def test_prompts_still_fork_as_before():
     forks = await agent.fork("src", from_checkpoint=first.checkpoint_id, prompts=["a", "b"])
     assert [f.messages[-2].content for f in forks] == ["a", "b"]
     assert all(r.request.get("variant") is None for f in forks for r in agent.runtime.store.list_runs(f.session_id))
+
+
+async def test_tree_and_show_say_what_each_variant_changed(tmp_path):
+    import os
+
+    from forked import run_loomray
+
+    store = tmp_path / "store"
+    agent = base_agent(LocalRuntime(store))
+    first = await agent.run("start", session_id="src")
+    thorough, edited, plain = await agent.fork("src", from_checkpoint=first.checkpoint_id, variants=[
+        Variant(instructions="Be thorough.", tools=[search]),
+        Variant(edits=[Edit.drop(1)], tuning=Tuning(checkpoint=True, max_turns=3)),
+        Variant(),
+    ])
+    [prompted] = await agent.fork("src", from_checkpoint=first.checkpoint_id, prompts=["p"])
+    env = {k: v for k, v in os.environ.items() if k not in ("LOOMRAY_STORE", "RAY_ADDRESS")} | {"COLUMNS": "160"}
+
+    def cli(*args: str):
+        out = run_loomray([*args, "--store", str(store)], env=env, cwd=Path(__file__).resolve().parents[2], timeout=90)
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    tree = json.loads(cli("tree", "src", "--json"))
+    variants = {c["session_id"]: c["variant"] for c in tree["tree"]["children"]}
+    assert variants == {thorough.session_id: {"instructions": "Be thorough.", "tools": ["search"]},
+                        edited.session_id: {"edits": [{"op": "drop", "index": 1}],
+                                            "tuning": {**variants[edited.session_id]["tuning"], "max_turns": 3}},
+                        plain.session_id: {}, prompted.session_id: None}
+    table = cli("tree", "src")
+    row = {sid: next(line for line in table.splitlines() if sid in line)
+           for sid in (thorough.session_id, edited.session_id, plain.session_id)}
+    assert "instructions='Be thorough.'; tools=[search]" in row[thorough.session_id]
+    assert "tuning(checkpoint=True, max_turns=3); edits: drop 1" in row[edited.session_id]
+    assert "no change" in row[plain.session_id]
+    shown = cli("show", thorough.session_id, "--no-messages")
+    assert "variant: instructions='Be thorough.'; tools=[search]" in shown
+    assert "variant:" not in cli("show", prompted.session_id, "--no-messages")
+    page = tmp_path / "tree.html"
+    cli("tree", "src", "--html", str(page))
+    assert "edits: drop 1" in page.read_text()
