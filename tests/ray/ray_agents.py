@@ -18,7 +18,7 @@ import time
 import uuid
 from pathlib import Path
 
-from loomray import Agent, CheckpointConfig, Tuning, tool
+from loomray import Agent, CheckpointConfig, Tool, Tuning, tool
 from loomray.models import ScriptedModel
 
 ROOT = Path(os.environ.get("LOOMRAY_RAY_TEST_DIR", "/tmp/loomray-ray-test"))
@@ -252,3 +252,28 @@ def variant_parts(name: str, step_s: float = 0.4) -> tuple[Agent, ScriptedModel]
 #: A variant fork whose node is removed mid-run (per placement).
 variant_kill, variant_kill_model = variant_parts("variant_kill")
 variant_kill_dense, variant_kill_dense_model = variant_parts("variant_kill_dense")
+
+
+def instructed_with_tools(request) -> str:
+    """:func:`instructed`, plus the tools the model was offered."""
+    return f"{instructed(request)}; tools: {','.join(sorted(t['name'] for t in request.tools))}"
+
+
+def adoptable(name: str) -> Agent:
+    """A base agent whose variant fork loses its actor and its supervisor at once: TURNS slow passes after the
+    source's answer, then :func:`instructed_with_tools`. Importable by reference (``ray_agents:{name}``), so a
+    new supervisor rebuilds the fork's agent from the reference and the variant the fork's run record stores."""
+    base = make(name, 0.4)
+
+    def spare() -> str:
+        """A tool the variant leaves out."""
+        return "spare"
+
+    script = ["source ready", *({"tool": "slow_step", "args": {"n": i}} for i in range(TURNS)), instructed_with_tools]
+    base.model = ScriptedModel(script, name="base-model", counter_path=ROOT / name / "model-calls")
+    base.tools = {**base.tools, "spare": Tool(spare)}
+    return base
+
+
+variant_adopt = adoptable("variant_adopt")
+variant_adopt_dense = adoptable("variant_adopt_dense")

@@ -123,3 +123,41 @@ async def test_variants_fan_out_each_with_its_own_agent(placed):
     assert stored == [v.to_json() for v in variants]
     # The source is untouched: one checkpoint per pass it ran, its transcript as it was.
     assert (await base.get_checkpoint(source.session_id)).messages == source.messages
+
+
+async def test_a_variant_fork_adopted_by_reference_rebuilds_its_variant_from_the_store(placed):
+    """The fork's actor (or dense host) and the supervisor are killed at once: nothing in memory survives. The
+    new supervisor imports the base agent by reference and rebuilds the variant from the fork's run record:
+    its tools (by name), its tuning (checkpoints after the model call too) and its instructions."""
+    lc, runtime, agents, suffix = placed
+    from loomray import CheckpointConfig, Tuning, Variant
+    from loomray.runtime.actors import NAMESPACE, set_agent_ref, supervisor_name
+
+    name = "variant_adopt" + suffix
+    store = runtime.store
+    base = copy.copy(getattr(agents, name))
+    base.runtime = runtime
+    set_agent_ref(base, f"ray_agents:{name}")
+    source = await base.run("start", session_id=f"src-{name}")
+    variant = Variant(instructions="adopted rules", tools=["slow_step"],
+                      tuning=Tuning(checkpoint=CheckpointConfig(position="both")))
+    before = {r.session_id for r in store.list_sessions()}
+    fork = asyncio.create_task(base.fork(source.session_id, from_checkpoint=source.checkpoint_id,
+                                         variants=[variant]))
+    forks: list[str] = []
+    await _until(lambda: forks.extend({r.session_id for r in store.list_sessions()} - before) or forks, 60,
+                 "the fork's session row")
+    fork_sid = forks[0]
+    await _until(lambda: _turn(store, fork_sid) >= 3, 60, "the fork's checkpoint of turn 3")
+    host = (await runtime.session(fork_sid))["host"]
+    ray.kill(ray.get_actor(supervisor_name(runtime.config.store_url), namespace=NAMESPACE))
+    ray.kill(ray.get_actor(host, namespace=NAMESPACE))
+
+    [result] = await asyncio.wait_for(fork, 120)
+    assert result.output == "finished under: adopted rules; tools: slow_step"
+    row = store.get_session(fork_sid)
+    assert row.status == "completed" and row.epoch == 2 and row.agent_ref == f"ray_agents:{name}"
+    assert _calls(agents, name) == list(range(agents.TURNS + 2))  # each reply once, the source's included
+    # The second incarnation checkpoints as the variant's tuning says: after the model call too.
+    late = [r for r in store.list_checkpoints(fork_sid, limit=None) if r.epoch == 2]
+    assert {r.position for r in late} == {"after_model", "after_tools"}
