@@ -19,6 +19,7 @@ from __future__ import annotations
 import html
 import json
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -121,6 +122,7 @@ def fork_tree(store: Store, session_id: str, user_id: str | None) -> ForkNode:
     for sid, parent in parent_of.items():
         if parent is not None:
             children[parent].append(sid)
+    records = _fork_records(store, user_id, session_id, children, parent_of)
 
     def node(sid: str) -> ForkNode:
         mine = rows.get(sid, [])
@@ -134,9 +136,8 @@ def fork_tree(store: Store, session_id: str, user_id: str | None) -> ForkNode:
         if row is not None:
             n.status, n.updated_at = row.status, row.updated_at
         if n.forked_from is not None:
-            records = run_records(store, n.session_id, user_id)
-            n.variant = fork_variant(records)
-            _fill_base(store, n, n.forked_from, mine, rows.get(n.forked_from, []), records)
+            n.variant = fork_variant(records.get(sid, []))
+            _fill_base(store, n, n.forked_from, mine, rows.get(n.forked_from, []), records.get(sid, []))
         return n
 
     seen: set[str] = set()
@@ -150,6 +151,23 @@ def fork_tree(store: Store, session_id: str, user_id: str | None) -> ForkNode:
         return n
 
     return build(session_id)
+
+
+def _fork_records(store: Store, user_id: str | None, root: str, children: dict[str, list[str]],
+                  parent_of: dict[str, str | None]) -> dict[str, list[Any]]:
+    """The run records of every fork in the tree under ``root`` (their variants, and bases the index lost), read
+    in parallel: on S3, a tree of many forks would otherwise wait for one LIST and its GETs after another."""
+    subtree, todo = set(), [root]
+    while todo:
+        sid = todo.pop()
+        if sid not in subtree:
+            subtree.add(sid)
+            todo += children.get(sid, [])
+    forks = sorted(s for s in subtree if parent_of.get(s) is not None)
+    if not forks:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(16, len(forks))) as pool:
+        return dict(zip(forks, pool.map(lambda s: run_records(store, s, user_id), forks), strict=True))
 
 
 def run_records(store: Store, session_id: str, user_id: str | None) -> list[Any]:
