@@ -252,3 +252,56 @@ async def test_tree_and_show_say_what_each_variant_changed(tmp_path):
     page = tmp_path / "tree.html"
     cli("tree", "src", "--html", str(page))
     assert "edits: drop 1" in page.read_text()
+
+
+async def test_the_fork_command_takes_variants_as_json(tmp_path):
+    import os
+
+    from forked import run_loomray
+
+    from loomray.cli.demo_agent import RESEARCH_AGENT_REF, research_agent
+    from loomray.runtime.actors import set_agent_ref
+
+    store = tmp_path / "store"
+    agent = copy_with_runtime(research_agent, LocalRuntime(store))
+    set_agent_ref(agent, RESEARCH_AGENT_REF)
+    await agent.run("durable agents", session_id="s-cli")
+    base = (await agent.list_checkpoints("s-cli"))[-1]  # the oldest kept
+    env = {k: v for k, v in os.environ.items() if k not in ("LOOMRAY_STORE", "RAY_ADDRESS")} | {"COLUMNS": "160"}
+
+    def cli(*args: str, code: int = 0):
+        out = run_loomray(["fork", "s-cli", "--from", base.checkpoint_id, "--agent", RESEARCH_AGENT_REF, *args,
+                           "--store", str(store)], env=env, cwd=Path(__file__).resolve().parents[2], timeout=120)
+        assert out.returncode == code, out.stderr
+        return out
+
+    terse = {"instructions": "Be terse.", "tuning": {"checkpoint": True, "max_turns": 40}}
+    hinted = {"prompt": "Mind the costs.",
+              "edits": [{"op": "insert", "index": 1, "message": {"role": "user", "content": "Context: costs."}}]}
+    (tmp_path / "hinted.json").write_text(json.dumps(hinted))
+    forks = json.loads(cli("--variant", json.dumps(terse), "--variant", f"@{tmp_path / 'hinted.json'}",
+                           "--json").stdout)
+    assert [f["variant"] for f in forks] == [Variant.from_json(terse).to_json(), hinted]
+    first, second = [await agent.get_checkpoint(f["session_id"]) for f in forks]
+    assert first.messages[0].content == "Be terse." and first.forked_from == "s-cli"
+    assert second.messages[1].content == "Context: costs." and second.messages[base.message_count + 1].content \
+        == "Mind the costs."
+    # Mistakes are one line each, exit 2, and start nothing.
+    before = {r.session_id for r in agent.runtime.store.list_sessions()}
+    for args, said in [(["--variant", '{"colour": 1}'], "unknown field"),
+                       (["--variant", "{not json"], "not JSON"),
+                       (["--variant", "@/nonexistent/v.json"], "cannot read variant file"),
+                       (["--variant", "{}", "--prompt", "x"], "not both"),
+                       ([], "not both"),
+                       (["--variant", '{"edits": [{"op": "drop", "index": 99}]}'], "outside a transcript")]:
+        out = cli(*args, code=2)
+        assert said in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert {r.session_id for r in agent.runtime.store.list_sessions()} == before
+
+
+def copy_with_runtime(agent: Agent, runtime) -> Agent:
+    import copy
+
+    mine = copy.copy(agent)
+    mine.runtime = runtime
+    return mine
