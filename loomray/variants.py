@@ -160,6 +160,8 @@ class Variant:
         unknown = set(data) - {"prompt", "model", "instructions", "tools", "tuning", "edits"}
         if unknown:
             raise VariantError(f"a stored variant has unknown field(s) {sorted(unknown)}")
+        if not isinstance(data.get("model", ""), str) or not isinstance(data.get("tools", []), list):
+            raise VariantError("a stored variant names its model by a string and its tools by a list of names")
         try:
             tuning = data.get("tuning")
             if tuning is not None:

@@ -158,7 +158,8 @@ def test_the_stored_form_is_json_and_reads_back(tmp_path):
     assert describe_variant(stored) == ("model=model-b; instructions='i'; prompt='p'; tools=[search, lookup]; "
                                         "tuning(checkpoint=True, max_tokens=5); edits: replace 0 (user), drop -1")
     assert Variant().describe() == "no change"
-    for bad in ([], {"model": 3, "tools": 1}, {"colour": "red"}, {"edits": [{"op": "shred", "index": 0}]}):
+    for bad in ([], {"model": 3}, {"tools": "search"}, {"tools": 1}, {"colour": "red"}, {"tuning": {"max_turns": 0}},
+                {"edits": [{"op": "shred", "index": 0}]}, {"edits": [{"op": "drop"}]}):
         with pytest.raises(VariantError):
             Variant.from_json(bad)
 
