@@ -228,9 +228,8 @@ class Agent:
             point = None
         else:
             point = await self._require_checkpoint(session_id, from_checkpoint, user_id)
-        if variants is None:
-            agents: list[Agent] = [self] * len(arms)
-        else:
+        agents: Agent | list[Agent] = self  # one agent for all: what a runtime got before variants existed
+        if variants is not None:
             if point is None and any(v.edits for v in variants):
                 point = await self._require_checkpoint(session_id, from_checkpoint, user_id)
             agents = [self.with_variant(v) for v in variants]
