@@ -12,8 +12,8 @@ Fire and forget: ``RayRuntime.submit("package.module:agent", prompt, session_id=
 agent reference and returns as soon as its actor exists; the run goes on after the driver exits (session
 actors and the supervisor are detached), and ``wait``/``status`` or the store follow it.
 
-The store must be reachable from every node under the same URL: an ``s3://`` URL on a real cluster; a
-local path only works when every node is on this machine (tests, ``cluster/local.sh``).
+The store must be reachable from every node under the same URL: an ``s3://`` URL on a real
+cluster; a local path only works when every node is on this machine (tests, ``cluster/local.sh``).
 """
 
 from __future__ import annotations
@@ -273,7 +273,6 @@ class RayRuntime(Runtime):
                            emit: EmitFn | None = None, extra_tools: Sequence[Any] = (),
                            output_type: Any = None) -> list[RunResult]:
         """Fan-out: one actor per request, at most ``max_concurrent_forks`` at once; results in request order.
-
         ``agent``: one for all requests, or one per request. ``on_fork_progress`` (if set) is called with the
         supervisor's progress dict (``total``, ``queued``, ``running``, a count per ending, ``max_running``,
         ``limit``: :meth:`~loomray.runtime.fanouts.Fanouts.progress`) whenever it changes.
