@@ -6,14 +6,15 @@ when first used.
 
 from loomray.agent import Agent
 from loomray.config import CheckpointConfig, Tuning
+from loomray.decisions import Approve, Respond
 from loomray.errors import CheckpointException
 from loomray.ids import new_id
 from loomray.records import Checkpoint, CheckpointMeta, Message, RunResult, ToolCall, Usage
 from loomray.tools import Tool, ToolContext, tool
-from loomray.variants import Edit, Variant
+from loomray.variants import Edit, Variant, VariantError
 
 __all__ = [
     "Agent", "Tuning", "CheckpointConfig", "tool", "Tool", "ToolContext", "Message", "ToolCall", "Usage",
     "Checkpoint", "CheckpointMeta", "RunResult", "new_id", "CheckpointException",
-    "Variant", "Edit",
+    "Variant", "Edit", "VariantError", "Approve", "Respond",
 ]

@@ -25,6 +25,7 @@ from loomray.run_request import RunRequest
 from loomray.runtime.base import Runtime
 from loomray.runtime.inproc import InProcRuntime
 from loomray.tools import as_tools
+from loomray.variants import Variant, apply_edits, fork_arms, variant_agent
 from storage.errors import InvalidIdError as StorageInvalidIdError
 from storage.ids import user_segment, validate_id
 
@@ -81,6 +82,8 @@ class Agent:
         self.runtime: Runtime = InProcRuntime() if runtime is None else runtime
         self.tuning = tuning
         self.name = name
+        #: The stored form of the :class:`~loomray.Variant` this agent was made with (``with_variant``); None.
+        self.variant: dict[str, Any] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         # The runtime holds live clients; a copy shipped to a worker (a Ray actor) gets its
@@ -158,7 +161,9 @@ class Agent:
         ``approvals`` decides tool calls a run stopped for
         (``stop_reason="awaiting_approval"``, ``RunResult.pending_approvals``):
         ``{call_id: True}`` approves, ``False`` or a reason (a str) denies (the
-        model gets the denial as that call's error result). The decisions are
+        model gets the denial as that call's error result);
+        ``Approve(arguments={...})`` runs the tool with those arguments instead of
+        the model's, ``Respond("text")`` answers in the tool's place (it never runs). The decisions are
         stored first (``control/decision-*``, create-only: a call decided
         differently before raises ``LoomrayUserError``), so they survive a crash;
         the run journals each before acting on it, so each applies once. Calls
@@ -193,16 +198,26 @@ class Agent:
         session_id: str,
         *,
         from_checkpoint: str,
-        prompts: Sequence[str | None],
+        prompts: Sequence[str | None] | None = None,
+        variants: Sequence[Variant] | None = None,
         user_id: str | None = None,
         **run_kwargs: Any,
     ) -> list[RunResult]:
-        """Fan out: one new session per prompt, each from ``from_checkpoint``, all at once.
+        """Fan out: one new session per prompt or variant, each from ``from_checkpoint``, all at once.
 
-        Results come back in prompt order. On Ray each fork is its own actor.
+        Pass exactly one of ``prompts`` and ``variants`` (a ``TypeError``
+        otherwise). A :class:`~loomray.Variant` fork runs this agent with the
+        model, instructions, tools and tuning the variant sets, from the
+        checkpoint's transcript with the variant's edits applied (and its
+        instructions as the system message); the source session and its
+        checkpoints stay untouched. A variant that cannot apply (an edit's
+        index outside the transcript, an unknown model or tool name) raises
+        :class:`~loomray.variants.VariantError` before any fork starts. The
+        variant is stored with its fork (in the fork's run record, as JSON), so
+        a restart runs the same agent. Results come back in the order given.
+        On Ray each fork is its own actor (or activation, dense placement).
         """
-        if isinstance(prompts, str):
-            raise TypeError("prompts must be a list of prompts, not one string")
+        arms = fork_arms(prompts, variants)
         emit, extra_tools, output_schema, fields = _split_kwargs(run_kwargs)
         _check_ids(session_id, user_id, from_checkpoint)
         if from_checkpoint == "latest":
@@ -210,13 +225,32 @@ class Agent:
             if not newest:
                 raise CheckpointNotFound(f"session {session_id!r} (user {user_id!r}) has no checkpoint to fork")
             from_checkpoint = newest[0].checkpoint_id
+            point = None
         else:
-            await self._require_checkpoint(session_id, from_checkpoint, user_id)
-        requests = [RunRequest(kind="resume", prompt=p, session_id=new_id("sess"), user_id=user_id,
-                               from_checkpoint=from_checkpoint, fork_of=session_id,
-                               output_schema=_schema(output_schema), **fields) for p in prompts]
-        return await self.runtime.execute_many(self, requests, emit=emit, extra_tools=extra_tools,
+            point = await self._require_checkpoint(session_id, from_checkpoint, user_id)
+        agents: Agent | list[Agent] = self  # one agent for all: what a runtime got before variants existed
+        if variants is not None:
+            if point is None and any(v.edits for v in variants):
+                point = await self._require_checkpoint(session_id, from_checkpoint, user_id)
+            agents = [self.with_variant(v) for v in variants]
+            for v in variants:
+                apply_edits(point.messages if point is not None else (), v.edits)  # a bad index fails here
+        requests = [RunRequest(kind="resume", prompt=prompt, session_id=new_id("sess"), user_id=user_id,
+                               from_checkpoint=from_checkpoint, fork_of=session_id, variant=variant,
+                               output_schema=_schema(output_schema), **fields) for prompt, variant in arms]
+        return await self.runtime.execute_many(agents, requests, emit=emit, extra_tools=extra_tools,
                                                output_type=_output_type(output_schema))
+
+    def with_variant(self, variant: Variant) -> Agent:
+        """The agent a fork with ``variant`` runs: a copy with the variant's model, instructions, tools and tuning.
+
+        This agent is untouched. Continuing a fork with it uses the very objects the variant named; this
+        agent would rebuild them from the stored form (by name, see :mod:`loomray.variants`).
+        """
+        if not isinstance(variant, Variant):
+            raise TypeError(f"with_variant takes a loomray.Variant, got {type(variant).__name__}")
+        clone: Agent = variant_agent(self, variant)
+        return clone
 
     # -- steering --------------------------------------------------------------
     async def signal(self, session_id: str, text: str, user_id: str | None = None) -> str:
@@ -248,9 +282,11 @@ class Agent:
         _check_ids(session_id, user_id)
         await self.runtime.cancel(session_id, user_id=user_id)
 
-    async def _require_checkpoint(self, session_id: str, checkpoint_id: str, user_id: str | None) -> None:
-        if await self.get_checkpoint(session_id, checkpoint_id, user_id=user_id) is None:
+    async def _require_checkpoint(self, session_id: str, checkpoint_id: str, user_id: str | None) -> Checkpoint:
+        ckpt = await self.get_checkpoint(session_id, checkpoint_id, user_id=user_id)
+        if ckpt is None:
             raise CheckpointNotFound(f"session {session_id!r} (user {user_id!r}) has no checkpoint {checkpoint_id!r}")
+        return ckpt
 
     async def _execute(self, request: RunRequest, *, emit: EmitFn | None, extra_tools: Sequence[Any],
                        output_schema: Any) -> RunResult:

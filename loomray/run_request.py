@@ -19,7 +19,10 @@ class RunRequest(BaseModel):
     ``session_id`` the fork's new id. ``trace_parent`` is the W3C
     ``traceparent`` of the span current where the request was made (None
     without one): the run's spans continue that trace in whichever process,
-    and however many incarnations, execute it.
+    and however many incarnations, execute it. ``variant`` is the stored
+    form of the :class:`~loomray.variants.Variant` a fork runs (None: the
+    agent as it is); the run record keeps it, so whoever continues the fork
+    runs the same agent.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -35,6 +38,7 @@ class RunRequest(BaseModel):
     output_schema: dict[str, Any] | None = None
     effort: str | None = None
     fork_of: str | None = None
+    variant: dict[str, Any] | None = None
     trace_parent: str | None = Field(default_factory=current_traceparent)
     #: Chosen by the driver for each hand-off to a supervisor (``RayRuntime``); a resend of the same hand-off
     #: to a replacement supervisor carries it, which finds the run it already started by it. Not part of
@@ -43,8 +47,10 @@ class RunRequest(BaseModel):
 
     def spec_hash(self) -> str:
         """What makes two requests "the same run" for the recovery rule."""
-        return input_hash(self.model_dump(mode="json", include={
-            "kind", "prompt", "session_id", "user_id", "from_checkpoint", "fork_of", "output_schema", "effort"}))
+        fields = {"kind", "prompt", "session_id", "user_id", "from_checkpoint", "fork_of", "output_schema", "effort"}
+        if self.variant is not None:  # only then: the hash of a request without one stays what it always was
+            fields.add("variant")
+        return input_hash(self.model_dump(mode="json", include=fields))
 
     def continues_last_run(self) -> bool:
         """``resume(None)`` in place: it continues an unfinished last run exactly as a re-issued ``run()`` does."""

@@ -74,6 +74,7 @@ from loomray.run_writes import GuardedJournal, InflightWrites, StoreJournalSink,
 from loomray.session_store import SessionStore
 from loomray.takeover import plan_takeover
 from loomray.tools import as_tools
+from loomray.variants import agent_for, fork_transcript
 from storage import CheckpointInfo
 from storage.errors import LeaseLostError
 from storage.rows import CheckpointRow, Lease, SessionRow
@@ -115,7 +116,8 @@ async def execute_request(
             return _cancelled_result(request)
         lease, fence = await asyncio.to_thread(take_lease, store, request, owner or _owner())
         plan = await asyncio.to_thread(plan_takeover, store, request, lease, fence, _new_run_id)
-        run = _SessionRun(agent, plan, store, lease, handle, max_checkpoints_per_session=max_checkpoints_per_session,
+        # A fork of a variant runs the variant's agent: the driver's copy, else rebuilt from the stored request.
+        run = _SessionRun(agent_for(agent, plan.request.variant), plan, store, lease, handle, max_checkpoints_per_session=max_checkpoints_per_session,
                           emit=emit, extra_tools=extra_tools, output_type=output_type, agent_ref=agent_ref,
                           node_id=node_id)
         return await run.execute()
@@ -184,6 +186,9 @@ class _SessionRun:
         self.controls = control.SessionControls(store, sid, uid, consumed=plan.consumed, handle=handle,
                                                 journaled=self.sink is not None, inflight=self.inflight)
         self.state = plan.initial_state(agent_id=agent.name, instructions=agent.instructions, epoch=lease.epoch)
+        if self.request.variant is not None and plan.restored is not None and plan.restored.session_id != sid:
+            # At the fork point (not when the fork restores a checkpoint of its own): the variant's transcript.
+            self.state.messages = fork_transcript(self.state.messages, self.request.variant)
         # Checkpoints build on the restored one's chain (a fork's on its parent's); the store writes one object
         # per checkpoint and acknowledges them in batches (storage.checkpoint_log).
         config = agent.tuning.checkpoint_config()

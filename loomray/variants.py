@@ -3,15 +3,36 @@
 A variant is plain data, so that it can be stored with the fork it made and
 read back by whichever process continues that fork after a crash. Fields left
 ``None`` keep the base agent's value.
+
+Stored form (:meth:`Variant.to_json`): JSON only, never a pickle. The model
+is stored by name, the tools by name, the tuning by its fields, the edits
+with their messages. The fork's run request carries it (its run record keeps
+it), so whoever continues the fork rebuilds the same agent: the process that
+holds the driver's live objects uses them (the fork's agent travels by value
+on Ray); one that has only the store (a supervisor adopting the session by
+agent reference, ``resume(None)`` on the base agent) rebuilds the variant from
+its JSON against the base agent (:func:`agent_for`): a model name resolves as
+``Agent(model=...)`` resolves one (the base agent's model when the names are
+equal), a tool name must be one of the base agent's tools. Anything else
+cannot be rebuilt from the store and raises :class:`VariantError`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from loomray.config import Tuning
+from loomray.config import CheckpointConfig, Tuning
+from loomray.errors import LoomrayUserError
+from loomray.models.resolve import resolve_model
 from loomray.records import Message
+from loomray.tools import Tool, as_tools
+
+
+class VariantError(LoomrayUserError):
+    """A variant cannot apply: an edit's index is outside the transcript, or its stored form cannot be rebuilt."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +74,26 @@ class Edit:
         """Insert ``message`` before the message at ``index`` (``len`` appends)."""
         return cls("insert", index, message)
 
+    def to_json(self) -> dict[str, Any]:
+        """The edit as stored: ``{"op", "index"}`` plus ``"message"`` (a Message's JSON) unless it drops."""
+        out: dict[str, Any] = {"op": self.op, "index": self.index}
+        if self.message is not None:
+            out["message"] = self.message.model_dump(mode="json", exclude_defaults=True)
+        return out
+
+    @classmethod
+    def from_json(cls, data: Any) -> Edit:
+        """The edit :meth:`to_json` stored; :class:`VariantError` for anything else."""
+        try:
+            message = data.get("message")
+            return cls(data["op"], data["index"], None if message is None else Message.model_validate(message))
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
+            raise VariantError(f"not a stored transcript edit: {data!r:.120}") from e
+
+    def describe(self) -> str:
+        """A few words: ``replace 3``, ``drop -1``, ``insert 2 (user)``."""
+        return f"{self.op} {self.index}" + (f" ({self.message.role})" if self.message is not None else "")
+
 
 @dataclass(frozen=True)
 class Variant:
@@ -88,3 +129,177 @@ class Variant:
         if not all(isinstance(e, Edit) for e in edits):
             raise TypeError("Variant.edits must be a list of loomray.Edit")
         object.__setattr__(self, "edits", tuple(edits))
+
+    def to_json(self) -> dict[str, Any]:
+        """The variant as stored with its fork: only the fields it sets; model and tools by name.
+
+        A model instance is stored by its ``name``, a tool by its name (a tool
+        given as a string names one of the base agent's tools already).
+        """
+        out: dict[str, Any] = {}
+        if self.prompt is not None:
+            out["prompt"] = self.prompt
+        if self.model is not None:
+            out["model"] = self.model if isinstance(self.model, str) else str(self.model.name)
+        if self.instructions is not None:
+            out["instructions"] = self.instructions
+        if self.tools is not None:
+            out["tools"] = [t if isinstance(t, str) else t.name if isinstance(t, Tool) else Tool(t).name
+                            for t in self.tools]
+        if self.tuning is not None:
+            out["tuning"] = dataclasses.asdict(self.tuning)
+        if self.edits:
+            out["edits"] = [e.to_json() for e in self.edits]
+        return out
+
+    @classmethod
+    def from_json(cls, data: Any) -> Variant:
+        """The variant :meth:`to_json` stored: model and tools as names. :class:`VariantError` for anything else."""
+        if not isinstance(data, dict):
+            raise VariantError(f"a stored variant is a JSON object, got {type(data).__name__}")
+        unknown = set(data) - {"prompt", "model", "instructions", "tools", "tuning", "edits"}
+        if unknown:
+            raise VariantError(f"a stored variant has unknown field(s) {sorted(unknown)}")
+        if not isinstance(data.get("model", ""), str) or not isinstance(data.get("tools", []), list):
+            raise VariantError("a stored variant names its model by a string and its tools by a list of names")
+        try:
+            tuning = data.get("tuning")
+            if tuning is not None:
+                checkpoint = tuning.get("checkpoint")
+                if isinstance(checkpoint, dict):
+                    tuning = {**tuning, "checkpoint": CheckpointConfig(**checkpoint)}
+                tuning = Tuning(**tuning)
+            return cls(prompt=data.get("prompt"), model=data.get("model"), instructions=data.get("instructions"),
+                       tools=data.get("tools"), tuning=tuning,
+                       edits=tuple(Edit.from_json(e) for e in data.get("edits") or ()))
+        except VariantError:
+            raise
+        except (AttributeError, TypeError, ValueError) as e:
+            raise VariantError(f"a stored variant cannot be read: {e}") from e
+
+    def describe(self) -> str:
+        """What the variant changes, in one line (``loomray tree`` and ``show`` print it)."""
+        return describe_variant(self.to_json())
+
+
+def describe_variant(stored: dict[str, Any]) -> str:
+    """A stored variant (:meth:`Variant.to_json`) in one line: each field it sets, shortened."""
+    parts = []
+    for key in ("model", "instructions", "prompt"):
+        if key in stored:
+            text = str(stored[key])
+            parts.append(f"{key}={text if len(text) <= 40 else text[:39] + '…'!r}" if key != "model"
+                         else f"model={text}")
+    if "tools" in stored:
+        parts.append("tools=[" + ", ".join(stored["tools"]) + "]")
+    if "tuning" in stored:
+        default = dataclasses.asdict(Tuning())
+        changed = {k: v for k, v in stored["tuning"].items() if default.get(k) != v}
+        parts.append("tuning(" + ", ".join(f"{k}={v}" for k, v in changed.items()) + ")")
+    if stored.get("edits"):
+        parts.append("edits: " + ", ".join(Edit.from_json(e).describe() for e in stored["edits"]))
+    return "; ".join(parts) or "no change"
+
+
+def fork_arms(prompts: Any, variants: Any) -> list[tuple[str | None, dict[str, Any] | None]]:
+    """``(prompt, stored variant)`` of each fork ``Agent.fork`` was asked for; exactly one of the two lists
+    (``TypeError`` otherwise)."""
+    if (prompts is None) == (variants is None):
+        raise TypeError("fork() takes exactly one of prompts=[...] or variants=[...]")
+    given = prompts if variants is None else variants
+    if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
+        raise TypeError(f"{'prompts' if variants is None else 'variants'} must be a list, not {type(given).__name__}")
+    if variants is None:
+        return [(p, None) for p in prompts]
+    wrong = [type(v).__name__ for v in variants if not isinstance(v, Variant)]
+    if wrong:
+        raise TypeError(f"variants must be loomray.Variant values, got {wrong[0]}")
+    return [(v.prompt, v.to_json()) for v in variants]
+
+
+def apply_edits(messages: Sequence[Message], edits: Sequence[Edit]) -> list[Message]:
+    """``messages`` with ``edits`` applied in order (a new list; ``messages`` is untouched).
+
+    An index outside the transcript it applies to raises :class:`VariantError`.
+    """
+    out = list(messages)
+    for n, edit in enumerate(edits):
+        # As Python's lists count: insert takes -len..len (len appends), replace and drop -len..len-1.
+        top = len(out) + 1 if edit.op == "insert" else len(out)
+        if not -len(out) <= edit.index < top:
+            raise VariantError(f"edit {n} ({edit.describe()}) is outside a transcript of {len(out)} message(s)")
+        i = edit.index if edit.index >= 0 else edit.index + len(out)
+        if edit.op == "drop":
+            del out[i]
+        elif edit.op == "replace":
+            assert edit.message is not None
+            out[i] = edit.message
+        else:
+            assert edit.message is not None
+            out.insert(i, edit.message)
+    return out
+
+
+def fork_transcript(messages: Sequence[Message], stored: dict[str, Any]) -> list[Message]:
+    """The transcript a fork with variant ``stored`` starts from: the fork point's, edited, with the
+    variant's instructions as its system message (replacing the first message if that is one)."""
+    variant = Variant.from_json(stored)
+    out = apply_edits(messages, variant.edits)
+    if variant.instructions is not None:
+        system = Message(role="system", content=variant.instructions)
+        out = [system, *out[1:]] if out and out[0].role == "system" else [system, *out]
+    return out
+
+
+def variant_agent(base: Any, variant: Variant) -> Any:
+    """A copy of agent ``base`` with the fields ``variant`` sets; ``base`` is untouched.
+
+    The copy's ``variant`` attribute is the stored form, so a run told to
+    run that variant knows it holds it already (:func:`agent_for`). Tools
+    given by name are taken from ``base``; a name it lacks, or a model name
+    that does not resolve, raises :class:`VariantError`.
+    """
+    clone = object.__new__(type(base))  # not copy.copy: the Agent's pickled state leaves its runtime out
+    clone.__dict__.update(base.__dict__)
+    if variant.model is not None:
+        same = isinstance(variant.model, str) and variant.model == base.model.name
+        try:
+            clone.model = base.model if same else resolve_model(variant.model)
+        except (TypeError, LoomrayUserError) as e:
+            raise VariantError(f"the variant's model {variant.model!r} cannot be used: {e}") from e
+    if variant.instructions is not None:
+        clone.instructions = variant.instructions
+    if variant.tools is not None:
+        clone.tools = _tools(base.tools, variant.tools)
+    if variant.tuning is not None:
+        variant.tuning.checkpoint_config()  # a wrong checkpoint type fails here, as in Agent()
+        clone.tuning = variant.tuning
+    clone.variant = variant.to_json()
+    return clone
+
+
+def _tools(base: dict[str, Tool], given: Sequence[Any]) -> dict[str, Tool]:
+    named = [t for t in given if isinstance(t, str)]
+    missing = [n for n in named if n not in base]
+    if missing:
+        raise VariantError(f"the variant names tool(s) {missing} the base agent does not have: {sorted(base)}")
+    try:
+        return as_tools([base[t] if isinstance(t, str) else t for t in given])
+    except (TypeError, ValueError) as e:
+        raise VariantError(f"the variant's tools cannot be used: {e}") from e
+
+
+def agent_for(agent: Any, stored: dict[str, Any] | None) -> Any:
+    """The agent a run whose request carries variant ``stored`` runs with.
+
+    ``agent`` itself when it is that variant's agent already (the driver
+    built it) or there is no variant; else the variant rebuilt from its
+    stored form against ``agent``, the base (see the module docstring).
+    """
+    held = getattr(agent, "variant", None)
+    if stored is None or held == stored:
+        return agent
+    if held is not None:
+        raise VariantError(f"this run's stored variant ({describe_variant(stored)}) is not the one its agent was "
+                           f"built with ({describe_variant(held)})")
+    return variant_agent(agent, Variant.from_json(stored))

@@ -4,8 +4,9 @@ Each ```python block of a page under docs/ is one of three kinds, chosen by an
 HTML comment on the line before its fence (none means "runs"):
 
 - runs: the block runs as written in a fresh directory and exits 0;
-- ``<!-- snippet: compile -->``: it needs what a test machine has not (a key, a
-  bucket, a Spark session): it must still be valid Python;
+- ``<!-- snippet: compile -->``: a fragment (names defined elsewhere, a top-level
+  ``await``) or one that needs what a test machine has not (a key, a bucket, a
+  Spark session): it must still be valid Python;
 - ``<!-- signature: dotted.name -->``: a listing of that callable's signature: the
   parameter names it lists are exactly the callable's, so a renamed or added
   parameter fails here until the page says so; ``<!-- signature -->`` alone marks
@@ -14,6 +15,7 @@ HTML comment on the line before its fence (none means "runs"):
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import os
@@ -74,7 +76,7 @@ def test_docs_snippet(where, kind, target, code, tmp_path):
             real = set(inspect.signature(_resolve(target)).parameters)
             assert _listed_parameters(code) == real, f"{where} lists the parameters of {target} wrongly"
         return
-    compile(code, where, "exec")
+    compile(code, where, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
     if kind == "compile":
         return
     script = tmp_path / "snippet.py"

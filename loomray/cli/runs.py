@@ -37,6 +37,7 @@ from loomray.cli.output import emit_json, excerpt
 from loomray.cli.progress import run_progress
 from loomray.cli.ray_access import join_cluster, placement_option, require_address
 from loomray.cli.tables import Col, fit_table
+from loomray.cli.variant_args import parse_variant
 from loomray.errors import LoomrayUserError
 from loomray.ids import new_id
 from loomray.records import RunResult
@@ -44,6 +45,7 @@ from loomray.run_request import RunRequest
 from loomray.runtime import LocalRuntime, Runtime
 from loomray.runtime.connection import normalize_store_url
 from loomray.session import execute_request
+from loomray.variants import Variant, apply_edits, describe_variant
 from storage import Store
 
 T = TypeVar("T")
@@ -194,10 +196,24 @@ def _fork_base(store: Store, session_id: str, user_id: str | None, from_checkpoi
     return from_checkpoint, base.turn
 
 
+def _fork_arms(bound: Agent, store: Store, session_id: str, user_id: str | None, from_checkpoint: str,
+               prompts: Sequence[str], variants: Sequence[Variant]) -> list[tuple[Agent, str | None, dict | None]]:
+    """Each fork's agent, prompt and stored variant; a variant that cannot apply fails here, before any fork runs."""
+    if not variants:
+        return [(bound, p, None) for p in prompts]
+    if any(v.edits for v in variants):
+        base = load_checkpoint(store, session_id, from_checkpoint, user_id=user_id)
+        for v in variants:
+            apply_edits(base.messages if base is not None else [], v.edits)
+    return [(bound.with_variant(v), v.prompt, v.to_json()) for v in variants]
+
+
 @click.command()
 @click.argument("session_id")
 @click.option("--from", "from_checkpoint", default="latest", show_default=True, help="Checkpoint to fork from.")
-@click.option("--prompt", "prompts", multiple=True, required=True, help="One fork per --prompt.")
+@click.option("--prompt", "prompts", multiple=True, help="One fork per --prompt.")
+@click.option("--variant", "variant_texts", multiple=True, metavar="JSON|@FILE",
+              help="One fork per --variant: what it changes (prompt, model, instructions, tools, tuning, edits).")
 @click.option("--agent", "agent_ref", default=None, metavar="MODULE:AGENT",
               help="Agent to run the forks (default: the one stored with the session).")
 @user_option
@@ -206,33 +222,40 @@ def _fork_base(store: Store, session_id: str, user_id: str | None, from_checkpoi
 @placement_option
 @json_option
 @guarded
-def fork(session_id: str, from_checkpoint: str, prompts: tuple[str, ...], agent_ref: str | None,
-         user_id: str | None, store_url: str | None, address: str | None, placement: str, as_json: bool) -> None:
-    """Fork a session: one new session per --prompt, each starting from the same checkpoint of SESSION_ID.
+def fork(session_id: str, from_checkpoint: str, prompts: tuple[str, ...], variant_texts: tuple[str, ...],
+         agent_ref: str | None, user_id: str | None, store_url: str | None, address: str | None, placement: str,
+         as_json: bool) -> None:
+    """Fork a session: one new session per --prompt (or per --variant), each from the same checkpoint of SESSION_ID.
 
     The forks run at once (on the cluster with --address, else in this process); SESSION_ID itself is
     left as it is. Prints each fork's new session id and result.
     """
     check_id(session_id, "session_id")
     check_id(user_id, "user_id")
+    if bool(prompts) == bool(variant_texts):
+        raise CliError("give one fork per --prompt or per --variant (not both)")
+    variants = [parse_variant(t) for t in variant_texts]
     store = open_store_or_fail(store_url)
     agent, ref = agent_for(session_id, user_id, store, agent_ref)
     from_checkpoint, base_turn = _fork_base(store, session_id, user_id, from_checkpoint)
     runtime = runtime_for(store_url_or_fail(store_url), address, placement)
-    bound = bind(agent, ref, runtime)
+    arms = _fork_arms(bind(agent, ref, runtime), store, session_id, user_id, from_checkpoint, prompts, variants)
     # Built here (as Agent.fork does) so the new session ids are known and their progress can be shown.
     requests = [RunRequest(kind="resume", prompt=p, session_id=new_id("sess"), user_id=user_id,
-                           from_checkpoint=from_checkpoint, fork_of=session_id) for p in prompts]
-    labels = [(r.session_id, f"fork {i + 1}: {excerpt(r.prompt or '', 32)}") for i, r in enumerate(requests)]
-    results = asyncio.run(with_progress(runtime.execute_many(bound, requests), store, labels, user_id, base_turn))
+                           from_checkpoint=from_checkpoint, fork_of=session_id, variant=v) for _, p, v in arms]
+    what = [(q.prompt or "") if q.variant is None else describe_variant(q.variant) for q in requests]
+    labels = [(r.session_id, f"fork {i + 1}: {excerpt(what[i], 32)}") for i, r in enumerate(requests)]
+    results = asyncio.run(with_progress(runtime.execute_many([a for a, _, _ in arms], requests), store, labels,
+                                        user_id, base_turn))
     if as_json:
-        emit_json([{**result_dict(r), "prompt": q.prompt, "forked_from": session_id,
+        emit_json([{**result_dict(r), "prompt": q.prompt, "variant": q.variant, "forked_from": session_id,
                     "from_checkpoint": from_checkpoint} for r, q in zip(results, requests, strict=False)])
         return
     # The new session ids are what the next command needs: printed whole, whatever the terminal's width.
     cols = [Col("session"), Col("turns", justify="right"), Col("calls", "model calls", drop=2, justify="right"),
-            Col("prompt", wrap=True, min_wrap=12), Col("output", wrap=True, drop=1)]
-    rows = [{"session": r.session_id, "prompt": q.prompt or "", "turns": str(r.turns), "calls": str(r.model_calls),
-             "output": excerpt(r.output, 80)} for r, q in zip(results, requests, strict=False)]
+            Col("prompt", "variant" if variants else "prompt", wrap=True, min_wrap=12),
+            Col("output", wrap=True, drop=1)]
+    rows = [{"session": r.session_id, "prompt": w, "turns": str(r.turns), "calls": str(r.model_calls),
+             "output": excerpt(r.output, 80)} for r, w in zip(results, what, strict=False)]
     console.print(fit_table(cols, rows, title=f"{len(results)} forks of {session_id} from {from_checkpoint} "
                                               f"(turn {base_turn})"))

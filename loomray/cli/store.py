@@ -35,7 +35,7 @@ from loomray.cli.output import emit_json, money, row_dict, time_cells
 from loomray.cli.progress import Activity, progress_option
 from loomray.cli.tables import Col, fit_table
 from loomray.cli.timeline_view import session_timeline, timeline_table
-from loomray.cli.tree_view import fork_tree, tree_html, tree_json, tree_table
+from loomray.cli.tree_view import fork_tree, fork_variant, run_records, tree_html, tree_json, tree_table, variant_line
 from loomray.errors import CheckpointException
 from storage.errors import InvalidIdError, LeaseCorruptError, StorageError
 from storage.layout import lease_key
@@ -168,6 +168,9 @@ def show(session_id: str, checkpoint_id: str, store_url: str | None, user_id: st
         f"{u.input_tokens}+{u.output_tokens} tokens  {cost}"
         + (f"  forked from {ckpt.forked_from}" if ckpt.forked_from else "")
     )
+    variant = fork_variant(run_records(store, session_id, user_id)) if ckpt.forked_from else None
+    if variant is not None:
+        console.print(f"variant: {variant_line(variant)}", markup=False, highlight=False, soft_wrap=True)
     if messages:
         for m in ckpt.messages:
             text = m.content if len(m.content) <= 400 else m.content[:400] + " ..."

@@ -6,7 +6,8 @@ calls: every checkpoint row of a fork names the session it was forked from
 (``parent_checkpoint_id``); when retention has dropped that row, the fork's
 first run record names the base (``base_session_id``/``base_checkpoint_id``).
 A session's own spend is its cumulative cost minus the cost its base
-checkpoint carried over.
+checkpoint carried over. A fork of a :class:`~loomray.Variant` shows what the
+variant changed, from the request its run record stores.
 
 Rendering: a terminal table (branches drawn with box characters) that fits
 the terminal, a JSON document, and a self-contained HTML page (inline CSS, no
@@ -18,6 +19,7 @@ from __future__ import annotations
 import html
 import json
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
@@ -29,6 +31,7 @@ from rich.text import Text
 from loomray.cli.common import STATUS_STYLE, unknown_session
 from loomray.cli.output import iso_time, money
 from loomray.cli.tables import Col, fit_table
+from loomray.variants import describe_variant
 from storage import Store
 
 _CKPT_COLUMNS = ["session_id", "checkpoint_id", "turn", "created_at", "cost_usd", "parent_checkpoint_id",
@@ -52,6 +55,8 @@ class ForkNode:
     latest_checkpoint_id: str | None = None
     first_checkpoint_at: datetime | None = None
     updated_at: datetime | None = None
+    #: The stored form of the variant the fork runs (:meth:`loomray.Variant.to_json`); None: no variant.
+    variant: dict[str, Any] | None = None
     children: list[ForkNode] = field(default_factory=list)
 
     @property
@@ -82,7 +87,12 @@ class ForkNode:
                 "cost_usd": self.cost_usd, "carried_cost_usd": self.carried_cost_usd,
                 "own_spend_usd": self.own_spend_usd, "latest_checkpoint_id": self.latest_checkpoint_id,
                 "first_checkpoint_at": iso_time(self.first_checkpoint_at), "updated_at": iso_time(self.updated_at),
-                "children": [c.to_dict() for c in self.children]}
+                "variant": self.variant, "children": [c.to_dict() for c in self.children]}
+
+    @property
+    def variant_summary(self) -> str:
+        """What the fork's variant changed, in one line ("-": not a fork of a variant)."""
+        return "-" if self.variant is None else variant_line(self.variant)
 
 
 def _latest(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -112,6 +122,7 @@ def fork_tree(store: Store, session_id: str, user_id: str | None) -> ForkNode:
     for sid, parent in parent_of.items():
         if parent is not None:
             children[parent].append(sid)
+    records = _fork_records(store, user_id, session_id, children, parent_of)
 
     def node(sid: str) -> ForkNode:
         mine = rows.get(sid, [])
@@ -125,7 +136,8 @@ def fork_tree(store: Store, session_id: str, user_id: str | None) -> ForkNode:
         if row is not None:
             n.status, n.updated_at = row.status, row.updated_at
         if n.forked_from is not None:
-            _fill_base(store, n, n.forked_from, mine, rows.get(n.forked_from, []))
+            n.variant = fork_variant(records.get(sid, []))
+            _fill_base(store, n, n.forked_from, mine, rows.get(n.forked_from, []), records.get(sid, []))
         return n
 
     seen: set[str] = set()
@@ -141,17 +153,55 @@ def fork_tree(store: Store, session_id: str, user_id: str | None) -> ForkNode:
     return build(session_id)
 
 
+def _fork_records(store: Store, user_id: str | None, root: str, children: dict[str, list[str]],
+                  parent_of: dict[str, str | None]) -> dict[str, list[Any]]:
+    """The run records of every fork in the tree under ``root`` (their variants, and bases the index lost), read
+    in parallel: on S3, a tree of many forks would otherwise wait for one LIST and its GETs after another."""
+    subtree, todo = set(), [root]
+    while todo:
+        sid = todo.pop()
+        if sid not in subtree:
+            subtree.add(sid)
+            todo += children.get(sid, [])
+    forks = sorted(s for s in subtree if parent_of.get(s) is not None)
+    if not forks:
+        return {}
+    with ThreadPoolExecutor(max_workers=min(16, len(forks))) as pool:
+        return dict(zip(forks, pool.map(lambda s: run_records(store, s, user_id), forks), strict=True))
+
+
+def run_records(store: Store, session_id: str, user_id: str | None) -> list[Any]:
+    """The session's run records, oldest first; none when they cannot be read (a view leaves that part unknown)."""
+    try:
+        return list(store.list_runs(session_id, user_id=user_id))
+    except Exception:  # noqa: BLE001 - a view: an unreadable record only leaves the base and variant unknown
+        return []
+
+
+def fork_variant(records: list[Any]) -> dict[str, Any] | None:
+    """The stored variant a fork runs: its first run's request names it (None: not a fork of a variant)."""
+    for rec in records:
+        variant = (rec.request or {}).get("variant")
+        if isinstance(variant, dict):
+            return variant
+    return None
+
+
+def variant_line(variant: dict[str, Any]) -> str:
+    """A stored variant in one line (:func:`loomray.variants.describe_variant`), whatever the store holds."""
+    try:
+        return describe_variant(variant)
+    except Exception:  # noqa: BLE001 - the store's bytes, shown: an unreadable one says so rather than failing
+        return "(unreadable variant)"
+
+
 def _fill_base(store: Store, n: ForkNode, parent: str, mine: list[dict[str, Any]],
-               parent_rows: list[dict[str, Any]]) -> None:
+               parent_rows: list[dict[str, Any]], records: list[Any]) -> None:
     """The fork's base checkpoint (its id, turn and the cost it carried), from the index, else the stored objects."""
     by_id = {r["checkpoint_id"]: r for r in parent_rows}
     base = next((r["parent_checkpoint_id"] for r in sorted(mine, key=lambda r: (r["turn"], r["created_at"]))
                  if r["parent_checkpoint_id"] in by_id), None)
     if base is None:
-        try:
-            records = store.list_runs(n.session_id, user_id=n.user_id)
-        except Exception:  # noqa: BLE001 - a view: an unreadable record only leaves the base unknown
-            records = []
         base = next((rec.base_checkpoint_id for rec in records
                      if rec.base_session_id == parent and rec.base_checkpoint_id), None)
     n.parent_checkpoint_id = base
@@ -216,9 +266,12 @@ def tree_table(root: ForkNode) -> tuple[Table, str]:
                                                   else f"{n.base_turn}→{n.turns}"),
             "status": Text(n.status or "-", style=STATUS_STYLE.get(n.status or "", "")),
             "spend": _own_spend(n),
+            "variant": n.variant_summary,
         })
     cols = [Col("session"), Col("from", "parent checkpoint", drop=4), Col("turns", justify="right"),
             Col("status"), Col("spend", "own spend", drop=1, justify="right")]
+    if any(n.variant is not None for _, n in lines):  # a tree without variants keeps its columns
+        cols.append(Col("variant", drop=5, wrap=True))
     title = f"fork tree of {root.session_id}" + (f" (itself a fork of {root.forked_from})" if root.forked_from else "")
     table = fit_table(cols, rows, title=title, box=box.SIMPLE_HEAD, title_justify="left")
     data = tree_json(root)
@@ -267,7 +320,7 @@ def tree_html(root: ForkNode, *, store_desc: str, generated_at: datetime | None 
                  ("turns", "-" if n.turns is None else str(n.turns)),
                  ("status", n.status or "-"),
                  ("own spend", _own_spend(n)),
-                 ("total cost", money(n.cost_usd))]
+                 ("total cost", money(n.cost_usd))] + ([("variant", n.variant_summary)] if n.variant else [])
         dl = "".join(f"<dt>{e(k)}</dt><dd{_status_class(v) if k == 'status' else ''}>{e(v)}</dd>"
                      for k, v in facts)
         links = ""

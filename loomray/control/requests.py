@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 from loomray.checkpoint_format import load_checkpoint
+from loomray.decisions import Approve, Respond
 from loomray.errors import LoomrayUserError
 from loomray.ids import new_id
 from loomray.journal import safe_call_id
@@ -112,12 +113,17 @@ def request_pause(store: SessionStore, session_id: str, user_id: str | None, *, 
 def normalize_decision(value: Any) -> ToolDecision:
     """A decision from what a caller passes.
 
-    ``True`` approves; ``False`` or a reason (a str) denies; ``{"arguments": {...}}``
-    approves with those arguments in place of the model's; ``{"respond": "text"}``
-    answers in the tool's place (it does not run); a :class:`ToolDecision` as it is.
+    ``True`` approves; ``False`` or a reason (a str) denies; :class:`~loomray.Approve`
+    (or ``{"arguments": {...}}``) approves, with those arguments in place of the model's when given;
+    :class:`~loomray.Respond` (or ``{"respond": "text"}``) answers in the tool's place (it does not run);
+    a :class:`ToolDecision` as it is.
     """
     if isinstance(value, ToolDecision):
         return value
+    if isinstance(value, Approve):
+        return ToolDecision(approved=True, arguments=value.arguments)
+    if isinstance(value, Respond):
+        return ToolDecision(approved=False, response=value.text)
     if isinstance(value, bool):
         return ToolDecision(approved=value)
     if isinstance(value, str):
@@ -134,8 +140,8 @@ def normalize_decision(value: Any) -> ToolDecision:
         if not isinstance(value["respond"], str):
             raise TypeError(f"a response in a tool's place must be a str, got {type(value['respond']).__name__}")
         return ToolDecision(approved=False, response=value["respond"])
-    raise TypeError("a decision is True, False, a reason for denial (str), {'arguments': {...}} or "
-                    f"{{'respond': 'text'}}, got {value!r:.80}")
+    raise TypeError("a decision is True, False, a reason for denial (str), Approve(arguments=...), Respond(text), "
+                    f"{{'arguments': {{...}}}} or {{'respond': 'text'}}, got {value!r:.80}")
 
 
 def pending_calls(store: SessionStore, session_id: str, user_id: str | None) -> list[ToolCall] | None:

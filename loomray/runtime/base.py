@@ -31,6 +31,15 @@ if TYPE_CHECKING:  # the Agent module imports this one
     from loomray.agent import Agent
 
 
+def per_request(agent: Agent | Sequence[Agent], requests: Sequence[RunRequest]) -> list[Agent]:
+    """The agent of each request: one for all, or one per request (a ``ValueError`` when the counts differ)."""
+    if not isinstance(agent, Sequence):
+        return [agent] * len(requests)
+    if len(agent) != len(requests):
+        raise ValueError(f"{len(agent)} agents for {len(requests)} requests")
+    return list(agent)
+
+
 class Runtime:
     """Base runtime: in-process execution against ``self.store``.
 
@@ -68,16 +77,20 @@ class Runtime:
 
     async def execute_many(
         self,
-        agent: Agent,
+        agent: Agent | Sequence[Agent],
         requests: Sequence[RunRequest],
         *,
         emit: EmitFn | None = None,
         extra_tools: Sequence[Any] = (),
         output_type: type[BaseModel] | None = None,
     ) -> list[RunResult]:
-        """Run several requests at once (fan-out); results in request order."""
+        """Run several requests at once (fan-out); results in request order.
+
+        ``agent`` runs every request, or is a list of one agent per request (the forks of variants).
+        """
         return list(await asyncio.gather(*(
-            self.execute(agent, r, emit=emit, extra_tools=extra_tools, output_type=output_type) for r in requests)))
+            self.execute(a, r, emit=emit, extra_tools=extra_tools, output_type=output_type)
+            for a, r in zip(per_request(agent, requests), requests, strict=True))))
 
     # -- reads -------------------------------------------------------------
     async def list_checkpoints(self, session_id: str, *, limit: int | None = 50,

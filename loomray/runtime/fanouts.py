@@ -13,10 +13,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from loomray.runtime.actors import Outcome
+from loomray.runtime.actors import AgentSpec, Outcome
 from loomray.session import RunRequest
 
 #: How a fork can end, each counted in the progress (:attr:`Outcome.state`; "fenced" counts as failed).
@@ -24,6 +24,17 @@ ENDINGS = ("completed", "failed", "cancelled", "paused", "awaiting_approval", "b
 
 #: Fan-out ids for callers that pass none.
 _fanout_ids = itertools.count(1)
+
+
+def agent_specs(agents: Sequence[Any], extra_tools: Sequence[Any] = ()) -> AgentSpec | list[AgentSpec]:
+    """What a fan-out's agents travel as: one spec when one agent runs every fork (and for none), else one
+    per fork, each distinct agent pickled once (a fork of variants runs an agent of its own)."""
+    by_id: dict[int, AgentSpec] = {}
+    for a in agents:
+        if id(a) not in by_id:
+            by_id[id(a)] = AgentSpec.of(a, extra_tools)
+    specs = [by_id[id(a)] for a in agents]
+    return specs if len(by_id) > 1 else (specs[0] if specs else AgentSpec())
 
 
 class Fanouts:

@@ -7,10 +7,9 @@ registered with :func:`set_agent_ref`) and the request JSON to the store's super
 Checkpoint reads (``list_checkpoints``, ``get_checkpoint``) go straight to the
 store from this process, exactly as with ``LocalRuntime``.
 
-Fire and forget: ``RayRuntime.submit("package.module:agent", prompt,
-session_id=...)`` starts a run by agent reference and returns as soon as its
-actor exists; the run goes on after the driver exits (session actors and the
-supervisor are detached), and ``wait``/``status`` or the store follow it.
+Fire and forget: ``RayRuntime.submit("package.module:agent", prompt, session_id=...)`` starts a run by
+agent reference and returns as soon as its actor exists; the run goes on after the driver exits (session
+actors and the supervisor are detached), and ``wait``/``status`` or the store follow it.
 
 The store must be reachable from every node under the same URL: an ``s3://`` URL on a real
 cluster; a local path only works when every node is on this machine (tests, ``cluster/local.sh``).
@@ -35,8 +34,9 @@ from loomray.events import EmitFn, deliver, event_from_dict
 from loomray.ids import new_id
 from loomray.records import RunResult
 from loomray.runtime.actors import DEFAULT_STANDBY_ACTORS, AgentSpec, Outcome, RuntimeConfig, agent_ref_allowed
-from loomray.runtime.base import Runtime
+from loomray.runtime.base import Runtime, per_request
 from loomray.runtime.connection import connect, normalize_store_url
+from loomray.runtime.fanouts import agent_specs
 from loomray.runtime.handoffs import handed_off
 from loomray.runtime.supervisor import get_supervisor
 from loomray.session import RunRequest
@@ -165,11 +165,11 @@ class RayRuntime(Runtime):
         return f"RayRuntime({self.config.store_url!r}, address={self.address!r}, placement={self.config.placement!r})"
 
     # -- the supervisor ---------------------------------------------------------
-    def _allow(self, spec: AgentSpec) -> None:
-        """Add a submitted agent reference to this runtime's allowed list (a replacement supervisor gets it)."""
-        if spec.ref and not agent_ref_allowed(spec.ref, self.config.allowed_agents):
-            self.config = dataclasses.replace(self.config,
-                                              allowed_agents=(*self.config.allowed_agents, spec.ref))
+    def _allow(self, spec: AgentSpec | list[AgentSpec]) -> None:
+        """Add submitted agent references to this runtime's allowed list (a replacement supervisor gets them)."""
+        for ref in {s.ref for s in (spec if isinstance(spec, list) else [spec])}:
+            if ref and not agent_ref_allowed(ref, self.config.allowed_agents):
+                self.config = dataclasses.replace(self.config, allowed_agents=(*self.config.allowed_agents, ref))
 
     def supervisor(self) -> Any:
         """The supervisor handle (connecting and creating it on first use; thread-safe)."""
@@ -270,15 +270,15 @@ class RayRuntime(Runtime):
         except Exception as e:  # the run still stops at its next look at the store
             log.info("session %r: telling its actor to stop failed (%s); it stops at its next look", session_id, e)
 
-    async def execute_many(self, agent: Agent, requests: Sequence[RunRequest], *, emit: EmitFn | None = None,
-                           extra_tools: Sequence[Any] = (), output_type: Any = None) -> list[RunResult]:
+    async def execute_many(self, agent: Agent | Sequence[Agent], requests: Sequence[RunRequest], *,
+                           emit: EmitFn | None = None, extra_tools: Sequence[Any] = (),
+                           output_type: Any = None) -> list[RunResult]:
         """Fan-out: one actor per request, at most ``max_concurrent_forks`` at once; results in request order.
-
-        ``on_fork_progress`` (if set) is called with the supervisor's progress
-        dict (``total``, ``queued``, ``running``, a count per ending, ``max_running``,
+        ``agent``: one for all requests, or one per request. ``on_fork_progress`` (if set) is called with the
+        supervisor's progress dict (``total``, ``queued``, ``running``, a count per ending, ``max_running``,
         ``limit``: :meth:`~loomray.runtime.fanouts.Fanouts.progress`) whenever it changes.
         """
-        spec = AgentSpec.of(agent, extra_tools)
+        spec = agent_specs(per_request(agent, requests), extra_tools)
         self._allow(spec)
         fanout_id = new_id("fanout")
         # Each fork's run id is chosen here: a resend continues or answers what a lost supervisor started.

@@ -261,16 +261,21 @@ class Supervisor:
                 f"session {session_id!r} (user {user_id!r}) is not supervised on this cluster; {state}")
         return await asyncio.shield(w.done)
 
-    async def run_many(self, agent: AgentSpec, request_jsons: list[str], max_concurrent: int | None = None,
-                       fanout_id: str | None = None, stream_events: bool = False,
+    async def run_many(self, agent: AgentSpec | list[AgentSpec], request_jsons: list[str],
+                       max_concurrent: int | None = None, fanout_id: str | None = None, stream_events: bool = False,
                        config: RuntimeConfig | None = None, resend: bool = False) -> list[Outcome]:
         """Fan-out: one actor per request, at most ``max_concurrent`` (default ``max_concurrent_forks``) at once.
 
-        Outcomes come back in request order; ``fanout(fanout_id)`` reports
-        progress meanwhile. A ``resend`` starts no fork twice (:mod:`loomray.runtime.handoffs`).
+        ``agent`` runs every request, or is a list of one per request (the
+        forks of variants). Outcomes come back in request order;
+        ``fanout(fanout_id)`` reports progress meanwhile. A ``resend`` starts
+        no fork twice (:mod:`loomray.runtime.handoffs`).
         """
+        specs = agent if isinstance(agent, list) else [agent] * len(request_jsons)
+        spec_of = dict(zip(request_jsons, specs, strict=True))  # each request's JSON is its own: a new session id
+
         async def run_one(request_json: str, request: RunRequest) -> Outcome:
-            await self.submit(agent, request_json, stream_events, config, resend)
+            await self.submit(spec_of[request_json], request_json, stream_events, config, resend)
             return await self.result(request.session_id, request.user_id)
 
         limit = max(1, max_concurrent or self._config.max_concurrent_forks)

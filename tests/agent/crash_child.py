@@ -154,6 +154,10 @@ async def _control_main(agent, emit, session_id: str, out: str, kill: str | None
     if approve is None:
         return False
     decision = json.loads(os.environ.get("CONTROL_DECISION", "true"))  # e.g. {"arguments": {...}}, {"respond": ..}
+    if os.environ.get("CONTROL_TYPED") and isinstance(decision, dict):  # the same decision, as its typed value
+        from loomray import Approve, Respond
+
+        decision = Approve(**decision) if "arguments" in decision else Respond(decision["respond"])
     result = await agent.resume(None, session_id=session_id, emit=emit, approvals={approve: decision})
     _control_out(out, result, kill)
     return True

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from control_tools import effects, lookup, reset_effects, transfer  # noqa: F401 - reset_effects: autouse
 from crash_procs import run_child
 
-from loomray import Agent, CheckpointConfig, Tuning
+from loomray import Agent, Approve, CheckpointConfig, Respond, Tuning
 from loomray.cli.main import main
 from loomray.models import ScriptedModel
 from loomray.models.scripted import count_calls
@@ -33,22 +33,25 @@ def tool_results(result) -> list[str]:
     return [m.content for m in result.messages if m.role == "tool"]
 
 
-async def test_approve_with_edited_arguments_runs_the_tool_once_with_them(tmp_path):
+@pytest.mark.parametrize("decision", [Approve(arguments={"amount": 1}), {"arguments": {"amount": 1}}],
+                         ids=["typed", "dict"])
+async def test_approve_with_edited_arguments_runs_the_tool_once_with_them(tmp_path, decision):
     waiting = await agent_for(tmp_path).run("pay", session_id="e1")
     call = waiting.pending_approvals[0]
-    done = await agent_for(tmp_path).resume(None, session_id="e1", approvals={call.id: {"arguments": {"amount": 1}}})
+    done = await agent_for(tmp_path).resume(None, session_id="e1", approvals={call.id: decision})
     assert done.stop_reason == "completed" and effects == ["transfer-1"]
     assert tool_results(done) == ["moved 1"]
     # the transcript keeps the model's call as it wrote it; the journal holds the decision that changed it
     assert [c.arguments for m in done.messages for c in m.tool_calls] == [{"amount": 3}]
 
 
-async def test_respond_answers_in_the_tools_place_and_never_runs_it(tmp_path):
+@pytest.mark.parametrize("decision", [Respond("paid by hand on Monday"), {"respond": "paid by hand on Monday"}],
+                         ids=["typed", "dict"])
+async def test_respond_answers_in_the_tools_place_and_never_runs_it(tmp_path, decision):
     calls = tmp_path / "calls"
     waiting = await agent_for(tmp_path, calls).run("pay", session_id="r1")
     call = waiting.pending_approvals[0]
-    done = await agent_for(tmp_path, calls).resume(None, session_id="r1",
-                                                   approvals={call.id: {"respond": "paid by hand on Monday"}})
+    done = await agent_for(tmp_path, calls).resume(None, session_id="r1", approvals={call.id: decision})
     assert done.stop_reason == "completed" and effects == []
     assert tool_results(done) == ["paid by hand on Monday"] and count_calls(calls) == [0, 1]
 
@@ -77,9 +80,32 @@ async def test_the_cli_edits_and_responds_through_the_same_stored_decision(tmp_p
 def test_a_bad_decision_fails_before_anything_is_written(tmp_path):
     from loomray import control
 
-    for bad in ({"arguments": [1]}, {"respond": 3}, {"arguments": {}, "respond": "x"}, 1.5):
+    for bad in ({"arguments": [1]}, {"respond": 3}, {"arguments": {}, "respond": "x"}, 1.5, Approve, Respond):
         with pytest.raises(TypeError):
             control.normalize_decision(bad)
+    with pytest.raises(TypeError, match="JSON object"):
+        Approve(arguments=[1])
+    with pytest.raises(TypeError, match="must be JSON"):
+        Approve(arguments={"when": object()})
+    with pytest.raises(TypeError, match="str"):
+        Respond(3)
+    assert control.normalize_decision(Approve()) == control.normalize_decision(True)
+
+
+async def test_typed_and_dict_forms_are_one_stored_decision(tmp_path):
+    """Approve(arguments=...) and {"arguments": ...} store the same decision: repeating one as the other is the
+    same decision (no conflict), a different one is refused."""
+    from loomray.errors import LoomrayUserError
+
+    waiting = await agent_for(tmp_path).run("pay", session_id="t1")
+    call = waiting.pending_approvals[0].id
+    runtime = agent_for(tmp_path).runtime
+    assert await runtime.decide("t1", call, Approve(arguments={"amount": 2})) is True
+    assert await runtime.decide("t1", call, {"arguments": {"amount": 2}}) is False  # the same one, again
+    with pytest.raises(LoomrayUserError, match="already decided"):
+        await runtime.decide("t1", call, Respond("no"))
+    done = await agent_for(tmp_path).resume(None, session_id="t1")
+    assert tool_results(done) == ["moved 2"] and effects == ["transfer-2"]
 
 
 # -- across a SIGKILL of the process that applied the decision -------------------------------------------
@@ -94,18 +120,20 @@ def _effects(d: Path) -> list[str]:
     return (d / "effects").read_text().split() if (d / "effects").exists() else []
 
 
+@pytest.mark.parametrize("typed", ["typed", ""], ids=["Approve-Respond", "dict"])
 @pytest.mark.parametrize("decision, page_effects, result", [
     ({"arguments": {"topic": "ray", "page": 7}}, ["ray-7"], "page 7 on ray"),
     ({"respond": "page 2 was read by a person"}, [], "page 2 was read by a person"),
 ], ids=["edited", "respond"])
-def test_a_decision_applied_once_across_a_kill(tmp_path, decision, page_effects, result):
+def test_a_decision_applied_once_across_a_kill(tmp_path, decision, page_effects, result, typed):
+    """``typed``: the child passes ``Approve(arguments=...)`` / ``Respond(text)``, else the dict forms."""
     d = tmp_path / "data"
     d.mkdir()
     # 1: runs until it waits for page 2's approval, and is killed after returning.
     assert _child(d, d / "first.json", "exit:kill").returncode == -signal.SIGKILL
     # 2: applies the decision, journals it, and is killed before the call's tool runs.
     second = _child(d, d / "second.json", "event:control:1", CONTROL_APPROVE="s0002_0",
-                    CONTROL_DECISION=json.dumps(decision))
+                    CONTROL_DECISION=json.dumps(decision), CONTROL_TYPED=typed)
     assert second.returncode == -signal.SIGKILL, second.stderr
     # 3: resumes with no decision given: the journaled one applies, once.
     third = _child(d, d / "third.json", CRASH_RESUME="1")

@@ -18,7 +18,7 @@ import time
 import uuid
 from pathlib import Path
 
-from loomray import Agent, CheckpointConfig, Tuning, tool
+from loomray import Agent, CheckpointConfig, Tool, Tuning, tool
 from loomray.models import ScriptedModel
 
 ROOT = Path(os.environ.get("LOOMRAY_RAY_TEST_DIR", "/tmp/loomray-ray-test"))
@@ -229,3 +229,51 @@ budget_low = priced("budget", max_tokens=1)
 budget_high = priced("budget")
 #: A fork tree's spend.
 spend = priced("spend")
+
+
+def instructed(request) -> str:
+    """A final answer that names the instructions the model was given (the transcript's system message)."""
+    system = [m.content for m in request.messages if m.role == "system"]
+    return f"finished under: {system[0] if system else '-'}"
+
+
+def variant_parts(name: str, step_s: float = 0.4) -> tuple[Agent, ScriptedModel]:
+    """A base agent that answers its source run at once, and the model of a variant that forks it: TURNS slow
+    tool passes (replies 1..TURNS, after the source's one answer), then :func:`instructed`. Each model logs its
+    calls to its own file (``{name}`` and ``{name}-variant``)."""
+    base = make(name, step_s)
+    base.model = ScriptedModel(["source ready"], name="base-model", counter_path=ROOT / name / "model-calls")
+    workdir = ROOT / f"{name}-variant"
+    workdir.mkdir(parents=True, exist_ok=True)
+    script = ["-", *({"tool": "slow_step", "args": {"n": i}} for i in range(TURNS)), instructed]
+    return base, ScriptedModel(script, name="variant-model", counter_path=workdir / "model-calls")
+
+
+#: A variant fork whose node is removed mid-run (per placement).
+variant_kill, variant_kill_model = variant_parts("variant_kill")
+variant_kill_dense, variant_kill_dense_model = variant_parts("variant_kill_dense")
+
+
+def instructed_with_tools(request) -> str:
+    """:func:`instructed`, plus the tools the model was offered."""
+    return f"{instructed(request)}; tools: {','.join(sorted(t['name'] for t in request.tools))}"
+
+
+def adoptable(name: str) -> Agent:
+    """A base agent whose variant fork loses its actor and its supervisor at once: TURNS slow passes after the
+    source's answer, then :func:`instructed_with_tools`. Importable by reference (``ray_agents:{name}``), so a
+    new supervisor rebuilds the fork's agent from the reference and the variant the fork's run record stores."""
+    base = make(name, 0.4)
+
+    def spare() -> str:
+        """A tool the variant leaves out."""
+        return "spare"
+
+    script = ["source ready", *({"tool": "slow_step", "args": {"n": i}} for i in range(TURNS)), instructed_with_tools]
+    base.model = ScriptedModel(script, name="base-model", counter_path=ROOT / name / "model-calls")
+    base.tools = {**base.tools, "spare": Tool(spare)}
+    return base
+
+
+variant_adopt = adoptable("variant_adopt")
+variant_adopt_dense = adoptable("variant_adopt_dense")

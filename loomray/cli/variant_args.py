@@ -1,0 +1,31 @@
+"""Variants on the command line: ``--variant JSON`` or ``--variant @FILE``, in the form a fork stores them.
+
+The JSON is :meth:`loomray.Variant.to_json`'s: ``prompt``, ``model`` (a
+name), ``instructions``, ``tools`` (names of the agent's tools), ``tuning``
+(``Tuning`` fields) and ``edits`` (``{"op": "replace"|"drop"|"insert",
+"index": i, "message": {...}}``). Anything else is one clear line, exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from loomray.cli.common import CliError
+from loomray.variants import Variant
+
+
+def parse_variant(text: str) -> Variant:
+    """The variant ``text`` holds (``@path`` reads a file); :class:`CliError` when it is not one."""
+    source = "--variant"
+    if text.startswith("@"):
+        source = text[1:]
+        try:
+            text = Path(source).read_text(encoding="utf-8")
+        except OSError as e:
+            raise CliError(f"cannot read variant file {source!r}: {e.strerror or e}") from e
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise CliError(f"{source}: not JSON ({e})") from e
+    return Variant.from_json(data)  # a VariantError (a user error) names what is wrong
