@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 
 from storage import layout
 from storage.ids import user_from_segment, user_segment
-from storage.index import conform, parquet_table
+from storage.index import conform
 from storage.objects import ObjectInfo
 from storage.rows import SESSION_SCHEMA, SessionRow, session_rows_from_table, session_rows_table
 from storage.sessions import latest_sessions
@@ -132,13 +132,18 @@ def publish_session_tables(store: Store, segments: list[str] | None = None) -> i
 
 
 def read_session_tables(store: Store, segment: str | None = None,
-                        cache: dict[str, tuple[str, pa.Table]] | None = None) -> pa.Table:
-    """Every user's session table (or ``segment``'s) as one table in :data:`SESSION_TABLE_SCHEMA`: one LIST and
-    a GET per user file (none for a file ``cache`` holds at its listed ETag; parsed files are added to it).
-    An unreadable file is skipped with a warning (compaction rebuilds it)."""
+                        cache: dict[str, tuple[str, pa.Table]] | None = None,
+                        columns: list[str] | None = None, seen: list[tuple[str, str]] | None = None) -> pa.Table:
+    """Every user's session table (or ``segment``'s) as one table in :data:`SESSION_TABLE_SCHEMA` (only
+    ``columns`` of it, when given: the others are not decoded): one LIST and a GET per user file (none for a
+    file ``cache`` holds at its listed ETag; parsed files are added to it; ``seen`` gets the key and ETag of
+    each file listed). An unreadable file is skipped with a warning (compaction rebuilds it)."""
+    schema = SESSION_TABLE_SCHEMA if columns is None else pa.schema([SESSION_TABLE_SCHEMA.field(c) for c in columns])
     prefix = layout.SESSION_TABLE if segment is None else f"{layout.SESSION_TABLE}user={segment}/"
     infos = [o for o in store.objects.list(prefix=prefix) if o.key.endswith("/part-0.parquet")]
     cache = {} if cache is None else cache
+    if seen is not None:
+        seen += [(o.key, o.etag) for o in infos]
 
     def one(info: ObjectInfo) -> pa.Table | None:
         hit = cache.get(info.key)
@@ -148,7 +153,7 @@ def read_session_tables(store: Store, segment: str | None = None,
         if obj is None:
             return None
         try:
-            table = conform(parquet_table(obj.data), SESSION_TABLE_SCHEMA)
+            table = conform(_decode(obj.data, schema.names), schema)
             seg = info.key[len(layout.SESSION_TABLE):].split("/")[0][len("user="):]
             user = user_from_segment(seg)
             own = pc.is_null(table["user_id"]) if user is None else pc.equal(table["user_id"], user)
@@ -161,7 +166,14 @@ def read_session_tables(store: Store, segment: str | None = None,
         return table
 
     tables = [t for t in store.index.map_io(one, infos) if t is not None]
-    return pa.concat_tables(tables) if tables else SESSION_TABLE_SCHEMA.empty_table()
+    return pa.concat_tables(tables) if tables else schema.empty_table()
+
+
+def _decode(data: bytes, columns: list[str]) -> pa.Table:
+    """The ``columns`` a table file has (a column added since it was written is left to ``conform``)."""
+    reader = pq.ParquetFile(pa.py_buffer(data), pre_buffer=False)
+    names = reader.schema_arrow.names
+    return reader.read(columns=[c for c in columns if c in names], use_threads=False)
 
 
 def _publish_user(store: Store, segment: str, sessions: dict[str, list[str]]) -> int:

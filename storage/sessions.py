@@ -98,10 +98,12 @@ class SessionMethods:
                 out.setdefault(owner, []).append(info.key)
         return out
 
-    def changed_rows(self, user_id: Any = ANY) -> list[SessionRow]:
-        """The latest status row of each session :meth:`changed_sessions` names: one LIST, then one GET per
-        session whose newest marker this store has not read yet."""
-        return self._changes.read(self.changed_sessions(user_id), self.index.map_io,
+    def changed_rows(self, user_id: Any = ANY, markers: dict[tuple[str | None, str], list[str]] | None = None
+                     ) -> list[SessionRow]:
+        """The latest status row of each session :meth:`changed_sessions` names (or ``markers``, what it
+        returned): one LIST, then one GET per session whose newest marker this store has not read yet."""
+        markers = self.changed_sessions(user_id) if markers is None else markers
+        return self._changes.read(markers, self.index.map_io,
                                   lambda sid, user: self.get_session(sid, user_id=user))
 
     def forget_changes(self, keys: list[str]) -> None:

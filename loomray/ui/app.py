@@ -48,6 +48,8 @@ def templates() -> Environment:
     env.filters["money"] = lambda v: "-" if v is None else f"${v:,.4f}"
     env.filters["when"] = lambda t: "-" if t is None else (
         t.strftime("%Y-%m-%d %H:%M:%S") if isinstance(t, datetime) else str(t))
+    for name in env.list_templates(extensions=["html"]):
+        env.get_template(name)  # compiled as the server starts, not in its first request
     return env
 
 

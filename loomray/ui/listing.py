@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 
 from storage import Store
 from storage.ids import user_segment
-from storage.rows import SESSION_SCHEMA
+from storage.rows import SessionRow
 from storage.session_table import read_session_tables
 from storage.sessions import ANY
 
@@ -41,6 +41,8 @@ from storage.sessions import ANY
 STATUSES = ("pending", "running", "completed", "awaiting_approval", "paused", "budget_exceeded", "failed",
             "cancelled")
 _LIVE = ("pending", "running")
+#: What the list shows and filters on (the table's other columns are not decoded).
+_COLUMNS = ["session_id", "user_id", "status", "updated_at", "error", "turn", "cost_usd", "exploration_id"]
 
 
 @dataclass(frozen=True)
@@ -96,21 +98,40 @@ class Page:
 
 
 class TableCache:
-    """The session-status table files a server parsed, by key, at the ETag they were read at (files are
-    replaced whole by compactions, so an unchanged ETag is an unchanged file)."""
+    """What a server read of the session-status table and its tail, kept while the store says it is current.
+
+    Table files are kept by key at the ETag they were read at (a compaction
+    replaces a file whole, so an unchanged ETag is an unchanged file); the
+    merged rows of a view (a user, or every user) are kept with the files'
+    ETags and the newest change marker of each changed session they were
+    built from (markers are never rewritten), so a request whose two LISTs
+    show the same reads nothing else and merges nothing again.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._files: dict[str, tuple[str, pa.Table]] = {}
+        self._merged: dict[Any, tuple[Any, pa.Table]] = {}
 
-    def read(self, store: Store, user: Any) -> pa.Table:
-        """The table of ``user`` (``ANY``: every user's)."""
+    def current(self, store: Store, user: Any) -> pa.Table:
+        """Each session's latest status row, of ``user`` (``ANY``: every user)."""
         with self._lock:
             files = dict(self._files)
-        table = read_session_tables(store, None if user is ANY else user_segment(user), files)
+        seen: list[tuple[str, str]] = []
+        table = read_session_tables(store, None if user is ANY else user_segment(user), files, _COLUMNS, seen)
+        markers = store.changed_sessions(user)
+        signature = (tuple(sorted(seen)), tuple(sorted((k, max(v)) for k, v in markers.items())))
+        view = "*" if user is ANY else user
         with self._lock:
             self._files.update(files)
-        return table
+            hit = self._merged.get(view)
+        if hit is not None and hit[0] == signature:
+            return hit[1]
+        # One chunk: a page's rows are taken from it (taking from 50 chunks copies them all first).
+        merged = _with_tail(table, store.changed_rows(user, markers)).combine_chunks()
+        with self._lock:
+            self._merged[view] = (signature, merged)
+        return merged
 
 
 def _who(table: pa.Table) -> pa.Array:
@@ -118,14 +139,11 @@ def _who(table: pa.Table) -> pa.Array:
     return pc.binary_join_element_wise(pc.fill_null(table["user_id"], "_"), table["session_id"], "/")
 
 
-def current_rows(store: Store, user: Any, tables: TableCache | None = None) -> pa.Table:
-    """Each session's latest status row (of ``user``; ``ANY``: every user): the table, with the tail's rows
-    in place of the table's for the sessions the change markers name."""
-    table = (tables or TableCache()).read(store, user).select(SESSION_SCHEMA.names)
-    rows = store.changed_rows(user)
+def _with_tail(table: pa.Table, rows: list[SessionRow]) -> pa.Table:
+    """``table`` with the tail's rows in place of its own for the sessions they are of (unless older)."""
     if not rows:
         return table
-    tail = pa.Table.from_pylist([r.__dict__ for r in rows], schema=SESSION_SCHEMA)  # flat rows: no asdict
+    tail = pa.Table.from_pylist([{c: getattr(r, c) for c in _COLUMNS} for r in rows], schema=table.schema)
     if table.num_rows:
         # Latest updated_at wins, as everywhere: a tail row replaces the table's row of its session unless older.
         who = _who(tail)
@@ -134,7 +152,13 @@ def current_rows(store: Store, user: Any, tables: TableCache | None = None) -> p
         tail = tail.filter(pa.array([w not in at or t >= at[w] for w, t in zip(
             who.to_pylist(), tail["updated_at"].to_pylist(), strict=True)], pa.bool_()))
         table = table.filter(pc.invert(pc.is_in(_who(table), value_set=_who(tail))))
-    return pa.concat_tables([table, tail.select(table.column_names)]) if table.num_rows else tail
+    return pa.concat_tables([table, tail]) if table.num_rows else tail
+
+
+def current_rows(store: Store, user: Any, tables: TableCache | None = None) -> pa.Table:
+    """Each session's latest status row (of ``user``; ``ANY``: every user): the session-status table, with the
+    tail's rows in place of the table's for the sessions the change markers name."""
+    return (tables or TableCache()).current(store, user)
 
 
 def _filtered(table: pa.Table, q: ListQuery) -> pa.Table:

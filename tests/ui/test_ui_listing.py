@@ -79,8 +79,23 @@ def test_a_page_reads_the_table_and_the_tail_not_every_session(store, monkeypatc
         "index/session_table/user=alice/part-0.parquet", "index/session_table/user=bob/part-0.parquet"]
     assert len(gets) <= 2 + 4 + 1, gets  # the table, the tail's 4 sessions (s005's merged file and its new row)
     gets.clear()
-    list_sessions(store, ListQuery(offset=50), tables)  # table files unchanged: not read again
-    assert not [k for k in gets if k.startswith("index/session_table/")]
+    list_sessions(store, ListQuery(offset=50), tables)  # table files and markers unchanged: nothing read again
+    assert gets == []
+
+
+def test_a_kept_view_is_current_after_a_status_change_and_a_compaction(store):
+    tables = TableCache()
+    assert list_sessions(store, ListQuery(), tables).rows[0].session_id == "s119"
+    store.put_session(SessionRow(session_id="s050", user_id="alice", status="paused", run_id="r2",
+                                 updated_at=T0 + timedelta(hours=9), turn=3, cost_usd=1.0))
+    top = list_sessions(store, ListQuery(), tables).rows[0]
+    assert (top.session_id, top.status, top.turns) == ("s050", "paused", 3)
+    store.compact()
+    assert store.changed_sessions() == {}
+    after = list_sessions(store, ListQuery(), tables)
+    assert (after.total, after.rows[0].session_id, after.rows[0].status) == (120, "s050", "paused")
+    assert next(r for r in list_sessions(store, ListQuery(offset=100), tables).rows
+                if r.session_id == "s005").status == "cancelled"
 
 
 def test_a_running_sessions_turns_and_spend_come_from_its_latest_checkpoint():
