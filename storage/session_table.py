@@ -155,9 +155,7 @@ def read_session_tables(store: Store, segment: str | None = None,
         try:
             table = conform(_decode(obj.data, schema.names), schema)
             seg = info.key[len(layout.SESSION_TABLE):].split("/")[0][len("user="):]
-            user = user_from_segment(seg)
-            own = pc.is_null(table["user_id"]) if user is None else pc.equal(table["user_id"], user)
-            table = table.filter(pc.fill_null(own, False))  # never another user's rows, whatever the file holds
+            table = _own(table, user_from_segment(seg))
         except Exception as e:  # pyarrow raises several types for bad bytes
             log.warning("skipping unreadable session table %s (%s: %s)", store.describe(info.key),
                         type(e).__name__, e)
@@ -167,6 +165,19 @@ def read_session_tables(store: Store, segment: str | None = None,
 
     tables = [t for t in store.index.map_io(one, infos) if t is not None]
     return pa.concat_tables(tables) if tables else schema.empty_table()
+
+
+def _own(table: pa.Table, user: str | None) -> pa.Table:
+    """The rows of ``user`` (never another user's, whatever the file holds; checked whole first: one pass)."""
+    ids = table["user_id"]
+    if user is None:
+        if ids.null_count == len(ids):
+            return table
+        return table.filter(pc.is_null(ids))
+    bounds = pc.min_max(ids).as_py()
+    if ids.null_count == 0 and bounds["min"] == bounds["max"] == user:
+        return table
+    return table.filter(pc.fill_null(pc.equal(ids, user), False))
 
 
 def _decode(data: bytes, columns: list[str]) -> pa.Table:

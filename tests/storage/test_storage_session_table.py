@@ -150,3 +150,15 @@ def test_a_change_marker_that_names_another_session_is_not_believed(store):
     store.objects.put(key="changed/hal/victim/0000000000000000001-bbbb.json", data=b"not json")
     rows = {(r.session_id, r.status) for r in store.changed_rows("hal")}
     assert rows == {("victim", "running")}  # mallory's marker is skipped, victim's row comes from the index
+
+
+def test_a_table_file_holding_another_users_rows_shows_only_its_own(store):
+    _status(store, "s0", "ida", "completed", 0)
+    _status(store, "s1", "jon", "completed", 1)
+    store.compact()
+    mixed = pa.concat_tables([read_session_table(store, "ida"), read_session_table(store, "jon")])
+    sink = pa.BufferOutputStream()
+    pq.write_table(mixed, sink)
+    store.objects.put(key=session_table_key("ida"), data=sink.getvalue().to_pybytes())
+    assert read_session_tables(store, "ida")["session_id"].to_pylist() == ["s0"]
+    assert sorted(read_session_tables(store)["session_id"].to_pylist()) == ["s0", "s1"]
