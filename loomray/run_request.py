@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from loomray.journal import input_hash
 from loomray.telemetry.context import current_traceparent
+from storage.ids import validate_id
 
 
 class RunRequest(BaseModel):
@@ -57,9 +58,23 @@ class RunRequest(BaseModel):
         return (self.kind == "resume" and self.prompt is None and self.from_checkpoint == "latest"
                 and self.fork_of is None and self.run_id is None)
 
+    def exploration_id(self) -> str | None:
+        """``metadata["exploration_id"]`` when it is an id (what status rows carry, so a listing filters branches
+        of one exploration by it); None otherwise."""
+        value = (self.metadata or {}).get("exploration_id")
+        return value if isinstance(value, str) and _is_id(value) else None
+
     def stored_json(self) -> dict[str, Any]:
         """The request as its run record stores it.
 
         In-process callers may pass live objects as context; the stored request names them instead.
         """
         return json.loads(self.model_dump_json(fallback=lambda v: f"<unserializable {type(v).__name__}>"))
+
+
+def _is_id(value: str) -> bool:
+    try:
+        validate_id(value)
+    except ValueError:
+        return False
+    return True

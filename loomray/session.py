@@ -202,6 +202,7 @@ class _SessionRun:
         # tree's checkpoints sums to what its model calls were billed. Writes are ordered (also with
         # durability="async"); a failed write's spend is carried by the next checkpoint written.
         self.written_cost = self.state.usage.cost_usd
+        self.written_turn: int | None = self.state.turn
 
     async def execute(self) -> RunResult:
         """Run to the end; a fencing, a cancel or a failure ends it with the status row it calls for."""
@@ -317,7 +318,8 @@ class _SessionRun:
         # The request lives in the run's record beside the session's objects (storage.journal).
         row = SessionRow(session_id=sid, user_id=uid, status=state, updated_at=utcnow(), run_id=self.plan.run_id,
                          agent_ref=self.agent_ref, spec_json=None, epoch=self.lease.epoch, node_id=self.node_id,
-                         error=error)
+                         error=error, turn=self.written_turn, cost_usd=self.written_cost,
+                         exploration_id=self.request.exploration_id())
         try:
             await asyncio.to_thread(self.store.put_session, row)
         except Exception as e:
@@ -355,7 +357,7 @@ class _SessionRun:
             raise
         self.encoder.commit(encoded)
         self.steps.checkpointed()
-        self.written_cost = u.cost_usd
+        self.written_cost, self.written_turn = u.cost_usd, ckpt.turn
         self.guard.durable()
         if consumed:
             self.consumed_at[ckpt.checkpoint_id] = consumed

@@ -120,6 +120,12 @@ class SessionRow:
     epoch: int = 0
     node_id: str | None = None
     error: str | None = None
+    #: The turn and running cost of the checkpoint the run last wrote or started from, as of this row (a listing
+    #: reads them from the session-status table without reading the checkpoint index). None: not known.
+    turn: int | None = field(default=None, metadata=ADDED_LATER)
+    cost_usd: float | None = field(default=None, metadata=ADDED_LATER)
+    #: The exploration the run is a branch of (its request's ``metadata["exploration_id"]``), for listings.
+    exploration_id: str | None = field(default=None, metadata=ADDED_LATER)
 
 
 @dataclass(frozen=True)

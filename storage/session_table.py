@@ -17,7 +17,12 @@ every reader of status rows does.
 
 The file is as of one compaction: two compactions racing may publish in
 either order, and the next compaction corrects whichever lost (its sources
-differ from the listing).
+differ from the listing). What came since is named by the change markers
+``put_session`` leaves (:meth:`storage.store.Store.changed_sessions`): a
+compaction lists them before the status rows and deletes those it listed
+once the user's table is written, so table plus markers name every session
+whose latest row the table may not hold (:func:`read_session_tables` and
+the markers are what a listing of every session reads).
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from storage import layout
+from storage.ids import user_from_segment, user_segment
+from storage.index import conform
+from storage.objects import ObjectInfo
 from storage.rows import SESSION_SCHEMA, SessionRow, session_rows_from_table, session_rows_table
 from storage.sessions import latest_sessions
 
@@ -62,8 +70,7 @@ def read_session_table(store: Store, segment: str) -> pa.Table:
     if data is None:
         return SESSION_TABLE_SCHEMA.empty_table()
     try:
-        table = pq.read_table(pa.BufferReader(data.data))
-        return table.select(SESSION_TABLE_SCHEMA.names).cast(SESSION_TABLE_SCHEMA)
+        return conform(pq.read_table(pa.BufferReader(data.data)), SESSION_TABLE_SCHEMA)
     except Exception as e:  # a foreign or truncated file: rebuild it from the partitions
         log.warning("session table %s is unreadable (%s: %s); rebuilding it", store.describe(session_table_key(
             segment)), type(e).__name__, e)
@@ -74,7 +81,7 @@ def _own_rows(store: Store, key: str, table: pa.Table) -> list[SessionRow]:
     """The status rows of index file ``key`` that speak for its own session; none from a foreign file (skipped
     with a warning, as every reader of the index skips it; compaction moves it to quarantine)."""
     try:
-        own = store.own_session_rows(key, table).select(SESSION_SCHEMA.names).cast(SESSION_SCHEMA)
+        own = conform(store.own_session_rows(key, table), SESSION_SCHEMA)
         return session_rows_from_table(own)
     except (KeyError, ValueError, TypeError, pa.ArrowException) as e:
         log.warning("session table: skipping %s, not a session status file (%s: %s)", store.describe(key),
@@ -100,6 +107,11 @@ def _latest_rows(store: Store, files: dict[str, list[str]]) -> pa.Table:
 
 def publish_session_tables(store: Store, segments: list[str] | None = None) -> int:
     """Bring the session table of every user (of ``segments``) up to date; returns the rows rewritten."""
+    # The change markers before the rows: every marker listed here has its row in the LIST below.
+    marked: dict[str, list[str]] = defaultdict(list)
+    for scope in ([user_from_segment(s) for s in segments] if segments is not None else [...]):
+        for (user, _), keys in store.changed_sessions(scope).items():
+            marked[user_segment(user)] += keys
     prefixes = [f"{layout.SESSION_INDEX}user={s}/" for s in segments] if segments is not None else [layout.SESSION_INDEX]
     listed: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
     for prefix in prefixes:
@@ -111,7 +123,68 @@ def publish_session_tables(store: Store, segments: list[str] | None = None) -> i
     if segments is None:
         users |= {o.key[len(layout.SESSION_TABLE):].split("/")[0][len("user="):]
                   for o in store.objects.list(prefix=layout.SESSION_TABLE) if o.key.endswith("/part-0.parquet")}
-    return sum(_publish_user(store, seg, listed.get(seg, {})) for seg in sorted(users))
+    users |= set(marked)
+    rows = 0
+    for seg in sorted(users):
+        rows += _publish_user(store, seg, listed.get(seg, {}))
+        store.forget_changes(marked.get(seg, []))
+    return rows
+
+
+def read_session_tables(store: Store, segment: str | None = None,
+                        cache: dict[str, tuple[str, pa.Table]] | None = None,
+                        columns: list[str] | None = None, seen: list[tuple[str, str]] | None = None) -> pa.Table:
+    """Every user's session table (or ``segment``'s) as one table in :data:`SESSION_TABLE_SCHEMA` (only
+    ``columns`` of it, when given: the others are not decoded): one LIST and a GET per user file (none for a
+    file ``cache`` holds at its listed ETag; parsed files are added to it; ``seen`` gets the key and ETag of
+    each file listed). An unreadable file is skipped with a warning (compaction rebuilds it)."""
+    schema = SESSION_TABLE_SCHEMA if columns is None else pa.schema([SESSION_TABLE_SCHEMA.field(c) for c in columns])
+    prefix = layout.SESSION_TABLE if segment is None else f"{layout.SESSION_TABLE}user={segment}/"
+    infos = [o for o in store.objects.list(prefix=prefix) if o.key.endswith("/part-0.parquet")]
+    cache = {} if cache is None else cache
+    if seen is not None:
+        seen += [(o.key, o.etag) for o in infos]
+
+    def one(info: ObjectInfo) -> pa.Table | None:
+        hit = cache.get(info.key)
+        if hit is not None and hit[0] == info.etag:
+            return hit[1]
+        obj = store.objects.get(key=info.key)
+        if obj is None:
+            return None
+        try:
+            table = conform(_decode(obj.data, schema.names), schema)
+            seg = info.key[len(layout.SESSION_TABLE):].split("/")[0][len("user="):]
+            table = _own(table, user_from_segment(seg))
+        except Exception as e:  # pyarrow raises several types for bad bytes
+            log.warning("skipping unreadable session table %s (%s: %s)", store.describe(info.key),
+                        type(e).__name__, e)
+            return None
+        cache[info.key] = (obj.etag, table)
+        return table
+
+    tables = [t for t in store.index.map_io(one, infos) if t is not None]
+    return pa.concat_tables(tables) if tables else schema.empty_table()
+
+
+def _own(table: pa.Table, user: str | None) -> pa.Table:
+    """The rows of ``user`` (never another user's, whatever the file holds; checked whole first: one pass)."""
+    ids = table["user_id"]
+    if user is None:
+        if ids.null_count == len(ids):
+            return table
+        return table.filter(pc.is_null(ids))
+    bounds = pc.min_max(ids).as_py()
+    if ids.null_count == 0 and bounds["min"] == bounds["max"] == user:
+        return table
+    return table.filter(pc.fill_null(pc.equal(ids, user), False))
+
+
+def _decode(data: bytes, columns: list[str]) -> pa.Table:
+    """The ``columns`` a table file has (a column added since it was written is left to ``conform``)."""
+    reader = pq.ParquetFile(pa.py_buffer(data), pre_buffer=False)
+    names = reader.schema_arrow.names
+    return reader.read(columns=[c for c in columns if c in names], use_threads=False)
 
 
 def _publish_user(store: Store, segment: str, sessions: dict[str, list[str]]) -> int:

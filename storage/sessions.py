@@ -16,6 +16,13 @@ rows of the marked sessions (a marker is a hint, the row decides). A marker a
 crash left behind costs a read until the session's next finished row removes
 it. Sessions of a store written before markers existed are listed by a
 live status only once they write a row again.
+
+Listing every session must not read every session either: the compacted
+session-status table (:mod:`storage.session_table`) holds each session's
+latest row as of the last compaction, and ``put_session`` leaves a change
+marker after each row (:mod:`storage.session_changes`), so the table plus
+:meth:`SessionMethods.changed_rows` is every session's latest row, read with
+work that follows the rows written since the last compaction.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from storage import layout
+from storage import layout, session_changes
 from storage.ids import user_from_segment, user_segment, validate_id
 from storage.index import ParquetIndex, text_column
 from storage.objects import ObjectStore
@@ -66,6 +73,7 @@ class SessionMethods:
 
     objects: ObjectStore
     index: ParquetIndex
+    _changes: session_changes.ChangedRows
 
     def put_session(self, row: SessionRow) -> None:
         """Append a status row for the session (and keep its live marker: see the module docstring)."""
@@ -75,8 +83,33 @@ class SessionMethods:
         if row.status in LIVE_STATUSES:
             self.objects.put(key=live, data=b"")
         self.index.write(partition, session_rows_table([row]))
+        key, body = session_changes.marker(row)
+        self.objects.put(key=key, data=body)
         if row.status not in LIVE_STATUSES:
             self.objects.delete(keys=[live])
+
+    def changed_sessions(self, user_id: Any = ANY) -> dict[tuple[str | None, str], list[str]]:
+        """The sessions (of ``user_id``) with a status row newer than the session-status table, with their change
+        markers' keys: one LIST (see :mod:`storage.session_changes`)."""
+        out: dict[tuple[str | None, str], list[str]] = {}
+        for info in self.objects.list(prefix=session_changes.scope(user_id)):
+            owner = session_changes.session_of(info.key)
+            if owner is not None:
+                out.setdefault(owner, []).append(info.key)
+        return out
+
+    def changed_rows(self, user_id: Any = ANY, markers: dict[tuple[str | None, str], list[str]] | None = None
+                     ) -> list[SessionRow]:
+        """The latest status row of each session :meth:`changed_sessions` names (or ``markers``, what it
+        returned): one LIST, then one GET per session whose newest marker this store has not read yet."""
+        markers = self.changed_sessions(user_id) if markers is None else markers
+        return self._changes.read(markers, self.index.map_io,
+                                  lambda sid, user: self.get_session(sid, user_id=user))
+
+    def forget_changes(self, keys: list[str]) -> None:
+        """Delete change markers a compaction listed before the rows it absorbed (absent ones are fine)."""
+        if keys:
+            self.objects.delete(keys=keys)
 
     def _session_table(self, prefix: str) -> pa.Table:
         """Session rows under ``prefix``; rows whose ids differ from their file's partition are dropped.

@@ -31,6 +31,7 @@ from storage.maintenance import IndexCompactReport, compact
 from storage.objects import ObjectStore
 from storage.pruning import Progress, PrunePlan, plan_prune, prune
 from storage.rows import Lease, PruneReport, as_utc
+from storage.session_changes import ChangedRows
 from storage.sessions import ANY, SessionMethods
 from storage.table import TableCache, load_tables, with_staleness
 from storage.table_query import read_for_query
@@ -55,6 +56,7 @@ class Store(CheckpointMethods, CheckpointWrites, JournalMethods, SessionMethods)
         self._rows = CheckpointRows(objects, self.index)
         self._tails = TailReader(self._rows)
         self._leases = Leases(objects, self._rows, self._tails.snapshot)
+        self._changes = ChangedRows(objects)
 
     def describe(self, key: str | None = None) -> str:
         """Backend, root and (optionally) key, for messages and the CLI."""

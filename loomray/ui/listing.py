@@ -1,18 +1,29 @@
-"""The sessions list: one row per session from the checkpoint index, filtered, newest activity first, paged.
+"""The sessions list: one row per session from the compacted session-status table, filtered, newest first, paged.
 
-It reads the store's cross-session index (:meth:`storage.Store.query`: the
-compacted table plus the uncompacted tail), never every session's objects;
-only the rows of the page shown get one more read each (the session's status
-row: whether it runs, and why it stopped). A session's row is its latest
-checkpoint row, "latest" meaning the highest ``(epoch, checkpoint_id)`` as
-everywhere in loomray; its last activity is its newest checkpoint's time (or
-its status row's, when that is newer).
+What one page reads, whatever the store holds:
+
+- the session-status table (:mod:`storage.session_table`): one LIST and one
+  Parquet file per user, each session's latest status row as of the last
+  compaction (its status, when, its error, the turn and running cost the
+  run last checkpointed, its exploration); a file already parsed at the
+  ETag listed is not read again;
+- the tail: one LIST of the change markers (:meth:`storage.Store.changed_sessions`)
+  naming the sessions with a status row newer than the table, and those
+  sessions' own status rows (work that follows the rows written since the
+  last compaction, not the sessions stored);
+- for the rows shown only: a running session's latest checkpoint (its turn
+  and spend move while it runs; its status row has them as of its start),
+  and the same for a row written before status rows carried them.
+
+Filters, search and paging are Arrow operations over that table. A session
+is listed once it has a status row (every run writes one as it starts);
+a session only written through the storage API, or a fork that never ran,
+has none and is opened by its URL.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -21,12 +32,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from storage import Store
+from storage.ids import user_segment
+from storage.rows import SessionRow
+from storage.session_table import read_session_tables
 from storage.sessions import ANY
 
-_COLUMNS = ["session_id", "user_id", "checkpoint_id", "epoch", "turn", "created_at", "cost_usd", "execution_status"]
-
-#: The statuses a checkpoint records (the status filter's choices): what the session's latest checkpoint says.
-CHECKPOINT_STATUSES = ("active", "completed", "awaiting_approval", "paused")
+#: The statuses a session's status row says (the status filter's choices).
+STATUSES = ("pending", "running", "completed", "awaiting_approval", "paused", "budget_exceeded", "failed",
+            "cancelled")
+_LIVE = ("pending", "running")
+#: What the list shows and filters on (the table's other columns are not decoded).
+_COLUMNS = ["session_id", "user_id", "status", "updated_at", "error", "turn", "cost_usd", "exploration_id"]
 
 
 @dataclass(frozen=True)
@@ -34,10 +50,12 @@ class ListQuery:
     """What the list shows: filters, search and the page.
 
     ``user`` is :data:`storage.sessions.ANY` for every user (a UI scoped to
-    one user always passes that user). ``status`` filters on the latest
-    checkpoint's status; ``since``/``until`` keep sessions whose latest
-    checkpoint is in that range (``until`` exclusive); ``min_spend`` is on the session's
-    running total; ``search`` keeps session ids that contain it.
+    one user always passes that user). ``status`` filters on the session's
+    status row; ``since``/``until`` keep sessions whose last status change
+    is in that range (``until`` exclusive); ``min_spend`` is on the running
+    total as of that row; ``search`` keeps session ids that contain it;
+    ``exploration`` keeps the branches of one exploration (the
+    ``exploration_id`` of their run's metadata).
     """
 
     user: Any = ANY
@@ -46,6 +64,7 @@ class ListQuery:
     until: datetime | None = None
     min_spend: float | None = None
     search: str | None = None
+    exploration: str | None = None
     offset: int = 0
     limit: int = 50
 
@@ -56,25 +75,17 @@ class SessionSummary:
 
     session_id: str
     user_id: str | None
-    turns: int
+    status: str
+    turns: int | None
     spend_usd: float | None
     last_activity: datetime
-    checkpoint_status: str
-    run_status: str | None = None
     error: str | None = None
-
-    @property
-    def status(self) -> str:
-        """The session's status as a person reads it: the status row's when there is one (it knows "running",
-        "cancelled", "failed"), else the latest checkpoint's."""
-        return self.run_status or self.checkpoint_status
+    exploration_id: str | None = None
 
     @property
     def stop_reason(self) -> str | None:
         """Why its last run stopped; None while it runs."""
-        if self.status in ("running", "pending", "active"):
-            return None
-        return self.status
+        return None if self.status in _LIVE else self.status
 
 
 @dataclass
@@ -86,106 +97,106 @@ class Page:
     query: ListQuery = field(default_factory=ListQuery)
 
 
-def latest_per_session(table: pa.Table) -> pa.Table:
-    """One row per (user, session): its latest checkpoint's turn, cost and status, and its newest time."""
-    ordered = table.sort_by([("user_id", "ascending"), ("session_id", "ascending"), ("epoch", "ascending"),
-                             ("checkpoint_id", "ascending")])
-    # use_threads=False keeps the input order inside a group, so "last" is the latest (epoch, checkpoint_id).
-    grouped = ordered.group_by(["user_id", "session_id"], use_threads=False).aggregate([
-        ("turn", "last"), ("cost_usd", "last"), ("execution_status", "last"), ("created_at", "max")])
-    return grouped.rename_columns({"turn_last": "turn", "cost_usd_last": "cost_usd",
-                                   "execution_status_last": "execution_status",
-                                   "created_at_max": "last_activity"})
+class TableCache:
+    """What a server read of the session-status table and its tail, kept while the store says it is current.
+
+    Table files are kept by key at the ETag they were read at (a compaction
+    replaces a file whole, so an unchanged ETag is an unchanged file); the
+    merged rows of a view (a user, or every user) are kept with the files'
+    ETags and the newest change marker of each changed session they were
+    built from (markers are never rewritten), so a request whose two LISTs
+    show the same reads nothing else and merges nothing again.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._files: dict[str, tuple[str, pa.Table]] = {}
+        self._merged: dict[Any, tuple[Any, pa.Table]] = {}
+
+    def current(self, store: Store, user: Any) -> pa.Table:
+        """Each session's latest status row, of ``user`` (``ANY``: every user)."""
+        with self._lock:
+            files = dict(self._files)
+        seen: list[tuple[str, str]] = []
+        table = read_session_tables(store, None if user is ANY else user_segment(user), files, _COLUMNS, seen)
+        markers = store.changed_sessions(user)
+        signature = (tuple(sorted(seen)), tuple(sorted((k, max(v)) for k, v in markers.items())))
+        view = "*" if user is ANY else user
+        with self._lock:
+            self._files.update(files)
+            hit = self._merged.get(view)
+        if hit is not None and hit[0] == signature:
+            return hit[1]
+        # One chunk: a page's rows are taken from it (taking from 50 chunks copies them all first).
+        merged = _with_tail(table, store.changed_rows(user, markers)).combine_chunks()
+        with self._lock:
+            self._merged[view] = (signature, merged)
+        return merged
 
 
-def _session_filter(table: pa.Table, q: ListQuery) -> pa.Table:
+def _who(table: pa.Table) -> pa.Array:
+    """``user/session`` per row (``_`` for no user, which no user id can be): one key across users."""
+    return pc.binary_join_element_wise(pc.fill_null(table["user_id"], "_"), table["session_id"], "/")
+
+
+def _with_tail(table: pa.Table, rows: list[SessionRow]) -> pa.Table:
+    """``table`` with the tail's rows in place of its own for the sessions they are of (unless older)."""
+    if not rows:
+        return table
+    tail = pa.Table.from_pylist([{c: getattr(r, c) for c in _COLUMNS} for r in rows], schema=table.schema)
+    if table.num_rows:
+        # Latest updated_at wins, as everywhere: a tail row replaces the table's row of its session unless older.
+        who = _who(tail)
+        hit = table.filter(pc.is_in(_who(table), value_set=who))
+        at = dict(zip(_who(hit).to_pylist(), hit["updated_at"].to_pylist(), strict=True))
+        tail = tail.filter(pa.array([w not in at or t >= at[w] for w, t in zip(
+            who.to_pylist(), tail["updated_at"].to_pylist(), strict=True)], pa.bool_()))
+        table = table.filter(pc.invert(pc.is_in(_who(table), value_set=_who(tail))))
+    return pa.concat_tables([table, tail]) if table.num_rows else tail
+
+
+def current_rows(store: Store, user: Any, tables: TableCache | None = None) -> pa.Table:
+    """Each session's latest status row (of ``user``; ``ANY``: every user): the session-status table, with the
+    tail's rows in place of the table's for the sessions the change markers name."""
+    return (tables or TableCache()).current(store, user)
+
+
+def _filtered(table: pa.Table, q: ListQuery) -> pa.Table:
+    ts = table.schema.field("updated_at").type
     mask = None
     for cond in (
-        pc.equal(table["execution_status"], q.status) if q.status else None,
+        pc.equal(table["status"], q.status) if q.status else None,
+        pc.greater_equal(table["updated_at"], pa.scalar(q.since, ts)) if q.since else None,
+        pc.less(table["updated_at"], pa.scalar(q.until, ts)) if q.until else None,
         pc.greater_equal(table["cost_usd"], float(q.min_spend)) if q.min_spend is not None else None,
-        pc.less(table["last_activity"], pa.scalar(q.until, table["last_activity"].type)) if q.until else None,
+        pc.match_substring(table["session_id"], q.search) if q.search else None,
+        pc.equal(table["exploration_id"], q.exploration) if q.exploration else None,
     ):
         if cond is not None:
             mask = cond if mask is None else pc.and_(mask, cond)
     return table if mask is None else table.filter(pc.fill_null(mask, False))
 
 
-class Snapshots:
-    """One row per session from recent index reads, per view (user, since), kept off the request path.
-
-    Paging, the status and spend filters and the id search of one view work
-    on one read of the index (Arrow operations over a row per session), so
-    turning pages or refining a filter does not query the store again. A
-    read younger than ``ttl_s`` is served as it is; one younger than
-    ``stale_s`` is served while a background thread reads the index again
-    (stale while revalidating); an older one, or none, is read in the
-    request. :meth:`warm` reads a view in the background (the server warms
-    its default view when it starts). The session page and its live stream
-    read the session itself, never this.
-    """
-
-    def __init__(self, ttl_s: float = 10.0, stale_s: float = 120.0) -> None:
-        self.ttl_s, self.stale_s = ttl_s, stale_s
-        self._lock = threading.Lock()
-        self._kept: dict[tuple[Any, ...], tuple[float, pa.Table]] = {}
-        self._reading: set[tuple[Any, ...]] = set()
-
-    @staticmethod
-    def _key(q: ListQuery) -> tuple[Any, ...]:
-        return ("*" if q.user is ANY else q.user, q.since)
-
-    def _read(self, store: Store, q: ListQuery) -> pa.Table:
-        key, t = self._key(q), time.monotonic()
-        try:
-            # Only ``since`` narrows the read: a session's latest row is at or after it whenever any row is,
-            # while ``until`` applies to the latest row itself (rows after it decide what "latest" is).
-            table = latest_per_session(store.query(user_id=q.user, since=q.since, columns=_COLUMNS))
-        finally:
-            with self._lock:
-                self._reading.discard(key)
-        with self._lock:
-            self._kept = {k: v for k, v in self._kept.items() if t - v[0] < self.stale_s}
-            self._kept[key] = (t, table)
-        return table
-
-    def warm(self, store: Store, q: ListQuery) -> None:
-        """Read ``q``'s view in a background thread (unless one reads it already)."""
-        key = self._key(q)
-        with self._lock:
-            if key in self._reading:
-                return
-            self._reading.add(key)
-        threading.Thread(target=self._read, args=(store, q), name="loomray-ui-index", daemon=True).start()
-
-    def sessions(self, store: Store, q: ListQuery) -> pa.Table:
-        """One row per session in ``q``'s user and time range (see the class doc for how fresh)."""
-        with self._lock:
-            hit = self._kept.get(self._key(q))
-        age = time.monotonic() - hit[0] if hit is not None else None
-        if hit is not None and age is not None and age < self.ttl_s:
-            return hit[1]
-        if hit is not None and age is not None and age < self.stale_s:
-            self.warm(store, q)
-            return hit[1]
-        return self._read(store, q)
+def _with_latest_checkpoint(store: Store, row: SessionSummary) -> None:
+    """A running session's (or an old row's) turn and spend from its latest checkpoint, when it has one."""
+    latest = store.list_checkpoints(row.session_id, user_id=row.user_id, limit=1)
+    if latest:
+        row.turns, row.spend_usd = latest[0].turn, latest[0].cost_usd
+        row.last_activity = max(row.last_activity, latest[0].created_at)
 
 
-def list_sessions(store: Store, q: ListQuery, snapshots: Snapshots | None = None) -> Page:
+def list_sessions(store: Store, q: ListQuery, tables: TableCache | None = None) -> Page:
     """The page of sessions ``q`` asks for (see the module doc for what is read)."""
-    table = (snapshots or Snapshots(ttl_s=0)).sessions(store, q)
-    if q.search:
-        table = table.filter(pc.match_substring(table["session_id"], q.search))
-    if table.num_rows == 0:
-        return Page(query=q)
-    sessions = _session_filter(table, q)
-    total = sessions.num_rows
-    page = sessions.sort_by([("last_activity", "descending"), ("session_id", "ascending")]).slice(q.offset, q.limit)
-    rows = [SessionSummary(session_id=r["session_id"], user_id=r["user_id"], turns=r["turn"],
-                           spend_usd=r["cost_usd"], last_activity=r["last_activity"],
-                           checkpoint_status=r["execution_status"]) for r in page.to_pylist()]
-    for row in rows:
-        status = store.get_session(row.session_id, user_id=row.user_id)
-        if status is not None:
-            row.run_status, row.error = status.status, status.error
-            row.last_activity = max(row.last_activity, status.updated_at)
-    return Page(rows=rows, total=total, query=q)
+    sessions = _filtered(current_rows(store, q.user, tables), q)
+    # Newest first; the session id (then the user) breaks ties, so a page's rows do not move between requests.
+    keys = [("updated_at", "descending"), ("session_id", "ascending"), ("user_id", "ascending")]
+    top = sessions
+    if q.offset + q.limit < sessions.num_rows:  # the rows up to this page's end, without sorting the rest
+        top = sessions.take(pc.select_k_unstable(sessions, k=q.offset + q.limit, sort_keys=keys))
+    page = top.sort_by(keys).slice(q.offset, q.limit)
+    rows = [SessionSummary(session_id=r["session_id"], user_id=r["user_id"], status=r["status"], turns=r["turn"],
+                           spend_usd=r["cost_usd"], last_activity=r["updated_at"], error=r["error"],
+                           exploration_id=r["exploration_id"]) for r in page.to_pylist()]
+    stale = [r for r in rows if r.status in _LIVE or r.turns is None]
+    store.index.map_io(lambda r: _with_latest_checkpoint(store, r), stale)
+    return Page(rows=rows, total=sessions.num_rows, query=q)

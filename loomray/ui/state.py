@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException
 from loomray.cli.common import CliError
 from loomray.cli.runs import agent_for, bind, runtime_for
 from loomray.errors import LoomrayUserError
-from loomray.ui.listing import Snapshots
+from loomray.ui.listing import TableCache
 from loomray.ui.security import Guard
 from storage import Store
 from storage.ids import validate_id
@@ -82,8 +82,8 @@ class UiState:
     #: Seconds between two looks at the store while streaming.
     poll_s: float = 0.5
     resumes: Resumes = field(default_factory=Resumes)
-    #: The sessions list's recent index reads (see :class:`Snapshots`).
-    snapshots: Snapshots = field(default_factory=Snapshots)
+    #: The session-status table files the sessions list parsed (see :class:`TableCache`).
+    tables: TableCache = field(default_factory=TableCache)
 
     def user_of(self, given: str | None) -> str | None:
         """The user a request may look at: the scoped one (any other is not found), else the one it names."""

@@ -3,22 +3,24 @@ DuckDB and pyarrow as outside readers would, and rewritten only where sessions c
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timedelta, timezone
 
 import pyarrow as pa
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 import pytest
 
 from storage import CheckpointInfo, SessionRow, open_store
 from storage.rows import session_rows_table
-from storage.session_table import read_session_table, session_table_key
+from storage.session_table import read_session_table, read_session_tables, session_table_key
 
 T0 = datetime(2026, 12, 1, tzinfo=timezone.utc)
 
 
-def _status(store, sid, user, status, minute, error=None):
+def _status(store, sid, user, status, minute, error=None, **kw):
     store.put_session(SessionRow(session_id=sid, user_id=user, status=status, updated_at=T0 + timedelta(minutes=minute),
-                                 run_id="r1", agent_ref=None, spec_json=None, epoch=1, node_id=None, error=error))
+                                 run_id="r1", agent_ref=None, spec_json=None, epoch=1, node_id=None, error=error, **kw))
 
 
 def _table_view(store) -> set[tuple]:
@@ -99,3 +101,64 @@ def test_an_unreadable_table_file_is_rebuilt(store):
     store.compact()
     assert _table_view(store) == {("erin", "s0", "completed")}
     assert isinstance(read_session_table(store, "erin"), pa.Table)
+
+
+def test_change_markers_name_what_the_table_is_behind_on_and_compaction_clears_only_what_it_absorbed(store):
+    _status(store, "s0", "fay", "running", 0)
+    _status(store, "s1", None, "running", 1)
+    assert set(store.changed_sessions()) == {("fay", "s0"), (None, "s1")}
+    assert set(store.changed_sessions("fay")) == {("fay", "s0")}
+    real = store.changed_sessions
+
+    def listed_then_written(user_id=...):
+        out = real(user_id)
+        _status(store, "s2", "fay", "running", 2)  # after the compaction's marker LIST, before its row LIST
+        return out
+
+    store.changed_sessions = listed_then_written
+    store.compact()
+    del store.changed_sessions
+    assert set(store.changed_sessions()) == {("fay", "s2")}  # its marker was not listed: it stays
+    assert _table_view(store) == {("fay", "s0", "running"), (None, "s1", "running"), ("fay", "s2", "running")}
+    _status(store, "s0", "fay", "completed", 3)
+    assert set(store.changed_sessions()) == {("fay", "s2"), ("fay", "s0")}
+    store.compact()
+    assert store.changed_sessions() == {}
+    assert ("fay", "s0", "completed") in _table_view(store)
+
+
+def test_a_table_written_before_status_rows_carried_turn_and_cost_still_reads(store):
+    _status(store, "s0", "gus", "completed", 0)
+    store.compact()
+    old = read_session_table(store, "gus").drop_columns(["turn", "cost_usd", "exploration_id"])
+    sink = pa.BufferOutputStream()
+    pq.write_table(old, sink)
+    store.objects.put(key=session_table_key("gus"), data=sink.getvalue().to_pybytes())
+    table = read_session_tables(store)
+    assert table.num_rows == 1 and table["turn"].to_pylist() == [None]
+    _status(store, "s1", "gus", "completed", 1, turn=4, cost_usd=0.5)
+    store.compact()
+    assert sorted(read_session_tables(store)["turn"].to_pylist(), key=str) == [4, None]
+
+
+def test_a_change_marker_that_names_another_session_is_not_believed(store):
+    _status(store, "victim", "hal", "running", 0)
+    store.compact()
+    forged = json.dumps({"session_id": "victim", "user_id": "hal", "status": "cancelled",
+                         "updated_at": (T0 + timedelta(days=1)).isoformat()}).encode()
+    store.objects.put(key="changed/hal/mallory/0000000000000000001-aaaa.json", data=forged)
+    store.objects.put(key="changed/hal/victim/0000000000000000001-bbbb.json", data=b"not json")
+    rows = {(r.session_id, r.status) for r in store.changed_rows("hal")}
+    assert rows == {("victim", "running")}  # mallory's marker is skipped, victim's row comes from the index
+
+
+def test_a_table_file_holding_another_users_rows_shows_only_its_own(store):
+    _status(store, "s0", "ida", "completed", 0)
+    _status(store, "s1", "jon", "completed", 1)
+    store.compact()
+    mixed = pa.concat_tables([read_session_table(store, "ida"), read_session_table(store, "jon")])
+    sink = pa.BufferOutputStream()
+    pq.write_table(mixed, sink)
+    store.objects.put(key=session_table_key("ida"), data=sink.getvalue().to_pybytes())
+    assert read_session_tables(store, "ida")["session_id"].to_pylist() == ["s0"]
+    assert sorted(read_session_tables(store)["session_id"].to_pylist()) == ["s0", "s1"]

@@ -1,7 +1,8 @@
 """The session browser's test bed: a local store with sessions of two users, servers on loopback, and Chromium.
 
-The servers run the real app on uvicorn in threads of this process (a free
-port each); sessions run through the same in-process runtime as ``loomray
+The store and its servers are made once for the whole UI suite (the browser
+and safety tests act on different sessions of it). The servers
+run the real app on uvicorn in threads of this process (a free port each); sessions run through the same in-process runtime as ``loomray
 resume`` without a cluster, with their agent's reference stored, so the
 page's Resume button can continue them. The browser is the OS's headless
 Chromium driven by Playwright (no browser download).
@@ -45,7 +46,7 @@ class Seeded:
     respond: str
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def seeded(tmp_path_factory) -> Seeded:
     url = str(tmp_path_factory.mktemp("ui") / "store")
     chatty = bound(url, "chatty_agent")
@@ -83,7 +84,7 @@ class Server:
         self.thread.join(15)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def servers(seeded) -> Iterator[dict[str, Server]]:
     """The open server (short streams: the browser reconnects every 2 s), one scoped to alice, one with a token."""
     made = {
@@ -96,7 +97,7 @@ def servers(seeded) -> Iterator[dict[str, Server]]:
         s.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module")  # not longer: while it is open, this thread runs Playwright's event loop
 def browser(servers) -> Iterator[Any]:  # after the servers: Playwright runs an event loop in this thread
     if not os.path.exists(CHROMIUM):
         pytest.fail(f"no Chromium at {CHROMIUM}: run .ci/ensure-browser")
