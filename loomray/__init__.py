@@ -7,6 +7,7 @@ when first used.
 from loomray.agent import Agent
 from loomray.config import CheckpointConfig, Tuning
 from loomray.errors import CheckpointException
+from loomray.explore import Branch, Budget, Exploration, JudgeInput, ModelJudge, Score
 from loomray.ids import new_id
 from loomray.records import Checkpoint, CheckpointMeta, Message, RunResult, ToolCall, Usage
 from loomray.tools import Tool, ToolContext, tool
@@ -15,5 +16,5 @@ from loomray.variants import Edit, Variant
 __all__ = [
     "Agent", "Tuning", "CheckpointConfig", "tool", "Tool", "ToolContext", "Message", "ToolCall", "Usage",
     "Checkpoint", "CheckpointMeta", "RunResult", "new_id", "CheckpointException",
-    "Variant", "Edit",
+    "Variant", "Edit", "Exploration", "Branch", "JudgeInput", "Score", "ModelJudge", "Budget",
 ]

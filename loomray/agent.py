@@ -17,6 +17,8 @@ from loomray import control
 from loomray.config import Tuning
 from loomray.errors import CheckpointNotFound, InvalidIdError, LoomrayUserError
 from loomray.events import EmitFn
+from loomray.explore import Budget, Exploration
+from loomray.explore import explore as _explore
 from loomray.ids import new_id
 from loomray.models.base import Model
 from loomray.models.resolve import resolve_model
@@ -218,6 +220,24 @@ class Agent:
         return await self.runtime.execute_many(self, requests, emit=emit, extra_tools=extra_tools,
                                                output_type=_output_type(output_schema))
 
+    async def explore(self, session_id: str, *, variants: Any, judge: Any, from_checkpoint: str = "latest",
+                      rounds: int = 1, keep: int = 1, score_every: int | None = None, stop_rule: Any = None,
+                      adopt: bool = False, budget: Budget | float | None = None, exploration_id: str | None = None,
+                      user_id: str | None = None) -> Exploration:
+        """Fork ``variants`` from one checkpoint, judge the branches, keep the best ``keep`` per round, durably.
+
+        ``judge``: ``(JudgeInput) -> float | Score`` (sync or async) or a ``ModelJudge``; ``score_every=k``
+        scores running branches every k passes and cancels those ``stop_rule`` (default successive halving)
+        finds dominated; ``budget`` (USD or ``Budget``) bounds it all; ``adopt`` continues this session from
+        the winner; an existing ``exploration_id`` continues that exploration. See docs/exploration.md.
+        """
+        _check_ids(session_id, user_id, from_checkpoint)
+        if exploration_id is not None:
+            _check_id(exploration_id, "exploration_id")
+        return await _explore(self, session_id, variants=variants, judge=judge, from_checkpoint=from_checkpoint,
+                              rounds=rounds, keep=keep, score_every=score_every, stop_rule=stop_rule, adopt=adopt,
+                              budget=budget, exploration_id=exploration_id, user_id=user_id)
+
     # -- steering --------------------------------------------------------------
     async def signal(self, session_id: str, text: str, user_id: str | None = None) -> str:
         """Send ``text`` to the session as a user message, delivered at its next pass boundary; returns its id.
@@ -289,6 +309,10 @@ class Agent:
     def fork_sync(self, session_id: str, **kwargs: Any) -> list[RunResult]:
         """Blocking :meth:`fork` for scripts."""
         return _run_sync(self.fork(session_id, **kwargs))
+
+    def explore_sync(self, session_id: str, **kwargs: Any) -> Exploration:
+        """Blocking :meth:`explore` for scripts."""
+        return _run_sync(self.explore(session_id, **kwargs))
 
     def list_checkpoints_sync(self, session_id: str, **kwargs: Any) -> list[CheckpointMeta]:
         """Blocking :meth:`list_checkpoints` for scripts."""
