@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from explore_agents import async_judge, judge, make_agent, model, variant
 
@@ -143,8 +145,8 @@ def test_a_wall_clock_budget_stops_it_too(tmp_path):
 
 
 def test_a_model_judge_is_journaled_and_billed_once(base):
-    mj_replies = ScriptedModel([lambda request: '{"score": %s, "reasons": "by length"}' % (
-        len(request.messages[-1].content) / 1000)])
+    mj_replies = ScriptedModel([lambda request: json.dumps(
+        {"score": len(request.messages[-1].content) / 1000, "reasons": "by length"})])
     mj = ModelJudge(mj_replies, "Score the branch by how much it did.")
     variants = [variant("a", 0.3, 0), variant("b", 0.4, 3)]
     result = base.explore_sync("base", variants=variants, judge=mj, exploration_id="xpl-model")
