@@ -116,7 +116,7 @@ async def _round_plan(ctx: Context, number: int, variants: Variants, parents: li
         branches = [{"session_id": f"{ctx.exploration_id}-r{number}-{i:03d}", "parent": parent,
                      "from_checkpoint": ckpt, "base_cost": cost, "base_turn": turn, "variant": variant_doc(v)}
                     for i, ((parent, ckpt, cost, turn), v) in enumerate((f, v) for f in forks for v in chosen)]
-        stored = await ctx.put(name, {"branches": branches})
+        stored = await ctx.put(name, {"branches": branches, "planned_at": time.time()})
     docs = [variant_doc(v) for v in chosen]
     planned = stored["branches"]
     if [b["variant"] for b in planned[:len(docs)]] != docs or len(planned) % max(len(docs), 1):
