@@ -55,10 +55,15 @@ def check_forkable(variants: Sequence[Variant]) -> None:
 
 
 def fork_request(plan: BranchPlan, *, user_id: str | None, exploration_id: str, round_: int) -> RunRequest:
-    """The fork request of one branch; the same plan always makes the same request (what a resume relies on)."""
+    """The fork request of one branch; the same plan always makes the same request (what a resume relies on).
+
+    Its run id and hand-off id derive from the branch: a new driver's request names the very run the dead
+    driver started, so it continues that run (or, finished, returns its result), and on Ray a supervisor
+    still running it joins it instead of starting it over (:mod:`loomray.runtime.handoffs`).
+    """
     return RunRequest(kind="resume", prompt=plan.variant.prompt, session_id=plan.session_id, user_id=user_id,
-                      from_checkpoint=plan.from_checkpoint, fork_of=plan.parent,
-                      metadata={"exploration_id": exploration_id, "round": round_})
+                      from_checkpoint=plan.from_checkpoint, fork_of=plan.parent, run_id=f"run-{plan.session_id}",
+                      request_id=f"req-{plan.session_id}", metadata={"exploration_id": exploration_id, "round": round_})
 
 
 async def start_branches(agent: Agent, plans: Sequence[BranchPlan], *, user_id: str | None, exploration_id: str,
