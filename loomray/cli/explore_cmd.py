@@ -3,13 +3,16 @@
     loomray explore SESSION --variant '{"prompt": "try A"}' --variant @b.json --judge mymod:judge \\
         [--rounds N --keep K --score-every P --adopt --budget-usd X --budget-s S --id ID]
     loomray explore --resume ID --judge mymod:judge
+    loomray explore SESSION ... --submit --address HOST:PORT
 
 Without ``--address`` it runs in this process against the store; with it, on
 the cluster. The agent is ``--agent module:attr``, else the one stored with
 the session. The judge is imported from ``--judge`` on every call, also for
 ``--resume`` (the store never decides what code runs): it must be the judge
 the exploration started with. ``--resume`` takes everything else from the
-stored plan.
+stored plan. ``--submit`` hands the exploration to a detached actor on the
+cluster (:mod:`loomray.runtime.explorations`), which Ray restarts elsewhere
+if its node is lost; it continues from the store.
 """
 
 from __future__ import annotations
@@ -39,10 +42,11 @@ from loomray.cli.common import (
 )
 from loomray.cli.explore_view import exploration_dict, exploration_table
 from loomray.cli.output import emit_json
-from loomray.cli.ray_access import placement_option
+from loomray.cli.ray_access import join_cluster, placement_option, require_address
 from loomray.cli.runs import agent_for, bind, runtime_for
 from loomray.explore import Budget, ModelJudge, find_exploration
-from loomray.explore.record import ExplorationRecord, variant_from_doc
+from loomray.explore.record import ExplorationRecord, variant_doc, variant_from_doc
+from loomray.ids import new_id
 from loomray.variants import Variant
 
 
@@ -105,6 +109,8 @@ def parse_variants(values: tuple[str, ...]) -> list[Variant]:
 @click.option("--from", "from_checkpoint", default="latest", show_default=True, help="Checkpoint to explore from.")
 @click.option("--id", "exploration_id", default=None, help="The exploration's id (default: a new one).")
 @click.option("--resume", "resume_id", default=None, metavar="ID", help="Continue exploration ID.")
+@click.option("--submit", is_flag=True,
+              help="Hand the exploration to the cluster (--address): a detached actor drives it; print its id.")
 @click.option("--agent", "agent_ref", default=None, metavar="MODULE:AGENT",
               help="Agent that runs the branches (default: the one stored with the session).")
 @user_option
@@ -115,8 +121,9 @@ def parse_variants(values: tuple[str, ...]) -> list[Variant]:
 @guarded
 def explore(session_id: str | None, variant_values: tuple[str, ...], judge_ref: str | None, rounds: int, keep: int,
             score_every: int | None, adopt: bool, budget_usd: float | None, budget_s: float | None,
-            from_checkpoint: str, exploration_id: str | None, resume_id: str | None, agent_ref: str | None,
-            user_id: str | None, store_url: str | None, address: str | None, placement: str, as_json: bool) -> None:
+            from_checkpoint: str, exploration_id: str | None, resume_id: str | None, submit: bool,
+            agent_ref: str | None, user_id: str | None, store_url: str | None, address: str | None, placement: str,
+            as_json: bool) -> None:
     """Explore variants of SESSION from one checkpoint; a judge picks the winner (see docs/exploration.md)."""
     check_id(user_id, "user_id")
     if judge_ref is None:
@@ -136,6 +143,9 @@ def explore(session_id: str | None, variant_values: tuple[str, ...], judge_ref: 
                 "from_checkpoint": from_checkpoint, "exploration_id": check_id(exploration_id, "exploration id")}
     judge = load_judge(judge_ref)
     agent, ref = agent_for(args["session_id"], user_id, store, agent_ref)
+    if submit:
+        _submit(args, judge_ref, ref, user_id, store_url_or_fail(store_url), address, placement, as_json)
+        return
     bound = bind(agent, ref, runtime_for(store_url_or_fail(store_url), address, placement))
     sid = args.pop("session_id")
     result = asyncio.run(bound.explore(sid, judge=judge, user_id=user_id, **args))
@@ -145,6 +155,30 @@ def explore(session_id: str | None, variant_values: tuple[str, ...], judge_ref: 
     table, summary = exploration_table(result)
     console.print(table)
     console.print(summary, highlight=False)
+
+
+def _submit(args: dict[str, Any], judge_ref: str, agent_ref: str, user_id: str | None, store_url: str,
+            address: str | None, placement: str, as_json: bool) -> None:
+    """Hand the exploration to a detached actor on the cluster (:mod:`loomray.runtime.explorations`)."""
+    join_cluster(require_address(address))
+    from loomray.runtime.connection import normalize_store_url
+    from loomray.runtime.explorations import EXPLORE_PREFIX, submit_exploration  # imports Ray
+
+    budget = args["budget"] or Budget()
+    xid = args["exploration_id"] or new_id("xpl")
+    spec = {"store_url": normalize_store_url(store_url), "placement": placement,
+            "actor_options": {}, "agent_ref": agent_ref,
+            "judge_ref": judge_ref, "session_id": args["session_id"], "user_id": user_id, "exploration_id": xid,
+            "args": {"variants": [variant_doc(v) for v in args["variants"]], "rounds": args["rounds"],
+                     "keep": args["keep"], "score_every": args["score_every"], "adopt": args["adopt"],
+                     "from_checkpoint": args["from_checkpoint"],
+                     "budget": {"max_cost_usd": budget.max_cost_usd, "max_wall_s": budget.max_wall_s}}}
+    submit_exploration(spec)
+    if as_json:
+        emit_json({"exploration_id": xid, "session_id": args["session_id"], "actor": EXPLORE_PREFIX + xid})
+        return
+    console.print(f"submitted exploration {xid} of {args['session_id']} (driven by actor {EXPLORE_PREFIX}{xid}); "
+                  f"see it with: loomray query --exploration {xid}", highlight=False)
 
 
 def _stored_args(store: Any, exploration_id: str, user_id: str | None) -> dict[str, Any]:

@@ -93,3 +93,41 @@ async def test_variants_differing_in_model_instructions_and_tools(runtime):
     assert [b.score for b in result.branches] == [0.4, 0.7, 0.6, 0.9]
     assert result.winner == result.branches[3].session_id
     assert (await agent.get_checkpoint(result.branches[2].session_id)).messages[0].content == "Be brief."
+
+
+async def test_a_submitted_exploration_outlives_its_driver_actor_being_killed(runtime):
+    from loomray.cli.explore_view import load_exploration
+    from loomray.explore.record import variant_doc
+    from loomray.runtime.explorations import EXPLORE_PREFIX, submit_exploration
+    from loomray.testing import wait_for
+
+    agent = make_agent(runtime)
+    await agent.run("task", session_id="base-sub")
+    variants = [variant(f"s{i}", q, 3) for i, q in enumerate([0.2, 0.7, 0.4])]
+    spec = {"store_url": runtime.config.store_url, "placement": "dense",
+            "actor_options": {"resources": {"loomray_session": 1}}, "agent_ref": "explore_ray_agent:agent",
+            "judge_ref": "explore_ray_agent:judge", "session_id": "base-sub", "user_id": None,
+            "exploration_id": "xpl-sub",
+            "args": {"variants": [variant_doc(v) for v in variants], "rounds": 2, "keep": 1, "score_every": None,
+                     "adopt": True, "from_checkpoint": "latest", "budget": {"max_cost_usd": None, "max_wall_s": None}}}
+    submit_exploration(spec, {"resources": {"loomray_session": 1}})
+    record = runtime.store.objects
+    prefix = "sessions/_/base-sub/explorations/xpl-sub/"
+    wait_for(lambda: record.get(key=prefix + "r001-plan.json") is not None, timeout=120)
+    # Its process dies mid-round; Ray restarts the actor, whose constructor continues the exploration by id.
+    ray.kill(ray.get_actor(EXPLORE_PREFIX + "xpl-sub", namespace="loomray"), no_restart=False)
+    wait_for(lambda: record.get(key=prefix + "result.json") is not None, timeout=240)
+    done = load_exploration(runtime.store, "xpl-sub", None)
+    assert done.rounds_run == 2 and done.winner == "xpl-sub-r2-001"
+    assert all(b.stop_reason == "completed" for b in done.branches)
+    assert (await agent.get_checkpoint("base-sub")).forked_from == done.winner
+    assert record.get(key=prefix + "driver-error.json") is None
+
+    def gone() -> bool:
+        try:
+            ray.get_actor(EXPLORE_PREFIX + "xpl-sub", namespace="loomray")
+        except ValueError:
+            return True
+        return False
+
+    wait_for(gone, timeout=60)  # its work done, the actor went
