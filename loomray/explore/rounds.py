@@ -113,8 +113,7 @@ class RoundRun:
             live.branch.score, live.branch.reasons = doc["value"], doc["reasons"]
 
     def _progress(self, live: _Live, ckpt: Checkpoint) -> None:
-        cost = ckpt.cumulative_usage.cost_usd
-        live.branch.spend_usd = None if cost is None else max(0.0, cost - live.plan.base_cost)
+        _spent(live, ckpt.cumulative_usage.cost_usd)
         live.branch.turns = max(0, ckpt.turn - live.plan.base_turn)
 
     async def _finish(self, live: _Live, messages: list[Any], result: RunResult) -> None:
@@ -132,8 +131,7 @@ class RoundRun:
         stop = self.ctx.docs.get(self.name("stop", live))
         reason = stop["reason"] if stop else ("failed" if result is None else result.stop_reason)
         if result is not None:
-            cost = result.usage.cost_usd
-            live.branch.spend_usd = None if cost is None else max(0.0, cost - live.plan.base_cost)
+            _spent(live, result.usage.cost_usd)
         doc = {"stop_reason": reason, "spend_usd": live.branch.spend_usd, "turns": live.branch.turns,
                "output": "", "score": live.branch.score, "reasons": live.branch.reasons, "error": error}
         _apply_done(live.branch, await self.ctx.put(self.name("done", live), doc), None)
@@ -155,14 +153,10 @@ class RoundRun:
             if result is not None and result.stop_reason == "completed" and \
                     self.name("stop", live) not in self.ctx.docs:
                 live.branch.turns = max(0, result.turns - live.plan.base_turn)
-                self._spend_of(live, result)
+                _spent(live, result.usage.cost_usd)
                 await self._finish(live, result.messages, result)
             else:
                 await self._end(live, result, error)
-
-    def _spend_of(self, live: _Live, result: RunResult) -> None:
-        cost = result.usage.cost_usd
-        live.branch.spend_usd = None if cost is None else max(0.0, cost - live.plan.base_cost)
 
     async def _stop(self, live: _Live, reason: str, **why: Any) -> None:
         """Decide (once, stored) that ``live`` stops, then cancel its session through the agent's cancel path."""
@@ -192,8 +186,10 @@ class RoundRun:
             rung += 1
 
     def _stopped_before(self, live: _Live, rung: int) -> bool:
+        """Out of the race at ``rung``: stopped at an earlier rung (or by the budget), or ended without completing."""
         stop = self.ctx.docs.get(self.name("stop", live))
-        return stop is not None and stop.get("rung", 0) < rung or (live.done and live.branch.stop_reason != "completed")
+        stopped_earlier = stop is not None and stop.get("rung", 0) < rung
+        return stopped_earlier or (live.done and live.branch.stop_reason != "completed")
 
     def _at_rung(self, live: _Live, rung: int) -> Branch:
         """The branch as the stop rule sees it at ``rung``: ``score`` is its score there (or its final score)."""
@@ -217,6 +213,11 @@ class RoundRun:
         self.stop_reason = stored["reason"]
         await asyncio.gather(*(self._stop(lv, "exploration_budget") for lv in self.live
                                if not lv.done and self.name("stop", lv) not in ctx.docs))
+
+
+def _spent(live: _Live, cost: float | None) -> None:
+    """The branch's spend since its fork point, from its cumulative cost (None: an unpriced call)."""
+    live.branch.spend_usd = None if cost is None else max(0.0, cost - live.plan.base_cost)
 
 
 def _fill_rungs(live: _Live) -> None:

@@ -71,8 +71,10 @@ def test_tree_and_query_agree_with_the_result(explored):
         assert mark["winner"] == (b["session_id"] == result["winner"])
         assert nodes[b["session_id"]]["own_spend_usd"] == pytest.approx(b["spend_usd"])
     assert sum(b["spend_usd"] for b in result["branches"]) == pytest.approx(result["spend_usd"])
-    table = cli(store, "tree", "base")
+    page = store.parent / "tree.html"
+    table = cli(store, "tree", "base", "--html", str(page))
     assert "★ 0.7" in table.stdout and "completed" in table.stdout
+    assert "<dt>score</dt><dd>★ 0.7</dd>" in page.read_text()
     rows = ok(cli(store, "query", "--exploration", "xpl-cli", "--min-score", "0.5", "--json"))
     good = {b["session_id"] for b in result["branches"] if b["score"] >= 0.5}
     assert {r["session_id"] for r in rows} == good
@@ -91,6 +93,7 @@ def test_resume_continues_from_the_stored_plan_and_refuses_what_does_not_fit(exp
         (("explore", "base", "--variant", "{", "--judge", "explore_agents:judge", *AGENT), "not JSON"),
         (("explore", "base", "--variant", "{}", "--judge", "explore_agents:nothing", *AGENT), "failed to load"),
         (("query", "--min-score", "1"), "--exploration"),
+        (("explore", "base", "--variant", "{}", "--judge", "explore_agents:judge", *AGENT, "--submit"), "--address"),
     ]:
         out = cli(store, *args)
         assert out.returncode == 2, (args, out.stderr)
