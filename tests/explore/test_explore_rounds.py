@@ -81,7 +81,7 @@ def test_a_finished_exploration_continues_to_the_same_result_and_mismatches_are_
 
 
 def test_early_stopping_cancels_dominated_branches_and_reports_the_saving(tmp_path):
-    agent = make_agent(LocalRuntime(tmp_path / "store"), delay=0.1)
+    agent = make_agent(LocalRuntime(tmp_path / "store"), delay=0.2)
     agent.run_sync("task", session_id="base")
     # Scored after 4 passes (the one rung a running branch reaches: each finishes at its 7th): successive
     # halving keeps the better half.
