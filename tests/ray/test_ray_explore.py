@@ -72,6 +72,18 @@ async def test_eight_branches_judged_adopted_and_seen_alike_by_tree_and_query(ru
     assert nodes[result.winner].exploration["winner"] and stored.spend_usd == pytest.approx(result.spend_usd)
 
 
+async def test_early_stopping_cancels_dominated_branches_on_the_cluster(runtime):
+    agent = make_agent(runtime, delay=0.2)
+    await agent.run("task", session_id="base-stop")
+    variants = [variant(name, q, 6) for name, q in (("a", 0.1), ("b", 0.9), ("c", 0.3), ("d", 0.7))]
+    result = await agent.explore("base-stop", variants=variants, judge=judge, score_every=4)
+    assert [b.stop_reason for b in result.branches] == ["early_stopped", "completed", "early_stopped", "completed"]
+    assert result.saved_usd > 0 and result.winner == result.branches[1].session_id
+    for b in result.branches[::2]:  # cancelled through the runtime's cancel path: they run no more
+        assert b.turns < 7
+        assert (await agent.resume(None, session_id=b.session_id)).stop_reason == "cancelled"
+
+
 @pytest.mark.xfail(raises=NotImplementedError, strict=True,
                    reason="pending: branches that differ in model, instructions or tools need Agent.fork(variants=)")
 async def test_variants_differing_in_model_instructions_and_tools(runtime):
