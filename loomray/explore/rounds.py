@@ -50,9 +50,7 @@ class RoundRun:
         """Run the round to its end (or the budget's) and return its branches as they ended."""
         for live in self.live:
             self._restore(live)
-        for live in self.live:
-            if not live.done:
-                await self._look(live)
+        await asyncio.gather(*(self._look(lv) for lv in self.live if not lv.done))
         await self._check_budget()
         pending = [lv for lv in self.live if not lv.done and self.name("stop", lv) not in self.ctx.docs]
         if pending:
