@@ -11,12 +11,13 @@ import asyncio
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
-from pydantic import BaseModel
-
 from loomray import control
+from loomray.call_args import check_id, check_ids, check_user, output_type, schema, split_kwargs
 from loomray.config import Tuning
-from loomray.errors import CheckpointNotFound, InvalidIdError, LoomrayUserError
+from loomray.errors import CheckpointNotFound
 from loomray.events import EmitFn
+from loomray.explore import Budget, Exploration
+from loomray.explore import explore as _explore
 from loomray.ids import new_id
 from loomray.models.base import Model
 from loomray.models.resolve import resolve_model
@@ -26,8 +27,6 @@ from loomray.runtime.base import Runtime
 from loomray.runtime.inproc import InProcRuntime
 from loomray.tools import as_tools
 from loomray.variants import Variant, apply_edits, fork_arms, variant_agent
-from storage.errors import InvalidIdError as StorageInvalidIdError
-from storage.ids import user_segment, validate_id
 
 T = TypeVar("T")
 
@@ -75,7 +74,7 @@ class Agent:
         if not isinstance(tuning, Tuning):
             raise TypeError(f"tuning must be a loomray.Tuning, got {type(tuning).__name__}")
         tuning.checkpoint_config()  # raises TypeError for a wrong checkpoint type
-        name = "agent" if name is None else _check_id(name, "Agent name")
+        name = "agent" if name is None else check_id(name, "Agent name")
         self.instructions = instructions
         self.model: Model = resolve_model(model)
         self.tools = as_tools(tools)
@@ -131,10 +130,10 @@ class Agent:
         """
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
-        session_id = new_id("sess") if session_id is None else _check_id(session_id, "session_id")
-        _check_user(user_id)
+        session_id = new_id("sess") if session_id is None else check_id(session_id, "session_id")
+        check_user(user_id)
         request = RunRequest(kind="run", prompt=prompt, session_id=session_id, user_id=user_id,
-                             metadata=metadata, context=context, output_schema=_schema(output_schema), effort=effort)
+                             metadata=metadata, context=context, output_schema=schema(output_schema), effort=effort)
         return await self._execute(request, emit=emit, extra_tools=extra_tools, output_schema=output_schema)
 
     async def resume(
@@ -169,8 +168,8 @@ class Agent:
         the run journals each before acting on it, so each applies once. Calls
         still undecided stop the run again with "awaiting_approval".
         """
-        emit, extra_tools, output_schema, fields = _split_kwargs(run_kwargs)
-        _check_ids(session_id, user_id, from_checkpoint)
+        emit, extra_tools, output_schema, fields = split_kwargs(run_kwargs)
+        check_ids(session_id, user_id, from_checkpoint)
         fork_of = None
         target = session_id
         if from_checkpoint != "latest":
@@ -190,7 +189,7 @@ class Agent:
                 await self.runtime.decide(target, call_id, decision, user_id=user_id, check_pending=fork_of is None)
         request = RunRequest(kind="resume", prompt=prompt, session_id=target, user_id=user_id,
                              from_checkpoint=from_checkpoint, fork_of=fork_of,
-                             output_schema=_schema(output_schema), **fields)
+                             output_schema=schema(output_schema), **fields)
         return await self._execute(request, emit=emit, extra_tools=extra_tools, output_schema=output_schema)
 
     async def fork(
@@ -218,8 +217,8 @@ class Agent:
         On Ray each fork is its own actor (or activation, dense placement).
         """
         arms = fork_arms(prompts, variants)
-        emit, extra_tools, output_schema, fields = _split_kwargs(run_kwargs)
-        _check_ids(session_id, user_id, from_checkpoint)
+        emit, extra_tools, output_schema, fields = split_kwargs(run_kwargs)
+        check_ids(session_id, user_id, from_checkpoint)
         if from_checkpoint == "latest":
             newest = await self.runtime.list_checkpoints(session_id, limit=1, user_id=user_id)
             if not newest:
@@ -237,9 +236,9 @@ class Agent:
                 apply_edits(point.messages if point is not None else (), v.edits)  # a bad index fails here
         requests = [RunRequest(kind="resume", prompt=prompt, session_id=new_id("sess"), user_id=user_id,
                                from_checkpoint=from_checkpoint, fork_of=session_id, variant=variant,
-                               output_schema=_schema(output_schema), **fields) for prompt, variant in arms]
+                               output_schema=schema(output_schema), **fields) for prompt, variant in arms]
         return await self.runtime.execute_many(agents, requests, emit=emit, extra_tools=extra_tools,
-                                               output_type=_output_type(output_schema))
+                                               output_type=output_type(output_schema))
 
     def with_variant(self, variant: Variant) -> Agent:
         """The agent a fork with ``variant`` runs: a copy with the variant's model, instructions, tools and tuning.
@@ -252,6 +251,24 @@ class Agent:
         clone: Agent = variant_agent(self, variant)
         return clone
 
+    async def explore(self, session_id: str, *, variants: Any, judge: Any, from_checkpoint: str = "latest",
+                      rounds: int = 1, keep: int = 1, score_every: int | None = None, stop_rule: Any = None,
+                      adopt: bool = False, budget: Budget | float | None = None, exploration_id: str | None = None,
+                      user_id: str | None = None) -> Exploration:
+        """Fork ``variants`` from one checkpoint, judge the branches, keep the best ``keep`` per round, durably.
+
+        ``judge``: ``(JudgeInput) -> float | Score`` (sync or async) or a ``ModelJudge``; ``score_every=k``
+        scores running branches every k passes and cancels those ``stop_rule`` (default successive halving)
+        finds dominated; ``budget`` (USD or ``Budget``) bounds it all; ``adopt`` continues this session from
+        the winner; an existing ``exploration_id`` continues that exploration. See docs/exploration.md.
+        """
+        check_ids(session_id, user_id, from_checkpoint)
+        if exploration_id is not None:
+            check_id(exploration_id, "exploration_id")
+        return await _explore(self, session_id, variants=variants, judge=judge, from_checkpoint=from_checkpoint,
+                              rounds=rounds, keep=keep, score_every=score_every, stop_rule=stop_rule, adopt=adopt,
+                              budget=budget, exploration_id=exploration_id, user_id=user_id)
+
     # -- steering --------------------------------------------------------------
     async def signal(self, session_id: str, text: str, user_id: str | None = None) -> str:
         """Send ``text`` to the session as a user message, delivered at its next pass boundary; returns its id.
@@ -260,7 +277,7 @@ class Agent:
         a waiting one (when it resumes) or one that crashes meanwhile, exactly
         once (see :mod:`loomray.control`).
         """
-        _check_ids(session_id, user_id)
+        check_ids(session_id, user_id)
         return await self.runtime.signal(session_id, text, user_id=user_id)
 
     async def pause(self, session_id: str, user_id: str | None = None) -> str | None:
@@ -268,7 +285,7 @@ class Agent:
 
         Returns the request's id, or None when the session is paused already.
         """
-        _check_ids(session_id, user_id)
+        check_ids(session_id, user_id)
         return await self.runtime.pause(session_id, user_id=user_id)
 
     async def cancel(self, session_id: str, user_id: str | None = None) -> None:
@@ -279,7 +296,7 @@ class Agent:
         :mod:`loomray.control`); nothing the session does afterwards is made
         durable. Every later run of the session returns ``stop_reason="cancelled"``.
         """
-        _check_ids(session_id, user_id)
+        check_ids(session_id, user_id)
         await self.runtime.cancel(session_id, user_id=user_id)
 
     async def _require_checkpoint(self, session_id: str, checkpoint_id: str, user_id: str | None) -> Checkpoint:
@@ -290,17 +307,17 @@ class Agent:
 
     async def _execute(self, request: RunRequest, *, emit: EmitFn | None, extra_tools: Sequence[Any],
                        output_schema: Any) -> RunResult:
-        output_type = _output_type(output_schema)
-        result = await self.runtime.execute(self, request, emit=emit, extra_tools=extra_tools, output_type=output_type)
-        if output_type is not None and not isinstance(result.structured, output_type) and result.output:
+        wanted = output_type(output_schema)
+        result = await self.runtime.execute(self, request, emit=emit, extra_tools=extra_tools, output_type=wanted)
+        if wanted is not None and not isinstance(result.structured, wanted) and result.output:
             # A runtime in another process returns JSON; give the caller the class they asked for.
-            result.structured = output_type.model_validate_json(result.output)
+            result.structured = wanted.model_validate_json(result.output)
         return result
 
     # -- checkpoints ---------------------------------------------------------
     async def list_checkpoints(self, session_id: str, *, limit: int = 50, user_id: str | None = None) -> list[CheckpointMeta]:
         """Checkpoints of ``session_id`` for ``user_id``, newest first, without messages."""
-        _check_ids(session_id, user_id)
+        check_ids(session_id, user_id)
         return await self.runtime.list_checkpoints(session_id, limit=limit, user_id=user_id)
 
     async def get_checkpoint(self, session_id: str, checkpoint_id: str = "latest", *,
@@ -310,7 +327,7 @@ class Agent:
         Any failure to load it (corrupt or truncated data, an unknown schema, a
         storage error) raises ``CheckpointException``.
         """
-        _check_ids(session_id, user_id, checkpoint_id)
+        check_ids(session_id, user_id, checkpoint_id)
         return await self.runtime.get_checkpoint(session_id, checkpoint_id, user_id=user_id)
 
     # -- sync twins ------------------------------------------------------------
@@ -326,6 +343,10 @@ class Agent:
         """Blocking :meth:`fork` for scripts."""
         return _run_sync(self.fork(session_id, **kwargs))
 
+    def explore_sync(self, session_id: str, **kwargs: Any) -> Exploration:
+        """Blocking :meth:`explore` for scripts."""
+        return _run_sync(self.explore(session_id, **kwargs))
+
     def list_checkpoints_sync(self, session_id: str, **kwargs: Any) -> list[CheckpointMeta]:
         """Blocking :meth:`list_checkpoints` for scripts."""
         return _run_sync(self.list_checkpoints(session_id, **kwargs))
@@ -333,56 +354,3 @@ class Agent:
     def get_checkpoint_sync(self, session_id: str, checkpoint_id: str = "latest", **kwargs: Any) -> Checkpoint | None:
         """Blocking :meth:`get_checkpoint` for scripts."""
         return _run_sync(self.get_checkpoint(session_id, checkpoint_id, **kwargs))
-
-
-def _check_id(value: Any, what: str) -> str:
-    """``value`` if it is a valid id, else :class:`InvalidIdError` (also a ``ValueError``)."""
-    try:
-        return validate_id(value, what)
-    except StorageInvalidIdError as e:
-        raise InvalidIdError(str(e)) from e
-
-
-def _check_user(user_id: Any) -> None:
-    if user_id is not None:
-        try:
-            user_segment(user_id)
-        except StorageInvalidIdError as e:
-            raise InvalidIdError(str(e)) from e
-
-
-def _check_ids(session_id: Any, user_id: Any, checkpoint_id: str = "latest") -> None:
-    """Refuse invalid ids before anything runs (``""`` is not "no id": only None is)."""
-    _check_id(session_id, "session_id")
-    _check_user(user_id)
-    if checkpoint_id != "latest":
-        _check_id(checkpoint_id, "checkpoint_id")
-
-
-_RUN_FIELDS = ("metadata", "context", "effort")
-
-
-def _split_kwargs(kwargs: dict[str, Any]) -> tuple[EmitFn | None, Sequence[Any], Any, dict[str, Any]]:
-    """``run``'s keyword arguments passed on by ``resume`` and ``fork``: emit, extra tools, output schema, fields."""
-    unknown = set(kwargs) - {"emit", "extra_tools", "output_schema", *_RUN_FIELDS}
-    if unknown:
-        raise TypeError(f"unexpected keyword argument(s): {sorted(unknown)}")
-    fields = {k: kwargs[k] for k in _RUN_FIELDS if k in kwargs}
-    return kwargs.get("emit"), kwargs.get("extra_tools", ()), kwargs.get("output_schema"), fields
-
-
-def _output_type(output_schema: Any) -> type[BaseModel] | None:
-    if output_schema is None:
-        return None
-    if isinstance(output_schema, type) and issubclass(output_schema, BaseModel):
-        return output_schema
-    if isinstance(output_schema, dict):
-        return None
-    raise LoomrayUserError(f"output_schema must be a pydantic model class or a JSON schema dict, got {output_schema!r}")
-
-
-def _schema(output_schema: Any) -> dict[str, Any] | None:
-    t = _output_type(output_schema)
-    if t is not None:
-        return t.model_json_schema()
-    return output_schema if isinstance(output_schema, dict) else None

@@ -145,3 +145,15 @@ def control_prefix(session_id: str, user_id: str | None) -> str:
 def control_key(session_id: str, user_id: str | None, name: str) -> str:
     """One control request: ``control/{name}.json`` (create-only; ``name`` is a validated id)."""
     return f"{control_prefix(session_id, user_id)}{validate_id(name, 'control name')}.json"
+
+
+def exploration_prefix(session_id: str, user_id: str | None, exploration_id: str) -> str:
+    """``sessions/{u}/{s}/explorations/{exploration_id}/``: an exploration's plan, branches, scores and decisions
+    (create-only JSON objects), under the session it explores from."""
+    return f"{session_prefix(session_id, user_id)}explorations/{validate_id(exploration_id, 'exploration_id')}/"
+
+
+def exploration_pointer_key(user_id: str | None, exploration_id: str) -> str:
+    """``explorations/{user or _}/{exploration_id}.json``: which session an exploration id belongs to (so an id
+    alone finds it)."""
+    return f"explorations/{user_segment(user_id)}/{validate_id(exploration_id, 'exploration_id')}.json"

@@ -8,7 +8,7 @@ so they need no cluster) are in :mod:`loomray.cli.store`,
 :mod:`loomray.cli.query`, :mod:`loomray.cli.prune` and
 :mod:`loomray.cli.steering`; cluster commands (``submit``, ``status``,
 ``supervise``) in :mod:`loomray.cli.cluster`, ``resume`` and ``fork`` in
-:mod:`loomray.cli.runs`; ``demo`` in :mod:`loomray.cli.demo`. Every command
+:mod:`loomray.cli.runs`, ``explore`` in :mod:`loomray.cli.explore_cmd`; ``demo`` in :mod:`loomray.cli.demo`. Every command
 takes ``--store URL`` (or ``LOOMRAY_STORE``) and, where a cluster is
 involved, ``--address`` (or ``RAY_ADDRESS``), before or after the command's
 name. ``--json`` prints machine-readable output. Exit codes: 0 success, 2 a
@@ -34,6 +34,7 @@ from loomray.cli.approvals import approvals
 from loomray.cli.cluster import CLUSTER_COMMANDS
 from loomray.cli.common import ADDRESS_HELP, STORE_HELP
 from loomray.cli.demo import demo
+from loomray.cli.explore_cmd import explore
 from loomray.cli.prune import prune
 from loomray.cli.query import query
 from loomray.cli.runs import fork, resume
@@ -60,5 +61,5 @@ def main(store_url: str | None, address: str | None) -> None:
 
 
 for _command in (*STORE_COMMANDS, query, prune, *STEERING_COMMANDS, approvals, *CLUSTER_COMMANDS, resume, fork,
-                 demo, ui):
+                 explore, demo, ui):
     main.add_command(_command)

@@ -24,6 +24,7 @@ from loomray.cli.common import (
     sql_to_arrow,
     store_option,
 )
+from loomray.cli.explore_view import load_exploration, with_branch_columns
 from loomray.cli.output import emit_json, money, plain_cell, time_cells
 from loomray.cli.progress import Activity, progress_option
 from loomray.cli.tables import Col, fit_columns, fit_table, print_records
@@ -88,6 +89,10 @@ def _run_sql(store: Store, table: pa.Table, sql: str, user_id: str | None, activ
 @click.option("--until", default=None, help=f"Checkpoints created before this time: {TIME_HELP}.")
 @click.option("--min-cost", type=float, default=None, metavar="USD",
               help="Checkpoints whose session had spent at least this many dollars.")
+@click.option("--exploration", "exploration_id", default=None, metavar="ID",
+              help="Only the branches of this exploration, with its columns: exploration_id, round, score, "
+                   "branch_stop.")
+@click.option("--min-score", type=float, default=None, help="With --exploration: branches scored at least this.")
 @click.option("--limit", default=50, show_default=True, type=click.IntRange(1, 1_000_000),
               help="Print at most this many rows.")
 @click.option("--columns", default=None, metavar="A,B,...",
@@ -97,7 +102,8 @@ def _run_sql(store: Store, table: pa.Table, sql: str, user_id: str | None, activ
 @guarded
 def query(sql: str | None, store_url: str | None, user_id: str | None, session_id: str | None,
           status: str | None, since: str | None, until: str | None, min_cost: float | None,
-          limit: int, columns: str | None, show_progress: bool, as_json: bool) -> None:
+          exploration_id: str | None, min_score: float | None, limit: int, columns: str | None,
+          show_progress: bool, as_json: bool) -> None:
     """Query the checkpoint index across sessions.
 
     Without SQL, prints the live checkpoint rows matching the filters: by
@@ -107,9 +113,15 @@ def query(sql: str | None, store_url: str | None, user_id: str | None, session_i
     latest status row of each session is the table "sessions", e.g.
 
       loomray query "select session_id, max(turn) from checkpoints group by 1"
+
+    With --exploration, only its branches' rows, with their round, score and
+    stop reason as columns (e.g. "select session_id, max(score) ... group by 1").
     """
     check_id(session_id, "session_id")
     check_id(user_id, "user_id")
+    check_id(exploration_id, "exploration id")
+    if min_score is not None and exploration_id is None:
+        raise CliError("--min-score needs --exploration ID")
     if sql and columns:
         raise CliError("--columns applies to the default view; with SQL, select the columns in the query")
     with Activity("query", show_progress) as activity:
@@ -121,6 +133,8 @@ def query(sql: str | None, store_url: str | None, user_id: str | None, session_i
         if status in SESSION_ONLY_STATUSES:
             table = _of_sessions_with_status(table, sessions_table(store, user_id), status)
         stale = staleness(table)
+        if exploration_id is not None:
+            table = with_branch_columns(table, load_exploration(store, exploration_id, user_id), min_score)
         if sql:
             table = _run_sql(store, table, sql, user_id, activity)
         table = table.slice(0, limit)

@@ -9,6 +9,10 @@ A session's own spend is its cumulative cost minus the cost its base
 checkpoint carried over. A fork of a :class:`~loomray.Variant` shows what the
 variant changed, from the request its run record stores.
 
+Branches of an exploration (``loomray explore``) carry its marks: round,
+score, stop reason, and a star on the winner (read from the exploration's
+record, see :mod:`loomray.cli.explore_view`).
+
 Rendering: a terminal table (branches drawn with box characters) that fits
 the terminal, a JSON document, and a self-contained HTML page (inline CSS, no
 scripts, no external assets).
@@ -29,6 +33,7 @@ from rich.table import Table
 from rich.text import Text
 
 from loomray.cli.common import STATUS_STYLE, unknown_session
+from loomray.cli.explore_view import branch_marks
 from loomray.cli.output import iso_time, money
 from loomray.cli.tables import Col, fit_table
 from loomray.variants import describe_variant
@@ -58,6 +63,8 @@ class ForkNode:
     #: The stored form of the variant the fork runs (:meth:`loomray.Variant.to_json`); None: no variant.
     variant: dict[str, Any] | None = None
     children: list[ForkNode] = field(default_factory=list)
+    #: As a branch of an exploration: its exploration id, round, score, stop reason, and whether it won.
+    exploration: dict[str, Any] | None = None
 
     @property
     def own_spend_usd(self) -> float | None:
@@ -87,12 +94,21 @@ class ForkNode:
                 "cost_usd": self.cost_usd, "carried_cost_usd": self.carried_cost_usd,
                 "own_spend_usd": self.own_spend_usd, "latest_checkpoint_id": self.latest_checkpoint_id,
                 "first_checkpoint_at": iso_time(self.first_checkpoint_at), "updated_at": iso_time(self.updated_at),
-                "variant": self.variant, "children": [c.to_dict() for c in self.children]}
+                "variant": self.variant, "exploration": self.exploration,
+                "children": [c.to_dict() for c in self.children]}
 
     @property
     def variant_summary(self) -> str:
         """What the fork's variant changed, in one line ("-": not a fork of a variant)."""
         return "-" if self.variant is None else variant_line(self.variant)
+
+    def mark(self) -> tuple[str, str]:
+        """The exploration's score (a star on the winner) and stop reason of this branch; dashes when none."""
+        x = self.exploration
+        if x is None:
+            return "-", "-"
+        score = "-" if x["score"] is None else f"{x['score']:g}"
+        return ("★ " if x["winner"] else "") + score, x["stop_reason"] or "running"
 
 
 def _latest(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -150,7 +166,11 @@ def fork_tree(store: Store, session_id: str, user_id: str | None) -> ForkNode:
         n.children = sorted(kids, key=lambda k: (k.first_checkpoint_at or never, k.session_id))
         return n
 
-    return build(session_id)
+    root = build(session_id)
+    marks = branch_marks(store, [n.session_id for n in root.walk() if n.children], user_id)
+    for n in root.walk():
+        n.exploration = marks.get(n.session_id)
+    return root
 
 
 def _fork_records(store: Store, user_id: str | None, root: str, children: dict[str, list[str]],
@@ -267,9 +287,12 @@ def tree_table(root: ForkNode) -> tuple[Table, str]:
             "status": Text(n.status or "-", style=STATUS_STYLE.get(n.status or "", "")),
             "spend": _own_spend(n),
             "variant": n.variant_summary,
+            "score": n.mark()[0], "stop": n.mark()[1],
         })
     cols = [Col("session"), Col("from", "parent checkpoint", drop=4), Col("turns", justify="right"),
             Col("status"), Col("spend", "own spend", drop=1, justify="right")]
+    if any(n.exploration for _, n in lines):
+        cols += [Col("score", justify="right", drop=2), Col("stop", "explore stop", drop=3)]
     if any(n.variant is not None for _, n in lines):  # a tree without variants keeps its columns
         cols.append(Col("variant", drop=5, wrap=True))
     title = f"fork tree of {root.session_id}" + (f" (itself a fork of {root.forked_from})" if root.forked_from else "")
@@ -321,6 +344,8 @@ def tree_html(root: ForkNode, *, store_desc: str, generated_at: datetime | None 
                  ("status", n.status or "-"),
                  ("own spend", _own_spend(n)),
                  ("total cost", money(n.cost_usd))] + ([("variant", n.variant_summary)] if n.variant else [])
+        if n.exploration is not None:
+            facts += [("score", n.mark()[0]), ("explore stop", n.mark()[1])]
         dl = "".join(f"<dt>{e(k)}</dt><dd{_status_class(v) if k == 'status' else ''}>{e(v)}</dd>"
                      for k, v in facts)
         links = ""
