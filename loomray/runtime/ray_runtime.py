@@ -10,8 +10,9 @@ store from this process, exactly as with ``LocalRuntime``.
 
 Fire and forget: ``RayRuntime.submit("package.module:agent", prompt,
 session_id=...)`` starts a run by agent reference and returns as soon as its
-actor is created (not started: that waits for the resources it asks for); the run goes on after the driver exits (session actors and the
-supervisor are detached), and ``wait``/``status`` or the store follow it.
+actor is created (not started: that waits for the resources it asks for); the
+run goes on after the driver exits (session actors and the supervisor are
+detached), and ``wait``/``status`` or the store follow it.
 
 The store must be reachable from every node under the same URL: an
 ``s3://`` URL on a real cluster; a local path only works when every node is on
