@@ -26,14 +26,8 @@ reports its peak.
    reply served exactly once (a call cut short by the kill was never served).
    Actor: one session, three runs. Dense: 200 sessions, ~100 on the victim.
 2. **Fan-out** of 8 and 32 forks from one checkpoint: time until every fork
-   made its first model call (all started) and until all returned. Actor
-   placement runs with a pool of standby session actors
-   (``RayRuntime(standby_actors=N)``, N = ``--standby``, by default the
-   largest fan-out measured) and each fan-out starts once the pool is warm,
-   as on a cluster that has been up a while; the table says how many forks
-   got a standby and how many had to start their own actor process.
-   ``--standby 0`` measures every fork starting its own process; ``--standby
-   0,32`` both, side by side.
+   made its first model call (all started) and until all returned. With
+   actor placement every fork starts a worker process of its own.
 3. **Throughput**: N sessions (100) start and wait at a barrier, then each
    runs 20 passes on a scripted model (no latency), one checkpoint per pass.
    Aggregate checkpoints per second from the barrier to the last completion.
@@ -48,8 +42,8 @@ a table and writes ``bench/results/ray.json``. ``--phase fanout --forks 32
 
 ``--smoke`` is what the unit suite runs (tests/ray/test_ray_bench_smoke.py): every
 phase of both placements end to end with the smallest sizes that still make each
-measure happen (a node lost with sessions on it, forks on standbys and on their
-own actors, a throughput barrier, a dense scale run); its numbers mean nothing.
+measure happen (a node lost with sessions on it, a fan-out, a throughput barrier,
+a dense scale run); its numbers mean nothing.
 """
 
 from __future__ import annotations
@@ -279,7 +273,6 @@ async def fan_out(runtime: RayRuntime, work: Path, n: int) -> dict:
     agent = Agent("bench", model=ScriptedModel(["source answer", fork_reply]), tuning=Tuning(checkpoint=True),
                   runtime=runtime, name="bench-fork")
     source = await agent.run("hi", session_id=f"fan-src-{n}")
-    standby = await _standby_warm(runtime)
     prompts = [f"fork-{n}-{i}" for i in range(n)]
     t0 = time.time()
     forks = await agent.fork(source.session_id, from_checkpoint=source.checkpoint_id, prompts=prompts)
@@ -290,30 +283,7 @@ async def fan_out(runtime: RayRuntime, work: Path, n: int) -> dict:
     out = {"forks": n, "all_started_s": max(first.values()) - t0 if len(first) == n else None,
            "first_started_s": min(first.values()) - t0, "all_done_s": done,
            "completed": sum(f.output == "fork answer" for f in forks)}
-    if standby is not None:
-        after = await runtime.standby_status()
-        out["standby"] = {"warm_at_fork": standby["warm"], "target": standby["target"],
-                          "waited_for_warm_s": standby["waited_s"],
-                          "forks_on_standby": after["claimed"] - standby["claimed"],
-                          "forks_own_actor": after["missed"] - standby["missed"]}
     return out
-
-
-async def _standby_warm(runtime: RayRuntime, timeout: float = 120.0) -> dict | None:
-    """Actor placement with a standby pool: wait (at most ``timeout``) until this runtime's pool is all warm,
-    as on a cluster that has been up a while; its state then. None when there is no pool."""
-    if runtime.config.placement != "actor" or not runtime.config.standby_actors:
-        return None
-    from loomray.runtime.actors import standby_options
-
-    key = standby_options(runtime.config)[0]
-    t0 = time.monotonic()
-    while True:
-        status = await runtime.standby_status()
-        pool = next((p for p in status["pools"] if p["key"] == key), {"warm": 0, "target": None})
-        if pool["target"] is not None and pool["warm"] >= pool["target"] or time.monotonic() - t0 > timeout:
-            return {**status, "warm": pool["warm"], "target": pool["target"], "waited_s": time.monotonic() - t0}
-        await asyncio.sleep(0.2)
 
 
 # -- 3. throughput ---------------------------------------------------------------------------------------
@@ -402,16 +372,13 @@ class Level:
     tp_passes: int
     scale: tuple[int | None, int, float]  # dense scale: sessions, passes, model latency
     one_cluster: bool  # both placements on one cluster (else a fresh one each, measured apart)
-    #: Actor placement's standby pool without ``--standby``; None: the largest fan-out.
-    standby: int | None = None
 
 
 LEVELS = {
     "full": Level(90.0, 3, None, 12, None, (8, 32), None, 20, (None, 20, 0.2), False),
     "quick": Level(5.0, 1, 20, 12, 0.2, (8,), 10, 20, (50, 5, 0.05), False),
-    # Each kill still lands mid-run: sessions are killed after their fourth reply, of seven. Half the
-    # forks find a standby, half start their own actor.
-    "smoke": Level(0.0, 1, 6, 6, 0.2, (4,), 4, 5, (20, 3, 0.05), True, standby=2),
+    # Each kill still lands mid-run: sessions are killed after their fourth reply, of seven.
+    "smoke": Level(0.0, 1, 6, 6, 0.2, (4,), 4, 5, (20, 3, 0.05), True),
 }
 
 
@@ -433,26 +400,12 @@ def _fork_counts(args) -> tuple[int, ...]:
     return _level(args).forks
 
 
-def _standby_sizes(args) -> list[int]:
-    """Actor placement's pool(s) of standby session actors: ``--standby`` (one run per value), else sized
-    for the largest fan-out measured (what a deployment expecting such bursts configures)."""
-    if args.standby is not None:
-        return [int(n) for n in str(args.standby).split(",")]
-    if _level(args).standby is not None:
-        return [_level(args).standby]
-    if "fanout" in _phases(args):
-        return [max(_fork_counts(args))]
-    from loomray.runtime.actors import DEFAULT_STANDBY_ACTORS
-
-    return [DEFAULT_STANDBY_ACTORS]
-
-
 def _cluster():
     """The bench's cluster: a head and two workers of 2 CPUs each; only workers host sessions."""
     return local_cluster(num_nodes=3, num_cpus_per_node=2, worker_resources={"loomray_session": 10_000})
 
 
-async def one_placement(placement: str, args, standby: int | None = None, shared=None) -> dict:
+async def one_placement(placement: str, args, shared=None) -> dict:
     level = _level(args)
     out: dict = {"placement": placement,
                  "load_at_start": await _settle(level.settle_s) if level.settle_s else os.getloadavg()[0]}
@@ -462,10 +415,8 @@ async def one_placement(placement: str, args, standby: int | None = None, shared
         work = Path(tmp)
         out["cluster_idle"] = mem.phase()
         # Keep every checkpoint (no retention) so the store itself holds what was written.
-        extra = {"standby_actors": standby} if placement == "actor" else {}
         runtime = RayRuntime(work / "store", max_checkpoints_per_session=0, placement=placement,
-                             actor_options={"resources": {"loomray_session": 1}}, **extra)
-        out["standby_actors"] = runtime.config.standby_actors if placement == "actor" else None
+                             actor_options={"resources": {"loomray_session": 1}})
         phases = _phases(args)
         if "loss" in phases:
             print(f"[{placement}] node loss ...", flush=True)
@@ -506,12 +457,8 @@ async def main_async(args) -> dict:
     out["runs"] = []
     with (_cluster() if _level(args).one_cluster else contextlib.nullcontext()) as shared:
         for placement in args.placements.split(","):
-            sizes = _standby_sizes(args) if placement == "actor" else [None]
-            for size in sizes:
-                # One column per pool size when several are asked for: before/after in one run.
-                label = placement if len(sizes) == 1 else f"{placement}/s{size}"
-                out[label] = await one_placement(placement, args, size, shared)
-                out["runs"].append(label)
+            out[placement] = await one_placement(placement, args, shared)
+            out["runs"].append(placement)
     if shared is not None:
         for label in out["runs"]:
             out[label]["leftover_processes"] = shared.leftover
@@ -528,10 +475,6 @@ def report(out: dict) -> None:
     print(f"\nload average (1 min) before / after: {out['load_before'][0]:.1f} / {out['load_after'][0]:.1f}; at "
           + ", ".join(f"{p} start {out[p]['load_at_start']:.1f}" for p in placements))
     print(f"\n{'':<58}" + "".join(f"{p:>12}" for p in placements))
-    pools = {p: out[p]["standby_actors"] for p in placements if out[p].get("standby_actors") is not None}
-    if pools:
-        print("  (actor placement: RayRuntime(standby_actors=" + ", ".join(f"{n}" for n in pools.values())
-              + "); each fan-out starts once that pool is warm)")
 
     def row(label: str, get) -> None:
         cells = []
@@ -570,8 +513,6 @@ def report(out: dict) -> None:
             n = f["forks"]
             row(f"{n} forks: all started, s", lambda d, i=i: _f(d["fan_out"][i]["all_started_s"]))
             row(f"{n} forks: all done, s", lambda d, i=i: _f(d["fan_out"][i]["all_done_s"]))
-            row(f"{n} forks: on a standby actor / own new actor",
-                lambda d, i=i: "{forks_on_standby}/{forks_own_actor}".format(**d["fan_out"][i]["standby"]))
         row("peak cluster memory, MB", lambda d: str(d["fan_out_memory"]["peak_mb"]))
     if has("throughput"):
         passes = next(out[p]["throughput"]["passes"] for p in placements if "throughput" in out[p])
@@ -608,10 +549,6 @@ def main() -> None:
     ap.add_argument("--phase", default="all",
                     help="comma-separated phases to run: loss, fanout, throughput, scale (default all)")
     ap.add_argument("--forks", default=None, help="fan-out sizes, comma-separated (default 8,32; --quick 8; --smoke 4)")
-    ap.add_argument("--standby", default=None,
-                    help="actor placement: standby session actors kept warm (RayRuntime(standby_actors=...)); "
-                         "default: the largest fan-out measured, else RayRuntime's default. Several "
-                         "(comma-separated, e.g. 0,32): one actor run, and one column, per value")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     out = asyncio.run(main_async(args))

@@ -64,7 +64,7 @@ from storage import ANY, SessionRow, Store
 @json_option
 @guarded
 def submit(agent_ref: str, prompt: str, session_id: str | None, user_id: str | None, store_url: str | None,
-           address: str | None, placement: str, standby_actors: int, actor_options: str | None,
+           address: str | None, placement: str, actor_options: str | None,
            resources: str | None, runtime_env: str | None, wait: bool, as_json: bool) -> None:
     """Start a run on the cluster and return at once; the supervisor owns it from here.
 
@@ -87,10 +87,9 @@ def submit(agent_ref: str, prompt: str, session_id: str | None, user_id: str | N
         from loomray.runtime.actors import session_actor_name  # imports Ray
         from loomray.runtime.ray_runtime import RayRuntime
 
-        runtime = RayRuntime(url, address=address, placement=placement, actor_options=options,
-                             standby_actors=standby_actors)
+        runtime = RayRuntime(url, address=address, placement=placement, actor_options=options)
         # By reference only: the row keeps the reference, so any supervisor can restart the session.
-        # Returns once the actor is constructed (an agent the workers cannot import fails here).
+        # Returns once the actor is created, whether or not the cluster has its resources free now.
         runtime.submit_sync(agent_ref, prompt, session_id=session_id, user_id=user_id)
     info: dict[str, Any] = {
         "session_id": session_id, "user_id": user_id, "agent_ref": agent_ref, "store": url, "address": address,
@@ -302,7 +301,7 @@ def status(store_url: str | None, address: str | None, user_id: str | None, limi
 @actor_options_flags
 @guarded
 def supervise_cmd(store_url: str | None, address: str | None, interval: float,
-                  allowed_agents: tuple[str, ...], max_restarts: int, standby_actors: int,
+                  allowed_agents: tuple[str, ...], max_restarts: int,
                   actor_options: str | None, resources: str | None, runtime_env: str | None) -> None:
     """Keep the store's supervisor alive (re-create it if it dies) until Ctrl-C; run it on the head.
 
@@ -335,7 +334,7 @@ def supervise_cmd(store_url: str | None, address: str | None, interval: float,
     def keep_alive() -> None:
         try:
             supervise(url, address=address, interval_s=interval, stop=stop, report=report,
-                      allowed_agents=tuple(allowed_agents), actor_options=options, standby_actors=standby_actors,
+                      allowed_agents=tuple(allowed_agents), actor_options=options,
                       max_restarts_per_session=max_restarts)
         except BaseException as e:  # handed to the main thread, which reports it
             failure.append(e)

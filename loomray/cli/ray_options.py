@@ -64,13 +64,8 @@ def actor_options_from(actor_options: str | None, resources: str | None, runtime
 
 
 def actor_options_flags(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Add ``--actor-options``, ``--resources``, ``--runtime-env`` and ``--standby-actors`` to a command."""
+    """Add ``--actor-options``, ``--resources`` and ``--runtime-env`` to a command."""
     flags = [
-        click.option("--standby-actors", "standby_actors", default=8, show_default=True, type=click.IntRange(0, 1000),
-                     envvar="LOOMRAY_STANDBY_ACTORS",
-                     help="With --placement actor: idle session actors the supervisor keeps started, so that a new "
-                          "or restarted session starts without waiting for a process (0: none; each is an idle "
-                          "Ray worker process). Env: LOOMRAY_STANDBY_ACTORS."),
         click.option("--actor-options", "actor_options", default=None, metavar="JSON|@FILE",
                      help='Ray actor options of the sessions, e.g. \'{"num_cpus": 1, "memory": 2e9}\'.'),
         click.option("--resources", default=None, metavar="JSON|@FILE",

@@ -19,10 +19,8 @@ import copy
 import fnmatch
 import hashlib
 import importlib
-import json
 import random
 import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -44,22 +42,12 @@ SUPERVISOR_PREFIX = "loomray:supervisor:"
 #: Session rows in these states are live work a supervisor must own.
 ACTIVE_STATES = ("pending", "running")
 
-#: Name prefix of standby session actors (namespace ``loomray``): pre-started, claimed by one session each,
-#: ``loomray/standby/{store key}/{12 hex}``. A ``/`` never occurs in a session actor's name (ids refuse
-#: it), so the names cannot collide.
-STANDBY_PREFIX = "loomray/standby/"
-#: Default of ``RuntimeConfig.standby_actors`` (and ``RayRuntime(standby_actors=...)``).
-DEFAULT_STANDBY_ACTORS = 8
-#: A standby that finds no supervisor on this many checks in a row (one every ``STANDBY_CHECK_S``) exits.
-STANDBY_ORPHAN_CHECKS = 2
-STANDBY_CHECK_S = 30.0
-
 
 def store_key(store_url: str) -> str:
     """A short, stable name for a store (12 hex of the SHA-256 of its normalized URL).
 
-    Every actor loomray names carries it, so the supervisors, session actors,
-    standbys and hosts of two stores on one cluster never meet.
+    Every actor loomray names carries it, so the supervisors, session actors
+    and hosts of two stores on one cluster never meet.
     """
     return hashlib.sha256(store_url.encode()).hexdigest()[:12]
 
@@ -67,16 +55,6 @@ def store_key(store_url: str) -> str:
 def supervisor_name(store_url: str) -> str:
     """``loomray:supervisor:{store key}``: the name of the supervisor that serves ``store_url``."""
     return f"{SUPERVISOR_PREFIX}{store_key(store_url)}"
-
-
-def standby_prefix(store_url: str) -> str:
-    """``loomray/standby/{store key}/``: the name prefix of the standby actors of ``store_url``'s supervisor."""
-    return f"{STANDBY_PREFIX}{store_key(store_url)}/"
-
-
-def standby_actor_name(store_url: str) -> str:
-    """A fresh, unique standby actor name for ``store_url`` (``loomray/standby/{store key}/{12 hex}``)."""
-    return f"{standby_prefix(store_url)}{uuid.uuid4().hex[:12]}"
 
 
 def _name_part(value: str) -> str:
@@ -172,14 +150,7 @@ def set_agent_ref(agent: Any, ref: str) -> Any:
     return agent
 
 
-def check_standby_actors(value: Any) -> int:
-    """Validate ``standby_actors`` (a non-negative int); return it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"standby_actors must be a non-negative int, got {value!r}")
-    return value
-
-
-#: Actor options loomray sets itself for every session actor, standby and host: not the caller's to choose.
+#: Actor options loomray sets itself for every session actor and host: not the caller's to choose.
 _RESERVED_OPTIONS = ("name", "namespace", "lifetime", "get_if_exists", "max_restarts", "max_task_retries",
                      "max_concurrency", "concurrency_groups")
 
@@ -248,16 +219,10 @@ class RuntimeConfig:
     sessions_per_host: int = 1000
     #: Dense: a host without sessions for this long exits, so an autoscaler may release its node.
     host_idle_s: float = 600.0
-    #: Actor placement: session actors the supervisor keeps started and warm (process up, loomray
-    #: imported, store open) per distinct ``actor_options``. A session that starts claims one (no
-    #: process start on its path) and the pool refills in the background once the burst is over.
-    #: 0 disables: every session then starts its own actor process.
-    standby_actors: int = DEFAULT_STANDBY_ACTORS
 
     def __post_init__(self) -> None:
         if isinstance(self.allowed_agents, str):
             raise TypeError("allowed_agents must be a list of patterns, not one string")
-        check_standby_actors(self.standby_actors)
         restarts = self.max_restarts_per_session
         if isinstance(restarts, bool) or not isinstance(restarts, int) or restarts < 1:
             raise ValueError(f"max_restarts_per_session must be a positive int, got {restarts!r}")
@@ -362,38 +327,3 @@ def session_actor_options(config: RuntimeConfig, session_id: str, user_id: str |
         options["scheduling_strategy"] = NodeAffinitySchedulingStrategy(random.choice(_alive_nodes(avoid_node)),
                                                                         soft=True)
     return options
-
-
-#: Options of a session actor that are per actor, not part of what a standby pool is for.
-_PER_ACTOR = ("name", "namespace", "lifetime", "get_if_exists")
-
-
-def standby_options(config: RuntimeConfig) -> tuple[str, dict[str, Any]]:
-    """``(pool key, options)`` of standby actors for sessions of ``config``: a session's options, unnamed.
-
-    Standbys are made exactly like the session actors they stand in for
-    (``actor_options``: resources, CPUs, runtime env, scheduling strategy);
-    the key groups the sessions one pool can serve: the options' JSON
-    (non-JSON values by repr).
-    """
-    options = session_actor_options(config, "_", None)
-    for k in _PER_ACTOR:
-        options.pop(k, None)
-    key = json_key(options)
-    return key, {**options, "namespace": NAMESPACE, "lifetime": "detached"}
-
-
-def json_key(value: Any) -> str:
-    """``value`` as canonical JSON: a dict key for options that is the same in every process.
-
-    Keys sorted; an object that is not JSON (a scheduling strategy) by its
-    type and attributes, else by its repr: a default repr holds the object's
-    address, so a config unpickled per call would make a new key each time.
-    """
-    def plain(o: Any) -> Any:
-        attrs = getattr(o, "__dict__", None)
-        if attrs is not None:
-            return {"__type__": f"{type(o).__module__}.{type(o).__qualname__}", **attrs}
-        return repr(o)
-
-    return json.dumps(value, sort_keys=True, default=plain)

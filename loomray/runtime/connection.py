@@ -12,7 +12,7 @@ import os
 import threading
 from typing import Any
 
-#: The Ray namespace of every loomray actor (supervisor, session actors, hosts, standbys).
+#: The Ray namespace of every loomray actor (supervisor, session actors, hosts).
 NAMESPACE = "loomray"
 
 #: Environment defaults applied before Ray is imported (a variable already set wins).

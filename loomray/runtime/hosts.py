@@ -10,8 +10,8 @@ session keeps its identity (session id and user), its lease and fencing, and
 its recovery rule; only the process is shared.
 
 Why: a session spends nearly all of its life waiting on a model API, and a
-Ray actor per session costs a worker process (~60 MB unique, ~0.5 s to
-start). A host pays that once for hundreds of sessions, and a fork becomes an
+Ray actor per session costs a worker process (its memory, and its start on
+the session's path). A host pays that once for hundreds of sessions, and a fork becomes an
 activation on a warm host: no process start on its critical path.
 
 Isolation inside a host:

@@ -67,7 +67,7 @@ _DIRECTORY_TTL_S = 1.0
 #: A host that is not up after this long is given up (its activations go elsewhere).
 _HOST_START_TIMEOUT_S = 120.0
 #: A host still starting counts as this many sessions busier: a session placed there waits for a
-#: process start (~1 s), so a warm host takes it unless it is already that much busier. Starting
+#: process start, so a warm host takes it unless it is already that much busier. Starting
 #: hosts are all equal, so a burst at cluster start still spreads evenly.
 STARTING_PENALTY = 16
 

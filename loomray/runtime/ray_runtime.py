@@ -2,14 +2,15 @@
 
 The driver side is thin. ``execute`` ships the agent (by value, plus the importable reference
 registered with :func:`set_agent_ref`) and the request JSON to the store's supervisor actor
-(``loomray:supervisor:{store key}``; one per store, any number per cluster), which starts a
+(``loomray:supervisor:{store key}``; one per store, any number per cluster), which creates a
 ``SessionActor`` and restarts it from the store if its node dies; the driver waits for the outcome.
 Checkpoint reads (``list_checkpoints``, ``get_checkpoint``) go straight to the
 store from this process, exactly as with ``LocalRuntime``.
 
 Fire and forget: ``RayRuntime.submit("package.module:agent", prompt, session_id=...)`` starts a run by
-agent reference and returns as soon as its actor exists; the run goes on after the driver exits (session
-actors and the supervisor are detached), and ``wait``/``status`` or the store follow it.
+agent reference and returns as soon as its actor is created (not started: that waits for the resources it
+asks for); the run goes on after the driver exits (session actors and the supervisor are detached), and
+``wait``/``status`` or the store follow it.
 
 The store must be reachable from every node under the same URL: an ``s3://`` URL on a real
 cluster; a local path only works when every node is on this machine (tests, ``cluster/local.sh``).
@@ -24,6 +25,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +35,7 @@ from loomray.errors import LoomrayRunError, LoomrayUserError
 from loomray.events import EmitFn, deliver, event_from_dict
 from loomray.ids import new_id
 from loomray.records import RunResult
-from loomray.runtime.actors import DEFAULT_STANDBY_ACTORS, AgentSpec, Outcome, RuntimeConfig, agent_ref_allowed
+from loomray.runtime.actors import AgentSpec, Outcome, RuntimeConfig, agent_ref_allowed, resolve_ref
 from loomray.runtime.base import Runtime, per_request
 from loomray.runtime.connection import connect, normalize_store_url
 from loomray.runtime.fanouts import agent_specs
@@ -98,23 +100,13 @@ class RayRuntime(Runtime):
     runtime is cheap anywhere.
 
     ``placement="actor"`` (the default) runs each session in its own actor,
-    i.e. its own worker process. ``placement="dense"`` hosts sessions as
+    i.e. its own worker process: isolation, paid with a process start per
+    session (a fan-out waits for them). ``placement="dense"`` hosts sessions as
     activations, many per host actor (:mod:`loomray.runtime.hosts`): same
     identity, lease, journal, checkpoints, events and recovery, no process per
     session; ``hosts_per_node`` (default one per CPU) and
     ``sessions_per_host`` size the pool, and ``actor_options`` then apply to
-    each host actor.
-
-    ``standby_actors`` (actor placement; default
-    :data:`~loomray.runtime.actors.DEFAULT_STANDBY_ACTORS`) is how many
-    session actors the supervisor keeps started ahead of need for this
-    runtime's ``actor_options``: a process up, loomray imported, the store
-    open. A session or fork that starts claims one (no worker process start
-    on its path: ~0.6 s of CPU each, which is what a burst of forks
-    otherwise waits for) and the pool refills in the background once the
-    burst is over. Each standby is an idle worker process (~60 MB private
-    memory). A claimed standby is that session's actor and nothing else,
-    exactly like one started for it; ``0`` starts every session its own.
+    each host actor. Fan-outs that must start fast want dense.
 
     ``allowed_agents`` are agent references (``module:attr``, glob wildcards
     allowed) a supervisor this runtime creates may import when it adopts a
@@ -134,12 +126,15 @@ class RayRuntime(Runtime):
                  actor_options: dict[str, Any] | None = None, *, max_concurrent_forks: int = 32,
                  on_fork_progress: Callable[[dict[str, Any]], Any] | None = None,
                  placement: str = "actor", hosts_per_node: int | None = None, sessions_per_host: int = 1000,
-                 standby_actors: int = DEFAULT_STANDBY_ACTORS, allowed_agents: Sequence[str] = (),
-                 max_restarts_per_session: int = 20, **storage_options: Any) -> None:
+                 allowed_agents: Sequence[str] = (), max_restarts_per_session: int = 20,
+                 **storage_options: Any) -> None:
         if not isinstance(store, (str, os.PathLike)):
             raise TypeError("RayRuntime needs a store URL or path (actors on other nodes open it themselves)")
         if actor_options is not None and not isinstance(actor_options, dict):
             raise TypeError(f"actor_options must be a dict, got {type(actor_options).__name__}")
+        if storage_options.pop("standby_actors", None) is not None:
+            warnings.warn("standby_actors is gone and ignored: actor placement starts a process per session; "
+                          "placement='dense' starts none", DeprecationWarning, stacklevel=2)
         url = normalize_store_url(store)  # actors do not share the driver's working directory
         super().__init__(open_store(url, **storage_options), max_checkpoints_per_session=max_checkpoints_per_session)
         self.address = address
@@ -147,7 +142,7 @@ class RayRuntime(Runtime):
         self.config = RuntimeConfig(store_url=url, storage_options=dict(storage_options),
                                     max_checkpoints_per_session=self.keep, actor_options=dict(actor_options or {}),
                                     placement=placement, hosts_per_node=hosts_per_node,
-                                    sessions_per_host=sessions_per_host, standby_actors=standby_actors,
+                                    sessions_per_host=sessions_per_host,
                                     allowed_agents=tuple(allowed_agents),
                                     max_restarts_per_session=max_restarts_per_session)
         if isinstance(max_concurrent_forks, bool) or not isinstance(max_concurrent_forks, int) \
@@ -326,15 +321,17 @@ class RayRuntime(Runtime):
     async def submit(self, agent: Agent | str, prompt: str | None = None, *, session_id: str | None = None,
                      user_id: str | None = None, resume: bool = False, metadata: dict[str, Any] | None = None,
                      effort: str | None = None) -> str:
-        """Start a run in a session actor and return its session id once the actor exists.
+        """Start a run in a session actor and return its session id once the actor is created.
 
         ``agent`` is an importable reference ``"package.module:attribute"``
         (what ``loomray submit`` passes; the module must import on every node)
         or an Agent (by value, plus its :func:`set_agent_ref` reference if any).
-        The run goes on after this process exits; follow it with
+        The actor starts once the cluster has the resources its
+        ``actor_options`` ask for (this does not wait for that), and the run
+        goes on after this process exits; follow it with
         :meth:`wait`, :meth:`status` or the store. ``resume=True`` continues
         the session from its latest checkpoint (``prompt=None`` nudges it on).
-        A reference that does not import, or names no Agent, raises
+        A reference that does not import here, or names no Agent, raises
         :class:`LoomrayUserError` here.
         """
         if not resume and not isinstance(prompt, str):
@@ -342,6 +339,8 @@ class RayRuntime(Runtime):
         request = RunRequest(kind="resume" if resume else "run", prompt=prompt,
                              session_id=session_id or new_id("sess"), user_id=user_id, metadata=metadata,
                              effort=effort)
+        if isinstance(agent, str):
+            await asyncio.to_thread(resolve_ref, agent)  # checked here: its actor may start much later
         spec = AgentSpec.of(agent)
         self._allow(spec)
         request = handed_off(request)
@@ -363,13 +362,6 @@ class RayRuntime(Runtime):
     async def status(self) -> list[dict[str, Any]]:
         """What the supervisor watches: one dict per session (see :meth:`Supervisor.status`)."""
         return await self._call("status")
-
-    async def standby_status(self) -> dict[str, Any]:
-        """The supervisor's standby session actors (actor placement): per pool (one per distinct
-        ``actor_options``) its ``target``, ``warm`` and ``starting`` standbys; and counters: ``created``,
-        ``claimed`` (sessions started on a standby), ``missed`` (started their own actor: none left), ...
-        Asking also makes sure this runtime's pool is kept (it is, from its first session on)."""
-        return await self._call("standby_status", self.config)
 
     def status_sync(self) -> list[dict[str, Any]]:
         """Blocking :meth:`status`."""

@@ -4,7 +4,7 @@ What travels to it (config, agent spec, outcome) is in
 :mod:`loomray.runtime.actors`; the detached ``Supervisor`` that owns the
 session actors lives in :mod:`loomray.runtime.supervisor`.
 
-How the pieces fit (docs/ray-notes.md has the measurements behind the choices):
+How the pieces fit (docs/ray-notes.md has the reasoning behind the choices):
 
 - A **SessionActor** hosts one run. Its constructor opens the store from a URL
   plus options and loads the agent (by an importable ``module:attr`` reference
@@ -22,12 +22,6 @@ How the pieces fit (docs/ray-notes.md has the measurements behind the choices):
   Its state is derived from the store's session index: on start it adopts
   every ``pending``/``running`` row that a Ray actor owned (``node_id`` set),
   attaching to the live actor by name or restarting it.
-- **Standbys**: with ``standby_actors`` (default 8) the supervisor keeps that
-  many SessionActors started ahead of need (process up, imports done, store
-  open; ``loomray/standby/...``). A starting session claims one and
-  ``begin()`` makes it that session's actor, so a burst of forks does not
-  wait for worker processes (~0.6 s of CPU each) to start; a claimed standby
-  serves its one session only, exactly like an actor started for it.
 - **Fencing**: an incarnation that loses the lease gets ``LeaseLostError`` on its
   next write; ``run()`` returns outcome ``fenced`` and the supervisor stops the
   actor without restarting it (a newer owner exists).
@@ -48,12 +42,9 @@ from loomray import control
 from loomray.checkpoint_format import load_checkpoint
 from loomray.runtime.actors import (
     NAMESPACE,
-    STANDBY_CHECK_S,
-    STANDBY_ORPHAN_CHECKS,
     AgentSpec,
     Outcome,
     RuntimeConfig,
-    json_key,
     supervisor_name,
 )
 from loomray.runtime.loop_guard import guard_loop
@@ -62,6 +53,7 @@ from loomray.session import RunRequest, execute_request
 from storage.errors import LeaseLostError
 
 log = logging.getLogger("loomray.runtime.session_actor")
+
 
 def _portable(e: BaseException) -> BaseException | None:
     """``e`` if it can cross to another process (Ray pickles it), else None."""
@@ -81,31 +73,20 @@ class SessionActor:
     ``events_to`` (the supervisor's handle) every event of the run is sent
     there in ordered batches, for a driver that passed ``emit``; the batches
     still in flight are flushed before ``run()`` returns.
-
-    **Standby.** Built with ``standby_pool`` (the supervisor's pool key) and no
-    request, the actor is a *standby*: its process is up, loomray and the
-    store's modules are imported and the store is open, but it hosts nothing.
-    :meth:`begin` (called once, by the supervisor) makes it the actor of one
-    session, doing what the constructor would have done; from then on it is
-    an ordinary session actor, for that session only: a standby that took a
-    session's agent or request never serves another one (it exits when that
-    session ends, or when ``begin`` fails). A standby that finds no supervisor
-    on the cluster for ``STANDBY_ORPHAN_CHECKS`` checks in a row exits.
     """
 
-    def __init__(self, config: RuntimeConfig, agent: AgentSpec | None = None, request_json: str | None = None,
-                 events_to: Any = None, store: Any = None, *, standby_pool: str | None = None) -> None:
+    def __init__(self, config: RuntimeConfig, agent: AgentSpec, request_json: str, events_to: Any = None,
+                 store: Any = None) -> None:
         ctx = ray.get_runtime_context()
         self._node_id = ctx.get_node_id()
         self._owner = f"ray:{ctx.get_actor_id()}@{self._node_id[:12]}:{os.getpid()}"
         self._config = config
-        self._store = store
-        self._request: Any = None
-        self._request_json: str | None = None
-        self._standby_pool = standby_pool
-        #: Set by :meth:`begin` before anything of the session is loaded: never reused after that.
-        self._claimed = False
-        self._standby_watch: asyncio.Task | None = None
+        self._agent_spec = agent
+        self._agent, self._extra_tools = agent.load()
+        self._request = RunRequest.model_validate_json(request_json)
+        self._request_json = request_json
+        # A dense host passes the store it shares among its sessions (loomray.runtime.hosts).
+        self._store = config.open_store() if store is None else store
         self._task: asyncio.Task | None = None
         self._started = time.time()
         self._events_to = events_to
@@ -121,96 +102,13 @@ class SessionActor:
         #: ``run()`` restores it into the loop (after taking the lease) through ``execute_request``.
         self._restored_turn: int | None = None
         self._restored_checkpoint_id: str | None = None
-        if request_json is None:
-            if standby_pool is None or agent is not None:
-                raise ValueError("a SessionActor needs a request, or standby_pool and nothing else")
-            self._warm_up()
-            return
-        self._load(config, agent, request_json, events_to, store)
-
-    def _load(self, config: RuntimeConfig, agent: AgentSpec | None, request_json: str, events_to: Any,
-              store: Any) -> None:
-        """Take on the session: agent, request, store, its latest checkpoint (the constructor's failure-prone part)."""
-        if agent is None:
-            raise ValueError("a session actor needs its agent")
-        self._config = config
-        self._agent_spec = agent
-        self._agent, self._extra_tools = agent.load()
-        self._request = RunRequest.model_validate_json(request_json)
-        self._request_json = request_json
-        # A dense host passes the store it shares among its sessions (loomray.runtime.hosts); a
-        # standby passes the one it opened while it waited.
-        self._store = config.open_store() if store is None else store
-        self._events_to = events_to
-        self._started = time.time()
         ckpt = load_checkpoint(self._store, self._request.session_id, "latest", user_id=self._request.user_id)
         if ckpt is not None:
             self._restored_turn, self._restored_checkpoint_id = ckpt.turn, ckpt.checkpoint_id
             self._turn = ckpt.turn
 
-    # -- standby -------------------------------------------------------------------
-    def _warm_up(self) -> None:
-        """Pay now what a session's start would: the open store (this module imported the run's path)."""
-        self._store = self._config.open_store()
-        self._warm_store = _store_key(self._config)
-
-    async def standby(self) -> dict[str, Any]:
-        """This actor as a standby: its pool key, node, pid, and (once claimed) its session.
-
-        The supervisor awaits it after creating a standby (it returns once the
-        process is warm) and when it finds standbys after a restart. The first
-        call starts the check that ends an orphaned standby.
-        """
-        if self._standby_watch is None and not self._claimed and self._standby_pool is not None:
-            self._standby_watch = asyncio.get_running_loop().create_task(self._orphan_watch())
-        return {"pool": self._standby_pool, "node_id": self._node_id, "pid": os.getpid(), "claimed": self._claimed,
-                "session_id": None if self._request is None else self._request.session_id,
-                "user_id": None if self._request is None else self._request.user_id,
-                "finished": self._task is not None and self._task.done()}
-
-    async def _orphan_watch(self) -> None:
-        missed = 0
-        while not self._claimed:
-            await asyncio.sleep(STANDBY_CHECK_S)
-            if self._claimed:
-                return
-            try:
-                await asyncio.to_thread(ray.get_actor, supervisor_name(self._config.store_url), NAMESPACE)
-                missed = 0
-            except ValueError:
-                missed += 1
-            except Exception:  # GCS briefly unreachable: not evidence of anything
-                continue
-            if missed >= STANDBY_ORPHAN_CHECKS and not self._claimed:
-                log.info("standby %s: no supervisor on the cluster; exiting", self._owner)
-                _kill_self()
-                return
-
-    async def begin(self, config: RuntimeConfig, agent: AgentSpec, request_json: str,
-                    events_to: Any = None) -> dict[str, Any]:
-        """Make this standby the actor of the session ``request_json`` (once; then it is a session actor).
-
-        Raises what the constructor would (bad agent, unreadable checkpoint);
-        the supervisor then discards this process and starts the session the
-        ordinary way, which reports the error.
-        """
-        if self._claimed or self._standby_pool is None:
-            raise RuntimeError("this actor is not an unclaimed standby")
-        self._claimed = True
-        if self._standby_watch is not None:
-            self._standby_watch.cancel()
-        warm = self._store if getattr(self, "_warm_store", None) == _store_key(config) else None
-        if warm is None and self._store is not None:
-            close = getattr(self._store, "close", None)
-            if close is not None:
-                close()
-        self._load(config, agent, request_json, events_to, warm)
-        return {"node_id": self._node_id, "pid": os.getpid(), "owner": self._owner}
-
     async def run(self) -> Outcome:
         """Run (or join the run in flight) and return its outcome. Never raises for a run's failure."""
-        if self._request is None:
-            raise RuntimeError("a standby has no session to run (begin() first)")
         if self._task is None:
             guard_loop(asyncio.get_running_loop())  # a loop that dies ends the process: the supervisor sees it
             # Stop and exit as soon as this node's raylet dies rather than run on for ~2 s as a zombie
@@ -322,8 +220,7 @@ class SessionActor:
 
     async def info(self) -> dict[str, Any]:
         """Where and what this incarnation is (for status and tests)."""
-        return {"session_id": None if self._request is None else self._request.session_id,
-                "user_id": None if self._request is None else self._request.user_id,
+        return {"session_id": self._request.session_id, "user_id": self._request.user_id,
                 "request_json": self._request_json,
                 "node_id": self._node_id, "pid": os.getpid(), "owner": self._owner,
                 "finished": self._task is not None and self._task.done(), "started": self._started}
@@ -334,7 +231,7 @@ class SessionActor:
         The durable part of a cancel (the request object, the fence, the ``cancelled`` status) is written by
         whoever cancels (``Runtime.cancel``); this only spares the run its next look at the store.
         """
-        if self._task is None or self._request is None:
+        if self._task is None:
             return
         handles = control.local_runs(self._store, self._request.session_id, self._request.user_id)
         for handle in handles:
@@ -346,19 +243,14 @@ class SessionActor:
         """End this actor process (called once its outcome is collected; nothing of the run is left to do).
 
         A forced kill, not ``exit_actor``: Ray's graceful exit keeps the
-        process up for seconds (waiting on references it owns) while it polls,
-        ~8% of a core each under load, and a fan-out's finished forks would
-        take that from the ones still starting.
+        process up for seconds (waiting on references it owns), polling all
+        the while, and a fan-out's finished forks would take that CPU from
+        the ones still running.
         """
         close = getattr(self._store, "close", None)
         if close is not None:
             close()
         _kill_self()
-
-
-def _store_key(config: RuntimeConfig) -> str:
-    """What identifies an open store: its URL and options."""
-    return json_key([config.store_url, config.storage_options])
 
 
 def _kill_self() -> None:

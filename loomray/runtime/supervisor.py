@@ -4,8 +4,7 @@ It is the one place where sessions are started and restarted, so every
 restart is a fresh lease epoch decided once. Its jobs, each in its own part:
 
 - watch and restart (:mod:`loomray.runtime.watcher`): start a session's actor
-  (preferably a warm standby of :mod:`loomray.runtime.standby`, or an
-  activation on a session host with ``placement="dense"``), await its
+  (or an activation on a session host with ``placement="dense"``), await its
   ``run()``, restart it from the store on a live node when it dies;
 - adopt (:mod:`loomray.runtime.adoption`): take over the store's active
   sessions nobody here watches (a killed supervisor's, a lost cluster's),
@@ -68,6 +67,8 @@ class Supervisor:
         self._started: asyncio.Task | None = None
         self._background: list[asyncio.Task] = []
         self._adopting: asyncio.Lock | None = None
+        #: Calls learning where new session actors run (kept referenced until they end).
+        self._learning: set[asyncio.Task] = set()
 
     # -- lifecycle -------------------------------------------------------------
     async def ready(self, adopt: bool = False, allow: Iterable[str] = ()) -> dict[str, Any]:
@@ -182,11 +183,12 @@ class Supervisor:
     # -- sessions --------------------------------------------------------------
     async def submit(self, agent: AgentSpec, request_json: str, stream_events: bool = False,
                      config: RuntimeConfig | None = None, resend: bool = False) -> dict[str, Any]:
-        """Start a session actor for ``request_json`` and watch it; returns once the actor is constructed.
+        """Start a session actor for ``request_json`` and watch it; returns once the actor is created.
 
-        The run itself goes on without the caller. A constructor failure (an
-        unimportable agent reference, an unreachable store) raises
-        :class:`LoomrayUserError` here rather than later. ``config`` is the
+        Its process starts when the cluster has what its ``actor_options``
+        ask for, which this does not wait for; the run goes on without the
+        caller. A constructor failure (an agent the workers cannot import, an
+        unreachable store) is the session's outcome: failed. ``config`` is the
         submitting runtime's (its retention and actor options apply to this
         session); it must name this supervisor's store. A session adopted
         later from the index gets the supervisor's own config. A driver's ``resend`` (it lost the supervisor
@@ -214,21 +216,18 @@ class Supervisor:
         self._track(w)
         if stream_events:
             self._events.open(key)
-        placement = self._watcher.config_of(w).placement
-        starting = (self._watcher.standby_pool().session_starting() if placement == "actor"
-                    else contextlib.nullcontext())
-        with starting:
-            await self._start_watched(w, placement)
+        await self._start_watched(w)
         return self._submitted(w)
 
     def _submitted(self, w: WatchedSession) -> dict[str, Any]:
         actor = session_actor_name(self._config.store_url, w.session_id, w.user_id)
         return {"session_id": w.session_id, "user_id": w.user_id, "actor": actor, "node_id": w.last_node}
 
-    async def _start_watched(self, w: WatchedSession, placement: str) -> None:
-        """Mark the session active, start its first incarnation and its watcher; learn its node."""
+    async def _start_watched(self, w: WatchedSession) -> None:
+        """Mark the session active, start its first incarnation and its watcher; learn its node once it runs."""
         # Marked before it starts, so a supervisor that dies in between still leaves it findable.
-        await active.mark(self._store, w.session_id, w.user_id, placement, self._watcher.config_of(w).actor_options)
+        config = self._watcher.config_of(w)
+        await active.mark(self._store, w.session_id, w.user_id, config.placement, config.actor_options)
         try:
             w.handle = await self._watcher.start(w, avoid_node=None)
         except BaseException:
@@ -237,14 +236,15 @@ class Supervisor:
             await active.clear(self._store, w.session_id, w.user_id)
             raise
         w.task = asyncio.get_running_loop().create_task(self._watcher.watch(w))
-        try:
-            info = await w.handle.info.remote()
-            w.last_node = info["node_id"]
-        except ray.exceptions.RayActorError as e:
-            if getattr(e, "actor_init_failed", False):
-                outcome = await asyncio.shield(w.done)
-                raise LoomrayUserError(f"session {w.session_id!r} could not start: {outcome.error}") from None
-            # Died right away (its node?): the watcher restarts it.
+        learn = asyncio.get_running_loop().create_task(self._learn_node(w, w.handle))
+        self._learning.add(learn)
+        learn.add_done_callback(self._learning.discard)
+
+    @staticmethod
+    async def _learn_node(w: WatchedSession, handle: Any) -> None:
+        """Where the session's first incarnation runs once it started (a restart prefers another node)."""
+        with contextlib.suppress(Exception):  # it died first: its watcher restarts it
+            w.last_node = (await handle.info.remote())["node_id"]
 
     async def result(self, session_id: str, user_id: str | None = None) -> Outcome:
         """Wait for the session's run to end and return its outcome."""
@@ -331,17 +331,6 @@ class Supervisor:
             return False
         await w.handle.cancel.remote()
         return True
-
-    async def standby_status(self, config: RuntimeConfig | None = None) -> dict[str, Any]:
-        """The standby pools: per pool its target, warm and starting standbys; counters (see ``StandbyPool``).
-
-        With ``config`` (a runtime's, same store), its pool is kept from now on if it was not yet.
-        """
-        await self._ensure_started()
-        pool = self._watcher.standby_pool()
-        if config is not None and config.store_url == self._config.store_url and config.placement == "actor":
-            pool.want(config)
-        return pool.status()
 
     async def compact(self) -> dict[str, Any] | None:
         """Compact the store's Parquet index now (also runs every ``compact_interval_s``); None on failure."""

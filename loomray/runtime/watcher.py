@@ -1,9 +1,10 @@
 """Watching sessions: start a session's actor, await its run, restart it where it died, record its end.
 
 The supervisor watches each session by awaiting its actor's ``run()``
-ObjectRef. A session starts on a standby actor of the :class:`StandbyPool`
-when one is free (actor placement), else in an actor of its own, or as an
-activation on a session host (dense placement, :mod:`loomray.runtime.placement`).
+ObjectRef. A session starts in an actor of its own (actor placement), or as
+an activation on a session host (dense placement, :mod:`loomray.runtime.placement`).
+An actor is created, not waited for: it starts when the cluster has the
+resources its options ask for, and the watcher's ``run()`` call waits for it.
 When the actor dies (``ActorDiedError``: its node, OOM, a kill) the watcher
 starts a new incarnation from the store, preferring a live node other than
 the dead one; the new lease epoch fences a partitioned old incarnation. An
@@ -31,10 +32,8 @@ from loomray.run_errors import index_error, record_error
 from loomray.runtime import active
 from loomray.runtime.actors import AgentSpec, Outcome, RuntimeConfig, session_actor_name, session_actor_options
 from loomray.runtime.connection import NAMESPACE
-from loomray.runtime.placement import HostPool, demand_of
+from loomray.runtime.placement import HostPool
 from loomray.runtime.session_actor import session_actor_class
-from loomray.runtime.standby import STANDBY_BEGIN_TIMEOUT_S, StandbyPool, died_with_its_node
-from loomray.runtime.start_slots import StartSlots, constructed
 from storage import SessionRow
 
 log = logging.getLogger("loomray.runtime.watcher")
@@ -104,20 +103,10 @@ class SessionWatcher:
         self.restarts = 0
         #: Session hosts for dense placement, made on first use.
         self._hosts: HostPool | None = None
-        #: Standby session actors for actor placement (``RuntimeConfig.standby_actors``), made on first use.
-        self._standby: StandbyPool | None = None
-        #: Bounds the session actors under construction at once (see :mod:`loomray.runtime.start_slots`).
-        self.start_slots = StartSlots()
 
     def config_of(self, w: WatchedSession) -> RuntimeConfig:
         """The config a session runs with: its submitting runtime's, else the supervisor's."""
         return w.config or self._config
-
-    def standby_pool(self) -> StandbyPool:
-        """The actor placement's pool of standby session actors (created on first use)."""
-        if self._standby is None:
-            self._standby = StandbyPool(self._config.store_url)
-        return self._standby
 
     def host_pool(self) -> HostPool:
         """The dense placement's host pool (created on first use, in the supervisor actor)."""
@@ -139,9 +128,6 @@ class SessionWatcher:
             w.incarnation += 1
             w.host = activation.host_name
             return activation
-        handle = await self._start_on_standby(w, config, avoid_node=avoid_node)
-        if handle is not None:
-            return handle
         return await self._start_own_actor(w, config, avoid_node=avoid_node)
 
     async def _start_own_actor(self, w: WatchedSession, config: RuntimeConfig, *, avoid_node: str | None) -> Any:
@@ -150,59 +136,22 @@ class SessionWatcher:
         w.host = options["name"]
         actor_cls = session_actor_class()
         me = ray.get_runtime_context().current_actor
-        async with self.start_slots.slot(demand_of(options)):
-            deadline = time.monotonic() + 30
-            while True:
-                try:
-                    handle = actor_cls.options(**options).remote(config, w.agent, w.request_json,
-                                                                 me if w.stream_events else None)
-                    break
-                except ValueError as e:  # the name is held by another incarnation
-                    existing = await self._existing(options["name"], w.request_json)
-                    if existing is not None:
-                        return existing
-                    if time.monotonic() > deadline:
-                        raise
-                    log.info("actor name %s busy (%s); retrying", options["name"], e)
-                    await asyncio.sleep(0.2)
-            await constructed(handle)  # the slot is held while the process starts and constructs
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                handle = actor_cls.options(**options).remote(config, w.agent, w.request_json,
+                                                             me if w.stream_events else None)
+                break
+            except ValueError as e:  # the name is held by another incarnation
+                existing = await self._existing(options["name"], w.request_json)
+                if existing is not None:
+                    return existing
+                if time.monotonic() > deadline:
+                    raise
+                log.info("actor name %s busy (%s); retrying", options["name"], e)
+                await asyncio.sleep(0.2)
         w.incarnation += 1
         return handle
-
-    async def _start_on_standby(self, w: WatchedSession, config: RuntimeConfig, *,
-                                avoid_node: str | None) -> Any | None:
-        """Give the session to a standby actor of the pool: its handle, or None (start one the ordinary way).
-
-        A standby that died or does not answer is discarded and the next one
-        tried. One whose ``begin`` raised (the session's agent or checkpoint
-        is unusable) is discarded too, and None makes the caller start the
-        session's own actor, whose constructor fails and reports it as always.
-        """
-        pool = self.standby_pool()
-        pool.want(config)  # the first session of a config starts its pool (0: none, or empties it)
-        if not config.standby_actors:
-            return None
-        me = ray.get_runtime_context().current_actor
-        while True:
-            s = pool.claim(config, avoid_node=avoid_node)
-            if s is None:
-                pool.stats["missed"] += 1
-                return None
-            # A standby still starting is waited for like a new actor would be; a warm one answers at once.
-            timeout = STANDBY_BEGIN_TIMEOUT_S if s.warm() else None
-            try:
-                await asyncio.wait_for(s.handle.begin.remote(config, w.agent, w.request_json,
-                                                             me if w.stream_events else None), timeout)
-            except (ray.exceptions.RayActorError, asyncio.TimeoutError) as e:
-                pool.discard(s, e)  # dead or unreachable: try the next one
-                continue
-            except Exception as e:
-                pool.discard(s, e)
-                return None
-            pool.stats["claimed"] += 1
-            w.incarnation += 1
-            w.host = s.name
-            return s.handle
 
     async def _existing(self, name: str, request_json: str) -> Any | None:
         """An actor already holding ``name``: attach if it runs this very request, else stop it.
@@ -229,15 +178,6 @@ class SessionWatcher:
             return handle
         except ValueError:
             pass
-        if self.config_of(w).placement == "actor":  # it may run on a standby it claimed
-            try:
-                found = await self.standby_pool().find(w.session_id, w.user_id)
-            except Exception as e:  # an optimisation: without it the session is restarted (a new epoch)
-                log.warning("could not look for standby-born actors: %s: %s", type(e).__name__, e)
-                found = None
-            if found is not None:
-                w.host, handle = found
-                return handle
         activation = await self.host_pool().find(w.session_id, w.user_id)
         if activation is not None:
             w.host = activation.host_name
@@ -303,8 +243,7 @@ class SessionWatcher:
         w.host_crashes += 1
         if w.host_crashes >= QUARANTINE_AFTER:
             w.quarantined = True
-            # Its own process, and no standby pool for it (a pool would start ``standby_actors`` processes).
-            w.config = dataclasses.replace(self.config_of(w), placement="actor", standby_actors=0)
+            w.config = dataclasses.replace(self.config_of(w), placement="actor")
             log.warning("session %r was on %d session hosts that crashed with their node up; it runs in a process "
                         "of its own from now on", w.session_id, w.host_crashes)
 
@@ -355,3 +294,10 @@ async def _node_alive(node_id: str | None) -> bool:
     except Exception:
         return True
     return any(n["NodeID"] == node_id and n.get("Alive") for n in nodes)
+
+
+def died_with_its_node(error: BaseException) -> bool:
+    """True when Ray says the actor died because its node did (a node loss, not a crash of its own)."""
+    text = str(error)
+    return isinstance(error, ray.exceptions.ActorDiedError) and ("its node has died" in text
+                                                                  or "node was terminated" in text)

@@ -218,7 +218,7 @@ def ray_placement() -> str | None:
         return None
     if name.startswith("loomray/host/"):
         return "dense"
-    if name.startswith(("loomray:", "loomray/standby/")):
+    if name.startswith("loomray:"):
         return "actor"
     return "unknown"
 

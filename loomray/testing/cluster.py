@@ -24,8 +24,8 @@ Example::
 share look freshly started to the next one: every loomray actor killed, and
 that many live workers.
 
-Teardown kills loomray's supervisors and standby session actors (so no
-worker process is still starting as the nodes go), disconnects the driver,
+Teardown kills loomray's supervisors (so none starts a worker process as
+the nodes go), disconnects the driver,
 stops every node and then checks that no
 process this helper started (raylets, GCS, workers) is left; stragglers are
 killed by pid and reported as a warning.
@@ -53,7 +53,7 @@ import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # noqa: E402
 
-from loomray.runtime.actors import STANDBY_PREFIX, SUPERVISOR_PREFIX  # noqa: E402
+from loomray.runtime.actors import SUPERVISOR_PREFIX  # noqa: E402
 from loomray.runtime.connection import NAMESPACE  # noqa: E402
 from loomray.testing.processes import Process, descendants, process_alive, reap  # noqa: E402
 from loomray.testing.waiting import wait_for  # noqa: E402
@@ -323,7 +323,7 @@ def local_cluster(
     - ``connect=True`` calls ``ray.init(address=..., namespace=namespace)``.
       Raises ``RuntimeError`` if this process is already connected to Ray.
 
-    On exit: loomray's supervisor and standby actors killed, ``ray.shutdown()``, every node
+    On exit: loomray's supervisors killed, ``ray.shutdown()``, every node
     stopped, and every process started under this cluster checked gone (killed by pid after a
     short grace).
     """
@@ -365,19 +365,19 @@ def _loomray_actor_names() -> list[str]:
 
 
 def _stop_loomray_actors(*, everything: bool = False) -> list[str]:
-    """Kill loomray's supervisors, then its standby session actors (``everything``: then all its other
-    actors); the names it found (still listed until the actors are dead).
+    """Kill loomray's supervisors (``everything``: then all its other actors); the names it found
+    (still listed until the actors are dead).
 
-    Before the nodes stop: otherwise a supervisor may be refilling its standby pool as the
-    cluster goes down, and a worker process still starting when its raylet dies takes long to
-    notice on a busy machine (teardown would report it as a leftover). Best effort.
+    Before the nodes stop: otherwise a supervisor may be restarting a session as the cluster goes
+    down, and a worker process still starting when its raylet dies takes long to notice on a busy
+    machine (teardown would report it as a leftover). Best effort.
     """
     try:
         named = _loomray_actor_names()
     except Exception:
         return []
-    # The supervisors first, so they start no more standbys (nor restart sessions).
-    ordered = [n for n in named if n.startswith(SUPERVISOR_PREFIX)] + [n for n in named if n.startswith(STANDBY_PREFIX)]
+    # The supervisors first, so they restart no session.
+    ordered = [n for n in named if n.startswith(SUPERVISOR_PREFIX)]
     ordered += [n for n in named if n not in ordered] if everything else []
     for name in ordered:
         with contextlib.suppress(Exception):

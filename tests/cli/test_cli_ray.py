@@ -219,7 +219,7 @@ def test_two_stores_get_two_supervisors_and_stored_resources_survive_node_loss_a
         (agents / name / "hold").write_text("")  # every incarnation holds in its first tool step until released
     for name, url in stores.items():
         info = ok_json(cli(cluster, "submit", f"ray_agents:{name}", "go", "--session", f"s-{name}", "--store", url,
-                           "--resources", '{"loomray_session": 1}', "--standby-actors", "0", "--json"))
+                           "--resources", '{"loomray_session": 1}', "--json"))
         assert info["actor_options"] == {"resources": {"loomray_session": 1}}
     opened = {name: open_store(url) for name, url in stores.items()}
 
@@ -248,7 +248,7 @@ def test_two_stores_get_two_supervisors_and_stored_resources_survive_node_loss_a
                     f"ray.kill(ray.get_actor({host!r}))")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     keeper = subprocess.Popen([*CMD, "supervise", "--store", stores["placed_a"], "--address", addr, "--interval",
-                               "0.5", "--standby-actors", "0", "--allow-agent", "ray_agents:*"],
+                               "0.5", "--allow-agent", "ray_agents:*"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=REPO)
     try:
         wait_for(lambda: placed("placed_a", 3), timeout=90, what="the adopted session to restart")

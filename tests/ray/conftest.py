@@ -1,11 +1,11 @@
 """One 3-node Ray cluster shared by the test modules that can share it (``shared_cluster``).
 
-Starting a cluster costs ~6 s on CI's 2 cores and stopping it ~1.5 s; test_ray_fanout,
+Starting a cluster costs ~6 s on CI's 2 cores and stopping it ~1.5 s; test_ray_submit,
 test_ray_local_cluster, test_ray_runtime and test_ray_steering each used to start their own, all of
 the same shape: a head and two workers that alone have the ``loomray_session`` resource (so removing
 a worker really takes a session down), on 127.0.0.1, with tuned failure detection. Now they share
 one, and between modules ``LocalCluster.reset`` makes it look freshly started: every loomray actor
-(supervisors, standbys, hosts, sessions) killed and two live workers again, whatever the module's
+(supervisors, hosts, sessions) killed and two live workers again, whatever the module's
 node removals and additions left. Each module keeps a store of its own.
 
 Modules that need a cluster of another kind keep their own: token authentication (test_ray_jobs,
@@ -17,7 +17,7 @@ of the session, where its teardown checks that every process it started exited b
 
 The workers' environment is the union of what the modules set: ``tests/ray`` on ``PYTHONPATH``
 (``ray_agents`` by reference), ``LOOMRAY_RAY_TEST_DIR`` (``ray_agents``' marker files),
-``LOOMRAY_FANOUT_TEST_DIR`` (test_ray_fanout's gated step), and ``LOOMRAY_CANCEL_POLL_S=60`` (only
+``LOOMRAY_FANOUT_TEST_DIR`` (test_ray_submit's gated step), and ``LOOMRAY_CANCEL_POLL_S=60`` (only
 ``RayRuntime.cancel``'s direct path can stop a run within test_ray_steering's deadline; no other
 module cancels).
 """

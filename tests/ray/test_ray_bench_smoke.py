@@ -42,10 +42,5 @@ def test_ray_bench_smoke(tmp_path):
         assert tp["completed"] == tp["sessions"] >= 2
         assert tp["checkpoints"] == tp["sessions"] * (tp["passes"] + 1)  # one per pass, the final answer's too
         assert d["peak_memory_mb"] > 0 and d["leftover_processes"] == []
-    # Actor placement's fan-out: some forks claimed a warm standby, the rest started their own actors.
-    [fan] = data["actor"]["fan_out"]
-    pool = fan["standby"]
-    assert pool["warm_at_fork"] == pool["target"] >= 1
-    assert pool["forks_on_standby"] == pool["target"] and pool["forks_own_actor"] == fan["forks"] - pool["target"] >= 1
     scale = data["dense"]["scale"]
     assert scale["completed"] == scale["sessions"] and scale["failed"] == 0

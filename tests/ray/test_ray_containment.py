@@ -71,7 +71,7 @@ def _status(statuses, sid):
 @pytest.mark.parametrize("placement", ["actor", "dense"])
 async def test_a_tool_raising_system_exit_fails_its_own_run_only(env, placement):
     _, _, agents = env
-    rt = _runtime(env, placement=placement, hosts_per_node=1 if placement == "dense" else None, standby_actors=0)
+    rt = _runtime(env, placement=placement, hosts_per_node=1 if placement == "dense" else None)
     name = "exits" if placement == "actor" else "exits_dense"
     neighbours = [] if placement == "actor" else [0, 1]
     runs = [asyncio.create_task(_mine(agents, f"nb{i}", rt).run("go", session_id=f"s-nb{i}")) for i in neighbours]
@@ -96,7 +96,7 @@ async def test_a_tool_raising_system_exit_fails_its_own_run_only(env, placement)
 
 async def test_a_tool_raising_keyboard_interrupt_in_its_thread_fails_its_run(env):
     _, _, agents = env
-    rt = _runtime(env, standby_actors=0)
+    rt = _runtime(env)
     with pytest.raises(Exception, match="KeyboardInterrupt") as caught:
         await asyncio.wait_for(_mine(agents, "interrupts", rt).run("go", session_id="s-interrupts"), BOUND_S)
     assert type(caught.value).__name__ == "ToolAborted"
@@ -169,7 +169,7 @@ async def test_a_supervisor_killed_mid_fan_out_runs_no_fork_twice(env):
     from loomray.runtime.ray_runtime import supervise
 
     _, _, agents = env
-    rt = _runtime(env, standby_actors=0, max_concurrent_forks=2)
+    rt = _runtime(env, max_concurrent_forks=2)
     agent = _mine(agents, "forker", rt)
     source = await agent.run("hi", session_id="s-fan-source")
     stop = threading.Event()
@@ -194,7 +194,7 @@ async def test_a_supervisor_killed_mid_fan_out_runs_no_fork_twice(env):
 
 async def test_every_view_agrees_on_how_a_session_ended(env):
     _, _, agents = env
-    rt = _runtime(env, standby_actors=0)
+    rt = _runtime(env)
     here = agents.workdir("holder")
     (here / "hold").write_text("")
     holder = _mine(agents, "holder", rt)
@@ -218,7 +218,7 @@ async def test_every_view_agrees_on_how_a_session_ended(env):
 async def test_fan_out_progress_counts_a_cancelled_fork_as_cancelled(env):
     _, _, agents = env
     progress = []
-    rt = _runtime(env, standby_actors=0, on_fork_progress=progress.append)
+    rt = _runtime(env, on_fork_progress=progress.append)
     rt.progress_interval_s = 0.05
     here = agents.workdir("holder")
     for p in here.glob("held-*"):

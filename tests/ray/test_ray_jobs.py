@@ -119,7 +119,7 @@ def test_job_run_survives_losing_its_sessions_node(jobs, tmp_path):
     submitted = _run(RAY, "job", "submit", "--address", url, "--submission-id", job_id, "--no-wait",
                      "--runtime-env-json", json.dumps(runtime_env), "--",
                      "loomray", "submit", "--wait", f"ray_agents:{AGENT}", "go", "--session", sid,
-                     "--store", store_url, "--resources", '{"loomray_session": 1}', "--standby-actors", "0", "--json")
+                     "--store", store_url, "--resources", '{"loomray_session": 1}', "--json")
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
     assert job_id in submitted.stdout + submitted.stderr
 

@@ -303,8 +303,7 @@ def cluster_run(tmp_path_factory):
                        head_node_args={"metrics_export_port": port},
                        env={"PYTHONPATH": pythonpath, TELEMETRY_DIR: str(root / "telemetry")},
                        init_kwargs={"runtime_env": {"worker_process_setup_hook": f"{__name__}.worker_setup"}}) as lc:
-        # No standby actors: each would be an idle worker process, and this module needs none.
-        runtime, other = RayRuntime(root / "store", standby_actors=0), RayRuntime(root / "other", standby_actors=0)
+        runtime, other = RayRuntime(root / "store"), RayRuntime(root / "other")
         try:
             model = ScriptedModel([{"tool": "lookup", "args": {"key": "a"}}, {"tool": "lookup", "args": {"key": "b"}},
                                    "done"])

@@ -236,12 +236,11 @@ async def test_a_write_is_in_the_executor_before_a_node_loss_freeze_can_run():
     executor.shutdown(wait=True)
 
 
-def test_a_standby_that_died_with_its_node_does_not_make_the_pool_back_off():
-    """A node loss kills the standbys starting on it: that is no reason to wait before starting others
-    (the pool once backed off a minute after a node loss, holding a fan-out)."""
+def test_an_actor_that_died_with_its_node_is_told_from_one_that_crashed():
+    """A host lost with its node is a node loss, charged as always; one that died with its node up crashed."""
     from ray.exceptions import ActorDiedError
 
-    from loomray.runtime.standby import died_with_its_node
+    from loomray.runtime.watcher import died_with_its_node
 
     lost = ActorDiedError()
     lost.error_msg = "The actor died because its node has died. Node Id: 07f8\\n\\tthe actor's node was terminated"

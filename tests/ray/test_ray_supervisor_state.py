@@ -75,13 +75,12 @@ def test_session_actor_options_default_to_zero_cpus_and_a_name_with_the_session(
 
 
 def test_actor_names_carry_the_store_so_two_stores_share_a_cluster():
-    from loomray.runtime.actors import session_actor_name, standby_actor_name, supervisor_name
+    from loomray.runtime.actors import session_actor_name, supervisor_name
     from loomray.runtime.hosts import host_actor_name
 
     a, b = "file:///tmp/store-a", "file:///tmp/store-b"
     assert supervisor_name(a) != supervisor_name(b) and supervisor_name(a) == supervisor_name(a)
     assert session_actor_name(a, "s1") != session_actor_name(b, "s1")
-    assert standby_actor_name(a).startswith(f"loomray/standby/{store_key(a)}/")
     assert host_actor_name(b).startswith(f"loomray/host/{store_key(b)}/")
 
 

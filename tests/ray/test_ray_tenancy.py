@@ -65,8 +65,8 @@ def test_actor_names_refuse_what_ids_refuse():
 def runtime(shared_cluster, tmp_path_factory):
     from loomray.runtime import RayRuntime
 
-    # No standbys: every session starts an actor under its own name, where the collision was.
-    rt = RayRuntime(tmp_path_factory.mktemp("ray-tenancy") / "store", standby_actors=0,
+    # Every session starts an actor under its own name, where the collision was.
+    rt = RayRuntime(tmp_path_factory.mktemp("ray-tenancy") / "store",
                     actor_options={"resources": {"loomray_session": 1}})
     yield rt
     rt.close()
@@ -125,7 +125,7 @@ async def test_secrets_in_runtime_env_and_actor_options_never_reach_the_store(ru
 
     options = {"resources": {"loomray_session": 1},
                "runtime_env": {"env_vars": {"ANTHROPIC_API_KEY": by_name, "HARMLESS": by_shape, "LOG_LEVEL": "debug"}}}
-    secret_rt = RayRuntime(runtime.config.store_url, standby_actors=0, actor_options=options)
+    secret_rt = RayRuntime(runtime.config.store_url, actor_options=options)
     try:
         agent = Agent("x", model=ScriptedModel([{"tool": "check_env", "args": {}}, "done"]), tools=[check_env],
                       runtime=secret_rt)

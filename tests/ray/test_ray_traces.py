@@ -43,7 +43,7 @@ def traced(shared_cluster, tmp_path_factory):
     provider.add_span_processor(SimpleSpanProcessor(collector.exporter))
     options = {"resources": {"loomray_session": 1},
                "runtime_env": {"env_vars": {trace_agents.ENDPOINT: collector.endpoint, trace_agents.HOLD_DIR: str(held)}}}
-    runtime = RayRuntime(tmp_path_factory.mktemp("ray-traces") / "store", actor_options=options, standby_actors=0)
+    runtime = RayRuntime(tmp_path_factory.mktemp("ray-traces") / "store", actor_options=options)
     try:
         yield shared_cluster.lc, runtime, collector, provider.get_tracer("test"), held
     finally:
