@@ -67,9 +67,14 @@ def session_status(store: SessionStore, session_id: str, user_id: str | None) ->
 
 
 def require_session(store: SessionStore, session_id: str, user_id: str | None) -> str | None:
-    """The session's status; :class:`LoomrayUserError` for a session the store does not know."""
+    """The session's status; :class:`LoomrayUserError` for a session the store does not know.
+
+    A session submitted to a supervisor but not started yet (its actor waits for what it asked for) has
+    no status row or run yet, only its active mark: it is known, and may be cancelled before it starts.
+    """
     status = session_status(store, session_id, user_id)
-    if status is None and not store.journal_runs(session_id, user_id=user_id):
+    if (status is None and not store.journal_runs(session_id, user_id=user_id)
+            and store.get_active(session_id, user_id=user_id) is None):
         raise LoomrayUserError(f"unknown session {session_id!r}" + (f" of user {user_id!r}" if user_id else "")
                                + f" in {store.describe()}")
     return status

@@ -48,6 +48,10 @@ log = logging.getLogger("loomray.runtime.supervisor")
 MAX_FINISHED = 10_000
 
 
+#: How long telling a session's actor to cancel may wait for it (an actor not started yet answers late).
+_TELL_CANCEL_S = 5.0
+
+
 class Supervisor:
     """Starts, watches, restarts and forks session actors; detached, one per cluster (see module docstring)."""
 
@@ -325,11 +329,15 @@ class Supervisor:
         return out
 
     async def cancel(self, session_id: str, user_id: str | None = None) -> bool:
-        """Cancel a running session (it keeps its checkpoints and can be resumed)."""
+        """Tell a session's actor to stop its run now; the durable cancel (already written) does the rest.
+
+        An actor not started yet (it waits for what it asked for) answers once it starts: this waits a
+        few seconds at most, since that actor finds the durable cancel when it takes the lease anyway.
+        """
         w = self._sessions.get((user_id, session_id))
         if w is None or w.done.done() or w.handle is None:
             return False
-        await w.handle.cancel.remote()
+        await asyncio.wait([asyncio.ensure_future(w.handle.cancel.remote())], timeout=_TELL_CANCEL_S)
         return True
 
     async def compact(self) -> dict[str, Any] | None:
