@@ -27,3 +27,9 @@ def test_readme_snippet_runs(index, tmp_path):
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "loomray-data" / "sessions").is_dir()  # it really wrote checkpoints
+
+
+def test_readme_stays_a_guide():
+    """The README guides (what it is, quick start, a first agent, Ray, steering, storage, guarantees, limits);
+    reference and figures live in docs/."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300
