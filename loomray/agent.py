@@ -16,8 +16,9 @@ from loomray.call_args import check_id, check_ids, check_user, output_type, sche
 from loomray.config import Tuning
 from loomray.errors import CheckpointNotFound
 from loomray.events import EmitFn
-from loomray.explore import Budget, Exploration
+from loomray.explore import Budget, Exploration, StopRule
 from loomray.explore import explore as _explore
+from loomray.explore.engine import Judge, Variants
 from loomray.ids import new_id
 from loomray.models.base import Model
 from loomray.models.resolve import resolve_model
@@ -251,8 +252,8 @@ class Agent:
         clone: Agent = variant_agent(self, variant)
         return clone
 
-    async def explore(self, session_id: str, *, variants: Any, judge: Any, from_checkpoint: str = "latest",
-                      rounds: int = 1, keep: int = 1, score_every: int | None = None, stop_rule: Any = None,
+    async def explore(self, session_id: str, *, variants: Variants, judge: Judge, from_checkpoint: str = "latest",
+                      rounds: int = 1, keep: int = 1, score_every: int | None = None, stop_rule: StopRule | None = None,
                       adopt: bool = False, budget: Budget | float | None = None, exploration_id: str | None = None,
                       user_id: str | None = None) -> Exploration:
         """Fork ``variants`` from one checkpoint, judge the branches, keep the best ``keep`` per round, durably.

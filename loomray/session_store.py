@@ -10,10 +10,12 @@ write counter) needs only these methods to stand in for the real one.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any, Protocol
 
 from storage.checkpoint_log import CheckpointLog
 from storage.journal import JournalRun, Listing
+from storage.leases import LeaseNote
 from storage.objects import ObjectStore
 from storage.rows import CheckpointInfo, CheckpointRow, JournalEntry, Lease, RunRecord, SessionRow
 
@@ -28,7 +30,7 @@ class SessionStore(Protocol):
 
     # -- lease ---------------------------------------------------------------
     def acquire_lease(self, session_id: str, *, user_id: str | None = None, owner: str,
-                      timeout: float = ..., note: Any = None) -> Lease: ...
+                      timeout: float = ..., note: LeaseNote | None = None) -> Lease: ...
 
     def check_lease(self, lease: Lease) -> None: ...
 
@@ -37,13 +39,13 @@ class SessionStore(Protocol):
                         run_id: str | None = None) -> Listing: ...
 
     def journal_seal_listed(self, session_id: str, run_id: str, *, user_id: str | None = None, lease: Lease,
-                            listed: Any) -> JournalEntry: ...
+                            listed: Collection[str]) -> JournalEntry: ...
 
-    def journal_complete_fences(self, session_id: str, *, user_id: str | None = None, chain: Any,
-                                listed: Any) -> int: ...
+    def journal_complete_fences(self, session_id: str, *, user_id: str | None = None, chain: list[dict[str, Any]],
+                                listed: dict[str, Collection[str]]) -> int: ...
 
     def journal_seal(self, session_id: str, run_id: str, *, user_id: str | None = None, lease: Lease,
-                     seen_before: Any = None, known: JournalRun | None = None) -> JournalRun: ...
+                     seen_before: Collection[str] | None = None, known: JournalRun | None = None) -> JournalRun: ...
 
     def journal_read(self, session_id: str, run_id: str, *, user_id: str | None = None) -> JournalRun: ...
 

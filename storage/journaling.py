@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from storage import journal, layout
@@ -51,13 +52,14 @@ class JournalMethods:
         return journal.journal_keys(self, session_id, run_id, user_id)
 
     def journal_seal(self, session_id: str, run_id: str, *, user_id: str | None = None, lease: Lease,
-                     seen_before: Any = None, known: journal.JournalRun | None = None) -> journal.JournalRun:
+                     seen_before: Collection[str] | None = None,
+                     known: journal.JournalRun | None = None) -> journal.JournalRun:
         """Seal the run for ``lease``'s incarnation (fences older writers) and return its journal, seal included."""
         return journal.seal_run(self, session_id, run_id, user_id, lease, seen_before=seen_before,
                                 known=known)
 
     def journal_seal_listed(self, session_id: str, run_id: str, *, user_id: str | None = None, lease: Lease,
-                            listed: Any) -> JournalEntry:
+                            listed: Collection[str]) -> JournalEntry:
         """Seal the run right after taking ``lease``, above the keys ``listed`` before it (one PUT)."""
         return journal.seal_listed(self, session_id, run_id, user_id, lease, listed)
 
@@ -66,8 +68,8 @@ class JournalMethods:
         """What a new owner lists right before its lease swap to fence the session's last run (and ``run_id``)."""
         return journal.list_for_fence(self, session_id, user_id, run_id)
 
-    def journal_complete_fences(self, session_id: str, *, user_id: str | None = None, chain: Any,
-                                listed: Any) -> int:
+    def journal_complete_fences(self, session_id: str, *, user_id: str | None = None, chain: list[dict[str, Any]],
+                                listed: dict[str, Collection[str]]) -> int:
         """Write the seals earlier owners recorded in the lease but did not write (see ``journal.FenceNote``)."""
         return journal.complete_fences(self, session_id, user_id, chain, listed)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
@@ -20,12 +20,12 @@ from loomray.errors import CheckpointNotFound, LoomrayUserError
 from loomray.explore.adopt import adopt_winner
 from loomray.explore.context import Context
 from loomray.explore.forking import BranchPlan
-from loomray.explore.judges import check_judge
+from loomray.explore.judges import ModelJudge, check_judge
 from loomray.explore.record import ExplorationRecord, callable_ref, variant_doc
 from loomray.explore.rounds import RoundRun
 from loomray.explore.stopping import StopRule, successive_halving
 from loomray.explore.summary import branches_of, contenders, summarize, winner_of
-from loomray.explore.types import Branch, Budget, Exploration
+from loomray.explore.types import Branch, Budget, Exploration, JudgeInput, Score
 from loomray.ids import new_id
 from loomray.variants import Variant
 
@@ -33,13 +33,15 @@ if TYPE_CHECKING:  # the Agent module imports this package
     from loomray.agent import Agent
 
 Variants = Sequence[Variant] | Callable[[int, list[Branch]], Sequence[Variant]]
+#: A judge: a function of the branch (sync or async) giving a float or a Score, or a ModelJudge.
+Judge = Callable[[JudgeInput], float | Score | Awaitable[float | Score]] | ModelJudge
 
 #: Plan fields a continuation must pass again unchanged.
 _COMPARED = ("session_id", "user_id", "from_checkpoint", "rounds", "keep", "score_every", "adopt", "budget",
              "variants", "judge", "stop_rule")
 
 
-async def explore(agent: Agent, session_id: str, *, variants: Variants, judge: Any, from_checkpoint: str = "latest",
+async def explore(agent: Agent, session_id: str, *, variants: Variants, judge: Judge, from_checkpoint: str = "latest",
                   rounds: int = 1, keep: int = 1, score_every: int | None = None, stop_rule: StopRule | None = None,
                   adopt: bool = False, budget: Budget | float | None = None, exploration_id: str | None = None,
                   user_id: str | None = None) -> Exploration:
