@@ -68,7 +68,8 @@ def run(seeds: list[int], sessions: int, bound_s: float) -> int:
                 idle.update(f"{p.placement}:{n.split(' ')[0]}" for n in notes)
                 print(f"seed {seed:4d} {p.placement:5s} {','.join(p.kinds)} | "
                       f"{' '.join(f'{f}@{at}s->{i}' for at, f, i in p.faults)} | "
-                      f"{time.monotonic() - t0:5.1f} s {'ok' if not violations else 'VIOLATED'}", flush=True)
+                      f"{time.monotonic() - t0:5.1f} s, load {os.getloadavg()[0]:.0f} "
+                      f"{'ok' if not violations else 'VIOLATED'}", flush=True)
                 for n in notes:
                     print(f"    note: {n}", flush=True)
                 for v in violations:

@@ -47,6 +47,8 @@ import chaos_kinds
 HERE = Path(__file__).resolve().parent
 #: Restarts charged to a session before it fails (kept low so an os._exit session fails quickly).
 MAX_RESTARTS = 4
+#: How long sessions still active at the bound are watched further, to tell slow from stuck (still violations).
+LATE_S = 240.0
 #: Seconds a driver process has to connect before the scenario starts without it (a checker failure).
 DRIVER_READY_S = 120.0
 
@@ -308,10 +310,26 @@ async def verdict(run: Run, rows: dict[str, str | None], bound_s: float) -> list
         task = run.tasks[sid]
         if "kill_driver" not in touched and task.cancelled():
             out.append(f"{sid}: its driver's call never returned")
+    if out:
+        out += await _after_bound(run, rows)
     mine = Counter(line for line in chaos_kinds.calls() if line.split(" ")[0] in set(run.plan.sessions))
     out += [f"model call made {n} times: {line}" for line, n in sorted(mine.items()) if n > 1]
     out += await _views_agree(run, rows)
     return out + run.broken
+
+
+async def _after_bound(run: Run, rows: dict[str, str | None]) -> list[str]:
+    """Sessions not resting at the bound, watched up to ``LATE_S`` more: slow or stuck (a diagnosis only)."""
+    loop = asyncio.get_running_loop()
+    start, late, out = loop.time(), {sid for sid, s in rows.items() if s not in RESTING}, []
+    while late and loop.time() - start < LATE_S:
+        await asyncio.sleep(1.0)
+        for sid in sorted(late):
+            status = _row_status(run.runtime.store, sid)
+            if status in RESTING:
+                late.discard(sid)
+                out.append(f"{sid}: (diagnosis) rested {status!r} {loop.time() - start:.0f} s after the bound")
+    return out + [f"{sid}: (diagnosis) not resting {LATE_S:.0f} s after the bound either" for sid in sorted(late)]
 
 
 async def _views_agree(run: Run, rows: dict[str, str | None]) -> list[str]:
