@@ -77,8 +77,13 @@ def plan(seed: int, sessions: int = 5) -> Plan:
     kinds = [rng.choice(chaos_kinds.KINDS) for _ in range(sessions)]
     if not any(k in chaos_kinds.HEALTHY for k in kinds):
         kinds[0] = "sleep"  # someone to be harmed
-    faults = sorted((round(rng.uniform(0.3, 3.0), 2), rng.choice(FAULTS), rng.randrange(sessions))
-                    for _ in range(rng.randint(2, 3)))
+    drawn = [(round(rng.uniform(0.3, 3.0), 2), rng.choice(FAULTS), rng.randrange(sessions))
+             for _ in range(rng.randint(2, 3))]
+    # An approval does something only to a session that asks for one: aim it at one if there is one (no
+    # draw, so every other plan stays as it was).
+    asking = [i for i, k in enumerate(kinds) if k == "approval"]
+    faults = sorted((at, f, asking[0] if f == "approve" and kinds[t] != "approval" and asking else t)
+                    for at, f, t in drawn)
     return Plan(seed, ("actor", "dense")[seed % 2], kinds, faults)
 
 
@@ -216,13 +221,29 @@ async def inject(run: Run, fault: str, sid: str) -> None:
         if proc.returncode is not None:
             raise LookupError(f"its driver had returned: {await run.tasks[sid]}")
         proc.kill()  # SIGKILL
-    elif fault == "cancel":
-        await agent.cancel(sid)
-    elif fault == "pause":
-        await agent.pause(sid)
-    elif fault == "signal":
-        await agent.signal(sid, "a word from the chaos checker")
+    elif fault in ("cancel", "pause", "signal"):
+        await _control(agent, fault, sid)
     # "approve" is applied when the session waits for approval (settle).
+
+
+async def _control(agent: Any, fault: str, sid: str, wait_s: float = 5.0) -> None:
+    """Cancel, pause or signal ``sid``, waiting up to ``wait_s`` for the store to know it (a start may lag)."""
+    from loomray.errors import LoomrayUserError
+
+    deadline = asyncio.get_running_loop().time() + wait_s
+    while True:
+        try:
+            if fault == "cancel":
+                await agent.cancel(sid)
+            elif fault == "pause":
+                await agent.pause(sid)
+            else:
+                await agent.signal(sid, "a word from the chaos checker")
+            return
+        except LoomrayUserError as e:
+            if "unknown session" not in str(e) or asyncio.get_running_loop().time() > deadline:
+                raise
+        await asyncio.sleep(0.2)
 
 
 async def _kill_process(run: Run, sid: str, wait_s: float = 5.0) -> None:
