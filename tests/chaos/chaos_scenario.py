@@ -213,7 +213,10 @@ async def inject(run: Run, fault: str, sid: str) -> None:
             await asyncio.to_thread(run.cluster.remove_node, node)
             # Not to_thread: starting a node sets signal handlers, which only the main thread may do. The
             # drivers' loop waits meanwhile (a second or two); the sessions run in the cluster regardless.
-            run.cluster.add_node()
+            try:
+                run.cluster.add_node()
+            except Exception:  # Ray gives a raylet 30 s to register; under a load of 60+ on 2 cores, once more
+                run.cluster.add_node()
         except Exception as e:
             raise InjectorError(f"{type(e).__name__}: {e}") from e
     elif fault == "kill_driver":
@@ -226,7 +229,7 @@ async def inject(run: Run, fault: str, sid: str) -> None:
     # "approve" is applied when the session waits for approval (settle).
 
 
-async def _control(agent: Any, fault: str, sid: str, wait_s: float = 5.0) -> None:
+async def _control(agent: Any, fault: str, sid: str, wait_s: float = 25.0) -> None:
     """Cancel, pause or signal ``sid``, waiting up to ``wait_s`` for the store to know it (a start may lag)."""
     from loomray.errors import LoomrayUserError
 
@@ -246,7 +249,7 @@ async def _control(agent: Any, fault: str, sid: str, wait_s: float = 5.0) -> Non
         await asyncio.sleep(0.2)
 
 
-async def _kill_process(run: Run, sid: str, wait_s: float = 5.0) -> None:
+async def _kill_process(run: Run, sid: str, wait_s: float = 25.0) -> None:
     """Kill the process hosting ``sid``, waiting up to ``wait_s`` for it to be up (a start may be under way)."""
     import ray
 
