@@ -338,7 +338,8 @@ async def verdict(run: Run, rows: dict[str, str | None], bound_s: float) -> list
         out += await _after_bound(run, rows)
     mine = Counter(line for line in chaos_kinds.calls() if line.split(" ")[0] in set(run.plan.sessions))
     out += [f"model call made {n} times: {line}" for line, n in sorted(mine.items()) if n > 1]
-    out += await _views_agree(run, rows)
+    # Rows read now, as the supervisor is asked now (sessions watched past the bound may have ended since).
+    out += await _views_agree(run, {sid: _row_status(run.runtime.store, sid) for sid in run.plan.sessions})
     return out + run.broken
 
 
