@@ -35,14 +35,20 @@ log = logging.getLogger("loomray.runtime.active")
 _ORPHAN_AFTER_S = 3600.0
 
 
-def note(placement: str, actor_options: dict[str, Any] | None = None) -> bytes:
-    """The mark's body: placement, the session's own actor options and when it was marked.
+def note(placement: str, actor_options: dict[str, Any] | None = None, *, host_crashes: int = 0,
+         quarantined: bool = False) -> bytes:
+    """The mark's body: placement, the session's own actor options, when it was marked, and (once a shared
+    host crashed with it) its crash attribution, which a supervisor adopting it carries on from.
 
     Only JSON options are kept, and never a secret: secret-looking env vars are
     left out and only their names recorded (``secret_env_vars``; see
     :mod:`loomray.runtime.stored_options` for how an adopted session gets them back).
     """
     body: dict[str, Any] = {"v": 1, "placement": placement, "since": datetime.now(timezone.utc).isoformat()}
+    if host_crashes:
+        body["host_crashes"] = host_crashes
+    if quarantined:
+        body["quarantined"] = True
     if actor_options:
         body["actor_options"] = storable_options(actor_options)
         names = secret_env_names(actor_options)
@@ -63,10 +69,13 @@ def parse(raw: bytes | None) -> dict[str, Any]:
 
 
 async def mark(store: Store, session_id: str, user_id: str | None, placement: str,
-               actor_options: dict[str, Any] | None = None) -> None:
-    """Mark the session active; a failure is logged (the session then is only adoptable by a full scan)."""
+               actor_options: dict[str, Any] | None = None, *, host_crashes: int = 0,
+               quarantined: bool = False) -> None:
+    """Mark the session active (again: the body is replaced); a failure is logged (the session then is only
+    adoptable by a full scan, and an adopter starts its crash attribution afresh)."""
     try:
-        await asyncio.to_thread(store.put_active, session_id, user_id=user_id, data=note(placement, actor_options))
+        data = note(placement, actor_options, host_crashes=host_crashes, quarantined=quarantined)
+        await asyncio.to_thread(store.put_active, session_id, user_id=user_id, data=data)
     except Exception as e:
         log.warning("could not mark session %r active: %s: %s", session_id, type(e).__name__, e)
 

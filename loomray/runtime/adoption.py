@@ -31,7 +31,7 @@ from loomray.run_errors import INDEX_ERROR_MAX
 from loomray.runtime import active
 from loomray.runtime.actors import AgentSpec, RuntimeConfig, agent_ref_allowed, check_actor_options, check_pattern
 from loomray.runtime.stored_options import restore_secrets, trusted_options
-from loomray.runtime.watcher import WatchedSession
+from loomray.runtime.watcher import WatchedSession, quarantine
 from loomray.session import RunRequest
 from storage import SessionRow
 
@@ -101,6 +101,11 @@ class AdoptionPolicy:
         agent = AgentSpec(ref=row.agent_ref) if row.agent_ref else None
         w = WatchedSession(row.session_id, row.user_id, request_json, agent, last_node=row.node_id, epoch=row.epoch)
         w.config = self.config_for(mark)
+        # The crash attribution of the supervisor that ran it (a mark is only a hint: ints and a flag, or none).
+        crashes = mark.get("host_crashes")
+        w.host_crashes = crashes if isinstance(crashes, int) and not isinstance(crashes, bool) and crashes > 0 else 0
+        if mark.get("quarantined") is True:
+            quarantine(w, w.config or self._config)
         return w
 
     def _owner_silent(self, row: SessionRow, epoch: int) -> bool:

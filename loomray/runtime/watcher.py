@@ -242,10 +242,14 @@ class SessionWatcher:
         w.uncharged += 1
         w.host_crashes += 1
         if w.host_crashes >= QUARANTINE_AFTER:
-            w.quarantined = True
-            w.config = dataclasses.replace(self.config_of(w), placement="actor")
+            quarantine(w, self.config_of(w))
             log.warning("session %r was on %d session hosts that crashed with their node up; it runs in a process "
                         "of its own from now on", w.session_id, w.host_crashes)
+        # In its active mark, so that a supervisor adopting it after this one's death carries on from here
+        # rather than putting a quarantined session back beside others (seed 5 of the chaos checker).
+        config = self.config_of(w)
+        await active.mark(self._store, w.session_id, w.user_id, config.placement, config.actor_options,
+                          host_crashes=w.host_crashes, quarantined=w.quarantined)
 
     async def finish(self, w: WatchedSession, outcome: Outcome, *, mark_failed: bool) -> None:
         """Record the session's end: active mark cleared, row marked failed if asked, actor stopped, ``done``."""
@@ -274,6 +278,12 @@ class SessionWatcher:
         w.finished_at = time.monotonic()
         if not w.done.done():
             w.done.set_result(outcome)
+
+
+def quarantine(w: WatchedSession, config: RuntimeConfig) -> None:
+    """From now on ``w`` runs in a session actor of its own (``config`` is the one it ran with)."""
+    w.quarantined = True
+    w.config = dataclasses.replace(config, placement="actor")
 
 
 def _limit_reason(w: WatchedSession, limit: int) -> str:

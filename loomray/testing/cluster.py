@@ -44,6 +44,7 @@ apply_ray_env_defaults()
 
 import contextlib  # noqa: E402
 import os  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
@@ -180,7 +181,13 @@ class LocalCluster:
 
         The node gets the custom resource :func:`node_resource` ``(i)`` (i counts
         every node ever added, so names are never reused after a removal).
+        Main thread only: Ray's node start sets a SIGTERM handler, which Python
+        allows there alone (from another thread Ray fails halfway, with an error
+        about signals, and no node joins).
         """
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("LocalCluster.add_node must be called from the main thread (Ray's node start sets "
+                               "signal handlers); from asyncio, call it directly, not through asyncio.to_thread")
         index = len(self._index)
         res = {node_resource(index): 1.0, **(self.worker_resources if resources is None else resources)}
         node = self.cluster.add_node(

@@ -32,25 +32,13 @@ for p in (str(HERE), str(HERE.parents[1])):
 
 #: Seconds every session has to rest after the last fault.
 BOUND_S = 120.0
-#: Restarts charged to a session before it fails (kept low so an os._exit session fails quickly).
-MAX_RESTARTS = 4
-
-
-def _runtimes(store: Path) -> dict[str, object]:
-    from loomray.runtime import RayRuntime
-
-    options = {"resources": {"loomray_session": 1}}
-    return {"actor": RayRuntime(store, actor_options=options, standby_actors=2, max_restarts_per_session=MAX_RESTARTS),
-            "dense": RayRuntime(store, actor_options=options, placement="dense", hosts_per_node=1,
-                                max_restarts_per_session=MAX_RESTARTS)}
-
 
 def run(seeds: list[int], sessions: int, bound_s: float) -> int:
     """Run ``seeds`` on one cluster; print a line per seed and a summary; the number of failing seeds."""
     from loomray.runtime.connection import apply_ray_env_defaults
 
     apply_ray_env_defaults()
-    from chaos_scenario import execute, plan
+    from chaos_scenario import MAX_RESTARTS, execute, plan, runtime
 
     from loomray.runtime.ray_runtime import supervise
     from loomray.testing.cluster import local_cluster
@@ -59,11 +47,11 @@ def run(seeds: list[int], sessions: int, bound_s: float) -> int:
     env = {"PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH")) if p),
            "LOOMRAY_CHAOS_DIR": str(work)}
     os.environ["LOOMRAY_CHAOS_DIR"] = str(work)
-    started, failing, faults = time.monotonic(), [], Counter()
+    started, failing, faults, idle = time.monotonic(), [], Counter(), Counter()
     # Workers' logs stay in the cluster's log files: the report is one line per seed.
     with local_cluster(num_nodes=3, worker_resources={"loomray_session": 100}, env=env,
                        init_kwargs={"log_to_driver": False}) as lc:
-        runtimes = _runtimes(work / "store")
+        runtimes = {placement: runtime(placement, work / "store") for placement in ("actor", "dense")}
         stop = threading.Event()
         keeper = threading.Thread(target=supervise, args=(str(work / "store"),), daemon=True,
                                   kwargs={"interval_s": 0.2, "stop": stop, "report": lambda line: None,
@@ -74,12 +62,16 @@ def run(seeds: list[int], sessions: int, bound_s: float) -> int:
         try:
             for seed in seeds:
                 p = plan(seed, sessions)
-                faults.update(f for _, f, _ in p.faults)
+                faults.update(f"{p.placement}:{f}" for _, f, _ in p.faults)
                 t0 = time.monotonic()
-                violations = asyncio.run(execute(p, runtimes[p.placement], lc, bound_s))
+                violations, notes = asyncio.run(execute(p, runtimes[p.placement], lc, bound_s))
+                idle.update(f"{p.placement}:{n.split(' ')[0]}" for n in notes)
                 print(f"seed {seed:4d} {p.placement:5s} {','.join(p.kinds)} | "
                       f"{' '.join(f'{f}@{at}s->{i}' for at, f, i in p.faults)} | "
-                      f"{time.monotonic() - t0:5.1f} s {'ok' if not violations else 'VIOLATED'}", flush=True)
+                      f"{time.monotonic() - t0:5.1f} s, load {os.getloadavg()[0]:.0f} "
+                      f"{'ok' if not violations else 'VIOLATED'}", flush=True)
+                for n in notes:
+                    print(f"    note: {n}", flush=True)
                 for v in violations:
                     print(f"    {v}", flush=True)
                 if violations:
@@ -91,8 +83,9 @@ def run(seeds: list[int], sessions: int, bound_s: float) -> int:
             stop.set()
             keeper.join(timeout=30)
     wall = time.monotonic() - started
-    print(f"{len(seeds)} seed(s), {sessions} sessions each, {len(failing)} violating, {wall:.0f} s; faults injected: "
-          f"{dict(sorted(faults.items()))}")
+    print(f"{len(seeds)} seed(s), {sessions} sessions each, {len(failing)} violating {failing}, {wall:.0f} s; "
+          f"faults planned (placement:fault): {dict(sorted(faults.items()))}; of which found nothing to break "
+          f"(the session had ended, or never waited for approval): {dict(sorted(idle.items()))}", flush=True)
     return len(failing)
 
 
@@ -100,12 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--seeds", type=int, default=20, help="run seeds 0..N-1")
-    group.add_argument("--seed", type=int, help="replay one seed")
+    group.add_argument("--seed", type=int, nargs="+", help="replay these seeds")
     parser.add_argument("--first", type=int, default=0, help="with --seeds: the first seed")
     parser.add_argument("--sessions", type=int, default=5, help="sessions per scenario")
     parser.add_argument("--bound", type=float, default=BOUND_S, help="seconds every session has to rest")
     args = parser.parse_args(argv)
-    seeds = [args.seed] if args.seed is not None else list(range(args.first, args.first + args.seeds))
+    seeds = args.seed if args.seed is not None else list(range(args.first, args.first + args.seeds))
     return 1 if run(seeds, args.sessions, args.bound) else 0
 
 

@@ -154,6 +154,32 @@ async def test_a_session_that_keeps_crashing_its_host_fails_alone(env):
     rt.close()
 
 
+async def test_a_quarantined_session_stays_in_its_own_process_after_its_supervisor_dies(env):
+    """Quarantine outlives the supervisor that decided it: its replacement adopts the session into a
+    process of its own, never back onto a shared host (where it crashed its neighbours twice more)."""
+    from loomray.errors import LoomrayRunError
+    from loomray.runtime.actors import NAMESPACE, supervisor_name
+
+    _, _, agents = env
+    rt = _runtime(env, placement="dense", hosts_per_node=1, max_restarts_per_session=4)
+    run = asyncio.create_task(_mine(agents, "crasher", rt).run("go", session_id="s-quarantined"))
+    deadline = time.monotonic() + 4 * BOUND_S
+    while not next((s["quarantined"] for s in await rt.status() if s["session_id"] == "s-quarantined"), False):
+        assert time.monotonic() < deadline and not run.done(), "never quarantined"
+        await asyncio.sleep(0.1)
+    ray.kill(ray.get_actor(supervisor_name(rt.config.store_url), namespace=NAMESPACE))
+
+    # The next call makes a replacement (the driver's wait does too); its first view of the session:
+    adopted = None
+    while adopted is None:
+        assert time.monotonic() < deadline, "never adopted"
+        adopted = next((s for s in await rt.status() if s["session_id"] == "s-quarantined"), None)
+    assert (adopted["quarantined"], adopted["placement"]) == (True, "actor"), adopted
+    with pytest.raises(LoomrayRunError, match="restart limit reached.*moved out of shared session hosts"):
+        await asyncio.wait_for(run, 4 * BOUND_S)
+    rt.close()
+
+
 def test_max_restarts_per_session_is_checked():
     from loomray.runtime import RayRuntime
 

@@ -82,3 +82,25 @@ def test_custom_resource_pin_and_graceful_removal(lc):
 def test_head_node_cannot_be_removed(lc):
     with pytest.raises(ValueError, match="head node"):
         lc.remove_node(lc.head)
+
+
+def test_adding_a_node_off_the_main_thread_is_a_clear_error(lc):
+    # Ray's node start sets signal handlers; from a worker thread it used to fail halfway with a bare
+    # ValueError about signals, which the chaos checker took for a fault that found nothing to break.
+    import threading
+
+    before = list(lc.workers)
+    raised = []
+    t = threading.Thread(target=lambda: _capture(lc.add_node, raised))
+    t.start()
+    t.join(timeout=60)
+    assert len(raised) == 1 and isinstance(raised[0], RuntimeError), raised
+    assert "main thread" in str(raised[0])
+    assert lc.workers == before
+
+
+def _capture(fn, into):
+    try:
+        fn()
+    except BaseException as e:
+        into.append(e)
