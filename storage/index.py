@@ -287,10 +287,18 @@ def own_rows(table: pa.Table, key: str) -> pa.Table:
     to the other's objects. Such rows are dropped, with a warning. A
     ``user_id``, ``session_id``, ``checkpoint_id`` or ``key`` column that is
     not text is another schema (``ValueError``: the file is skipped).
+
+    A checkpoint row's ``key`` is a function of its partition and its id, so
+    a file without the column, or a row whose ``key`` is null, gets the key
+    its checkpoint's object has: a reader never asks the store for a null key,
+    nor loses a checkpoint whose object is there (it is still checked against
+    the row's size and sha256).
     """
     m = _PARTITION.match(key)
     if m is None or table.num_rows == 0:
         return table
+    if m.group(2) is not None and "checkpoint_id" in table.column_names:
+        table = _keyed(table, f"sessions/{m.group(1)}/{m.group(2)}/checkpoints/")
     keep = None
     for column, value in (("user_id", user_from_segment(m.group(1))), ("session_id", m.group(2))):
         if column not in table.column_names or (column == "session_id" and value is None):
@@ -304,6 +312,19 @@ def own_rows(table: pa.Table, key: str) -> pa.Table:
         return table
     log.warning("dropping rows of another user or session from index file %s", key)
     return table.filter(keep)
+
+
+def _keyed(table: pa.Table, prefix: str) -> pa.Table:
+    """``table`` with the ``key`` of each checkpoint row that lacks one (no column, or null) filled in: the
+    object of its ``checkpoint_id`` under ``prefix``."""
+    ids = text_column(table, "checkpoint_id").cast(pa.string())
+    expected = pc.binary_join_element_wise(prefix, ids, ".json", "")
+    if "key" not in table.column_names:
+        return table.append_column("key", expected)
+    keys = text_column(table, "key")
+    if keys.null_count == 0:
+        return table
+    return table.set_column(table.column_names.index("key"), "key", pc.coalesce(keys.cast(pa.string()), expected))
 
 
 def _own_keys(table: pa.Table, prefix: str) -> pa.ChunkedArray:

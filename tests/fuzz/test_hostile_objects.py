@@ -128,3 +128,34 @@ def test_session_rows_without_a_time_are_ignored_not_compared(objects):
     assert {r.session_id for r in store.list_sessions(user_id=USER)} >= {SESSION, "s-c"}  # its later rows
     store.compact()
     assert store.get_session(SESSION, user_id=USER) is not None
+
+
+@pytest.mark.parametrize("how", ["column dropped", "nulls"])
+def test_an_index_row_without_a_key_still_reads_its_own_checkpoint(objects, how):
+    """Seed 934: an index file without ``key`` made a read ask the store for key ``None`` and miss a checkpoint
+    whose object is there; the key is its id's object (still checked against the row's size and sha256)."""
+    intact = _open("memory", 0, objects, None).list_checkpoints(SESSION, user_id=USER, limit=None)
+    for key in [k for k in objects if k.startswith(f"index/checkpoints/user={USER}/session={SESSION}/")]:
+        objects[key] = _rewrite(objects[key], lambda t: t.drop_columns(["key"]) if how == "column dropped" else
+                                t.set_column(t.column_names.index("key"), "key", pa.nulls(t.num_rows, pa.string())))
+    store = _open("memory", 0, objects, None)
+    fetched = []
+    get = store.objects.get
+    store.objects.get = lambda *, key: fetched.append(key) or get(key=key)
+    rows = store.list_checkpoints(SESSION, user_id=USER, limit=None)
+    assert rows == intact
+    for row in rows:
+        assert load_checkpoint(store, SESSION, row.checkpoint_id, user_id=USER) is not None
+    assert None not in fetched
+
+
+def test_index_rows_without_an_epoch_are_dropped_not_compared(objects, caplog):
+    """A row without an epoch cannot be ranked (nor fenced): dropped with a warning, never a raw TypeError."""
+    first = min(k for k in objects if k.startswith(f"index/checkpoints/user={USER}/session={SESSION}/"))
+    objects[first] = _rewrite(objects[first], lambda t: t.set_column(
+        t.column_names.index("epoch"), "epoch", pa.nulls(t.num_rows, pa.int64())))
+    store = _open("memory", 0, objects, None)
+    rows = store.list_checkpoints(SESSION, user_id=USER, limit=None)
+    assert rows and all(r.epoch is not None for r in rows) and "without an epoch" in caplog.text
+    assert load_checkpoint(store, SESSION, user_id=USER) is not None
+
