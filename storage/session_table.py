@@ -63,6 +63,7 @@ def read_session_table(store: Store, segment: str) -> pa.Table:
         return SESSION_TABLE_SCHEMA.empty_table()
     try:
         table = pq.read_table(pa.BufferReader(data.data))
+        table.validate(full=True)  # text that is not UTF-8 (flipped bytes) fails here, not in a caller
         return table.select(SESSION_TABLE_SCHEMA.names).cast(SESSION_TABLE_SCHEMA)
     except Exception as e:  # a foreign or truncated file: rebuild it from the partitions
         log.warning("session table %s is unreadable (%s: %s); rebuilding it", store.describe(session_table_key(

@@ -147,3 +147,16 @@ def test_every_read_is_run(recorder):
     assert names[:4] == ["list checkpoints", "load latest", "get latest bytes", "load c1"]
     assert {"journal replay", "run records", "control consume", "pins", "query", "list_sessions", "active marks",
             "lease take", "compact", "resume"} <= set(names)
+
+
+def test_returning_a_table_arrow_rejects_is_a_violation_not_a_fuzzer_error(recorder):
+    """Text that is not UTF-8 (a Parquet file's flipped bytes) is judged, and searched for markers as bytes."""
+    import pyarrow as pa
+
+    rec, _ = recorder
+    data = f"\xff{OTHER_USER_MARK}".encode("latin-1")
+    text = pa.Array.from_buffers(pa.string(), 1, [None, pa.py_buffer(b"\0\0\0\0" + len(data).to_bytes(4, "little")),
+                                                  pa.py_buffer(data)])
+    out = run_read("r", False, lambda: pa.table({"t": text}), rec, set())
+    assert out.violations[0].startswith("r: returned a table its caller cannot read: ")
+    assert out.violations[1:] == [f"r: returned another session's content ({OTHER_USER_MARK})"]

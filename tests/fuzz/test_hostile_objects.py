@@ -159,3 +159,19 @@ def test_index_rows_without_an_epoch_are_dropped_not_compared(objects, caplog):
     assert rows and all(r.epoch is not None for r in rows) and "without an epoch" in caplog.text
     assert load_checkpoint(store, SESSION, user_id=USER) is not None
 
+
+def test_a_table_partition_whose_text_is_not_utf8_is_unreadable_not_returned(objects):
+    """Seed 325: flipped bytes in a partition's text (not UTF-8, which the Parquet reader does not check) were
+    returned by ``query``, to fail only in the caller's ``to_pylist`` with a raw ``UnicodeDecodeError``."""
+    key = _key(objects, f"index/table/user={USER}/day=")
+    table = pq.read_table(io.BytesIO(objects[key]))
+    table = table.set_column(table.column_names.index("position"), "position",
+                             pa.array(["QZQZ"] * table.num_rows, pa.string()))
+    sink = io.BytesIO()
+    pq.write_table(table, sink, compression="none", use_dictionary=False)
+    objects[key] = sink.getvalue().replace(b"QZQZ", b"\xffZ\xfeZ")
+    store = _open("memory", 0, objects, None)
+    with pytest.raises(StorageError, match="unreadable table partition"):
+        store.query(user_id=USER)
+    store.compact()  # rebuilds the partition from the per-session index
+    assert {r["session_id"] for r in store.query(user_id=USER).to_pylist()} >= {SESSION, "s-c"}
