@@ -175,3 +175,21 @@ def test_a_table_partition_whose_text_is_not_utf8_is_unreadable_not_returned(obj
         store.query(user_id=USER)
     store.compact()  # rebuilds the partition from the per-session index
     assert {r["session_id"] for r in store.query(user_id=USER).to_pylist()} >= {SESSION, "s-c"}
+
+
+@pytest.mark.parametrize("where", ["top", "epoch"])
+def test_a_fence_with_an_epoch_no_writer_writes_is_ignored(objects, where):
+    """Seed 2987: a lease fence naming epoch 10**30 reached an Arrow comparison with the int64 epoch column
+    (a raw ``TypeError`` from ``query`` and ``compact``); it is malformed, so it fences nothing."""
+    key = f"sessions/{USER}/{SESSION}/lease.json"
+    body = json.loads(objects[key])
+    fence = body["checkpoints"]
+    if where == "top":
+        fence["top"] = [10**30, fence["top"][1]]
+    else:
+        fence["prev"] = [{"epoch": 10**30, "top": None}]
+    objects[key] = json.dumps(body).encode()
+    store = _open("memory", 0, objects, None)
+    assert SESSION in set(store.query(user_id=USER)["session_id"].to_pylist())
+    store.compact()
+    assert store.list_checkpoints(SESSION, user_id=USER)
