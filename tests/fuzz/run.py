@@ -1,6 +1,6 @@
 """The hostile-bucket fuzzer from the command line: ``make fuzz SEEDS=5000``, or replay one seed.
 
-    PYTHONPATH=$PWD python tests/fuzz/run.py --seeds 5000 [--jobs 2]
+    PYTHONPATH=$PWD python tests/fuzz/run.py --seeds 5000 [--jobs 2] [--start 10000]
     PYTHONPATH=$PWD python tests/fuzz/run.py --seed 1234 [--backend local]
 
 Seed ``k`` runs on a local directory when ``k % 4 == 1`` and on the memory store otherwise (``--backend`` forces
@@ -104,7 +104,8 @@ def report(results: list[SeedResult], warnings: int, seconds: float) -> list[str
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=200, help="run seeds 0..N-1")
+    parser.add_argument("--seeds", type=int, default=200, help="run seeds START..START+N-1")
+    parser.add_argument("--start", type=int, default=0, help="the first seed (split a long run into parts)")
     parser.add_argument("--seed", type=int, help="replay one seed (prints its tracebacks)")
     parser.add_argument("--backend", choices=["memory", "local"], help="force one backend")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes")
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"run the costly reads ({', '.join(COSTLY)}) on every k-th seed only")
     args = parser.parse_args(argv)
     began = time.monotonic()
-    seeds = [args.seed] if args.seed is not None else list(range(args.seeds))
+    seeds = [args.seed] if args.seed is not None else list(range(args.start, args.start + args.seeds))
     if args.jobs > 1 and len(seeds) > 1:
         mixed = sorted(seeds, key=lambda s: (s * 2654435761) % 2**32)  # every worker a like mix of backends and reads
         chunks = [(mixed[i::args.jobs], args.backend, args.costly_every) for i in range(args.jobs)]
