@@ -84,15 +84,32 @@ def parquet_table(data: bytes) -> pa.Table:
     the column readers' own setup). Parallelism comes from reading many files
     at once.
 
-    The table is validated in full (``pyarrow.ArrowInvalid`` otherwise): the
-    Parquet reader does not check that text is UTF-8, so a file with flipped
-    bytes would hand a caller rows that fail only when it converts them.
-    That costs a few microseconds per file.
+    The table is :func:`checked` (``pyarrow.ArrowInvalid`` otherwise): a
+    file with flipped bytes must not hand a caller rows that fail only when it
+    converts them. That costs a few microseconds per file.
     """
     reader = pq.ParquetReader()
     reader.open(pa.py_buffer(data), pre_buffer=False)
-    table = reader.read_all(use_threads=False)
+    return checked(reader.read_all(use_threads=False))
+
+
+#: Seconds since 1970 of Python's first and last datetime (years 1 and 9999), a day inside each end (time zones).
+_PYTHON_SECONDS = (-62135596800 + 86400, 253402300799 - 86400)
+_PER_SECOND = {"s": 1, "ms": 10**3, "us": 10**6, "ns": 10**9}
+
+
+def checked(table: pa.Table) -> pa.Table:
+    """``table`` when a caller can convert every value of it, else ``pyarrow.ArrowInvalid``: text that is not
+    UTF-8 (the Parquet reader does not check it), a time outside Python's years 1-9999 (``to_pylist`` would
+    raise ``OverflowError``)."""
     table.validate(full=True)
+    for i, field in enumerate(table.schema):
+        if not pa.types.is_timestamp(field.type) or table.column(i).null_count == table.num_rows:
+            continue
+        low, high = pc.min_max(table.column(i).cast(pa.int64())).values()
+        first, last = (s * _PER_SECOND[field.type.unit] for s in _PYTHON_SECONDS)
+        if low.as_py() < first or high.as_py() > last:
+            raise pa.ArrowInvalid(f"column {field.name} holds a time outside the years 1-9999")
     return table
 
 

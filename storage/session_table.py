@@ -31,6 +31,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from storage import layout
+from storage.index import checked
 from storage.rows import SESSION_SCHEMA, SessionRow, session_rows_from_table, session_rows_table
 from storage.sessions import latest_sessions
 
@@ -63,7 +64,7 @@ def read_session_table(store: Store, segment: str) -> pa.Table:
         return SESSION_TABLE_SCHEMA.empty_table()
     try:
         table = pq.read_table(pa.BufferReader(data.data))
-        table.validate(full=True)  # text that is not UTF-8 (flipped bytes) fails here, not in a caller
+        checked(table)  # text that is not UTF-8, a time past year 9999 (flipped bytes): fails here, not in a caller
         return table.select(SESSION_TABLE_SCHEMA.names).cast(SESSION_TABLE_SCHEMA)
     except Exception as e:  # a foreign or truncated file: rebuild it from the partitions
         log.warning("session table %s is unreadable (%s: %s); rebuilding it", store.describe(session_table_key(

@@ -122,7 +122,8 @@ def _text(value: Any) -> str:
     """``value`` as text to look for markers in; a table's text columns as their raw bytes (a Parquet file with
     flipped bytes can hold text that is not UTF-8, which ``to_pylist`` cannot decode)."""
     if isinstance(value, pa.Table):
-        raw = value.cast(pa.schema([pa.field(f.name, pa.binary()) if pa.types.is_string(f.type) else f
+        raw = value.cast(pa.schema([pa.field(f.name, pa.binary()) if pa.types.is_string(f.type) else
+                                    pa.field(f.name, pa.int64()) if pa.types.is_timestamp(f.type) else f
                                     for f in value.schema]))
         return json.dumps(raw.to_pylist(), default=repr)
     return repr(value)
@@ -130,13 +131,14 @@ def _text(value: Any) -> str:
 
 def _invalid(value: Any) -> str | None:
     """Why a table a read returned is not one its caller can use (Arrow's full validation: text that is not
-    UTF-8, offsets out of range), None when it is, or is no table."""
+    UTF-8, offsets out of range; a time Python cannot hold), None when it is, or is no table."""
     if not isinstance(value, pa.Table):
         return None
     try:
         value.validate(full=True)
-    except (pa.ArrowInvalid, pa.ArrowException) as e:
-        return str(e)[:200]
+        value.to_pylist()
+    except (pa.ArrowException, UnicodeDecodeError, OverflowError) as e:  # a time past year 9999: OverflowError
+        return f"{type(e).__name__}: {str(e)[:200]}"
     return None
 
 

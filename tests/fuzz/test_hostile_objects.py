@@ -193,3 +193,18 @@ def test_a_fence_with_an_epoch_no_writer_writes_is_ignored(objects, where):
     assert SESSION in set(store.query(user_id=USER)["session_id"].to_pylist())
     store.compact()
     assert store.list_checkpoints(SESSION, user_id=USER)
+
+
+@pytest.mark.parametrize("kind, column", [("checkpoints", "created_at"), ("checkpoints", "written_at"),
+                                          ("sessions", "updated_at")])
+def test_an_index_file_with_a_time_past_year_9999_is_skipped(objects, kind, column):
+    """Seed 3767: a flipped timestamp (year 146,000) made every read converting the file's rows raise a raw
+    ``OverflowError``; such a file is unreadable, skipped with a warning like any corrupt one."""
+    key = _key(objects, f"index/{kind}/user={USER}/session={SESSION}/")
+    objects[key] = _rewrite(objects[key], lambda t: t.set_column(
+        t.column_names.index(column), column, pa.array([2**62] * t.num_rows, t.schema.field(column).type)))
+    store = _open("memory", 0, objects, None)
+    store.list_checkpoints(SESSION, user_id=USER, limit=None)
+    store.query(user_id=USER).to_pylist()
+    assert {r.session_id for r in store.list_sessions(user_id=USER)} >= {"s-c"}
+    store.compact()
