@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from storage import chains, layout
 from storage.errors import IndexChangedError
@@ -66,7 +67,7 @@ class CheckpointRows:
         missing = [k for k in keys if k not in parsed]
         for key, table in self.index.read_files(missing, cache=False, vanished=vanished):
             try:
-                parsed[key] = checkpoint_rows_from_table(conform(table, CHECKPOINT_SCHEMA))
+                parsed[key] = checkpoint_rows_from_table(self._ranked(conform(table, CHECKPOINT_SCHEMA), key))
                 tops = retired_tops(table)
                 if tops:
                     with self._lock:
@@ -78,6 +79,14 @@ class CheckpointRows:
                 if key in parsed:
                     self._remember(key, parsed[key])
         return [parsed[k] for k in keys if k in parsed]
+
+    def _ranked(self, table: pa.Table, key: str) -> pa.Table:
+        """The rows of index file ``key`` that have an epoch: one without cannot be ranked against the session's
+        other rows (nor fenced), so it is dropped with a warning, never read as epoch 0 or compared with None."""
+        if table["epoch"].null_count == 0:
+            return table
+        log.warning("dropping index rows without an epoch from %s", self.objects.describe(key))
+        return table.filter(pc.is_valid(table["epoch"]))
 
     def _remember(self, key: str, rows: FileRows) -> None:
         self._files[key] = rows

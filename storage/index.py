@@ -83,10 +83,34 @@ def parquet_table(data: bytes) -> pa.Table:
     and ~4x cheaper than ``read_table`` (what is left, ~6 us per column, is
     the column readers' own setup). Parallelism comes from reading many files
     at once.
+
+    The table is :func:`checked` (``pyarrow.ArrowInvalid`` otherwise): a
+    file with flipped bytes must not hand a caller rows that fail only when it
+    converts them. That costs a few microseconds per file.
     """
     reader = pq.ParquetReader()
     reader.open(pa.py_buffer(data), pre_buffer=False)
-    return reader.read_all(use_threads=False)
+    return checked(reader.read_all(use_threads=False))
+
+
+#: Seconds since 1970 of Python's first and last datetime (years 1 and 9999), a day inside each end (time zones).
+_PYTHON_SECONDS = (-62135596800 + 86400, 253402300799 - 86400)
+_PER_SECOND = {"s": 1, "ms": 10**3, "us": 10**6, "ns": 10**9}
+
+
+def checked(table: pa.Table) -> pa.Table:
+    """``table`` when a caller can convert every value of it, else ``pyarrow.ArrowInvalid``: text that is not
+    UTF-8 (the Parquet reader does not check it), a time outside Python's years 1-9999 (``to_pylist`` would
+    raise ``OverflowError``)."""
+    table.validate(full=True)
+    for i, field in enumerate(table.schema):
+        if not pa.types.is_timestamp(field.type) or table.column(i).null_count == table.num_rows:
+            continue
+        low, high = pc.min_max(table.column(i).cast(pa.int64())).values()
+        first, last = (s * _PER_SECOND[field.type.unit] for s in _PYTHON_SECONDS)
+        if low.as_py() < first or high.as_py() > last:
+            raise pa.ArrowInvalid(f"column {field.name} holds a time outside the years 1-9999")
+    return table
 
 
 #: Index columns with few distinct values per file: dictionary-encoded in compacted files.
@@ -287,10 +311,18 @@ def own_rows(table: pa.Table, key: str) -> pa.Table:
     to the other's objects. Such rows are dropped, with a warning. A
     ``user_id``, ``session_id``, ``checkpoint_id`` or ``key`` column that is
     not text is another schema (``ValueError``: the file is skipped).
+
+    A checkpoint row's ``key`` is a function of its partition and its id, so
+    a file without the column, or a row whose ``key`` is null, gets the key
+    its checkpoint's object has: a reader never asks the store for a null key,
+    nor loses a checkpoint whose object is there (it is still checked against
+    the row's size and sha256).
     """
     m = _PARTITION.match(key)
     if m is None or table.num_rows == 0:
         return table
+    if m.group(2) is not None and "checkpoint_id" in table.column_names:
+        table = _keyed(table, f"sessions/{m.group(1)}/{m.group(2)}/checkpoints/")
     keep = None
     for column, value in (("user_id", user_from_segment(m.group(1))), ("session_id", m.group(2))):
         if column not in table.column_names or (column == "session_id" and value is None):
@@ -304,6 +336,19 @@ def own_rows(table: pa.Table, key: str) -> pa.Table:
         return table
     log.warning("dropping rows of another user or session from index file %s", key)
     return table.filter(keep)
+
+
+def _keyed(table: pa.Table, prefix: str) -> pa.Table:
+    """``table`` with the ``key`` of each checkpoint row that lacks one (no column, or null) filled in: the
+    object of its ``checkpoint_id`` under ``prefix``."""
+    ids = text_column(table, "checkpoint_id").cast(pa.string())
+    expected = pc.binary_join_element_wise(prefix, ids, ".json", "")
+    if "key" not in table.column_names:
+        return table.append_column("key", expected)
+    keys = text_column(table, "key")
+    if keys.null_count == 0:
+        return table
+    return table.set_column(table.column_names.index("key"), "key", pc.coalesce(keys.cast(pa.string()), expected))
 
 
 def _own_keys(table: pa.Table, prefix: str) -> pa.ChunkedArray:

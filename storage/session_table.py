@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 
 from storage import layout
 from storage.ids import user_from_segment, user_segment
-from storage.index import conform
+from storage.index import checked, conform
 from storage.objects import ObjectInfo
 from storage.rows import SESSION_SCHEMA, SessionRow, session_rows_from_table, session_rows_table
 from storage.sessions import latest_sessions
@@ -70,7 +70,9 @@ def read_session_table(store: Store, segment: str) -> pa.Table:
     if data is None:
         return SESSION_TABLE_SCHEMA.empty_table()
     try:
-        return conform(pq.read_table(pa.BufferReader(data.data)), SESSION_TABLE_SCHEMA)
+        table = pq.read_table(pa.BufferReader(data.data))
+        checked(table)  # text that is not UTF-8, a time past year 9999 (flipped bytes): fails here, not in a caller
+        return conform(table, SESSION_TABLE_SCHEMA)
     except Exception as e:  # a foreign or truncated file: rebuild it from the partitions
         log.warning("session table %s is unreadable (%s: %s); rebuilding it", store.describe(session_table_key(
             segment)), type(e).__name__, e)

@@ -47,6 +47,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from storage.layout import is_epoch
 from storage.rows import CheckpointRow
 
 #: A fence as read back: ``(epoch of the takeover, highest (epoch, checkpoint_id) it listed or None)``.
@@ -70,17 +71,18 @@ def live_of(files: Iterable[FileRows]) -> dict[str, CheckpointRow]:
 
 def parse_fences(items: Any) -> list[Fence]:
     """The well-formed checkpoint fences among ``items`` (lease.json is not trusted: the worst a forged fence
-    does is hide or retire rows of older epochs, never resurrect one)."""
+    does is hide or retire rows of older epochs, never resurrect one). An epoch is an int in [0, 2**53), as
+    every writer writes it: a larger one (10**30) would not even compare with an index's int64 column."""
     out: list[Fence] = []
     for item in items if isinstance(items, list) else ():
         if not isinstance(item, dict):
             continue
         epoch, top = item.get("epoch"), item.get("top")
-        if type(epoch) is not int or epoch < 1:
+        if not is_epoch(epoch) or epoch < 1:
             continue
         if top is None:
             out.append((epoch, None))
-        elif isinstance(top, list) and len(top) == 2 and type(top[0]) is int and isinstance(top[1], str):
+        elif isinstance(top, list) and len(top) == 2 and is_epoch(top[0]) and isinstance(top[1], str):
             out.append((epoch, (top[0], top[1])))
     return out
 
@@ -96,7 +98,7 @@ def lease_fences(body: dict[str, Any] | None) -> list[Fence]:
     """Every fence a ``lease.json`` body records: its own takeover's and the earlier owners' (none when the
     body is missing, unreadable or records none)."""
     fence = body.get("checkpoints") if body is not None else None
-    if body is None or not isinstance(fence, dict) or type(body.get("epoch")) is not int:
+    if body is None or not isinstance(fence, dict) or not is_epoch(body.get("epoch")):
         return []
     prev = fence.get("prev")
     return parse_fences([{"epoch": body["epoch"], "top": fence.get("top")}, *(prev if isinstance(prev, list) else ())])
@@ -114,7 +116,7 @@ class Visibility:
     def of(cls, body: dict[str, Any] | None) -> Visibility:
         """The rule a lease body (None: missing or unreadable) sets."""
         epoch = body.get("epoch") if body is not None else None
-        return cls(epoch if type(epoch) is int else None, tuple(lease_fences(body)))
+        return cls(epoch if is_epoch(epoch) else None, tuple(lease_fences(body)))
 
     def fenced(self, row: CheckpointRow) -> bool:
         """True for a row a fenced writer landed after a takeover (never live)."""
@@ -181,7 +183,7 @@ def retired_tops(table: pa.Table) -> Tops:
     except ValueError:
         return out
     for item in items if isinstance(items, list) else ():
-        if isinstance(item, list) and len(item) == 2 and type(item[0]) is int and isinstance(item[1], str):
+        if isinstance(item, list) and len(item) == 2 and is_epoch(item[0]) and isinstance(item[1], str):
             out = merge_tops(out, {item[0]: (item[0], item[1])})
     return out
 

@@ -119,9 +119,27 @@ class Recorder:
 
 
 def _text(value: Any) -> str:
+    """``value`` as text to look for markers in; a table's text columns as their raw bytes (a Parquet file with
+    flipped bytes can hold text that is not UTF-8, which ``to_pylist`` cannot decode)."""
     if isinstance(value, pa.Table):
-        return json.dumps(value.to_pylist(), default=str)
+        raw = value.cast(pa.schema([pa.field(f.name, pa.binary()) if pa.types.is_string(f.type) else
+                                    pa.field(f.name, pa.int64()) if pa.types.is_timestamp(f.type) else f
+                                    for f in value.schema]))
+        return json.dumps(raw.to_pylist(), default=repr)
     return repr(value)
+
+
+def _invalid(value: Any) -> str | None:
+    """Why a table a read returned is not one its caller can use (Arrow's full validation: text that is not
+    UTF-8, offsets out of range; a time Python cannot hold), None when it is, or is no table."""
+    if not isinstance(value, pa.Table):
+        return None
+    try:
+        value.validate(full=True)
+        value.to_pylist()
+    except (pa.ArrowException, UnicodeDecodeError, OverflowError) as e:  # a time past year 9999: OverflowError
+        return f"{type(e).__name__}: {str(e)[:200]}"
+    return None
 
 
 def _users(value: Any) -> set[Any]:
@@ -213,6 +231,8 @@ def run_read(name: str, scoped: bool, call: Callable[[], Any], recorder: Recorde
                            if not str(k).startswith(ALICE)]
     if "value" in box and scoped:
         out.violations += [f"{name}: returned a row of user {u!r}" for u in sorted(_users(box["value"]) - {USER}, key=repr)]
+    if "value" in box and (why := _invalid(box["value"])) is not None:
+        out.violations.append(f"{name}: returned a table its caller cannot read: {why}")
     if "value" in box:
         text = _text(box["value"])
         for mark in (OTHER_USER_MARK, SAME_USER_MARK):

@@ -1,18 +1,20 @@
 """The hostile-bucket fuzzer from the command line: ``make fuzz SEEDS=5000``, or replay one seed.
 
-    PYTHONPATH=$PWD python tests/fuzz/run.py --seeds 5000 [--jobs 2]
+    PYTHONPATH=$PWD python tests/fuzz/run.py --seeds 5000 [--jobs 2] [--start 10000]
     PYTHONPATH=$PWD python tests/fuzz/run.py --seed 1234 [--backend local]
 
 Seed ``k`` runs on a local directory when ``k % 4 == 1`` and on the memory store otherwise (``--backend`` forces
-one): the local store costs twice the time per seed, and its own risk (a path outside the root) needs fewer. The
-report names the kinds of mutation made, the kinds of object mutated, every read's worst time and peak memory
-against the bounds, and for each failing seed the command that replays it. Exit status 1 when any read broke a
-rule (see ``fuzz_targets``).
+one): the local store costs twice the time per seed, and its own risk (a path outside the root) needs fewer.
+``--backend s3`` runs every seed on moto's S3 server (in a process of its own, started once per worker): each
+request is a round trip, so a seed there costs ten times one in memory or more. The report names the kinds of
+mutation made, the kinds of object mutated, every read's worst time and peak memory against the bounds, and for
+each failing seed the command that replays it. Exit status 1 when any read broke a rule (see ``fuzz_targets``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import multiprocessing
 import sys
@@ -53,12 +55,17 @@ def run_seeds(seeds: list[int], forced: str | None, progress: bool = False,
         tracemalloc.start()
     out = []
     try:
-        with tempfile.TemporaryDirectory(prefix="loomray-fuzz-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="loomray-fuzz-") as tmp, contextlib.ExitStack() as stack:
+            opener = None
+            if forced == "s3":
+                from storage.testing import MotoS3Server
+
+                opener = stack.enter_context(MotoS3Server(own_process=True)).open_store
             for seed in seeds:
                 backend = backend_of(seed, forced)
                 try:
                     out.append(run_seed(seed, backend, Path(tmp) / f"{backend}-{seed}",
-                                        costly=seed % costly_every == 0))
+                                        costly=seed % costly_every == 0, opener=opener))
                 except Exception as e:  # noqa: BLE001 - a fuzzer bug fails its seed, not the whole run
                     out.append(SeedResult(seed, backend, [], [], [f"fuzzer error: {type(e).__name__}: {e}"]))
                 if progress and (out[-1].violations or len(out) % 100 == 0):
@@ -104,15 +111,16 @@ def report(results: list[SeedResult], warnings: int, seconds: float) -> list[str
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=200, help="run seeds 0..N-1")
+    parser.add_argument("--seeds", type=int, default=200, help="run seeds START..START+N-1")
+    parser.add_argument("--start", type=int, default=0, help="the first seed (split a long run into parts)")
     parser.add_argument("--seed", type=int, help="replay one seed (prints its tracebacks)")
-    parser.add_argument("--backend", choices=["memory", "local"], help="force one backend")
+    parser.add_argument("--backend", choices=["memory", "local", "s3"], help="force one backend")
     parser.add_argument("--jobs", type=int, default=1, help="worker processes")
     parser.add_argument("--costly-every", type=int, default=1,
                         help=f"run the costly reads ({', '.join(COSTLY)}) on every k-th seed only")
     args = parser.parse_args(argv)
     began = time.monotonic()
-    seeds = [args.seed] if args.seed is not None else list(range(args.seeds))
+    seeds = [args.seed] if args.seed is not None else list(range(args.start, args.start + args.seeds))
     if args.jobs > 1 and len(seeds) > 1:
         mixed = sorted(seeds, key=lambda s: (s * 2654435761) % 2**32)  # every worker a like mix of backends and reads
         chunks = [(mixed[i::args.jobs], args.backend, args.costly_every) for i in range(args.jobs)]

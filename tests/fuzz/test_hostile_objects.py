@@ -128,3 +128,83 @@ def test_session_rows_without_a_time_are_ignored_not_compared(objects):
     assert {r.session_id for r in store.list_sessions(user_id=USER)} >= {SESSION, "s-c"}  # its later rows
     store.compact()
     assert store.get_session(SESSION, user_id=USER) is not None
+
+
+@pytest.mark.parametrize("how", ["column dropped", "nulls"])
+def test_an_index_row_without_a_key_still_reads_its_own_checkpoint(objects, how):
+    """Seed 934: an index file without ``key`` made a read ask the store for key ``None`` and miss a checkpoint
+    whose object is there; the key is its id's object (still checked against the row's size and sha256)."""
+    intact = _open("memory", 0, objects, None).list_checkpoints(SESSION, user_id=USER, limit=None)
+    for key in [k for k in objects if k.startswith(f"index/checkpoints/user={USER}/session={SESSION}/")]:
+        objects[key] = _rewrite(objects[key], lambda t: t.drop_columns(["key"]) if how == "column dropped" else
+                                t.set_column(t.column_names.index("key"), "key", pa.nulls(t.num_rows, pa.string())))
+    store = _open("memory", 0, objects, None)
+    fetched = []
+    get = store.objects.get
+    store.objects.get = lambda *, key: fetched.append(key) or get(key=key)
+    rows = store.list_checkpoints(SESSION, user_id=USER, limit=None)
+    assert rows == intact
+    for row in rows:
+        assert load_checkpoint(store, SESSION, row.checkpoint_id, user_id=USER) is not None
+    assert None not in fetched
+
+
+def test_index_rows_without_an_epoch_are_dropped_not_compared(objects, caplog):
+    """A row without an epoch cannot be ranked (nor fenced): dropped with a warning, never a raw TypeError."""
+    first = min(k for k in objects if k.startswith(f"index/checkpoints/user={USER}/session={SESSION}/"))
+    objects[first] = _rewrite(objects[first], lambda t: t.set_column(
+        t.column_names.index("epoch"), "epoch", pa.nulls(t.num_rows, pa.int64())))
+    store = _open("memory", 0, objects, None)
+    rows = store.list_checkpoints(SESSION, user_id=USER, limit=None)
+    assert rows and all(r.epoch is not None for r in rows) and "without an epoch" in caplog.text
+    assert load_checkpoint(store, SESSION, user_id=USER) is not None
+
+
+def test_a_table_partition_whose_text_is_not_utf8_is_unreadable_not_returned(objects):
+    """Seed 325: flipped bytes in a partition's text (not UTF-8, which the Parquet reader does not check) were
+    returned by ``query``, to fail only in the caller's ``to_pylist`` with a raw ``UnicodeDecodeError``."""
+    key = _key(objects, f"index/table/user={USER}/day=")
+    table = pq.read_table(io.BytesIO(objects[key]))
+    table = table.set_column(table.column_names.index("position"), "position",
+                             pa.array(["QZQZ"] * table.num_rows, pa.string()))
+    sink = io.BytesIO()
+    pq.write_table(table, sink, compression="none", use_dictionary=False)
+    objects[key] = sink.getvalue().replace(b"QZQZ", b"\xffZ\xfeZ")
+    store = _open("memory", 0, objects, None)
+    with pytest.raises(StorageError, match="unreadable table partition"):
+        store.query(user_id=USER)
+    store.compact()  # rebuilds the partition from the per-session index
+    assert {r["session_id"] for r in store.query(user_id=USER).to_pylist()} >= {SESSION, "s-c"}
+
+
+@pytest.mark.parametrize("where", ["top", "epoch"])
+def test_a_fence_with_an_epoch_no_writer_writes_is_ignored(objects, where):
+    """Seed 2987: a lease fence naming epoch 10**30 reached an Arrow comparison with the int64 epoch column
+    (a raw ``TypeError`` from ``query`` and ``compact``); it is malformed, so it fences nothing."""
+    key = f"sessions/{USER}/{SESSION}/lease.json"
+    body = json.loads(objects[key])
+    fence = body["checkpoints"]
+    if where == "top":
+        fence["top"] = [10**30, fence["top"][1]]
+    else:
+        fence["prev"] = [{"epoch": 10**30, "top": None}]
+    objects[key] = json.dumps(body).encode()
+    store = _open("memory", 0, objects, None)
+    assert SESSION in set(store.query(user_id=USER)["session_id"].to_pylist())
+    store.compact()
+    assert store.list_checkpoints(SESSION, user_id=USER)
+
+
+@pytest.mark.parametrize("kind, column", [("checkpoints", "created_at"), ("checkpoints", "written_at"),
+                                          ("sessions", "updated_at")])
+def test_an_index_file_with_a_time_past_year_9999_is_skipped(objects, kind, column):
+    """Seed 3767: a flipped timestamp (year 146,000) made every read converting the file's rows raise a raw
+    ``OverflowError``; such a file is unreadable, skipped with a warning like any corrupt one."""
+    key = _key(objects, f"index/{kind}/user={USER}/session={SESSION}/")
+    objects[key] = _rewrite(objects[key], lambda t: t.set_column(
+        t.column_names.index(column), column, pa.array([2**62] * t.num_rows, t.schema.field(column).type)))
+    store = _open("memory", 0, objects, None)
+    store.list_checkpoints(SESSION, user_id=USER, limit=None)
+    store.query(user_id=USER).to_pylist()
+    assert {r.session_id for r in store.list_sessions(user_id=USER)} >= {"s-c"}
+    store.compact()

@@ -140,12 +140,25 @@ async def test_secrets_in_runtime_env_and_actor_options_never_reach_the_store(ru
         release.write_text("go")
         result = await asyncio.wait_for(run, 120)
         assert "env ok" in [m.content for m in result.messages]  # the actor had both keys
+        supervised = json.dumps(await secret_rt.status(), default=str)  # what `loomray status --address` prints
     finally:
         secret_rt.close()
     root = Path(runtime.config.store_url.removeprefix("file://"))
     leaks = [str(p.relative_to(root)) for p in root.rglob("*") if p.is_file()
              and (by_name in _text(p) or by_shape in _text(p))]
     assert leaks == []
+    assert "s-env" in supervised
+    views = [supervised, *(_cli(root, *args) for args in (("status", "--json"), ("query", "--json")))]
+    assert [i for i, text in enumerate(views) if by_name in text or by_shape in text] == []
+
+
+def _cli(root: Path, *args: str) -> str:
+    """What the CLI prints about the store's sessions (shared views: any user of the store may run them)."""
+    from click.testing import CliRunner
+
+    from loomray.cli.main import main
+
+    return CliRunner().invoke(main, [*args, "--store", str(root)], catch_exceptions=False).output
 
 
 def _text(path: Path) -> str:
