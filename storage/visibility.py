@@ -14,6 +14,10 @@ prune and recovery see one and the same history. For one session:
    writer's, never live, whatever index file or table holds it
    (:meth:`Visibility.fenced`, :meth:`Visibility.fenced_mask` for Arrow
    tables). Rows of epoch 0 were written without a lease: nothing fences them.
+   When ``lease.json`` is missing or unreadable (deleted by hand, or
+   overwritten), the rule reads the copy of the body the last swap kept
+   (``leases/{epoch}.json``, :func:`storage.fencing.kept_lease_body`): a fence
+   lasts as long as its copy, so no fenced row or tail is shown again.
 3. **Tails.** A checkpoint object no index row names (live or retired) is a
    not-yet-indexed tail only when its header is intact, its epoch is the
    session's current one, and it ranks above every row, live *or retired*,
