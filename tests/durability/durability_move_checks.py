@@ -11,7 +11,8 @@
   unless a delete or prune removed the fork point itself;
 - ``prune-records``: after ``prune(before=<future>)`` no run record or
   ``run_end`` entry written before it is left holding the run's request
-  (its ``metadata``);
+  (its ``metadata``), except the record of a last run that had not finished
+  by then (recovery continues that run from it);
 - ``budget-carried`` / ``pause-consumed``: what the controller found.
 """
 
