@@ -22,7 +22,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from storage import envelope
+from storage import envelope, layout
 from storage.checkpoint_rows import CheckpointRows
 from storage.errors import StorageError
 from storage.objects import ObjectStore
@@ -43,6 +43,29 @@ def lease_body(data: bytes | None) -> dict[str, Any] | None:
     except (ValueError, RecursionError):  # RecursionError: JSON nested deeper than the parser recurses
         return None
     return body if isinstance(body, dict) else None
+
+
+def kept_lease_body(objects: ObjectStore, session_id: str, user_id: str | None,
+                    below: int | None = None) -> dict[str, Any] | None:
+    """The newest readable copy of a ``lease.json`` body a swap kept (``leases/{epoch}.json``; only epochs
+    below ``below`` when given), or None when there is none.
+
+    What a deleted or unreadable ``lease.json`` said: an acquire carries its
+    fences on from here, and readers judge the session's rows by it (a fence
+    lives as long as its copy, so deleting ``lease.json`` shows no fenced row
+    again). One LIST, and a GET of the newest copy (up to 3 if those are
+    unreadable).
+    """
+    prefix = layout.lease_copy_prefix(session_id, user_id)
+    epochs = sorted((int(name) for name in (o.key[len(prefix):-5] for o in objects.list(prefix=prefix)
+                                            if o.key.endswith(".json"))
+                     if name.isascii() and name.isdigit() and (below is None or int(name) < below)), reverse=True)
+    for epoch in epochs[:3]:
+        obj = objects.get(key=layout.lease_copy_key(session_id, user_id, epoch))
+        body = lease_body(obj.data if obj is not None else None)
+        if body is not None and type(body.get("epoch")) is int:
+            return body
+    return None
 
 
 class CheckpointFences:

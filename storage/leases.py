@@ -20,7 +20,7 @@ from typing import Any
 from storage import backoff, layout
 from storage.checkpoint_rows import CheckpointRows
 from storage.errors import LeaseCorruptError, LeaseLostError, PreconditionFailed, StorageError
-from storage.fencing import CheckpointFences, lease_body
+from storage.fencing import CheckpointFences, kept_lease_body, lease_body
 from storage.journal.fences import carried_note
 from storage.objects import ObjectStore
 from storage.rows import SESSION_SCHEMA, Lease, utcnow
@@ -299,15 +299,7 @@ class Leases:
 
     def _last_copy(self, session_id: str, user_id: str | None, below: int) -> dict[str, Any] | None:
         """The newest lease body copy of an epoch below ``below`` (None: none, or unreadable)."""
-        prefix = layout.lease_copy_prefix(session_id, user_id)
-        keys = sorted((o.key for o in self.objects.list(prefix=prefix)
-                       if o.key[len(prefix):-5].isdigit() and int(o.key[len(prefix):-5]) < below), reverse=True)
-        for key in keys[:3]:
-            obj = self.objects.get(key=key)
-            body = lease_body(obj.data if obj is not None else None)
-            if body is not None and type(body.get("epoch")) is int:
-                return body
-        return None
+        return kept_lease_body(self.objects, session_id, user_id, below)
 
     # -- checking ------------------------------------------------------------
     def current_epoch(self, session_id: str, user_id: str | None) -> int:

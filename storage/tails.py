@@ -33,7 +33,7 @@ from storage import envelope, layout
 from storage.chains import Pins
 from storage.checkpoint_rows import CheckpointRows
 from storage.envelope import row_of_header
-from storage.fencing import lease_body
+from storage.fencing import kept_lease_body, lease_body
 from storage.rows import CheckpointRow
 from storage.visibility import (
     FileRows,
@@ -60,7 +60,8 @@ class Snapshot:
     tails: dict[str, CheckpointRow]
     #: Listed checkpoint objects: key -> size.
     present: dict[str, int]
-    #: ``lease.json``'s body (None: missing or unreadable).
+    #: The lease body the rule reads: ``lease.json``'s, or when that is missing or unreadable, the newest copy a
+    #: swap kept (:func:`storage.fencing.kept_lease_body`); None when neither is there.
     lease: dict[str, Any] | None
     #: Keys some index row names, live or retired, with that row.
     indexed: dict[str, CheckpointRow] = field(default_factory=dict)
@@ -73,12 +74,12 @@ class Snapshot:
 
     @property
     def epoch(self) -> int | None:
-        """The session's current epoch as ``lease.json`` says (None when it does not say)."""
+        """The session's current epoch as its lease body says (None when it does not say)."""
         return self.rule.epoch
 
     @functools.cached_property
     def rule(self) -> Visibility:
-        """The visibility rule ``lease.json`` sets for the session."""
+        """The visibility rule the session's lease body sets."""
         return Visibility.of(self.lease)
 
     @functools.cached_property
@@ -132,6 +133,11 @@ class TailReader:
         files: list[FileRows] = got["files"][0]
         snap = Snapshot(live_of(files), {}, got["present"], got["lease"], _keys(files), session_id=session_id,
                         user_id=user_id, retired=got["files"][1])
+        if snap.lease is None and (any(r.epoch > 0 for r in snap.indexed.values())
+                                   or any(k not in snap.indexed for k in snap.present)):
+            # lease.json is gone (or unreadable) yet a leased writer may have written here: its fences live on
+            # in the copy the last swap kept. A session written without a lease pays nothing for this.
+            snap.lease = kept_lease_body(objects, session_id, user_id)
         self._read_tail(snap, session_id)
         return snap
 
@@ -157,7 +163,8 @@ class TailReader:
 
         def body(pair: tuple[str | None, str]) -> dict[str, Any] | None:
             obj = objects.get(key=layout.lease_key(pair[1], pair[0]))
-            return lease_body(obj.data if obj is not None else None)
+            found = lease_body(obj.data if obj is not None else None)
+            return found if found is not None else kept_lease_body(objects, pair[1], pair[0])
 
         mask = sessions_fenced_mask(table, dict(zip(pairs, self.rows.index.map_io(body, pairs), strict=True)))
         return mask if mask is not None and pc.any(mask).as_py() else None

@@ -14,6 +14,10 @@ prune and recovery see one and the same history. For one session:
    writer's, never live, whatever index file or table holds it
    (:meth:`Visibility.fenced`, :meth:`Visibility.fenced_mask` for Arrow
    tables). Rows of epoch 0 were written without a lease: nothing fences them.
+   When ``lease.json`` is missing or unreadable (deleted by hand, or
+   overwritten), the rule reads the copy of the body the last swap kept
+   (``leases/{epoch}.json``, :func:`storage.fencing.kept_lease_body`): a fence
+   lasts as long as its copy, so no fenced row or tail is shown again.
 3. **Tails.** A checkpoint object no index row names (live or retired) is a
    not-yet-indexed tail only when its header is intact, its epoch is the
    session's current one, and it ranks above every row, live *or retired*,
@@ -29,12 +33,24 @@ prune and recovery see one and the same history. For one session:
    (``pinned_for=``) after its row was retired: it is never live for anyone
    else (not listed, not "latest", not found by id).
 
-Tombstones are honoured as written, so the writers keep them to lease
-holders: a checkpoint log's retention belongs to a batch whose lease check
-passes (:mod:`storage.checkpoint_log`), and a takeover retires what a fenced
-writer landed. The rule here is pure: it reads nothing, so callers decide
-what to read (one LIST of the index, one of the objects, one GET of
-``lease.json``) and it never keeps a cache.
+Tombstones are honoured as written, whoever wrote them: a tombstone is a
+copy of the row it retires and names no writer, and prune, delete and
+quarantine write theirs without a lease. So the writers keep them to lease
+holders: a leased writer's retention (a checkpoint log's batch,
+``put_checkpoint``'s) writes tombstones only after a proof of its lease
+that found no higher epoch claimed (:mod:`storage.checkpoint_log`), and a
+takeover retires what a fenced writer landed. What remains is the file in
+flight: a proof that passed right before a takeover claimed its epoch, and
+the tombstones of that batch landing after the takeover's listing. They
+retire only what the holder's retention chose at its proof, the oldest
+checkpoints beyond its ``keep`` newest (never the newest, which the new
+owner restores from), and a pin still keeps a fork point's object. A reader
+cannot undo more: the same writer deletes the retired objects right after
+its tombstones, and no object store conditions a delete on another key.
+The rule here is pure: it reads nothing, so callers decide what to read
+(one LIST of the index, one of the objects, one GET of ``lease.json``, and
+when that is missing or unreadable one LIST and one GET of its copies) and
+it never keeps a cache.
 """
 
 from __future__ import annotations

@@ -11,12 +11,14 @@
   unless a delete or prune removed the fork point itself;
 - ``prune-records``: after ``prune(before=<future>)`` no run record or
   ``run_end`` entry written before it is left holding the run's request
-  (its ``metadata``);
+  (its ``metadata``), except the record of a last run that had not finished
+  by then (recovery continues that run from it);
 - ``budget-carried`` / ``pause-consumed``: what the controller found.
 """
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timezone
 from typing import Any
 
@@ -107,10 +109,29 @@ def _prune_records(world: Any, h: History, out: list[Violation]) -> None:
     end = max(ends)
     tag = world.tag["durability_tag"].encode()
     prefix = layout.session_prefix(world.spec.session_id, world.spec.user_id)
+    needed = _record_recovery_needs(h, prefix, end)
     for o in world.inner.list(prefix=prefix):
-        if not ("/runs/" in o.key or o.key.endswith("-run-end.json")):
+        if not ("/runs/" in o.key or o.key.endswith("-run-end.json")) or o.key == needed:
             continue
         puts = [c.n for c in h.calls if c.op == "put" and c.key == o.key and c.applied]
         if puts and max(puts) < end and tag in world.inner.get(key=o.key).data:
             _v(out, "prune-records", f"{o.key} (written at call {max(puts)}) still holds the run's request after "
                                      f"prune(before=<a day ahead>) ended at call {end}")
+
+
+def _record_recovery_needs(h: History, prefix: str, end: int) -> str | None:
+    """The run record prune must leave whole: the session's last one when its run had not finished (no
+    ``run_end``) by the time prune ended. Recovery continues that run from its record, request included (a
+    run whose end was not durable returns normally yet stays unfinished: ``loomray.session``), so prune keeps
+    it by its documented rule (``storage.pruning``); None when the last run had finished."""
+    records = {c.key: c.data for c in h.calls if c.op == "put" and c.applied and c.n < end and c.key is not None
+               and c.key.startswith(prefix + "runs/") and c.data is not None}
+    if not records:
+        return None
+    last = max(records)
+    try:
+        run_id = json.loads(records[last]).get("run_id")
+    except (ValueError, AttributeError):
+        return None
+    ended = any(e.run_id == run_id and e.kind == "run_end" and e.n < end for e in h.journal)
+    return None if ended else last

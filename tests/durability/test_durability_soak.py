@@ -34,7 +34,11 @@ PINNED = [(89, "lease-storm", "local"), (146, "compaction", "local"), (627, "cha
           # resume (486), delete through the writer's own store (136), an unreadable lease (12),
           # prune(before=<future>) keeping run records (262). (Pins 24, foreign 11 and control 13 are in BOUNDED.)
           (121, "zombie-pause", "memory"), (219, "zombie-pause", "memory"), (486, "pins", "memory"),
-          (136, "pins", "local"), (12, "lease-corrupt", "local"), (262, "pins", "memory")]
+          (136, "pins", "local"), (12, "lease-corrupt", "local"), (262, "pins", "memory"),
+          # The 3000-seed soak after those fixes: a zombie's checkpoint read as latest once lease.json, the only
+          # place readers looked for the takeover's fence, was deleted (2610, also 2064 and 1980); an
+          # unfinished last run's record kept whole by prune, as recovery needs, taken for a leak by the oracle.
+          (2610, "chaos", "memory"), (1980, "chaos", "local"), (2516, "pins", "memory")]
 
 #: Cases that show a known, still-open violation: (seed, kind, backend) -> why. Strict: once the bug is
 #: fixed the case passes, the xfail turns into a failure, and its line here must go (the case stays).

@@ -3,8 +3,11 @@
 Each test is named after its path of the issue: 1 a fenced writer's late row, seen by the views other than the
 list (get by id, query, the compacted table); 3 a pruned or deleted checkpoint whose object a fork's pin keeps,
 after compaction dropped its tombstone; 4 a fork that crashed before its first checkpoint, resumed after the
-parent's retention retired its fork point; 5 delete through the store the run wrote with. They run on every
-backend (memory, local directory, S3 via moto) through the ``store`` fixture.
+parent's retention retired its fork point; 5 delete through the store the run wrote with. The ``lease_deleted``
+tests: a deleted or unreadable ``lease.json`` shows no fenced write again (soak seeds 2610 and 2064 on memory,
+1980 on a local directory, scenario ``chaos``: readers looked for a takeover's fence in ``lease.json`` only; it
+lives on in the copy the swap kept, ``leases/{epoch}.json``). They run on every backend (memory, local
+directory, S3 via moto) through the ``store`` fixture.
 """
 
 from __future__ import annotations
@@ -148,3 +151,64 @@ def test_path05_delete_through_the_store_the_run_wrote_with(store):
         chain = store.get_checkpoint_chain("s1", cid)
         assert chain is not None and len(chain) == int(cid[1:])
     assert store.get_checkpoint("s1") is not None
+
+
+def _lease_deleted(store: Store, session_id: str = "s1") -> None:
+    store.objects.delete(keys=[layout.lease_key(session_id, None)])
+
+
+def test_lease_deleted_a_zombies_late_checkpoint_stays_hidden_after_lease_json_is_deleted(store):
+    """Holder (epoch 1) acknowledges c1; a taker takes epoch 2 and dies before its first checkpoint; the holder,
+    a zombie now, lands c2 (its log has not re-checked its lease yet); then ``lease.json`` is deleted. No reader
+    may show c2: it was written after the takeover, and its writer is told it was fenced."""
+    holder = store.checkpoint_log(store.acquire_lease("s1", owner="holder"), batch=1)
+    log_put(holder, "c1", turn=1)
+    Store(store.objects, "taker").acquire_lease("s1", owner="taker")  # epoch 2; then the taker dies
+    holder.batch = 8  # c2 is one put, no proof yet: an unindexed object of epoch 1
+    log_put(holder, "c2", turn=2)
+    for reader in (store, Store(store.objects, "before")):
+        assert ids(reader.list_checkpoints("s1")) == ["c1"]
+    _lease_deleted(store)
+    for reader in (store, Store(store.objects, "cold")):
+        assert ids(reader.list_checkpoints("s1")) == ["c1"]
+        assert json.loads(reader.get_checkpoint("s1"))["turn"] == 1
+        assert reader.get_checkpoint("s1", "c2") is None
+
+
+def test_lease_deleted_a_fenced_row_stays_hidden_after_lease_json_is_deleted(store):
+    """An indexed fenced row (its writer died before its re-check) is in no view once ``lease.json`` is gone,
+    nor after a compaction publishes the table."""
+    _fenced_row_lands(store)
+    _lease_deleted(store)
+    reader = Store(store.objects, "cold")
+    assert ids(reader.list_checkpoints("s1")) == ["c1"]
+    assert reader.get_checkpoint("s1", "c2") is None
+    assert query_ids(reader, "s1") == ["c1"]
+    reader.compact(tombstone_grace=timedelta(0))
+    assert table_ids(reader) == ["c1"]
+
+
+def test_lease_deleted_a_fenced_row_stays_hidden_when_lease_json_is_unreadable(store):
+    _fenced_row_lands(store)
+    store.objects.put(key=layout.lease_key("s1", None), data=b"\x00 not json")
+    reader = Store(store.objects, "cold")
+    assert ids(reader.list_checkpoints("s1")) == ["c1"]
+    assert query_ids(reader, "s1") == ["c1"]
+
+
+def test_lease_deleted_no_lease_copy_is_read_for_a_session_written_without_a_lease(store):
+    """The fallback costs nothing where no lease was ever taken: no LIST of ``leases/``."""
+    put_checkpoint(store, "s1", "c1", turn=1)
+    listed: list[str] = []
+    real_list = store.objects.list
+
+    def counting_list(*, prefix, **kw):
+        listed.append(prefix)
+        return real_list(prefix=prefix, **kw)
+
+    store.objects.list = counting_list  # type: ignore[method-assign]
+    try:
+        assert ids(Store(store.objects, "cold").list_checkpoints("s1")) == ["c1"]
+    finally:
+        del store.objects.list
+    assert listed and not any(p.endswith("/leases/") for p in listed)
