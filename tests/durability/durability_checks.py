@@ -235,11 +235,16 @@ def _latest(world, h: History, final) -> list[Violation]:
     return out
 
 
+#: The store layout's top-level prefixes (``storage/layout.py``); ``changed`` holds the session-status
+#: change markers the compacted session table is behind on.
+_TOP_PREFIXES = ("sessions", "index", "live", "active", "changed")
+
+
 # -- journal -----------------------------------------------------------------------
 def _root(world, h: History, final) -> list[Violation]:
     out: list[Violation] = []
     for key in world.faulty.written:
-        if key.startswith("/") or ".." in key.split("/") or key.split("/", 1)[0] not in ("sessions", "index", "live", "active"):
+        if key.startswith("/") or ".." in key.split("/") or key.split("/", 1)[0] not in _TOP_PREFIXES:
             _v(out, "outside-root", f"wrote key {key!r} outside the store layout")
     if world.tmp is not None:
         extra = sorted(p.name for p in world.tmp.iterdir() if p.name != "store")

@@ -286,6 +286,10 @@ def _metrics_agent_missing() -> str | None:
 
 
 
+#: The marker secret of the secrets sweep's Ray channel here.
+SECRET = "sk-sweep-2b8d4e6f0a"
+
+
 @pytest.fixture(scope="module")
 def cluster_run(tmp_path_factory):
     """One cluster, one session (3 passes, a checkpoint after each) run by a session actor; on a second
@@ -303,7 +307,10 @@ def cluster_run(tmp_path_factory):
                        head_node_args={"metrics_export_port": port},
                        env={"PYTHONPATH": pythonpath, TELEMETRY_DIR: str(root / "telemetry")},
                        init_kwargs={"runtime_env": {"worker_process_setup_hook": f"{__name__}.worker_setup"}}) as lc:
-        runtime, other = RayRuntime(root / "store"), RayRuntime(root / "other")
+        # A secret in the session actors' runtime_env: no metric label may carry it (the secrets sweep's Ray
+        # channels; see tests/agent/test_agent_secrets_sweep.py for the others).
+        secret_env = {"runtime_env": {"env_vars": {"SWEEP_API_KEY": SECRET}}}
+        runtime, other = RayRuntime(root / "store", actor_options=secret_env), RayRuntime(root / "other")
         try:
             model = ScriptedModel([{"tool": "lookup", "args": {"key": "a"}}, {"tool": "lookup", "args": {"key": "b"}},
                                    "done"])
@@ -430,14 +437,16 @@ def test_session_metrics_reach_prometheus(cluster_run):
     deadline = time.monotonic() + 90
     while True:
         try:
-            series = parse_prometheus(urllib.request.urlopen(url, timeout=10).read().decode())
+            scraped = urllib.request.urlopen(url, timeout=10).read().decode()
+            series = parse_prometheus(scraped)
         except OSError:
-            series = {}
+            scraped, series = "", {}
         got = {k: total(series, k[0], **dict(k[1])) for k in expected}
         if got == expected or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     assert got == expected, {k: (got[k], v) for k, v in expected.items() if got[k] != v}
+    assert SECRET not in scraped
     spend = total(series, "ray_loomray_spend_usd_total", placement="actor", model="scripted", store=mine)
     assert spend == pytest.approx(result.usage.cost_usd, rel=1e-6)
     assert total(series, "ray_loomray_tokens_total", store=mine, type="input") == result.usage.input_tokens

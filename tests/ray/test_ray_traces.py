@@ -42,7 +42,8 @@ def traced(shared_cluster, tmp_path_factory):
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(collector.exporter))
     options = {"resources": {"loomray_session": 1},
-               "runtime_env": {"env_vars": {trace_agents.ENDPOINT: collector.endpoint, trace_agents.HOLD_DIR: str(held)}}}
+               "runtime_env": {"env_vars": {trace_agents.ENDPOINT: collector.endpoint, trace_agents.HOLD_DIR: str(held),
+                                            "SWEEP_API_KEY": SECRET}}}
     runtime = RayRuntime(tmp_path_factory.mktemp("ray-traces") / "store", actor_options=options)
     try:
         yield shared_cluster.lc, runtime, collector, provider.get_tracer("test"), held
@@ -50,6 +51,10 @@ def traced(shared_cluster, tmp_path_factory):
         runtime.close()
         provider.shutdown()
         collector.close()
+
+
+#: A secret in the session actors' runtime_env (as docs/providers.md once suggested for an API key).
+SECRET = "sk-sweep-7f3a9c1e5b"
 
 
 def _spans(collector, session_id, op=None):
@@ -133,3 +138,15 @@ async def test_a_fork_is_the_child_of_the_span_it_was_asked_under_and_links_to_i
         own = session_root(runtime.store.url, None, fork_id)
         assert (links["session"].trace_id, links["session"].span_id) == own
     assert len({s.resource.attributes["process.pid"] for f in fork_ids for s in _spans(collector, f)}) == 2
+
+
+def test_no_span_carries_a_secret_from_the_runtime_env(traced):
+    """The secrets sweep's Ray channels, in traces: run after the modules' sessions, every span they exported
+    (attributes, events, links, resource) is free of the secret their actors were started with."""
+    _, _, collector, _, _ = traced
+    spans = collector.exporter.get_finished_spans()
+    assert spans, "the module's sessions exported no span"
+    for span in spans:
+        text = repr((dict(span.attributes), [dict(e.attributes or {}) for e in span.events],
+                     [dict(lk.attributes or {}) for lk in span.links], dict(span.resource.attributes)))
+        assert SECRET not in text, span.name
