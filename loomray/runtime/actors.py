@@ -97,19 +97,26 @@ def check_ref(ref: Any) -> str:
     return ref
 
 
-def resolve_ref(ref: str) -> Any:
-    """Import ``module:attribute`` (dots allowed in the attribute path) and return the Agent it names.
-
-    Raises :class:`LoomrayUserError` when the form is wrong, the import fails,
-    or the object is not an agent.
-    """
+def import_ref(ref: str, what: str) -> Any:
+    """Import ``module:attribute`` (dots allowed in the attribute path) and return the object it names;
+    :class:`LoomrayUserError` (naming it as ``what``) when the form is wrong or the import fails."""
     module_name, _, attr = check_ref(ref).partition(":")
     try:
         obj: Any = importlib.import_module(module_name)
         for part in attr.split("."):
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as e:
-        raise LoomrayUserError(f"cannot import agent reference {ref!r}: {type(e).__name__}: {e}") from e
+        raise LoomrayUserError(f"cannot import {what} {ref!r}: {type(e).__name__}: {e}") from e
+    return obj
+
+
+def resolve_ref(ref: str) -> Any:
+    """Import ``module:attribute`` (dots allowed in the attribute path) and return the Agent it names.
+
+    Raises :class:`LoomrayUserError` when the form is wrong, the import fails,
+    or the object is not an agent.
+    """
+    obj = import_ref(ref, "agent reference")
     if not all(hasattr(obj, a) for a in ("model", "tools", "tuning", "instructions")):
         raise LoomrayUserError(f"agent reference {ref!r} names a {type(obj).__name__}, not a loomray Agent")
     return obj

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import importlib
 import logging
 import threading
 from typing import Any
@@ -28,7 +27,7 @@ import ray
 from loomray.errors import LoomrayUserError
 from loomray.explore import Budget, ModelJudge
 from loomray.explore.record import ExplorationRecord, variant_from_doc
-from loomray.runtime.actors import check_ref, resolve_ref, set_agent_ref
+from loomray.runtime.actors import check_ref, import_ref, resolve_ref, set_agent_ref
 from loomray.runtime.connection import NAMESPACE
 from loomray.runtime.ray_runtime import RayRuntime
 from storage import open_store
@@ -41,13 +40,7 @@ EXPLORE_PREFIX = "loomray-explore:"
 
 def import_judge(ref: str) -> Any:
     """The judge at ``module:attr``: a callable or a ``ModelJudge``; ``LoomrayUserError`` otherwise."""
-    module_name, _, attr = check_ref(ref).partition(":")
-    try:
-        obj: Any = importlib.import_module(module_name)
-        for part in attr.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
-        raise LoomrayUserError(f"cannot import judge {ref!r}: {type(e).__name__}: {e}") from e
+    obj = import_ref(ref, "judge")
     if not isinstance(obj, ModelJudge) and not callable(obj):
         raise LoomrayUserError(f"judge {ref!r} names a {type(obj).__name__}, not a callable or a ModelJudge")
     return obj
