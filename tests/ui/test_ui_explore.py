@@ -31,5 +31,7 @@ def test_the_fork_tree_shows_scores_stops_the_winner_and_variants(tmp_path):
     assert page.status_code == 200
     tree = html.unescape(page.text.split('id="fork-tree"', 1)[1].split("</ul>\n", 1)[0])
     assert "score ★ 12 · completed · winner" in tree and "score 5 · completed" in tree
-    assert tree.index(loser) < tree.index("score 5") < tree.index(winner) < tree.index("score ★ 12")
+    items = {sid: item for item in tree.split("<li>") for sid in (loser, winner) if f">{sid}</a>" in item}
+    assert "score 5 · completed" in items[loser] and "winner" not in items[loser]
+    assert "score ★ 12 · completed · winner" in items[winner]
     assert "variant:" in tree and "Shout." in tree
