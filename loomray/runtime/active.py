@@ -36,9 +36,10 @@ _ORPHAN_AFTER_S = 3600.0
 
 
 def note(placement: str, actor_options: dict[str, Any] | None = None, *, host_crashes: int = 0,
-         quarantined: bool = False) -> bytes:
-    """The mark's body: placement, the session's own actor options, when it was marked, and (once a shared
-    host crashed with it) its crash attribution, which a supervisor adopting it carries on from.
+         quarantined: bool = False, charged: int = 0) -> bytes:
+    """The mark's body: placement, the session's own actor options, when it was marked, and (once a process
+    running it died) its crash attribution and the deaths charged to it against its restart limit, which a
+    supervisor adopting it carries on from.
 
     Only JSON options are kept, and never a secret: secret-looking env vars are
     left out and only their names recorded (``secret_env_vars``; see
@@ -49,6 +50,8 @@ def note(placement: str, actor_options: dict[str, Any] | None = None, *, host_cr
         body["host_crashes"] = host_crashes
     if quarantined:
         body["quarantined"] = True
+    if charged:
+        body["charged"] = charged
     if actor_options:
         body["actor_options"] = storable_options(actor_options)
         names = secret_env_names(actor_options)
@@ -70,11 +73,11 @@ def parse(raw: bytes | None) -> dict[str, Any]:
 
 async def mark(store: Store, session_id: str, user_id: str | None, placement: str,
                actor_options: dict[str, Any] | None = None, *, host_crashes: int = 0,
-               quarantined: bool = False) -> None:
+               quarantined: bool = False, charged: int = 0) -> None:
     """Mark the session active (again: the body is replaced); a failure is logged (the session then is only
     adoptable by a full scan, and an adopter starts its crash attribution afresh)."""
     try:
-        data = note(placement, actor_options, host_crashes=host_crashes, quarantined=quarantined)
+        data = note(placement, actor_options, host_crashes=host_crashes, quarantined=quarantined, charged=charged)
         await asyncio.to_thread(store.put_active, session_id, user_id=user_id, data=data)
     except Exception as e:
         log.warning("could not mark session %r active: %s: %s", session_id, type(e).__name__, e)

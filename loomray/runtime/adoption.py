@@ -104,6 +104,8 @@ class AdoptionPolicy:
         # The crash attribution of the supervisor that ran it (a mark is only a hint: ints and a flag, or none).
         crashes = mark.get("host_crashes")
         w.host_crashes = crashes if isinstance(crashes, int) and not isinstance(crashes, bool) and crashes > 0 else 0
+        charged = mark.get("charged")
+        w.charged_before = charged if isinstance(charged, int) and not isinstance(charged, bool) and charged > 0 else 0
         if mark.get("quarantined") is True:
             quarantine(w, w.config or self._config)
         return w

@@ -77,11 +77,13 @@ class WatchedSession:
     host_crashes: int = 0
     #: Moved to a process of its own after ``QUARANTINE_AFTER`` such deaths.
     quarantined: bool = False
+    #: Deaths charged to it under the supervisors before this one (from its active mark, on adoption).
+    charged_before: int = 0
 
     @property
     def charged(self) -> int:
-        """Starts that count against the session's restart limit."""
-        return self.incarnation - self.uncharged
+        """Starts that count against the session's restart limit, across supervisors."""
+        return self.charged_before + self.incarnation - self.uncharged
 
     def describe(self, placement: str) -> dict[str, Any]:
         """This session as the supervisor's ``status`` reports it (``placement``: the one it runs with)."""
@@ -233,23 +235,23 @@ class SessionWatcher:
         charged to it alone and its neighbours run on unharmed. A host lost
         with its node is a node loss and charged as always.
         """
-        if self.config_of(w).placement != "dense":
-            return
-        host = getattr(w.handle, "host", None)
-        node = getattr(host, "node_id", None) or w.last_node
-        if died_with_its_node(error) or not await _node_alive(node):
-            return
-        w.uncharged += 1
-        w.host_crashes += 1
-        if w.host_crashes >= QUARANTINE_AFTER:
-            quarantine(w, self.config_of(w))
-            log.warning("session %r was on %d session hosts that crashed with their node up; it runs in a process "
-                        "of its own from now on", w.session_id, w.host_crashes)
-        # In its active mark, so that a supervisor adopting it after this one's death carries on from here
-        # rather than putting a quarantined session back beside others (seed 5 of the chaos checker).
+        config = self.config_of(w)
+        if config.placement == "dense":
+            host = getattr(w.handle, "host", None)
+            node = getattr(host, "node_id", None) or w.last_node
+            if not died_with_its_node(error) and await _node_alive(node):
+                w.uncharged += 1
+                w.host_crashes += 1
+                if w.host_crashes >= QUARANTINE_AFTER:
+                    quarantine(w, config)
+                    log.warning("session %r was on %d session hosts that crashed with their node up; it runs in a "
+                                "process of its own from now on", w.session_id, w.host_crashes)
+        # In its active mark, so that a supervisor adopting it after this one's death carries on from here: its
+        # charged deaths count against the same limit, and a quarantined session is not put back beside others
+        # (seed 5 of the chaos checker).
         config = self.config_of(w)
         await active.mark(self._store, w.session_id, w.user_id, config.placement, config.actor_options,
-                          host_crashes=w.host_crashes, quarantined=w.quarantined)
+                          host_crashes=w.host_crashes, quarantined=w.quarantined, charged=w.charged)
 
     async def finish(self, w: WatchedSession, outcome: Outcome, *, mark_failed: bool) -> None:
         """Record the session's end: active mark cleared, row marked failed if asked, actor stopped, ``done``."""

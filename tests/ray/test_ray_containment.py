@@ -180,6 +180,30 @@ async def test_a_quarantined_session_stays_in_its_own_process_after_its_supervis
     rt.close()
 
 
+async def test_the_restart_limit_counts_across_supervisors(env):
+    """Deaths charged to a session under a supervisor that then dies still count under the one adopting it:
+    a session that crashes its own process every time gets ``max_restarts_per_session`` starts in all (one
+    more at most, when the dying supervisor had not yet seen a death), not that many again per supervisor."""
+    from loomray.errors import LoomrayRunError
+    from loomray.runtime.actors import NAMESPACE, supervisor_name
+
+    _, _, agents = env
+    crashes = lambda: len(list(agents.workdir("crasher").glob("crash-*")))  # noqa: E731
+    before = crashes()
+    rt = _runtime(env, max_restarts_per_session=4)
+    run = asyncio.create_task(_mine(agents, "crasher", rt).run("go", session_id="s-limit-across"))
+    deadline = time.monotonic() + 4 * BOUND_S
+    while next((s["charged_restarts"] for s in await rt.status() if s["session_id"] == "s-limit-across"), 0) < 2:
+        assert time.monotonic() < deadline and not run.done(), "never restarted twice"
+        await asyncio.sleep(0.1)
+    ray.kill(ray.get_actor(supervisor_name(rt.config.store_url), namespace=NAMESPACE))
+
+    with pytest.raises(LoomrayRunError, match="restart limit reached"):
+        await asyncio.wait_for(run, 4 * BOUND_S)
+    assert 4 <= crashes() - before <= 5  # on main: 6 or 7 (the adopting supervisor started counting at 0)
+    rt.close()
+
+
 def test_max_restarts_per_session_is_checked():
     from loomray.runtime import RayRuntime
 
