@@ -88,6 +88,10 @@ class SessionActor:
         # A dense host passes the store it shares among its sessions (loomray.runtime.hosts).
         self._store = config.open_store() if store is None else store
         self._task: asyncio.Task | None = None
+        #: Where the run's task is: "queued" (its first step not taken), "body" (the run itself), "after"
+        #: (its outcome decided; flushing). Only the body may be cancelled (see :meth:`cancel`).
+        self._phase = "queued"
+        self._cancel_on_entry = False
         self._started = time.time()
         self._events_to = events_to
         self._pending: list[str] = []
@@ -129,6 +133,9 @@ class SessionActor:
 
     async def _execute(self) -> Outcome:
         try:
+            self._phase = "body"
+            if self._cancel_on_entry:  # cancelled before the task's first step: its body never ran
+                raise asyncio.CancelledError
             result = await execute_request(
                 self._agent, self._request, self._store,
                 max_checkpoints_per_session=self._config.max_checkpoints_per_session,
@@ -152,6 +159,7 @@ class SessionActor:
             # it would end this process's event loop and every run on it; it ends this run alone instead.
             outcome = Outcome(status="failed", error=f"{type(e).__name__}({e}) raised by the run",
                               error_type=type(e).__name__, node_id=self._node_id)
+        self._phase = "after"
         if self._epoch_task is not None:
             await asyncio.wait([self._epoch_task], timeout=10)
         outcome.epoch = self._epoch
@@ -237,7 +245,13 @@ class SessionActor:
         for handle in handles:
             handle.request_cancel()
         if not handles:  # not registered yet (or already gone): nothing of the run may go on
-            self._task.cancel()
+            # Cancelling the task outside its body would end it with no outcome (the caller saw Ray's
+            # TaskCancelledError, a "failed" run): before its first step it runs not a line of its body, and
+            # after the body it is writing the outcome's last flush.
+            if self._phase == "body":
+                self._task.cancel()
+            elif self._phase == "queued":
+                self._cancel_on_entry = True
 
     def stop(self) -> None:
         """End this actor process (called once its outcome is collected; nothing of the run is left to do).
