@@ -15,6 +15,9 @@ Ray is imported only inside the commands that need it.
 
 from __future__ import annotations
 
+import faulthandler
+import signal
+import sys
 import threading
 import time
 from typing import Any
@@ -339,16 +342,24 @@ def supervise_cmd(store_url: str | None, address: str | None, interval: float,
         except BaseException as e:  # handed to the main thread, which reports it
             failure.append(e)
 
-    # The loop runs beside the main thread, which only waits: Ctrl-C is seen at once wherever the loop
-    # is blocked inside Ray, and the command never depends on Ray turning SIGINT into an exception.
+    # The loop runs beside the main thread, which only waits for a stop signal: Ctrl-C (or a service
+    # manager's SIGTERM) is seen at once wherever the loop is blocked inside Ray. The handlers are set here
+    # rather than relying on Python's KeyboardInterrupt, which a parent that ignores SIGINT (a shell's
+    # background job, some supervisors) turns off, and which could be raised inside whatever the main thread
+    # runs. SIGUSR1 prints every thread's stack, for an operator asking what it is doing.
+    # The handlers only append to a list: one that took a lock could find it held by the thread it interrupted.
+    requested: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: requested.append(signum))
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     loop = threading.Thread(target=keep_alive, name="loomray-supervise", daemon=True)
     loop.start()
-    try:
-        while loop.is_alive():
-            loop.join(0.5)
-    except KeyboardInterrupt:
+    while loop.is_alive() and not requested:
+        loop.join(0.2)
+    if requested:
         stop.set()
         report("stopped; the supervisor actor keeps running on the cluster")
+        sys.stderr.flush()
         leave_cluster()
         return
     if failure:
