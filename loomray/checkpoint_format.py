@@ -33,6 +33,7 @@ from pydantic import ValidationError
 
 from loomray.errors import CheckpointException
 from loomray.records import Checkpoint, Message, Usage
+from loomray.session_store import SessionStore
 from storage.chains import MAX_LINKS, compress, expand, extend, ref_of
 from storage.errors import InvalidIdError, StorageError
 
@@ -223,9 +224,9 @@ def _checkpoint(doc: dict[str, Any], transcript: list[Message]) -> Checkpoint:
     return ckpt.checked()
 
 
-def load_checkpoint(store: Any, session_id: str, checkpoint_id: str = "latest", *,
+def load_checkpoint(store: SessionStore, session_id: str, checkpoint_id: str = "latest", *,
                     user_id: str | None = None, pinned_for: str | None = None) -> Checkpoint | None:
-    """Read, put together and validate one checkpoint from ``store`` (a :class:`storage.Store`); None when it
+    """Read, put together and validate one checkpoint from ``store``; None when it
     does not exist. The result carries its chain (a run restoring it builds on it).
 
     Every place that loads a checkpoint goes through here, so every failure to

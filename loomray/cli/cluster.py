@@ -342,21 +342,8 @@ def supervise_cmd(store_url: str | None, address: str | None, interval: float,
         except BaseException as e:  # handed to the main thread, which reports it
             failure.append(e)
 
-    # The loop runs beside the main thread, which only waits for a stop signal: Ctrl-C (or a service
-    # manager's SIGTERM) is seen at once wherever the loop is blocked inside Ray. The handlers are set here
-    # rather than relying on Python's KeyboardInterrupt, which a parent that ignores SIGINT (a shell's
-    # background job, some supervisors) turns off, and which could be raised inside whatever the main thread
-    # runs. SIGUSR1 prints every thread's stack, for an operator asking what it is doing.
-    # The handlers only append to a list: one that took a lock could find it held by the thread it interrupted.
-    requested: list[int] = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda signum, _frame: requested.append(signum))
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
     loop = threading.Thread(target=keep_alive, name="loomray-supervise", daemon=True)
-    loop.start()
-    while loop.is_alive() and not requested:
-        loop.join(0.2)
-    if requested:
+    if wait_for_stop_signal(loop):
         stop.set()
         report("stopped; the supervisor actor keeps running on the cluster")
         sys.stderr.flush()
@@ -364,6 +351,26 @@ def supervise_cmd(store_url: str | None, address: str | None, interval: float,
         return
     if failure:
         raise failure[0]
+
+
+def wait_for_stop_signal(loop: threading.Thread) -> bool:
+    """Start ``loop`` and wait in the main thread until it ends (False) or Ctrl-C / SIGTERM arrive (True).
+
+    The loop runs beside the main thread, which only waits: a stop signal is seen at once wherever the loop
+    is blocked inside Ray. The handlers are set here rather than relying on Python's KeyboardInterrupt,
+    which a parent that ignores SIGINT (a shell's background job, some supervisors) turns off, and which
+    could be raised inside whatever the main thread runs. They only append to a list: a handler that took a
+    lock could find it held by the code it interrupted. SIGUSR1 prints every thread's stack, for an
+    operator asking what the command is doing.
+    """
+    requested: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, _frame: requested.append(signum))
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    loop.start()
+    while loop.is_alive() and not requested:
+        loop.join(0.2)
+    return bool(requested)
 
 
 CLUSTER_COMMANDS: tuple[click.Command, ...] = (submit, status, supervise_cmd)

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import click
 from rich.text import Text
@@ -37,6 +37,7 @@ from loomray.cli.tables import Col, fit_table
 from loomray.cli.timeline_view import session_timeline, timeline_table
 from loomray.cli.tree_view import fork_tree, fork_variant, run_records, tree_html, tree_json, tree_table, variant_line
 from loomray.errors import CheckpointException
+from storage import Store
 from storage.errors import InvalidIdError, LeaseCorruptError, StorageError
 from storage.layout import lease_key
 
@@ -178,7 +179,7 @@ def show(session_id: str, checkpoint_id: str, store_url: str | None, user_id: st
             console.print(f"[cyan]{m.role}[/]: {text}{calls}", highlight=False)
 
 
-def _no_checkpoint(store: Any, session_id: str, checkpoint_id: str, user_id: str | None) -> NoReturn:
+def _no_checkpoint(store: Store, session_id: str, checkpoint_id: str, user_id: str | None) -> NoReturn:
     what = "unknown session" if not session_exists(store, session_id, user_id) else f"no checkpoint {checkpoint_id!r} for session"
     raise CliError(f"{what} {who(session_id, user_id)}")
 

@@ -33,7 +33,7 @@ from loomray.runtime.actors import AgentSpec, RuntimeConfig, agent_ref_allowed, 
 from loomray.runtime.stored_options import restore_secrets, trusted_options
 from loomray.runtime.watcher import WatchedSession, quarantine
 from loomray.session import RunRequest
-from storage import SessionRow
+from storage import SessionRow, Store
 
 log = logging.getLogger("loomray.runtime.adoption")
 
@@ -52,7 +52,7 @@ def same_request(a: str, b: str) -> bool:
 class AdoptionPolicy:
     """Decides, row by row, whether the supervisor takes over an active session of the store."""
 
-    def __init__(self, config: RuntimeConfig, store: Any) -> None:
+    def __init__(self, config: RuntimeConfig, store: Store) -> None:
         self._config = config
         self._store = store
         #: Agent reference patterns adopted sessions may use: the config's, the operator's, and every

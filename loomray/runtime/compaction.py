@@ -13,13 +13,15 @@ import asyncio
 import logging
 from typing import Any
 
+from storage import Store
+
 log = logging.getLogger("loomray.runtime.compaction")
 
 
 class Compaction:
     """Compacts one store's index now (:meth:`compact`) or every so often (:meth:`every`)."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Store) -> None:
         self._store = store
         #: Compactions that succeeded.
         self.count = 0

@@ -28,6 +28,7 @@ from typing import Any
 
 from loomray.ids import new_id
 from loomray.session import RunRequest
+from storage import Store
 
 
 def handed_off(request: RunRequest, *, fork: bool = False) -> RunRequest:
@@ -40,7 +41,7 @@ def handed_off(request: RunRequest, *, fork: bool = False) -> RunRequest:
     return request.model_copy(update=update) if update else request
 
 
-async def pinned(store: Any, request: RunRequest, request_json: str) -> str:
+async def pinned(store: Store, request: RunRequest, request_json: str) -> str:
     """``request_json``, pinned to the session's last run if this very hand-off (``request_id``) started it."""
     if request.request_id is None or request.run_id is not None:
         return request_json  # no id to look up, or the run is named already (a fork)

@@ -62,6 +62,7 @@ from loomray.runtime.loop_guard import guard_loop
 from loomray.runtime.raylet_watch import DrainableExecutor, watch_raylet
 from loomray.runtime.session_actor import SessionActor
 from loomray.session import RunRequest
+from storage import Store
 
 if TYPE_CHECKING:  # pragma: no cover
     from loomray.runtime.placement import HostPool, HostRecord
@@ -90,7 +91,7 @@ class Activation(SessionActor):
     """One session inside a host: a :class:`SessionActor` that shares the host's process and store."""
 
     def __init__(self, host: SessionHost, config: RuntimeConfig, agent: AgentSpec, request_json: str,
-                 events_to: Any, store: Any) -> None:
+                 events_to: Any, store: Store) -> None:
         super().__init__(config, agent, request_json, events_to, store=store)
         self._host = host
         # The lease owner names the host (several activations share its actor id and pid).

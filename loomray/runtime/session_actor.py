@@ -50,6 +50,7 @@ from loomray.runtime.actors import (
 from loomray.runtime.loop_guard import guard_loop
 from loomray.runtime.raylet_watch import node_lost, watch_raylet
 from loomray.session import RunRequest, execute_request
+from storage import Store
 from storage.errors import LeaseLostError
 
 log = logging.getLogger("loomray.runtime.session_actor")
@@ -76,7 +77,7 @@ class SessionActor:
     """
 
     def __init__(self, config: RuntimeConfig, agent: AgentSpec, request_json: str, events_to: Any = None,
-                 store: Any = None) -> None:
+                 store: Store | None = None) -> None:
         ctx = ray.get_runtime_context()
         self._node_id = ctx.get_node_id()
         self._owner = f"ray:{ctx.get_actor_id()}@{self._node_id[:12]}:{os.getpid()}"

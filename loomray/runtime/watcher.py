@@ -34,7 +34,7 @@ from loomray.runtime.actors import AgentSpec, Outcome, RuntimeConfig, session_ac
 from loomray.runtime.connection import NAMESPACE
 from loomray.runtime.placement import HostPool
 from loomray.runtime.session_actor import session_actor_class
-from storage import SessionRow
+from storage import SessionRow, Store
 
 log = logging.getLogger("loomray.runtime.watcher")
 
@@ -98,7 +98,7 @@ class WatchedSession:
 class SessionWatcher:
     """Starts, watches and restarts one supervisor's sessions (see the module docstring)."""
 
-    def __init__(self, config: RuntimeConfig, store: Any) -> None:
+    def __init__(self, config: RuntimeConfig, store: Store) -> None:
         self._config = config
         self._store = store
         #: Starts made by watchers (a lost actor replaced, an adopted session whose actor was gone).
