@@ -35,12 +35,13 @@ BOUND_S = 120.0
 
 
 def effective_bound(bound_s: float) -> float:
-    """``bound_s`` stretched by how oversubscribed the machine is when a seed starts (never shortened).
+    """``bound_s`` stretched by how oversubscribed the machine is when a seed starts (never shortened, at most
+    four times).
 
     Reaching the restart limit takes several process starts one after another, each slower in proportion
     to the load of a shared machine; the bound is about stuck sessions, not slow ones.
     """
-    return bound_s * max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+    return bound_s * min(4.0, max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1)))
 
 
 def run(seeds: list[int], sessions: int, bound_s: float) -> int:

@@ -49,6 +49,8 @@ HERE = Path(__file__).resolve().parent
 MAX_RESTARTS = 4
 #: How long sessions still active at the bound are watched further, to tell slow from stuck (still violations).
 LATE_S = 240.0
+#: Seconds a session whose driver died must stay unknown (no row, no supervisor) to count as never started.
+UNSTARTED_S = 5.0
 #: Seconds a driver process has to connect before the scenario starts without it (a checker failure).
 DRIVER_READY_S = 120.0
 
@@ -281,15 +283,19 @@ async def settle(run: Run, bound_s: float) -> list[str]:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + bound_s
     approved: set[str] = set()
+    unstarted_since: dict[str, float] = {}
     while loop.time() < deadline:
         rows = {sid: _row_status(run.runtime.store, sid) for sid in run.plan.sessions}
+        await _note_unstarted(run, rows, unstarted_since)
         for sid, status in rows.items():
             if status == "awaiting_approval" and "approve" in run.touched[sid] and sid not in approved:
                 approved.add(sid)
                 agent = run.agents[run.plan.kinds[run.plan.sessions.index(sid)]]
                 run.tasks[sid] = asyncio.create_task(agent.resume(None, session_id=sid, approvals={"s0000_0": True}))
         drivers = [t for sid, t in run.tasks.items() if "kill_driver" not in run.touched[sid]]
-        if all(s in RESTING for s in rows.values()) and all(t.done() for t in drivers) \
+        resting = [s in RESTING or loop.time() - unstarted_since.get(sid, loop.time()) >= UNSTARTED_S
+                   for sid, s in rows.items()]
+        if all(resting) and all(t.done() for t in drivers) \
                 and not any(s == "awaiting_approval" and sid not in approved and "approve" in run.touched[sid]
                             for sid, s in rows.items()):
             break
@@ -305,6 +311,27 @@ async def settle(run: Run, bound_s: float) -> list[str]:
     run.notes += [f"approve on {sid}: it never waited for approval" for sid in run.plan.sessions
                   if "approve" in run.touched[sid] and sid not in approved]
     return await verdict(run, rows, bound_s)
+
+
+async def _note_unstarted(run: Run, rows: dict[str, str | None], since: dict[str, float]) -> None:
+    """Since when each session whose driver the plan killed has had no row, its driver ended and the
+    supervisor does not know it: the hand-off never reached a supervisor. Such a session rests as "never
+    started" once that held for :data:`UNSTARTED_S` (the verdict checks it again); before, the scenario
+    waited out the whole bound for it."""
+    now = asyncio.get_running_loop().time()
+    for sid, status in rows.items():
+        proc = run.procs.get(sid)
+        if not (status is None and proc is not None and proc.returncode is not None):
+            since.pop(sid, None)
+            continue
+        try:
+            known = await run.runtime.session(sid) is not None
+        except Exception:  # a supervisor being re-created: ask again next time
+            continue
+        if known:
+            since.pop(sid, None)
+        else:
+            since.setdefault(sid, now)
 
 
 def _allowed(kind: str, touched: set[str]) -> set[str]:
