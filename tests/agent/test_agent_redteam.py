@@ -1,0 +1,150 @@
+"""Red team for issue 22 ("one history for every reader"), through ``loomray.Agent`` on a local directory.
+
+Actors: a zombie paused inside a tool while another Agent takes the session
+over and an operator prunes or deletes; a fork whose fork point the parent's
+owner deletes; another user on the same store reading and forking across
+tenants. After each attack every view (the Agent's list, "latest" and get by
+id, ``Store.query`` and the compacted table from a cold store, a fork from a
+listed checkpoint) must show one history. A test marked ``xfail(strict=True)``
+is a break the red team found and left for the lead to fix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from agent_helpers import Crash, crash_at, lookup
+
+from loomray import Agent, CheckpointConfig, Tuning
+from loomray.errors import CheckpointNotFound
+from loomray.models import ScriptedModel
+from loomray.runtime import LocalRuntime
+from storage import layout, open_store
+from storage.errors import LeaseLostError
+
+TUNING = Tuning(checkpoint=CheckpointConfig(position="after_tools"))
+
+
+def script(n: int = 4) -> list:
+    return [{"tool": "lookup", "args": {"key": f"k{i}"}} for i in range(n)] + ["done"] * 8
+
+
+async def views(agent: Agent, root: Path, session_id: str, user_id: str | None = None) -> dict[str, list[str]]:
+    """The session's checkpoint ids as every reader sees them (list, get by id, "latest", query, table)."""
+    listed = [m.checkpoint_id for m in await agent.list_checkpoints(session_id, limit=1000, user_id=user_id)]
+    got = [c for c in listed if await agent.get_checkpoint(session_id, c, user_id=user_id) is not None]
+    latest = await agent.get_checkpoint(session_id, user_id=user_id)
+    cold = open_store(root)
+    query = cold.query(user_id=user_id, session_id=session_id)["checkpoint_id"].to_pylist()
+    cold.compact(tombstone_grace=timedelta(0))
+    table = cold.query(user_id=user_id, session_id=session_id)["checkpoint_id"].to_pylist()
+    cold.close()
+    return {"list": sorted(listed), "get": sorted(got), "query": sorted(query), "table": sorted(table),
+            "latest": [latest.checkpoint_id] if latest is not None else []}
+
+
+def same(ids: list[str], latest: str | None) -> dict[str, list[str]]:
+    return {**dict.fromkeys(["list", "get", "query", "table"], sorted(ids)), "latest": [latest] if latest else []}
+
+
+async def test_a_zombie_that_wakes_after_a_takeover_and_a_prune_shows_nothing(tmp_path):
+    """A is paused inside a tool; B takes the session over, finishes, and the session is pruned. A wakes and
+    checkpoints its pass: it is fenced, and every view stays empty (no zombie object reads as a tail)."""
+    paused, release = asyncio.Event(), asyncio.Event()
+    calls: dict[str, int] = {}
+
+    async def gate(key: str) -> str:
+        """Look something up, slowly the first time for k2."""
+        calls[key] = calls.get(key, 0) + 1
+        if key == "k2" and calls[key] == 1:
+            paused.set()
+            await release.wait()
+        return f"value of {key}"
+
+    steps = [{"tool": "gate", "args": {"key": f"k{i}"}} for i in range(4)] + ["done"]
+    root = tmp_path / "d"
+    rt_a, rt_b = LocalRuntime(root), LocalRuntime(root)
+    a = Agent("", model=ScriptedModel(steps), tools=[gate], runtime=rt_a, tuning=TUNING)
+    b = Agent("", model=ScriptedModel(steps), tools=[gate], runtime=rt_b, tuning=TUNING)
+    zombie = asyncio.ensure_future(a.run("task", session_id="s"))
+    await asyncio.wait_for(paused.wait(), 30)
+    assert (await b.run("task", session_id="s")).output == "done"
+    open_store(root).prune(session_id="s")
+    assert await views(b, root, "s") == same([], None)
+    release.set()
+    with pytest.raises(LeaseLostError):
+        await asyncio.wait_for(zombie, 30)
+    assert await views(b, root, "s") == same([], None)
+    rt_a.close()
+    rt_b.close()
+
+
+async def test_another_user_never_sees_nor_forks_from_a_session_of_the_same_id(tmp_path):
+    """alice and bob each have a session "s" on one store. Nothing of alice's is in any of bob's views, bob
+    cannot get, resume or fork from alice's checkpoint ids, and bob's prune leaves alice's history whole."""
+    root = tmp_path / "d"
+    runtime = LocalRuntime(root)
+    agent = Agent("", model=ScriptedModel(script()), tools=[lookup], runtime=runtime, tuning=TUNING)
+    await agent.run("task", session_id="s", user_id="alice")
+    await agent.run("task", session_id="s", user_id="bob")
+    alice = [m.checkpoint_id for m in await agent.list_checkpoints("s", user_id="alice")]
+    bob = [m.checkpoint_id for m in await agent.list_checkpoints("s", user_id="bob")]
+    assert alice and bob and not set(alice) & set(bob)
+    assert await views(agent, root, "s", "bob") == same(bob, bob[0])
+    assert await agent.get_checkpoint("s", alice[-1], user_id="bob") is None
+    with pytest.raises(CheckpointNotFound):
+        await agent.resume("steal", session_id="s", from_checkpoint=alice[-1], user_id="bob")
+    with pytest.raises(CheckpointNotFound):
+        await agent.fork("s", from_checkpoint=alice[-1], prompts=["steal"], user_id="bob")
+    open_store(root).prune(session_id="s", user_id="bob")
+    assert await views(agent, root, "s", "alice") == same(alice, alice[0])
+    assert await views(agent, root, "s", "bob") == same([], None)
+    runtime.close()
+
+
+async def test_a_fork_resumes_after_the_parents_owner_deleted_its_fork_point(tmp_path):
+    """A fork crashes before its first checkpoint; the parent's owner then deletes the fork point with
+    ``delete_checkpoint`` (not retention). The fork's pin keeps the object, and the fork resumes from it; for
+    everyone else the checkpoint is gone (not listed, not found, no new fork from it)."""
+    root = tmp_path / "d"
+    runtime = LocalRuntime(root)
+    agent = Agent("", model=ScriptedModel(script()), tools=[lookup], runtime=runtime, tuning=TUNING)
+    await agent.run("task", session_id="orig")
+    metas = await agent.list_checkpoints("orig")
+    point = metas[2]
+    base = await agent.get_checkpoint("orig", point.checkpoint_id)
+    with pytest.raises(Crash):
+        await agent.resume("another way", session_id="orig", from_checkpoint=point.checkpoint_id,
+                           emit=crash_at("model_call", 1))
+    pins = [o.key for o in runtime.store.objects.list(prefix=layout.pin_prefix("orig", None))]
+    fork_id = pins[0].rsplit("/", 1)[1].removesuffix(".json")
+    assert open_store(root).delete_checkpoint("orig", point.checkpoint_id)
+    rest = [m.checkpoint_id for m in metas if m.checkpoint_id != point.checkpoint_id]
+    assert await views(agent, root, "orig") == same(rest, metas[0].checkpoint_id)
+    with pytest.raises(CheckpointNotFound):
+        await agent.resume("again", session_id="orig", from_checkpoint=point.checkpoint_id)
+    result = await agent.resume(session_id=fork_id)
+    assert result.forked_from == "orig" and result.messages[: len(base.messages)] == base.messages
+    runtime.close()
+
+
+async def test_a_fork_from_every_listed_checkpoint_restores_that_checkpoint(tmp_path):
+    """After retention (keep 3) and a delete in the middle, a fork from each listed checkpoint restores exactly
+    that checkpoint's transcript: the list names nothing a fork cannot start from."""
+    root = tmp_path / "d"
+    runtime = LocalRuntime(root, max_checkpoints_per_session=3)
+    agent = Agent("", model=ScriptedModel(script(6)), tools=[lookup], runtime=runtime, tuning=TUNING)
+    await agent.run("task", session_id="s")
+    metas = await agent.list_checkpoints("s")
+    assert len(metas) == 3
+    assert runtime.store.delete_checkpoint("s", metas[1].checkpoint_id)
+    left = [m.checkpoint_id for m in metas if m.checkpoint_id != metas[1].checkpoint_id]
+    assert await views(agent, root, "s") == same(left, left[0])
+    for cid in left[1:]:  # the newest continues in place; the others fork
+        ckpt = await agent.get_checkpoint("s", cid)
+        [fork] = await agent.fork("s", from_checkpoint=cid, prompts=[None])
+        assert fork.forked_from == "s" and fork.messages[: len(ckpt.messages)] == ckpt.messages
+    runtime.close()
