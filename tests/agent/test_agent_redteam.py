@@ -12,7 +12,7 @@ is a break the red team found and left for the lead to fix.
 from __future__ import annotations
 
 import asyncio
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -147,4 +147,75 @@ async def test_a_fork_from_every_listed_checkpoint_restores_that_checkpoint(tmp_
         ckpt = await agent.get_checkpoint("s", cid)
         [fork] = await agent.fork("s", from_checkpoint=cid, prompts=[None])
         assert fork.forked_from == "s" and fork.messages[: len(ckpt.messages)] == ckpt.messages
+    runtime.close()
+
+
+async def paused_run(root: Path, maintain) -> tuple[Agent, LocalRuntime]:
+    """A run paused inside its third tool (two after-tools checkpoints written, incremental ones building on the
+    first); ``maintain(store)`` runs from another store meanwhile; then the run finishes."""
+    paused, release = asyncio.Event(), asyncio.Event()
+
+    async def gate(key: str) -> str:
+        """Look something up, slowly for k2."""
+        if key == "k2":
+            paused.set()
+            await release.wait()
+        return f"value of {key}"
+
+    steps = [{"tool": "gate", "args": {"key": f"k{i}"}} for i in range(5)] + ["done"]
+    runtime = LocalRuntime(root)
+    agent = Agent("", model=ScriptedModel(steps), tools=[gate], runtime=runtime, tuning=TUNING)
+    running = asyncio.ensure_future(agent.run("task", session_id="s"))
+    await asyncio.wait_for(paused.wait(), 30)
+    other = open_store(root)
+    maintain(other)
+    other.close()
+    release.set()
+    assert (await asyncio.wait_for(running, 30)).output == "done"
+    return agent, runtime
+
+
+@pytest.mark.xfail(strict=True, reason="red team: deleting a running session's newest checkpoint collects the object "
+                                       "the run's next incremental checkpoints build on: listed, never readable")
+async def test_delete_of_a_running_sessions_checkpoint_leaves_its_later_checkpoints_readable(tmp_path):
+    """While a run is paused in a tool, the owner deletes the run's newest acknowledged checkpoint (``loomray
+    delete`` from another store). The checkpoints the run writes after it must be readable in every view.
+
+    They are not: the delete collected the object (no live row or tail needed it yet), and the run's later
+    checkpoints name it in their chain. The list and ``Store.query`` show them, get by id raises
+    ``CheckpointException``, "latest" falls back to the run's first checkpoint with a warning, and the next
+    ``run`` continues from there: the rest of the run's work is lost."""
+    root = tmp_path / "d"
+    deleted: list[str] = []
+
+    def delete_newest(store):
+        newest = store.list_checkpoints("s")[0].checkpoint_id
+        assert store.delete_checkpoint("s", newest)
+        deleted.append(newest)
+
+    agent, runtime = await paused_run(root, delete_newest)
+    metas = await agent.list_checkpoints("s")
+    ids = [m.checkpoint_id for m in metas]
+    assert deleted[0] not in ids and len(ids) >= 3
+    assert await views(agent, root, "s") == same(ids, ids[0])
+    runtime.close()
+
+
+@pytest.mark.parametrize("before", [
+    pytest.param(None, id="all", marks=pytest.mark.xfail(strict=True, reason=(
+        "red team: prune of a running session collects the objects the run's next incremental checkpoints build on; "
+        "the session is left unreadable"))),
+    pytest.param(datetime.now(UTC) + timedelta(days=1), id="before-future")])
+async def test_prune_of_a_running_session_leaves_its_later_checkpoints_readable(tmp_path, before):
+    """While a run is paused in a tool, ``prune(session_id=...)`` removes the session's checkpoints. The run then
+    writes more: whatever every view shows of them, it shows the same, and the list's head is "latest".
+
+    With ``before`` the run's newest checkpoint and its chain stay, and this holds. Without it (``all``) every
+    object goes, the run's later checkpoints name pruned objects in their chain: listed and queried, but get
+    by id and "latest" raise ``CheckpointException``, and so does the session's next ``run``."""
+    root = tmp_path / "d"
+    agent, runtime = await paused_run(root, lambda store: store.prune(before=before, session_id="s"))
+    ids = [m.checkpoint_id for m in await agent.list_checkpoints("s")]
+    assert ids, "the run's checkpoints after the prune are gone"
+    assert await views(agent, root, "s") == same(ids, ids[0])
     runtime.close()
