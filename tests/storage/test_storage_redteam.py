@@ -129,11 +129,34 @@ def test_a_hand_rewritten_lease_without_its_fence_shows_no_fenced_row(tmp_path):
     assert views(tmp_path / "d") == dict.fromkeys(["list", "get", "query", "pyarrow", "duckdb", "latest"], ["c1"])
 
 
-def test_repair_of_a_deleted_lease_keeps_the_fence(tmp_path):
-    """``lease.json`` deleted by hand, then ``repair_lease``: the new body is above every epoch, and the zombie's
-    row stays hidden (the fence outlives the deleted body through its kept copy and the repair)."""
+@pytest.mark.xfail(strict=True, reason="red team: lease.json restored from an older copy (epoch 1, a backup) drops "
+                                       "the takeover's fence; the next owner then adopts the zombie's row for good")
+def test_an_older_lease_body_restored_by_hand_shows_no_fenced_row(tmp_path):
+    """An operator restores ``lease.json`` from a backup: the body epoch 1's swap kept (``leases/1.json``), older
+    than the takeover's. Readers must still hide the zombie's late row c2, and so must they once the next owner
+    has taken the session (epoch 3, above every marker). They do not: readers trust any parseable body over the
+    epoch markers and the newer kept copies, and the next takeover records c2 as part of the history it
+    fences above, so c2 is the session's "latest" for good."""
+    root = tmp_path / "d"
+    fenced_row_lands(root)
+    session = root / layout.session_prefix("s1", None)
+    (session / "lease.json").write_bytes((session / "leases" / f"{1:020d}.json").read_bytes())
+    store = open_store(root)
+    assert store.acquire_lease("s1", owner="next").epoch == 3
+    store.close()
+    assert views(root) == dict.fromkeys(["list", "get", "query", "pyarrow", "duckdb", "latest"], ["c1"])
+
+
+@pytest.mark.parametrize("damage", ["deleted", "garbled"])
+def test_repair_of_a_damaged_lease_keeps_the_fence(tmp_path, damage):
+    """``lease.json`` deleted or garbled by hand, then ``repair_lease``: the new body is above every epoch, and the
+    zombie's row stays hidden (the fence outlives the damaged body through its kept copy and the repair)."""
     fenced_row_lands(tmp_path / "d")
-    (tmp_path / "d" / layout.lease_key("s1", None)).unlink()
+    lease = tmp_path / "d" / layout.lease_key("s1", None)
+    if damage == "deleted":
+        lease.unlink()
+    else:
+        lease.write_bytes(b'{"epoch": 2, "owner": ')
     store = open_store(tmp_path / "d")
     assert store.repair_lease("s1").epoch >= 3
     store.close()
