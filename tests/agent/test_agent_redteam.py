@@ -219,3 +219,47 @@ async def test_prune_of_a_running_session_leaves_its_later_checkpoints_readable(
     assert ids, "the run's checkpoints after the prune are gone"
     assert await views(agent, root, "s") == same(ids, ids[0])
     runtime.close()
+
+
+def _child(d: Path, kill: str):
+    """``crash_child.py`` on ``d/store``, session ``sess-crash``, after-tools checkpoints, killed by a real SIGKILL
+    at ``kill`` (empty: runs to the end, recovering what an earlier process left)."""
+    import os
+
+    from crash_procs import run_child
+
+    env = {**os.environ, "CRASH_POSITION": "after_tools", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    return run_child([str(d), "sess-crash", str(d / "out.json"), kill], env, d / f"child-{kill or 'end'}.log"
+                     .replace(":", "-"))
+
+
+@pytest.mark.parametrize("op", ["delete-newest", "prune-before-future"])
+async def test_maintenance_after_a_sigkill_then_recovery_agree(tmp_path, op):
+    """A real process dies by SIGKILL inside its 4th tool: its three after-tools checkpoints are objects no index
+    row names yet (a tail). The owner then deletes the newest one listed, or prunes the session with a
+    ``before`` in the future (which keeps what recovery of the unfinished run needs). A second process then
+    recovers the run. Every view agrees, the deleted checkpoint never comes back, and the run completes."""
+    import signal
+
+    d = tmp_path / "p"
+    d.mkdir()
+    first = _child(d, "tool:4")
+    assert first.returncode == -signal.SIGKILL, first.stderr
+    root = d / "store"
+    store = open_store(root)
+    listed = [r.checkpoint_id for r in store.list_checkpoints("sess-crash")]
+    assert len(listed) == 3 and len(store.query(user_id=None, session_id="sess-crash")) < 3  # a tail
+    if op == "delete-newest":
+        assert store.delete_checkpoint("sess-crash", listed[0])
+    else:
+        store.prune(before=datetime.now(UTC) + timedelta(days=1), session_id="sess-crash")
+    store.close()
+    second = _child(d, "")
+    assert second.returncode == 0, second.stderr
+    runtime = LocalRuntime(root)
+    agent = Agent("", model=ScriptedModel(["unused"]), runtime=runtime)
+    ids = [m.checkpoint_id for m in await agent.list_checkpoints("sess-crash", limit=1000)]
+    assert await views(agent, root, "sess-crash") == same(ids, ids[0])
+    if op == "delete-newest":
+        assert listed[0] not in ids
+    runtime.close()
