@@ -263,3 +263,28 @@ async def test_maintenance_after_a_sigkill_then_recovery_agree(tmp_path, op):
     if op == "delete-newest":
         assert listed[0] not in ids
     runtime.close()
+
+
+async def test_forks_of_forks_stay_readable_after_their_ancestors_are_pruned(tmp_path):
+    """P runs; F1 forks from P's second checkpoint and runs; F2 forks from F1's newest. Then P and F1 are pruned
+    whole (no ``before``). F2's pins keep every object its chain names in P and F1: every view of F2 agrees, each
+    listed checkpoint loads, and F2 goes on from its latest."""
+    root = tmp_path / "d"
+    runtime = LocalRuntime(root)
+    agent = Agent("", model=ScriptedModel(script(3)), tools=[lookup], runtime=runtime, tuning=TUNING)
+    await agent.run("task", session_id="P")
+    p_metas = await agent.list_checkpoints("P")
+    [f1] = await agent.fork("P", from_checkpoint=p_metas[-2].checkpoint_id, prompts=["branch one"])
+    f1_newest = (await agent.list_checkpoints(f1.session_id))[0].checkpoint_id
+    [f2] = await agent.fork(f1.session_id, from_checkpoint=f1_newest, prompts=["branch two"])
+    before = [m.checkpoint_id for m in await agent.list_checkpoints(f2.session_id)]
+    assert before
+    pruner = open_store(root)
+    pruner.prune(session_id="P")
+    pruner.prune(session_id=f1.session_id)
+    pruner.close()
+    assert await views(agent, root, "P") == same([], None)
+    assert await views(agent, root, f2.session_id) == same(before, before[0])
+    more = await agent.run("and then?", session_id=f2.session_id)
+    assert more.messages[: len(f2.messages)] == f2.messages
+    runtime.close()

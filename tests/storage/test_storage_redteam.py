@@ -37,15 +37,17 @@ def query_ids(store: Store, session_id: str = "s1") -> list[str]:
 
 
 def table_ids(root: Path, session_id: str) -> dict[str, list[str]]:
-    """The compacted table's checkpoint ids of ``session_id`` as pyarrow and DuckDB read the directory, sorted."""
+    """The compacted table's checkpoint ids of ``session_id`` (of no user) as pyarrow and DuckDB read the
+    directory, sorted."""
     import duckdb
 
     base = root / "index" / "table"
     files = sorted(str(p) for p in base.rglob("*.parquet")) if base.exists() else []
     arrow = ds.dataset(files, format="parquet").to_table(columns=["checkpoint_id"],
-                                                         filter=ds.field("session_id") == session_id) if files else None
+                                                         filter=(ds.field("session_id") == session_id)
+                                                         & ds.field("user_id").is_null()) if files else None
     duck = duckdb.sql(f"SELECT checkpoint_id FROM read_parquet('{base}/*/*/*.parquet') "
-                      f"WHERE session_id = '{session_id}'").fetchall() if files else []
+                      f"WHERE session_id = '{session_id}' AND user_id IS NULL").fetchall() if files else []
     return {"pyarrow": sorted(arrow["checkpoint_id"].to_pylist()) if arrow is not None else [],
             "duckdb": sorted(r[0] for r in duck)}
 
@@ -239,6 +241,30 @@ def test_a_tail_object_that_names_another_session_is_not_adopted(tmp_path):
     (root / layout.checkpoint_key("s1", None, "zz9")).write_bytes(src.read_bytes())
     assert views(root) == {**dict.fromkeys(["list", "get", "query", "pyarrow", "duckdb"], ["c1", "c2", "c3"]),
                            "latest": ["c3"]}
+
+
+def test_another_sessions_index_file_dropped_into_a_partition_moves_no_row(tmp_path):
+    """A valid index file of session s2 copied into s1's partition (and one of user bob's into the no-user
+    partition of s1): s1's views are unchanged, s2's and bob's rows are in the table once, under their own
+    session and user, and compaction keeps it so."""
+    root = tmp_path / "d"
+    written(root).close()
+    store = open_store(root)
+    put_checkpoint(store, "s2", "d1", turn=1)
+    put_checkpoint(store, "s1", "b1", turn=1, user_id="bob")
+    store.close()
+    target = root / layout.index_partition(layout.CHECKPOINT_INDEX, "s1", None)
+    for sid, uid in (("s2", None), ("s1", "bob")):
+        src = sorted((root / layout.index_partition(layout.CHECKPOINT_INDEX, sid, uid)).glob("*.parquet"))[0]
+        (target / f"zz-{sid}-{uid}.parquet").write_bytes(src.read_bytes())
+    assert views(root) == {**dict.fromkeys(["list", "get", "query", "pyarrow", "duckdb"], ["c1", "c2", "c3"]),
+                           "latest": ["c3"]}
+    assert views(root, "s2") == {**dict.fromkeys(["list", "get", "query", "pyarrow", "duckdb"], ["d1"]),
+                                 "latest": ["d1"]}
+    reader = open_store(root)
+    assert reader.query(user_id="bob")["checkpoint_id"].to_pylist() == ["b1"]
+    assert sorted(reader.query(user_id=None)["checkpoint_id"].to_pylist()) == ["c1", "c2", "c3", "d1"]
+    reader.close()
 
 
 # --- deleters and pruners --------------------------------------------------------------------------------------
