@@ -196,6 +196,28 @@ def test_a_same_size_overwrite_of_the_newest_object_is_skipped_by_every_view(tmp
     assert ids(reader.list_checkpoints("s1")) == ["c2", "c1"]
 
 
+@pytest.mark.xfail(strict=True, reason="red team: a checkpoint object removed or truncated behind the index's back "
+                                       "leaves list/latest/get, but not Store.query and the table")
+@pytest.mark.parametrize("damage", ["removed", "truncated"])
+def test_an_object_removed_or_truncated_by_hand_leaves_every_view(tmp_path, damage):
+    """c3's object is removed (or cut short) by hand. The list skips it, "latest" is c2 and get by id is None
+    (or a typed error); ``Store.query`` and the compacted table must not go on counting c3 as a checkpoint of
+    the session. They do: they read the index rows only, so c3 stays in both for good."""
+    root = tmp_path / "d"
+    written(root).close()
+    path = root / layout.checkpoint_key("s1", None, "c3")
+    if damage == "removed":
+        path.unlink()
+    else:
+        path.write_bytes(path.read_bytes()[:10])
+    reader = open_store(root)
+    assert ids(reader.list_checkpoints("s1")) == ["c2", "c1"]
+    assert reader.get_checkpoint("s1") == reader.get_checkpoint("s1", "c2")
+    reader.close()
+    got = views(root)
+    assert got["list"] == got["query"] == got["pyarrow"] == got["duckdb"] == ["c1", "c2"]
+
+
 def test_a_duplicated_index_file_shows_no_row_twice(tmp_path):
     """An index file copied under another name in its partition (a replayed upload, a backup restored beside
     the original): no reader shows a row twice, and the table has each checkpoint once."""
