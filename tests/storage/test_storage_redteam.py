@@ -289,6 +289,27 @@ def test_another_sessions_index_file_dropped_into_a_partition_moves_no_row(tmp_p
     reader.close()
 
 
+def test_a_table_file_of_another_user_dropped_into_a_users_table_is_not_queried(tmp_path):
+    """bob's compacted table file copied into alice's table partition (``index/table/user=alice/...``): alice's
+    ``Store.query`` shows alice's rows only, before and after the next compaction."""
+    root = tmp_path / "d"
+    store = open_store(root)
+    put_checkpoint(store, "s1", "a1", turn=1, user_id="alice")
+    put_checkpoint(store, "s1", "b1", turn=1, user_id="bob")
+    store.compact(tombstone_grace=timedelta(0))
+    store.close()
+    table = root / "index" / "table"
+    bob = sorted((table / "user=bob").rglob("*.parquet"))[0]
+    alice_day = sorted((table / "user=alice").glob("day=*"))[0]
+    (alice_day / "part-9.parquet").write_bytes(bob.read_bytes())
+    for _ in range(2):
+        reader = open_store(root)
+        assert reader.query(user_id="alice")["checkpoint_id"].to_pylist() == ["a1"]
+        assert reader.query(user_id="bob")["checkpoint_id"].to_pylist() == ["b1"]
+        reader.compact(tombstone_grace=timedelta(0))
+        reader.close()
+
+
 # --- deleters and pruners --------------------------------------------------------------------------------------
 
 
