@@ -6,7 +6,7 @@ owner deletes; another user on the same store reading and forking across
 tenants. After each attack every view (the Agent's list, "latest" and get by
 id, ``Store.query`` and the compacted table from a cold store, a fork from a
 listed checkpoint) must show one history. A test marked ``xfail(strict=True)``
-is a break the red team found and left for the lead to fix.
+is a break the red team found and left for the lead to fix (docs/red-team.md).
 """
 
 from __future__ import annotations
