@@ -288,3 +288,42 @@ async def test_forks_of_forks_stay_readable_after_their_ancestors_are_pruned(tmp
     more = await agent.run("and then?", session_id=f2.session_id)
     assert more.messages[: len(f2.messages)] == f2.messages
     runtime.close()
+
+
+async def test_two_zombies_and_a_third_owner_with_retention_leave_one_readable_history(tmp_path):
+    """A is paused in a tool; B takes over and is paused in a later tool; C takes over and finishes, with
+    retention keeping 3 (C's chain builds on A's and B's objects). Then B and A wake, in that order, and are
+    fenced. Every view agrees on C's last 3 checkpoints, each loads, and a fork from the oldest restores it."""
+    gates = {"k1": asyncio.Event(), "k3": asyncio.Event()}
+    released = {k: asyncio.Event() for k in gates}
+    seen: dict[str, int] = {}
+
+    async def gate(key: str) -> str:
+        """Look something up; the first call for k1 and for k3 waits to be released."""
+        seen[key] = seen.get(key, 0) + 1
+        if key in gates and seen[key] == 1:
+            gates[key].set()
+            await released[key].wait()
+        return f"value of {key}"
+
+    steps = [{"tool": "gate", "args": {"key": f"k{i}"}} for i in range(6)] + ["done"] * 4
+    root = tmp_path / "d"
+    runtimes = [LocalRuntime(root, max_checkpoints_per_session=3) for _ in range(3)]
+    a, b, c = (Agent("", model=ScriptedModel(steps), tools=[gate], runtime=rt, tuning=TUNING) for rt in runtimes)
+    run_a = asyncio.ensure_future(a.run("task", session_id="s"))
+    await asyncio.wait_for(gates["k1"].wait(), 30)
+    run_b = asyncio.ensure_future(b.run("task", session_id="s"))
+    await asyncio.wait_for(gates["k3"].wait(), 30)
+    assert (await c.run("task", session_id="s")).output == "done"
+    for key, run in (("k3", run_b), ("k1", run_a)):
+        released[key].set()
+        with pytest.raises(LeaseLostError):
+            await asyncio.wait_for(run, 30)
+    ids = [m.checkpoint_id for m in await c.list_checkpoints("s")]
+    assert len(ids) == 3
+    assert await views(c, root, "s") == same(ids, ids[0])
+    oldest = await c.get_checkpoint("s", ids[-1])
+    [fork] = await c.fork("s", from_checkpoint=ids[-1], prompts=[None])
+    assert fork.messages[: len(oldest.messages)] == oldest.messages
+    for rt in runtimes:
+        rt.close()
