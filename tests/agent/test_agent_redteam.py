@@ -327,3 +327,56 @@ async def test_two_zombies_and_a_third_owner_with_retention_leave_one_readable_h
     assert fork.messages[: len(oldest.messages)] == oldest.messages
     for rt in runtimes:
         rt.close()
+
+
+@pytest.mark.parametrize("then", ["bare-takeover", "recovery"])
+async def test_a_fork_from_a_dead_writers_tail_resumes_after_a_takeover(tmp_path, then):
+    """A process dies by SIGKILL with three unindexed checkpoints (a tail); a user forks from the oldest listed
+    one, and the fork crashes before its first checkpoint. Then the parent session is taken over: by a bare
+    lease acquire (``loomray lease repair``, an adopting supervisor) or by a recovery run in a new process.
+    The fork's pin holds its fork point, so the fork resumes from it (rule 4)."""
+    import signal
+
+    d = tmp_path / "p"
+    d.mkdir()
+    assert _child(d, "tool:4").returncode == -signal.SIGKILL
+    root = d / "store"
+    runtime = LocalRuntime(root)
+    agent = Agent("", model=ScriptedModel(["fork done"] * 4), runtime=runtime, tuning=TUNING)
+    point = (await agent.list_checkpoints("sess-crash"))[-1].checkpoint_id
+    assert point not in runtime.store.query(user_id=None, session_id="sess-crash")["checkpoint_id"].to_pylist()
+    base = await agent.get_checkpoint("sess-crash", point)
+    with pytest.raises(Crash):
+        await agent.resume("fork here", session_id="sess-crash", from_checkpoint=point,
+                           emit=crash_at("model_call", 1))
+    pins = [o.key for o in runtime.store.objects.list(prefix=layout.pin_prefix("sess-crash", None))]
+    fork_id = pins[0].rsplit("/", 1)[1].removesuffix(".json")
+    if then == "bare-takeover":
+        open_store(root).acquire_lease("sess-crash", owner="operator")
+    else:
+        assert _child(d, "").returncode == 0
+    result = await agent.resume(session_id=fork_id)
+    assert result.forked_from == "sess-crash" and result.messages[: len(base.messages)] == base.messages
+    runtime.close()
+
+
+@pytest.mark.parametrize("then", ["no-takeover", "bare-takeover"])
+async def test_a_dead_writers_tail_survives_a_bare_takeover_before_recovery(tmp_path, then):
+    """A process dies by SIGKILL inside its 4th tool, its three after-tools checkpoints an unindexed tail. Before
+    a recovery runs, the session's lease is taken (``loomray lease repair``, a supervisor adopting it). The
+    tail holds the results of tools 1-3: recovery must restore it, so each of those tools ran once."""
+    import signal
+
+    d = tmp_path / "p"
+    d.mkdir()
+    assert _child(d, "tool:4").returncode == -signal.SIGKILL
+    root = d / "store"
+    store = open_store(root)
+    tail = [r.checkpoint_id for r in store.list_checkpoints("sess-crash")]
+    assert len(tail) == 3
+    if then == "bare-takeover":
+        store.acquire_lease("sess-crash", owner="operator")
+    store.close()
+    assert _child(d, "").returncode == 0
+    effects = (d / "effects").read_text().split()
+    assert [effects.count(f"ray-{i}") for i in range(5)] == [1, 1, 1, 1, 1], effects
