@@ -46,6 +46,20 @@ async def views(agent: Agent, root: Path, session_id: str, user_id: str | None =
             "latest": [latest.checkpoint_id] if latest is not None else []}
 
 
+def loomray_query(root: Path, session_id: str) -> list[dict]:
+    """``loomray query --session SESSION --json`` on the store at ``root``, as a user types it."""
+    import json
+    import os
+
+    from forked import run_loomray
+
+    env = {k: v for k, v in os.environ.items() if k not in ("LOOMRAY_STORE", "RAY_ADDRESS")}
+    out = run_loomray(["query", "--session", session_id, "--limit", "1000", "--json"],
+                      env={**env, "LOOMRAY_STORE": str(root)}, cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
 def same(ids: list[str], latest: str | None) -> dict[str, list[str]]:
     return {**dict.fromkeys(["list", "get", "query", "table"], sorted(ids)), "latest": [latest] if latest else []}
 
@@ -322,6 +336,7 @@ async def test_two_zombies_and_a_third_owner_with_retention_leave_one_readable_h
     ids = [m.checkpoint_id for m in await c.list_checkpoints("s")]
     assert len(ids) == 3
     assert await views(c, root, "s") == same(ids, ids[0])
+    assert sorted(r["checkpoint_id"] for r in loomray_query(root, "s")) == sorted(ids)
     oldest = await c.get_checkpoint("s", ids[-1])
     [fork] = await c.fork("s", from_checkpoint=ids[-1], prompts=[None])
     assert fork.messages[: len(oldest.messages)] == oldest.messages
