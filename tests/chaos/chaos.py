@@ -24,6 +24,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 for p in (str(HERE), str(HERE.parents[1])):
@@ -42,6 +43,20 @@ def effective_bound(bound_s: float) -> float:
     to the load of a shared machine; the bound is about stuck sessions, not slow ones.
     """
     return bound_s * min(4.0, max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1)))
+
+
+def top_up(lc: Any, attempts: int = 5) -> None:
+    """Add worker nodes back up to two; a node that fails to register (Ray's 30 s, missed under heavy load)
+    is tried again, ``attempts`` times in all."""
+    for attempt in range(attempts):
+        try:
+            while len(lc.workers) < 2:
+                lc.add_node()
+            return
+        except Exception as e:
+            print(f"    checker: adding a worker node failed ({type(e).__name__}); attempt {attempt + 1} of {attempts}",
+                  flush=True)
+    raise RuntimeError("could not bring the cluster back to two worker nodes")
 
 
 def run(seeds: list[int], sessions: int, bound_s: float) -> int:
@@ -88,8 +103,7 @@ def run(seeds: list[int], sessions: int, bound_s: float) -> int:
                 if violations:
                     failing.append(seed)
                     print(f"    replay: python tests/chaos/chaos.py --seed {seed} --sessions {sessions}", flush=True)
-                while len(lc.workers) < 2:
-                    lc.add_node()
+                top_up(lc)
         finally:
             stop.set()
             keeper.join(timeout=30)
