@@ -1,4 +1,4 @@
-"""The agents and judges a submitted exploration imports on the cluster (``explore_ray_agent:agent`` ...).
+"""The agent and judge a submitted exploration imports on the cluster (``explore_ray_agent:counted`` ...).
 
 ``counted`` and ``model_judge`` log every model call they serve to
 ``$LOOMRAY_RAY_TEST_DIR/xsub-calls`` (one line naming the branch or the judged
@@ -21,15 +21,13 @@ from ray import cloudpickle
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "explore"))
 
 import explore_agents  # noqa: E402
-from explore_agents import judge, make_agent, reply, step  # noqa: E402
+from explore_agents import reply, step  # noqa: E402
 
 from loomray import Agent, ModelJudge, Tuning  # noqa: E402
 from loomray.models import ScriptedModel  # noqa: E402
 
 # The hosts that run the branches get the agent by value: they cannot import tests/explore.
 cloudpickle.register_pickle_by_value(explore_agents)
-
-agent = make_agent(None, delay=0.2)
 
 
 def _dir() -> Path:
@@ -69,4 +67,4 @@ counted = Agent("You explore.", model=ScriptedModel([_branch_reply] * 40, name="
                 tuning=Tuning(checkpoint=True))
 model_judge = ModelJudge(ScriptedModel([_verdict] * 2, name="judge-model"), "Score the branch by its answer.")
 
-__all__ = ["agent", "judge", "counted", "model_judge"]
+__all__ = ["counted", "model_judge"]

@@ -6,6 +6,10 @@ tree (``loomray tree``'s view) and the exploration's query columns
 (``loomray query --exploration``) must agree on scores and spend, and the
 spend must sum to what the models billed (the checkpoint index's per-row
 ``spend_usd``, which counts each billed call once).
+
+A submitted exploration (``loomray explore --submit`` in a driver process that
+exits at once) runs in the store's supervisor; the supervisor is killed mid
+round and the one ``supervise`` recreates continues it from the store.
 """
 
 from __future__ import annotations
