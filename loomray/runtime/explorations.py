@@ -75,7 +75,8 @@ log = logging.getLogger("loomray.runtime.explorations")
 
 #: The fields of a submitted exploration's request (``submit.json``); all JSON.
 REQUEST_FIELDS = ("exploration_id", "session_id", "user_id", "agent_ref", "judge_ref", "placement", "actor_options",
-                  "secret_env_vars", "variants", "rounds", "keep", "score_every", "adopt", "from_checkpoint", "budget")
+                  "secret_env_vars", "max_concurrent_forks", "variants", "rounds", "keep", "score_every", "adopt",
+                  "from_checkpoint", "budget")
 
 Key = tuple[str | None, str]
 
@@ -117,14 +118,16 @@ class SupervisedRuntime(Runtime):
     """The runtime a submitted exploration runs on, inside the supervisor: its sessions are the supervisor's own.
 
     ``supervisor`` is the :class:`~loomray.runtime.supervisor.Supervisor` object itself (called in process,
-    on its event loop); ``config`` is what its branches run with (placement, actor options). Every hand-off
+    on its event loop); ``config`` is what its branches run with (placement, actor options), at most
+    ``max_concurrent_forks`` of a round at once (None: the supervisor's limit). Every hand-off
     is a resend (:mod:`loomray.runtime.handoffs`): a continued exploration re-issues requests a dead
     supervisor may have started, and joins them.
     """
 
-    def __init__(self, supervisor: Any, store: Any, config: RuntimeConfig) -> None:
+    def __init__(self, supervisor: Any, store: Any, config: RuntimeConfig,
+                 max_concurrent_forks: int | None = None) -> None:
         super().__init__(store, max_checkpoints_per_session=config.max_checkpoints_per_session)
-        self.config = config
+        self.config, self.max_concurrent_forks = config, max_concurrent_forks
         self._supervisor = supervisor
 
     async def execute(self, agent: Agent, request: RunRequest, *, emit: Any = None, extra_tools: Sequence[Any] = (),
@@ -146,8 +149,8 @@ class SupervisedRuntime(Runtime):
         """The branches of a round: one fan-out of the supervisor; results in request order."""
         spec = agent_specs(per_request(agent, requests), extra_tools)
         requests = [handed_off(r, fork=True) for r in requests]
-        outcomes = await self._supervisor.run_many(spec, [r.model_dump_json() for r in requests], None, None, False,
-                                                   self.config, True)
+        outcomes = await self._supervisor.run_many(spec, [r.model_dump_json() for r in requests],
+                                                   self.max_concurrent_forks, None, False, self.config, True)
         return [run_result(o, r.session_id) for o, r in zip(outcomes, requests, strict=True)]
 
     async def cancel(self, session_id: str, *, user_id: str | None = None) -> None:
@@ -303,7 +306,7 @@ class Explorations:
         try:
             ref = request["agent_ref"]
             agent = set_agent_ref(copy.copy(await asyncio.to_thread(resolve_ref, ref)), ref)
-            agent.runtime = SupervisedRuntime(self._supervisor, self._store, config)
+            agent.runtime = SupervisedRuntime(self._supervisor, self._store, config, request["max_concurrent_forks"])
             judge = off_loop(await asyncio.to_thread(import_judge, request["judge_ref"]))
             await agent.explore(request["session_id"], variants=[variant_from_doc(v) for v in request["variants"]],
                                 judge=judge, from_checkpoint=request["from_checkpoint"], rounds=request["rounds"],
@@ -333,8 +336,8 @@ async def submit_exploration(runtime: RayRuntime, agent_ref: str, judge_ref: str
     What ``loomray explore --submit`` runs. The arguments are :meth:`loomray.Agent.explore`'s, with the agent
     and the judge as importable references (``module:attr``, importable on the cluster) and variants that
     store whole: a prompt, a model by name, instructions, edits. The branches run with ``runtime``'s
-    placement and actor options. The exploration goes on after this process exits; its record in the store
-    (``loomray query --exploration ID``, ``loomray tree``) shows how far it got.
+    placement, actor options and ``max_concurrent_forks``. The exploration goes on after this process
+    exits; its record in the store (``loomray query --exploration ID``, ``loomray tree``) shows how far it got.
     """
     for v in variants:
         if not isinstance(v, Variant) or v.tools is not None or v.tuning is not None \
@@ -346,6 +349,7 @@ async def submit_exploration(runtime: RayRuntime, agent_ref: str, judge_ref: str
                           user_id=user_id, agent_ref=agent_ref, judge_ref=judge_ref,
                           variants=[variant_doc(v) for v in variants], rounds=rounds, keep=keep,
                           score_every=score_every, adopt=bool(adopt), from_checkpoint=from_checkpoint,
+                          max_concurrent_forks=runtime.max_concurrent_forks,
                           budget={"max_cost_usd": budget.max_cost_usd, "max_wall_s": budget.max_wall_s})
     handle = await asyncio.to_thread(runtime.supervisor)
     return str(await handle.explore.remote(request, runtime.config))
