@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/explore_bench.py            # 64 branches a round, 200 ms model, 3 passes each
     .venv/bin/python bench/explore_bench.py --quick    # 16 branches a round
+    .venv/bin/python bench/explore_bench.py --max-concurrent-forks 32   # a round of 64 in two waves
 
 A local cluster (``loomray.testing.cluster.local_cluster``: a head and two
 worker raylets of 2 CPUs each on 127.0.0.1; sessions need the
@@ -16,7 +17,10 @@ and is served (``S|`` / ``D|`` lines, from whichever worker runs it).
    round's plan stored -> its last branch's last model call served) divided by
    its longest branch's own time (that branch's first call started -> its last
    call served). 1.0 would mean starting, judging and bookkeeping 64 branches
-   cost nothing beyond the slowest branch itself; the goal is <= 1.5.
+   cost nothing beyond the slowest branch itself; the goal is <= 1.5. A
+   round's branches run at most ``--max-concurrent-forks`` at once (default:
+   the width); each round also reports when its first, median and last
+   branch made their first call after the plan was stored.
 2. **Driver kill**: the same exploration under another id; its driver is
    SIGKILLed once round 2's plan is stored and its branches made their first
    calls, and a new driver continues it (``exploration_id=``). On Ray the
