@@ -237,13 +237,14 @@ class Explorations:
                 continue
             try:
                 request = await asyncio.to_thread(self._request_of, user_id, xid, known_nodes)
-            except (ValueError, LoomrayUserError) as e:
-                log.warning("not continuing exploration %r (user %r): %s", xid, user_id, e)
+                config = None if request is None else self._branch_config(request)
+            except Exception as e:  # noqa: BLE001 - whoever can write the bucket wrote it: a warning, not a crash
+                log.warning("not continuing exploration %r (user %r): %s: %s", xid, user_id, type(e).__name__, e)
                 continue
-            if request is None:
+            if request is None or config is None:
                 continue
             await self._mark(request)
-            self._start(request, self._branch_config(request))
+            self._start(request, config)
             resumed.append(xid)
         if resumed:
             log.info("supervisor continues %d exploration(s): %s", len(resumed), ", ".join(resumed))

@@ -7,6 +7,7 @@ before a supervisor is asked; the on-cluster path is tests/ray/test_ray_explore.
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import pytest
 
@@ -49,3 +50,32 @@ def test_a_sync_judge_runs_off_the_loop_and_is_still_the_judge_the_plan_names():
     assert scored.value == 0.4
     model_judge = ModelJudge("m", "rubric")
     assert off_loop(async_judge) is async_judge and off_loop(model_judge) is model_judge
+
+
+def test_marks_and_requests_a_bucket_writer_made_up_are_skipped_with_a_warning(tmp_path, caplog):
+    """A supervisor's pass over the submitted explorations never fails on what it reads (it would fail every
+    pass, sessions' adoption included) and never imports a reference nobody allowed."""
+    from loomray.explore.record import ExplorationRecord
+    from loomray.runtime.actors import RuntimeConfig
+    from loomray.runtime.adoption import AdoptionPolicy
+    from loomray.runtime.explorations import Explorations
+    from storage import layout
+
+    config = RuntimeConfig(store_url=str(tmp_path / "store"), allowed_agents=("mod:*",))
+    store = config.open_store()
+
+    def mark(xid: str, body: bytes) -> None:
+        store.objects.put(key=layout.submitted_exploration_key(None, xid), data=body)
+
+    mark("xpl-deep", b"[" * 100_000)  # JSON nested past the parser's recursion limit
+    mark("xpl-nothing", b'{"session_id": "s"}')  # no request in its record
+    request = dict.fromkeys(REQUEST_FIELDS) | {"exploration_id": "xpl-evil", "agent_ref": "evil:agent",
+                                               "judge_ref": "mod:judge", "actor_options": {}, "secret_env_vars": []}
+    ExplorationRecord(store.objects, "s", None, "xpl-evil").put("submit", request)
+    mark("xpl-evil", b'{"session_id": "s"}')
+    explorations = Explorations(None, config, store, AdoptionPolicy(config, store))
+    with caplog.at_level("WARNING", logger="loomray.runtime.explorations"):
+        assert asyncio.run(explorations.resume(None)) == []
+    skipped = "\n".join(r.getMessage() for r in caplog.records)
+    assert all(x in skipped for x in ("xpl-deep", "xpl-nothing", "'evil:agent'"))
+    assert "evil" not in sys.modules
