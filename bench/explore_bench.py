@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/explore_bench.py            # 64 branches a round, 200 ms model, 3 passes each
     .venv/bin/python bench/explore_bench.py --quick    # 16 branches a round
+    .venv/bin/python bench/explore_bench.py --max-concurrent-forks 32   # a round of 64 in two waves
 
 A local cluster (``loomray.testing.cluster.local_cluster``: a head and two
 worker raylets of 2 CPUs each on 127.0.0.1; sessions need the
@@ -16,7 +17,10 @@ and is served (``S|`` / ``D|`` lines, from whichever worker runs it).
    round's plan stored -> its last branch's last model call served) divided by
    its longest branch's own time (that branch's first call started -> its last
    call served). 1.0 would mean starting, judging and bookkeeping 64 branches
-   cost nothing beyond the slowest branch itself; the goal is <= 1.5.
+   cost nothing beyond the slowest branch itself; the goal is <= 1.5. A
+   round's branches run at most ``--max-concurrent-forks`` at once (default:
+   the width); each round also reports when its first, median and last
+   branch made their first call after the plan was stored.
 2. **Driver kill**: the same exploration under another id; its driver is
    SIGKILLed once round 2's plan is stored and its branches made their first
    calls, and a new driver continues it (``exploration_id=``). On Ray the
@@ -111,11 +115,13 @@ def judge(judged: JudgeInput) -> float:
     return float(int((judged.variant.prompt or "r0v0").split("v")[-1]) * 7919 % 101)
 
 
-def drive(address: str, store: str, xid: str, log: str, width: int, passes: int, latency: float) -> None:
+def drive(address: str, store: str, xid: str, log: str, width: int, passes: int, latency: float,
+          max_concurrent_forks: int) -> None:
     from loomray.runtime import RayRuntime
 
     runtime = RayRuntime(store, address=address, placement="dense", max_checkpoints_per_session=0,
-                         actor_options={"resources": {"loomray_session": 1}})
+                         actor_options={"resources": {"loomray_session": 1}},
+                         max_concurrent_forks=max_concurrent_forks)
     agent = _agent(log, passes, latency)
     agent.runtime = runtime
     if not runtime.store.list_checkpoints("base", limit=1):
@@ -150,7 +156,8 @@ class Memory(threading.Thread):
 def _driver(args, address: str, store: Path, xid: str, log: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     return subprocess.Popen([sys.executable, __file__, "--drive", address, str(store), xid, str(log),
-                             str(args.width), str(args.passes), str(args.latency)], env=env,
+                             str(args.width), str(args.passes), str(args.latency), str(args.max_concurrent_forks)],
+                            env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -173,8 +180,10 @@ def rounds(docs: dict[str, dict], calls: list[tuple[str, str, float]]) -> list[d
             span[0], span[1] = min(span[0], t), max(span[1], t)
         longest = max(b - a for a, b in own.values())
         wall = max(t for _, _, t in mine) - plan["planned_at"]
+        starts = sorted(a - plan["planned_at"] for a, _ in own.values())
         out.append({"round": r, "branches": len(plan["branches"]), "wall_s": round(wall, 3),
-                    "longest_branch_s": round(longest, 3), "ratio": round(wall / longest, 3)})
+                    "longest_branch_s": round(longest, 3), "ratio": round(wall / longest, 3),
+                    "first_call_s": [round(starts[0], 3), round(starts[len(starts) // 2], 3), round(starts[-1], 3)]})
     return out
 
 
@@ -221,7 +230,8 @@ async def main_async(args) -> dict:
     from loomray.testing.cluster import local_cluster
 
     out: dict = {"load_avg_at_start": os.getloadavg(), "width": args.width, "passes": args.passes,
-                 "latency_s": args.latency, "rounds": ROUNDS, "keep": KEEP}
+                 "latency_s": args.latency, "rounds": ROUNDS, "keep": KEEP,
+                 "max_concurrent_forks": args.max_concurrent_forks}
     memory = Memory()
     memory.start()
     with tempfile.TemporaryDirectory(prefix="loomray-explorebench-") as tmp, \
@@ -250,11 +260,12 @@ async def main_async(args) -> dict:
 
 def report(out: dict) -> None:
     print(f"explore bench: {out['width']} branches x {out['rounds']} rounds (keep {out['keep']}), "
-          f"{out['passes']} passes + answer, {out['latency_s'] * 1000:.0f} ms model, dense, 3 nodes")
-    print("round  branches  wall s  longest branch s  ratio")
+          f"{out['passes']} passes + answer, {out['latency_s'] * 1000:.0f} ms model, dense, 3 nodes, "
+          f"max_concurrent_forks={out['max_concurrent_forks']}")
+    print("round  branches  wall s  longest branch s  ratio  first call after plan s (first/median/last branch)")
     for r in out["per_round"]:
         print(f"{r['round']:>5}  {r['branches']:>8}  {r['wall_s']:>6.2f}  {r['longest_branch_s']:>16.2f}  "
-              f"{r['ratio']:>5.2f}")
+              f"{r['ratio']:>5.2f}  {' / '.join(f'{x:.2f}' for x in r['first_call_s'])}")
     k = out["driver_kill"]
     print(f"uninterrupted: {out['uninterrupted_s']:.1f} s (driver start included); driver SIGKILLed in round 2: "
           f"{k['served_while_no_driver']} calls served by the branches meanwhile (they run in the cluster); "
@@ -270,14 +281,18 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=64, help="branches a round (a multiple of keep=4)")
     ap.add_argument("--passes", type=int, default=3, help="tool passes per branch (then its answer)")
     ap.add_argument("--latency", type=float, default=0.2, help="model latency, seconds")
-    ap.add_argument("--drive", nargs=7, metavar="X", help=argparse.SUPPRESS)
+    ap.add_argument("--max-concurrent-forks", type=int, default=None, metavar="N",
+                    help="RayRuntime's bound on a fan-out's running forks (default: the width, so a round's "
+                         "branches all run at once; RayRuntime's own default is 32)")
+    ap.add_argument("--drive", nargs=8, metavar="X", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.drive:
-        address, store, xid, log, width, passes, latency = args.drive
-        drive(address, store, xid, log, int(width), int(passes), float(latency))
+        address, store, xid, log, width, passes, latency, forks = args.drive
+        drive(address, store, xid, log, int(width), int(passes), float(latency), int(forks))
         return
     if args.quick:
         args.width = 16
+    args.max_concurrent_forks = args.max_concurrent_forks or args.width
     out = asyncio.run(main_async(args))
     report(out)
     path = Path(__file__).resolve().parent / "results" / "explore.json"

@@ -157,3 +157,12 @@ def exploration_pointer_key(user_id: str | None, exploration_id: str) -> str:
     """``explorations/{user or _}/{exploration_id}.json``: which session an exploration id belongs to (so an id
     alone finds it)."""
     return f"explorations/{user_segment(user_id)}/{validate_id(exploration_id, 'exploration_id')}.json"
+
+
+#: Marks of the explorations handed to a supervisor and not over yet (its worklist, one LIST).
+SUBMITTED_EXPLORATIONS = "submitted-explorations/"
+
+
+def submitted_exploration_key(user_id: str | None, exploration_id: str) -> str:
+    """``submitted-explorations/{user or _}/{exploration_id}.json``: a submitted exploration still to run."""
+    return f"{SUBMITTED_EXPLORATIONS}{user_segment(user_id)}/{validate_id(exploration_id, 'exploration_id')}.json"

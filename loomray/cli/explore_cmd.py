@@ -10,9 +10,10 @@ the cluster. The agent is ``--agent module:attr``, else the one stored with
 the session. The judge is imported from ``--judge`` on every call, also for
 ``--resume`` (the store never decides what code runs): it must be the judge
 the exploration started with. ``--resume`` takes everything else from the
-stored plan. ``--submit`` hands the exploration to a detached actor on the
-cluster (:mod:`loomray.runtime.explorations`), which Ray restarts elsewhere
-if its node is lost; it continues from the store.
+stored plan. ``--submit`` hands the exploration to the store's supervisor on the
+cluster and returns at once (:mod:`loomray.runtime.explorations`): like a
+submitted session it outlives this process, and a recreated supervisor
+continues it from the store.
 """
 
 from __future__ import annotations
@@ -42,11 +43,10 @@ from loomray.cli.common import (
 )
 from loomray.cli.explore_view import exploration_dict, exploration_table
 from loomray.cli.output import emit_json
-from loomray.cli.ray_access import join_cluster, placement_option, require_address
+from loomray.cli.ray_access import placement_option, require_address
 from loomray.cli.runs import agent_for, bind, runtime_for
 from loomray.explore import Budget, ModelJudge, find_exploration
-from loomray.explore.record import ExplorationRecord, variant_doc, variant_from_doc
-from loomray.ids import new_id
+from loomray.explore.record import ExplorationRecord, variant_from_doc
 from loomray.variants import Variant
 
 
@@ -110,7 +110,7 @@ def parse_variants(values: tuple[str, ...]) -> list[Variant]:
 @click.option("--id", "exploration_id", default=None, help="The exploration's id (default: a new one).")
 @click.option("--resume", "resume_id", default=None, metavar="ID", help="Continue exploration ID.")
 @click.option("--submit", is_flag=True,
-              help="Hand the exploration to the cluster (--address): a detached actor drives it; print its id.")
+              help="Hand the exploration to the store's supervisor on the cluster (--address); print its id.")
 @click.option("--agent", "agent_ref", default=None, metavar="MODULE:AGENT",
               help="Agent that runs the branches (default: the one stored with the session).")
 @user_option
@@ -159,25 +159,18 @@ def explore(session_id: str | None, variant_values: tuple[str, ...], judge_ref: 
 
 def _submit(args: dict[str, Any], judge_ref: str, agent_ref: str, user_id: str | None, store_url: str,
             address: str | None, placement: str, as_json: bool) -> None:
-    """Hand the exploration to a detached actor on the cluster (:mod:`loomray.runtime.explorations`)."""
-    join_cluster(require_address(address))
-    from loomray.runtime.connection import normalize_store_url
-    from loomray.runtime.explorations import EXPLORE_PREFIX, submit_exploration  # imports Ray
+    """Hand the exploration to the store's supervisor on the cluster (:mod:`loomray.runtime.explorations`)."""
+    runtime: Any = runtime_for(store_url, require_address(address), placement)
+    from loomray.runtime.actors import supervisor_name
+    from loomray.runtime.explorations import submit_exploration  # imports Ray
 
-    budget = args["budget"] or Budget()
-    xid = args["exploration_id"] or new_id("xpl")
-    spec = {"store_url": normalize_store_url(store_url), "placement": placement,
-            "actor_options": {}, "agent_ref": agent_ref,
-            "judge_ref": judge_ref, "session_id": args["session_id"], "user_id": user_id, "exploration_id": xid,
-            "args": {"variants": [variant_doc(v) for v in args["variants"]], "rounds": args["rounds"],
-                     "keep": args["keep"], "score_every": args["score_every"], "adopt": args["adopt"],
-                     "from_checkpoint": args["from_checkpoint"],
-                     "budget": {"max_cost_usd": budget.max_cost_usd, "max_wall_s": budget.max_wall_s}}}
-    submit_exploration(spec)
+    session_id = args.pop("session_id")
+    xid = asyncio.run(submit_exploration(runtime, agent_ref, judge_ref, session_id, user_id=user_id, **args))
+    supervisor = supervisor_name(runtime.config.store_url)
     if as_json:
-        emit_json({"exploration_id": xid, "session_id": args["session_id"], "actor": EXPLORE_PREFIX + xid})
+        emit_json({"exploration_id": xid, "session_id": session_id, "supervisor": supervisor})
         return
-    console.print(f"submitted exploration {xid} of {args['session_id']} (driven by actor {EXPLORE_PREFIX}{xid}); "
+    console.print(f"submitted exploration {xid} of {session_id} to the store's supervisor ({supervisor}); "
                   f"see it with: loomray query --exploration {xid}", highlight=False)
 
 

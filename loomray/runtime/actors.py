@@ -29,7 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import cloudpickle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from loomray.errors import LoomrayUserError
+from loomray.errors import LoomrayRunError, LoomrayUserError
+from loomray.records import RunResult
 from loomray.runtime.connection import NAMESPACE
 from loomray.runtime.stored_options import REDACTED, without_secrets
 from storage import open_store
@@ -305,6 +306,23 @@ class Outcome(BaseModel):
         if self.status == "completed" and self.stop_reason:
             return self.stop_reason
         return self.status
+
+
+def run_result(outcome: Outcome, session_id: str) -> RunResult:
+    """The result a run's ``outcome`` carries; its exception (or a ``LoomrayRunError``) when it has none."""
+    if outcome.status == "completed" and outcome.result_json is not None:
+        return RunResult.model_validate_json(outcome.result_json)
+    if outcome.exception is not None:
+        raise outcome.exception
+    raise LoomrayRunError(f"session {session_id!r} ended {outcome.status}: {outcome.error}")
+
+
+def head_node_id() -> str | None:
+    """The node id of the cluster's live head, or None (no head among the live nodes)."""
+    for node in ray.nodes():
+        if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
+            return str(node["NodeID"])
+    return None
 
 
 def _alive_nodes(exclude: str | None) -> list[str]:

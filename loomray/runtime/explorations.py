@@ -1,41 +1,84 @@
-"""Submitted explorations: a detached Ray actor drives an exploration, so it outlives the driver that asked.
+"""Submitted explorations: the store's supervisor runs them, so they outlive the driver that asked.
 
-``submit_exploration(...)`` starts one actor per exploration, named
-``loomray-explore:{exploration_id}`` in the ``loomray`` namespace, with
-``max_restarts=-1``. Its constructor starts the exploration in a thread of
-its own; when Ray restarts the actor (its node was lost) the constructor
-runs again and continues the exploration by its id from the store (nothing
-finished runs again, no stored score is paid twice). The actor exits when the
-exploration is over; a failure is stored in the exploration's record
-(``driver-error.json``) first.
+``loomray explore --submit`` (:func:`loomray.runtime.explore_submit.submit_exploration`)
+hands an exploration to the store's supervisor the way ``loomray submit``
+hands it a session, and returns. The supervisor records the request before
+anything runs, in two places:
 
-What crosses into the actor is strings only: the store URL, the agent's and
-the judge's ``module:attr`` references (importable on the cluster's nodes),
-and the arguments as JSON.
+- ``submit.json`` in the exploration's record (create-only): what was asked,
+  as strings and JSON only (agent and judge references, arguments, placement,
+  the branches' actor options without secrets);
+- a mark ``submitted-explorations/{user}/{id}.json``: the supervisors'
+  worklist (one LIST), naming the node of the supervisor that runs it;
+  removed once the exploration is over.
+
+A supervisor runs each exploration as a task of its own event loop on a
+:class:`SupervisedRuntime`: branches and judge sessions are its own sessions,
+started and awaited in process. When the supervisor dies the exploration stops
+with it, while its branches go on in their (detached) actors and hosts. A
+recreated supervisor first adopts the store's active sessions (those branches),
+then continues every marked exploration by its id (:func:`loomray.explore.explore`'s
+resume): finished branches are read back, running ones joined, stored scores and
+decisions reused, so no branch runs and no judge call is billed twice.
+
+Like an adopted session, a continued exploration imports what the store names
+only when the operator allowed it: its agent and judge references must match
+the supervisor's allowed agents (the submitting runtime's are); otherwise it
+is left marked and logged. Like adoption, a supervisor continues only the
+explorations last run on a node of its own cluster, unless told to take
+foreign ones (``supervise``: the cluster that ran them is gone).
 """
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
+import functools
+import inspect
+import json
 import logging
-import threading
-from typing import Any
+from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from loomray.errors import LoomrayUserError
 from loomray.explore import Budget, ModelJudge
-from loomray.explore.record import ExplorationRecord, variant_from_doc
-from loomray.runtime.actors import check_ref, import_ref, resolve_ref, set_agent_ref
-from loomray.runtime.connection import NAMESPACE
-from loomray.runtime.ray_runtime import RayRuntime
-from storage import open_store
+from loomray.explore.record import ExplorationRecord, callable_ref, variant_doc, variant_from_doc
+from loomray.ids import new_id
+from loomray.run_request import RunRequest
+from loomray.runtime.actors import (
+    AgentSpec,
+    RuntimeConfig,
+    check_ref,
+    import_ref,
+    resolve_ref,
+    run_result,
+    set_agent_ref,
+)
+from loomray.runtime.base import Runtime, per_request
+from loomray.runtime.fanouts import agent_specs
+from loomray.runtime.handoffs import handed_off
+from loomray.runtime.stored_options import restore_secrets, secret_env_names, storable_options, trusted_options
+from loomray.variants import Variant
+from storage import layout
+from storage.ids import user_from_segment
+
+if TYPE_CHECKING:
+    from loomray.agent import Agent
+    from loomray.records import RunResult
+    from loomray.runtime.ray_runtime import RayRuntime
 
 log = logging.getLogger("loomray.runtime.explorations")
 
-#: Name prefix of the actors that drive submitted explorations.
-EXPLORE_PREFIX = "loomray-explore:"
+#: The fields of a submitted exploration's request (``submit.json``); all JSON.
+REQUEST_FIELDS = ("exploration_id", "session_id", "user_id", "agent_ref", "judge_ref", "placement", "actor_options",
+                  "secret_env_vars", "max_concurrent_forks", "variants", "rounds", "keep", "score_every", "adopt",
+                  "from_checkpoint", "budget")
+
+Key = tuple[str | None, str]
 
 
 def import_judge(ref: str) -> Any:
@@ -46,57 +89,268 @@ def import_judge(ref: str) -> Any:
     return obj
 
 
-async def run_submitted(spec: dict[str, Any]) -> None:
-    """Run (or continue) the exploration ``spec`` describes, on a RayRuntime of this cluster."""
-    runtime = RayRuntime(spec["store_url"], placement=spec["placement"], actor_options=spec["actor_options"])
-    try:
-        agent = set_agent_ref(copy.copy(resolve_ref(spec["agent_ref"])), spec["agent_ref"])
-        agent.runtime = runtime
-        args = spec["args"]
-        await agent.explore(spec["session_id"], variants=[variant_from_doc(v) for v in args["variants"]],
-                            judge=import_judge(spec["judge_ref"]), from_checkpoint=args["from_checkpoint"],
-                            rounds=args["rounds"], keep=args["keep"], score_every=args["score_every"],
-                            adopt=args["adopt"], budget=Budget(**args["budget"]),
-                            exploration_id=spec["exploration_id"], user_id=spec["user_id"])
-    finally:
-        runtime.close()
+class _OffLoopJudge:
+    """A plain function judge run in a thread: the supervisor's event loop serves every session meanwhile.
+
+    It describes itself as the function it wraps (what the stored plan compares on resume)."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+        functools.update_wrapper(self, fn)
+
+    def describe(self) -> str:
+        return str(callable_ref(self.fn))
+
+    async def __call__(self, judged: Any) -> Any:
+        verdict = await asyncio.to_thread(self.fn, judged)
+        return await verdict if inspect.isawaitable(verdict) else verdict
 
 
-@ray.remote(num_cpus=0, max_restarts=-1)
-class ExplorationDriver:
-    """Drives one submitted exploration (see the module docstring)."""
-
-    def __init__(self, spec: dict[str, Any]) -> None:
-        self.spec = spec
-        threading.Thread(target=self._drive, name="exploration", daemon=True).start()
-
-    def _drive(self) -> None:
-        try:
-            asyncio.run(run_submitted(self.spec))
-        except Exception as e:  # noqa: BLE001 - stored for whoever looks, then the actor goes
-            log.exception("exploration %s failed", self.spec["exploration_id"])
-            try:
-                ExplorationRecord(open_store(self.spec["store_url"]).objects, self.spec["session_id"], self.spec["user_id"],
-                                  self.spec["exploration_id"]).put("driver-error", {"error": f"{type(e).__name__}: {e}"})
-            except Exception:  # noqa: BLE001
-                log.exception("could not store the failure of exploration %s", self.spec["exploration_id"])
-        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
-
-    def ping(self) -> str:
-        """The exploration this actor drives (a liveness probe)."""
-        return str(self.spec["exploration_id"])
+def off_loop(judge: Any) -> Any:
+    """``judge``, made to run off the event loop when it is a plain (sync) function."""
+    if isinstance(judge, ModelJudge) or inspect.iscoroutinefunction(judge) \
+            or inspect.iscoroutinefunction(type(judge).__call__):
+        return judge
+    return _OffLoopJudge(judge)
 
 
-def submit_exploration(spec: dict[str, Any], actor_options: dict[str, Any] | None = None) -> str:
-    """Start the detached actor that drives ``spec``'s exploration; return its exploration id.
+class SupervisedRuntime(Runtime):
+    """The runtime a submitted exploration runs on, inside the supervisor: its sessions are the supervisor's own.
 
-    ``spec``: ``store_url``, ``placement``, ``actor_options`` (the branches'), ``agent_ref``, ``judge_ref``,
-    ``session_id``, ``user_id``, ``exploration_id`` and ``args`` (variants as JSON documents, rounds, keep,
-    score_every, adopt, budget as a dict, from_checkpoint). ``actor_options`` place the driver actor.
+    ``supervisor`` is the :class:`~loomray.runtime.supervisor.Supervisor` object itself (called in process,
+    on its event loop); ``config`` is what its branches run with (placement, actor options), at most
+    ``max_concurrent_forks`` of a round at once (None: the supervisor's limit). Every hand-off
+    is a resend (:mod:`loomray.runtime.handoffs`): a continued exploration re-issues requests a dead
+    supervisor may have started, and joins them.
     """
-    check_ref(spec["agent_ref"])
-    check_ref(spec["judge_ref"])
-    options = {**(actor_options or {}), "name": EXPLORE_PREFIX + spec["exploration_id"], "namespace": NAMESPACE,
-               "lifetime": "detached"}
-    ExplorationDriver.options(**options).remote(spec)  # type: ignore[attr-defined]
-    return str(spec["exploration_id"])
+
+    def __init__(self, supervisor: Any, store: Any, config: RuntimeConfig,
+                 max_concurrent_forks: int | None = None) -> None:
+        super().__init__(store, max_checkpoints_per_session=config.max_checkpoints_per_session)
+        self.config, self.max_concurrent_forks = config, max_concurrent_forks
+        self._supervisor = supervisor
+
+    async def execute(self, agent: Agent, request: RunRequest, *, emit: Any = None, extra_tools: Sequence[Any] = (),
+                      output_type: Any = None) -> RunResult:
+        """Run ``request`` as a supervised session and return its result (a judge session, in practice)."""
+        request = handed_off(request)
+        try:
+            await self._supervisor.submit(AgentSpec.of(agent, extra_tools), request.model_dump_json(), False,
+                                          self.config, True)
+        except LoomrayUserError as e:
+            # A judge session a dead supervisor's exploration started (another request id): its run is the
+            # very judge call asked for again, so its result is the answer; anything else is an error.
+            if "already running" not in str(e):
+                raise
+        return run_result(await self._supervisor.result(request.session_id, request.user_id), request.session_id)
+
+    async def execute_many(self, agent: Agent | Sequence[Agent], requests: Sequence[RunRequest], *, emit: Any = None,
+                           extra_tools: Sequence[Any] = (), output_type: Any = None) -> list[RunResult]:
+        """The branches of a round: one fan-out of the supervisor; results in request order."""
+        spec = agent_specs(per_request(agent, requests), extra_tools)
+        requests = [handed_off(r, fork=True) for r in requests]
+        outcomes = await self._supervisor.run_many(spec, [r.model_dump_json() for r in requests],
+                                                   self.max_concurrent_forks, None, False, self.config, True)
+        return [run_result(o, r.session_id) for o, r in zip(outcomes, requests, strict=True)]
+
+    async def cancel(self, session_id: str, *, user_id: str | None = None) -> None:
+        """Cancel durably, then tell the session's actor at once (an early-stopped branch stops now)."""
+        await super().cancel(session_id, user_id=user_id)
+        await self._supervisor.cancel(session_id, user_id)
+
+    def close(self) -> None:
+        """Nothing to release: the store is the supervisor's."""
+
+
+def check_request(request: Any) -> dict[str, Any]:
+    """A submitted exploration's request with exactly :data:`REQUEST_FIELDS`, its references well formed."""
+    if not isinstance(request, dict) or set(request) != set(REQUEST_FIELDS):
+        got = sorted(request) if isinstance(request, dict) else type(request).__name__
+        raise LoomrayUserError(f"an exploration request has the fields {list(REQUEST_FIELDS)}, got {got}")
+    check_ref(request["agent_ref"])
+    check_ref(request["judge_ref"])
+    try:
+        json.dumps(request)
+    except (TypeError, ValueError) as e:
+        raise LoomrayUserError(f"an exploration request must be JSON: {e}") from e
+    return request
+
+
+def request_doc(config: RuntimeConfig, **fields: Any) -> dict[str, Any]:
+    """The request to store for an exploration whose branches run with ``config`` (without its secrets)."""
+    return check_request({**fields, "placement": config.placement,
+                          "actor_options": storable_options(config.actor_options),
+                          "secret_env_vars": secret_env_names(config.actor_options)})
+
+
+class Explorations:
+    """The explorations one supervisor runs (see the module docstring).
+
+    ``supervisor`` is the Supervisor object, ``store`` its store, ``adoption`` its
+    :class:`~loomray.runtime.adoption.AdoptionPolicy` (which agent and judge references read from the store
+    it may import).
+    """
+
+    def __init__(self, supervisor: Any, config: RuntimeConfig, store: Any, adoption: Any) -> None:
+        self._supervisor, self._config, self._store, self._adoption = supervisor, config, store, adoption
+        self._running: dict[Key, asyncio.Task] = {}
+
+    def running(self, user_id: str | None, exploration_id: str) -> bool:
+        """Whether this supervisor runs that exploration now."""
+        task = self._running.get((user_id, exploration_id))
+        return task is not None and not task.done()
+
+    async def submit(self, request: dict[str, Any], config: RuntimeConfig) -> str:
+        """Record ``request`` (create-only) and mark it, then run it; returns its exploration id.
+
+        The agent and judge are imported first, so a reference this cluster cannot import fails the
+        caller now. Submitting the same request again is harmless; another one under the same id is refused.
+        """
+        request = check_request(request)
+        if config.store_url != self._config.store_url:
+            raise LoomrayUserError(f"this supervisor serves store {self._config.store_url!r}, not {config.store_url!r}")
+        # Whoever submits runs code here already: its references (and its runtime's list) may be continued later.
+        self._adoption.allow([request["agent_ref"], request["judge_ref"], *config.allowed_agents])
+        await asyncio.to_thread(import_judge, request["judge_ref"])
+        await asyncio.to_thread(resolve_ref, request["agent_ref"])
+        record = self._record(request)
+        stored = await asyncio.to_thread(record.put, "submit", request)
+        if {k: stored.get(k) for k in REQUEST_FIELDS} != request:
+            raise LoomrayUserError(f"exploration {request['exploration_id']!r} was submitted with other arguments")
+        await asyncio.to_thread(record.point)
+        if not self.running(request["user_id"], request["exploration_id"]):
+            await self._mark(request)
+            self._start(request, config)
+        return str(request["exploration_id"])
+
+    async def resume(self, known_nodes: set[str] | None) -> list[str]:
+        """Continue every marked exploration nobody here runs (only those last run on ``known_nodes``, unless
+        None); returns their ids. A mark whose request is unreadable or names references not allowed stays."""
+        resumed: list[str] = []
+        try:
+            marks = await asyncio.to_thread(self._marks)
+        except Exception as e:  # the next pass tries again
+            log.warning("could not list the submitted explorations: %s: %s", type(e).__name__, e)
+            return resumed
+        for user_id, xid in marks:
+            if self.running(user_id, xid):
+                continue
+            try:
+                request = await asyncio.to_thread(self._request_of, user_id, xid, known_nodes)
+                config = None if request is None else self._branch_config(request)
+            except Exception as e:  # noqa: BLE001 - whoever can write the bucket wrote it: a warning, not a crash
+                log.warning("not continuing exploration %r (user %r): %s: %s", xid, user_id, type(e).__name__, e)
+                continue
+            if request is None or config is None:
+                continue
+            await self._mark(request)
+            self._start(request, config)
+            resumed.append(xid)
+        if resumed:
+            log.info("supervisor continues %d exploration(s): %s", len(resumed), ", ".join(resumed))
+        return resumed
+
+    def _marks(self) -> list[Key]:
+        out = []
+        for info in self._store.objects.list(prefix=layout.SUBMITTED_EXPLORATIONS):
+            user, _, name = info.key[len(layout.SUBMITTED_EXPLORATIONS):].partition("/")
+            if name.endswith(".json") and "/" not in name:
+                out.append((user_from_segment(user), name[:-len(".json")]))
+        return out
+
+    def _request_of(self, user_id: str | None, xid: str, known_nodes: set[str] | None) -> dict[str, Any] | None:
+        """The stored request of a marked exploration to continue here, or None (another cluster's)."""
+        got = self._store.objects.get(key=layout.submitted_exploration_key(user_id, xid))
+        mark = json.loads(got.data) if got is not None else None
+        if not isinstance(mark, dict) or not isinstance(mark.get("session_id"), str):
+            raise ValueError("its mark is gone or names no session")
+        if known_nodes is not None and mark.get("node_id") not in known_nodes:
+            return None  # run by another live cluster sharing the store, maybe
+        stored = ExplorationRecord(self._store.objects, mark["session_id"], user_id, xid).get("submit")
+        if stored is None:
+            raise ValueError("its record holds no request")
+        request = check_request({k: stored.get(k) for k in REQUEST_FIELDS})
+        if (request["user_id"], request["exploration_id"]) != (user_id, xid):
+            raise ValueError("its request names another exploration")
+        refused = [r for r in (request["agent_ref"], request["judge_ref"]) if not self._adoption.allows(r)]
+        if refused:
+            raise LoomrayUserError(f"references not allowed here: {refused} (allow them: supervise --allow-agent)")
+        return request
+
+    def _branch_config(self, request: dict[str, Any]) -> RuntimeConfig:
+        """How a continued exploration's branches run: its placement, its stored options as far as trusted."""
+        options, dropped = trusted_options(request["actor_options"], self._config.actor_options)
+        options, missing = restore_secrets(options, request["secret_env_vars"], self._config.actor_options)
+        if dropped or missing:
+            log.warning("exploration %r continues without %s", request["exploration_id"], dropped + missing)
+        return dataclasses.replace(self._config, placement=request["placement"], actor_options=options)
+
+    def _record(self, request: dict[str, Any]) -> ExplorationRecord:
+        return ExplorationRecord(self._store.objects, request["session_id"], request["user_id"],
+                                 request["exploration_id"])
+
+    async def _mark(self, request: dict[str, Any]) -> None:
+        body = {"v": 1, "session_id": request["session_id"], "node_id": ray.get_runtime_context().get_node_id(),
+                "since": datetime.now(timezone.utc).isoformat()}
+        await asyncio.to_thread(self._store.objects.put,
+                                key=layout.submitted_exploration_key(request["user_id"], request["exploration_id"]),
+                                data=json.dumps(body).encode())
+
+    def _start(self, request: dict[str, Any], config: RuntimeConfig) -> None:
+        key = (request["user_id"], request["exploration_id"])
+        self._running[key] = asyncio.get_running_loop().create_task(self._run(request, config))
+        self._running[key].add_done_callback(lambda _: self._running.pop(key, None))
+
+    async def _run(self, request: dict[str, Any], config: RuntimeConfig) -> None:
+        """Run (or continue) the exploration to its end; a failure is stored in its record, then the mark goes."""
+        xid = request["exploration_id"]
+        try:
+            ref = request["agent_ref"]
+            agent = set_agent_ref(copy.copy(await asyncio.to_thread(resolve_ref, ref)), ref)
+            agent.runtime = SupervisedRuntime(self._supervisor, self._store, config, request["max_concurrent_forks"])
+            judge = off_loop(await asyncio.to_thread(import_judge, request["judge_ref"]))
+            await agent.explore(request["session_id"], variants=[variant_from_doc(v) for v in request["variants"]],
+                                judge=judge, from_checkpoint=request["from_checkpoint"], rounds=request["rounds"],
+                                keep=request["keep"], score_every=request["score_every"], adopt=request["adopt"],
+                                budget=Budget(**request["budget"]), exploration_id=xid, user_id=request["user_id"])
+        except Exception as e:  # noqa: BLE001 - stored for whoever looks; the exploration is over
+            log.exception("exploration %s failed", xid)
+            try:
+                await asyncio.to_thread(self._record(request).put, "driver-error", {"error": f"{type(e).__name__}: {e}"})
+            except Exception:  # noqa: BLE001
+                log.exception("could not store the failure of exploration %s", xid)
+        # Cancelled (the supervisor is going): the mark stays, for whoever continues it.
+        try:
+            await asyncio.to_thread(self._store.objects.delete,
+                                    keys=[layout.submitted_exploration_key(request["user_id"], xid)])
+        except Exception as e:  # a later pass finds the exploration over and removes the mark then
+            log.warning("could not remove the mark of exploration %s: %s: %s", xid, type(e).__name__, e)
+
+
+async def submit_exploration(runtime: RayRuntime, agent_ref: str, judge_ref: str, session_id: str, *,
+                             variants: Sequence[Variant], from_checkpoint: str = "latest", rounds: int = 1,
+                             keep: int = 1, score_every: int | None = None, adopt: bool = False,
+                             budget: Budget | float | None = None, exploration_id: str | None = None,
+                             user_id: str | None = None) -> str:
+    """Hand an exploration to the supervisor of ``runtime``'s store; returns its id once the request is stored.
+
+    What ``loomray explore --submit`` runs. The arguments are :meth:`loomray.Agent.explore`'s, with the agent
+    and the judge as importable references (``module:attr``, importable on the cluster) and variants that
+    store whole: a prompt, a model by name, instructions, edits. The branches run with ``runtime``'s
+    placement, actor options and ``max_concurrent_forks``. The exploration goes on after this process
+    exits; its record in the store (``loomray query --exploration ID``, ``loomray tree``) shows how far it got.
+    """
+    for v in variants:
+        if not isinstance(v, Variant) or v.tools is not None or v.tuning is not None \
+                or not (v.model is None or isinstance(v.model, str)):
+            raise LoomrayUserError("a submitted exploration stores its variants: each may change the prompt, the "
+                                   f"model (by name), the instructions and the transcript, got {v!r:.200}")
+    budget = Budget.of(budget)
+    request = request_doc(runtime.config, exploration_id=exploration_id or new_id("xpl"), session_id=session_id,
+                          user_id=user_id, agent_ref=agent_ref, judge_ref=judge_ref,
+                          variants=[variant_doc(v) for v in variants], rounds=rounds, keep=keep,
+                          score_every=score_every, adopt=bool(adopt), from_checkpoint=from_checkpoint,
+                          max_concurrent_forks=runtime.max_concurrent_forks,
+                          budget={"max_cost_usd": budget.max_cost_usd, "max_wall_s": budget.max_wall_s})
+    handle = await asyncio.to_thread(runtime.supervisor)
+    return str(await handle.explore.remote(request, runtime.config))

@@ -35,7 +35,7 @@ from loomray.errors import LoomrayRunError, LoomrayUserError
 from loomray.events import EmitFn, deliver, event_from_dict
 from loomray.ids import new_id
 from loomray.records import RunResult
-from loomray.runtime.actors import AgentSpec, Outcome, RuntimeConfig, agent_ref_allowed, resolve_ref
+from loomray.runtime.actors import AgentSpec, RuntimeConfig, agent_ref_allowed, resolve_ref, run_result
 from loomray.runtime.base import Runtime, per_request
 from loomray.runtime.connection import connect, normalize_store_url
 from loomray.runtime.fanouts import agent_specs
@@ -223,7 +223,7 @@ class RayRuntime(Runtime):
 
     async def _wait(self, session_id: str, user_id: str | None, emit: EmitFn | None) -> RunResult:
         if emit is None:
-            return _result(await self._call("result", session_id, user_id), session_id)
+            return run_result(await self._call("result", session_id, user_id), session_id)
         pump = asyncio.create_task(self._pump_events(session_id, user_id, emit))
         try:
             outcome = await self._call("result", session_id, user_id)
@@ -231,7 +231,7 @@ class RayRuntime(Runtime):
             pump.cancel()
             raise
         await pump  # the actor flushed every event before its outcome existed: the pump ends with them all
-        return _result(outcome, session_id)
+        return run_result(outcome, session_id)
 
     async def _pump_events(self, session_id: str, user_id: str | None, emit: EmitFn) -> None:
         """Deliver the session's events to ``emit`` until the run is over and they are all delivered."""
@@ -295,7 +295,7 @@ class RayRuntime(Runtime):
             raise
         # Both kinds of watcher end by themselves once the fan-out is over: the last progress, every event.
         await asyncio.gather(*watchers, return_exceptions=True)
-        return [_result(o, r.session_id) for o, r in zip(outcomes, requests, strict=False)]
+        return [run_result(o, r.session_id) for o, r in zip(outcomes, requests, strict=False)]
 
     async def _watch_fanout(self, fanout_id: str, run: asyncio.Task) -> None:
         """Pass the fan-out's progress to ``on_fork_progress`` whenever it changes, until ``run`` ends."""
@@ -383,10 +383,3 @@ def check_placement(placement: Any, hosts_per_node: Any = None, sessions_per_hos
     if isinstance(sessions_per_host, bool) or not isinstance(sessions_per_host, int) or sessions_per_host < 1:
         raise ValueError(f"sessions_per_host must be a positive int, got {sessions_per_host!r}")
 
-
-def _result(outcome: Outcome, session_id: str) -> RunResult:
-    if outcome.status == "completed" and outcome.result_json is not None:
-        return RunResult.model_validate_json(outcome.result_json)
-    if outcome.exception is not None:
-        raise outcome.exception
-    raise LoomrayRunError(f"session {session_id!r} ended {outcome.status}: {outcome.error}")

@@ -10,7 +10,8 @@ restart is a fresh lease epoch decided once. Its jobs, each in its own part:
   sessions nobody here watches (a killed supervisor's, a lost cluster's),
   refusing what the store must not choose;
 - relay events (:mod:`loomray.runtime.event_relay`), run fan-outs
-  (:mod:`loomray.runtime.fanouts`), compact the index (:mod:`loomray.runtime.compaction`).
+  (:mod:`loomray.runtime.fanouts`), compact the index (:mod:`loomray.runtime.compaction`);
+- run submitted explorations, and continue a dead supervisor's (:mod:`loomray.runtime.explorations`).
 
 Its state is derived, never authoritative: what it watches comes from the
 store's active-session marks, so a replacement supervisor picks up every
@@ -32,11 +33,12 @@ import ray
 from loomray import telemetry
 from loomray.errors import LoomrayUserError
 from loomray.runtime import active
-from loomray.runtime.actors import AgentSpec, Outcome, RuntimeConfig, session_actor_name, supervisor_name
+from loomray.runtime.actors import AgentSpec, Outcome, RuntimeConfig, head_node_id, session_actor_name, supervisor_name
 from loomray.runtime.adoption import AdoptionPolicy, same_request
 from loomray.runtime.compaction import Compaction
 from loomray.runtime.connection import NAMESPACE
 from loomray.runtime.event_relay import EventRelay, SessionKey
+from loomray.runtime.explorations import Explorations
 from loomray.runtime.fanouts import Fanouts
 from loomray.runtime.handoffs import pinned
 from loomray.runtime.watcher import SessionWatcher, WatchedSession
@@ -46,7 +48,6 @@ log = logging.getLogger("loomray.runtime.supervisor")
 
 #: Finished sessions remembered at most, whatever ``forget_after_s`` says.
 MAX_FINISHED = 10_000
-
 
 #: How long telling a session's actor to cancel may wait for it (an actor not started yet answers late).
 _TELL_CANCEL_S = 5.0
@@ -68,6 +69,7 @@ class Supervisor:
         self._events = EventRelay()
         self._fanouts = Fanouts()
         self._compaction = Compaction(self._store)
+        self._explorations = Explorations(self, config, self._store, self._adoption)
         self._started: asyncio.Task | None = None
         self._background: list[asyncio.Task] = []
         self._adopting: asyncio.Lock | None = None
@@ -182,6 +184,7 @@ class Supervisor:
             adopted.append(row.session_id)
         if adopted:
             log.info("supervisor adopted %d session(s) from %s", len(adopted), self._config.store_url)
+        await self._explorations.resume(known)  # after their branches: a continued one joins them
         return adopted
 
     # -- sessions --------------------------------------------------------------
@@ -222,6 +225,11 @@ class Supervisor:
             self._events.open(key)
         await self._start_watched(w)
         return self._submitted(w)
+
+    async def explore(self, request: dict[str, Any], config: RuntimeConfig | None = None) -> str:
+        """Run a submitted exploration (:mod:`loomray.runtime.explorations`); returns its id once it is recorded."""
+        await self._ensure_started()
+        return await self._explorations.submit(request, config or self._config)
 
     def _submitted(self, w: WatchedSession) -> dict[str, Any]:
         actor = session_actor_name(self._config.store_url, w.session_id, w.user_id)
@@ -362,13 +370,6 @@ class Supervisor:
         return await self._events.read(key, cursor, wait_s, None if w is None else w.done)
 
 
-def _head_node_id() -> str | None:
-    for node in ray.nodes():
-        if node.get("Alive") and "node:__internal_head__" in node.get("Resources", {}):
-            return node["NodeID"]
-    return None
-
-
 def get_supervisor(config: RuntimeConfig, *, timeout: float = 120.0) -> Any:
     """The supervisor of ``config``'s store on this cluster, created (detached, preferably on the head) if missing.
 
@@ -382,7 +383,7 @@ def get_supervisor(config: RuntimeConfig, *, timeout: float = 120.0) -> Any:
         # Every session has a watcher here and every waiting driver a result() call in flight.
         "num_cpus": 0, "max_restarts": -1, "max_concurrency": 100_000,
     }
-    if _head_node_id() is not None:
+    if head_node_id() is not None:
         # Worker nodes come and go; the head lives as long as the cluster. A resource,
         # not soft node affinity: soft affinity to the head was measured landing on a
         # worker about half the time, and a head re-created with a new node id (GCS

@@ -6,11 +6,21 @@ tree (``loomray tree``'s view) and the exploration's query columns
 (``loomray query --exploration``) must agree on scores and spend, and the
 spend must sum to what the models billed (the checkpoint index's per-row
 ``spend_usd``, which counts each billed call once).
+
+A submitted exploration (``loomray explore --submit`` in a driver process that
+exits at once) runs in the store's supervisor; the supervisor is killed mid
+round and the one ``supervise`` recreates continues it from the store.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +29,9 @@ ray = pytest.importorskip("ray")
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "explore"))
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+sys.path.insert(0, str(HERE.parent / "explore"))
 
 import explore_agents  # noqa: E402
 from explore_agents import judge, make_agent, variant  # noqa: E402
@@ -105,39 +117,79 @@ async def test_variants_differing_in_model_instructions_and_tools(runtime):
     assert (await agent.get_checkpoint(result.branches[2].session_id)).messages[0].content == "Be brief."
 
 
-async def test_a_submitted_exploration_outlives_its_driver_actor_being_killed(runtime):
+def _submit_from_a_driver_process(lc, store: Path) -> tuple[subprocess.CompletedProcess, float]:
+    """``loomray explore --submit`` in a process of its own: its output, and how long the process lived."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE), str(HERE.parent / "explore")]),
+           "RAY_ADDRESS": lc.address}
+    variants = [f'{{"prompt": "variant {n} q={q} passes=2"}}' for n, q in (("s0", 0.2), ("s1", 0.7), ("s2", 0.4))]
+    args = ["explore", "base-sub", *(a for v in variants for a in ("--variant", v)), "--rounds", "2", "--keep", "1",
+            "--adopt", "--judge", "explore_ray_agent:model_judge", "--agent", "explore_ray_agent:counted",
+            "--id", "xpl-sub", "--submit", "--address", lc.address, "--store", str(store), "--placement", "dense",
+            "--json"]
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "loomray.cli", *args], capture_output=True, text=True, env=env,
+                         cwd=REPO, timeout=120)
+    return out, time.monotonic() - started
+
+
+async def test_a_submitted_exploration_outlives_its_driver_and_a_killed_supervisor(runtime, shared_cluster):
+    """The supervisor runs the exploration; killed mid-round (a branch's model call in flight), the one
+    ``supervise`` recreates continues it from the store: one winner, no branch call or judge call twice."""
     from loomray.cli.explore_view import load_exploration
-    from loomray.explore.record import variant_doc
-    from loomray.runtime.explorations import EXPLORE_PREFIX, submit_exploration
+    from loomray.runtime.actors import NAMESPACE, supervisor_name
+    from loomray.runtime.ray_runtime import supervise
     from loomray.testing import wait_for
 
-    agent = make_agent(runtime)
-    await agent.run("task", session_id="base-sub")
-    variants = [variant(f"s{i}", q, 3) for i, q in enumerate([0.2, 0.7, 0.4])]
-    spec = {"store_url": runtime.config.store_url, "placement": "dense",
-            "actor_options": {"resources": {"loomray_session": 1}}, "agent_ref": "explore_ray_agent:agent",
-            "judge_ref": "explore_ray_agent:judge", "session_id": "base-sub", "user_id": None,
-            "exploration_id": "xpl-sub",
-            "args": {"variants": [variant_doc(v) for v in variants], "rounds": 2, "keep": 1, "score_every": None,
-                     "adopt": True, "from_checkpoint": "latest", "budget": {"max_cost_usd": None, "max_wall_s": None}}}
-    submit_exploration(spec, {"resources": {"loomray_session": 1}})
-    record = runtime.store.objects
-    prefix = "sessions/_/base-sub/explorations/xpl-sub/"
-    wait_for(lambda: record.get(key=prefix + "r001-plan.json") is not None, timeout=120)
-    # Its process dies mid-round; Ray restarts the actor, whose constructor continues the exploration by id.
-    ray.kill(ray.get_actor(EXPLORE_PREFIX + "xpl-sub", namespace="loomray"), no_restart=False)
-    wait_for(lambda: record.get(key=prefix + "result.json") is not None, timeout=240)
+    lc, test_dir = shared_cluster.lc, shared_cluster.agents
+    test_dir.mkdir(exist_ok=True)
+    await make_agent(runtime).run("task", session_id="base-sub")
+    objects = runtime.store.objects
+    record, mark = "sessions/_/base-sub/explorations/xpl-sub/", "submitted-explorations/_/xpl-sub.json"
+
+    out, lived = await asyncio.to_thread(_submit_from_a_driver_process, lc, Path(runtime.config.store_url))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == {"exploration_id": "xpl-sub", "session_id": "base-sub",
+                                      "supervisor": supervisor_name(runtime.config.store_url)}
+    assert lived < 60  # it returned at once (a process start and a cluster join), the exploration still to run
+    assert objects.get(key=record + "submit.json") is not None and objects.get(key=mark) is not None
+
+    # Round 2's s1 waits in its second model call; its siblings have made their last (not judged yet: the
+    # round judges its branches once its fan-out is over).
+    def in_round_two() -> bool:
+        calls = (test_dir / "xsub-calls").read_text().splitlines() if (test_dir / "xsub-calls").exists() else []
+        return (test_dir / "xsub-waiting").exists() and all(
+            sum(c.startswith(f"branch {n} round 2 ") for c in calls) == 3 for n in ("s0", "s2"))
+
+    await asyncio.to_thread(wait_for, in_round_two, timeout=90, what="round 2 with s1 in flight")
+    assert objects.get(key=record + "result.json") is None  # the driver is gone; the exploration is not over
+    old = ray.get_actor(supervisor_name(runtime.config.store_url), namespace=NAMESPACE)
+    old_id = old._actor_id.hex()
+    ray.kill(old)  # no restart: `loomray supervise` recreates it
+
+    stop, reports = threading.Event(), []
+    keeper = threading.Thread(target=supervise, args=(runtime.config.store_url,), daemon=True, kwargs={
+        "stop": stop, "interval_s": 0.5, "report": reports.append, "allowed_agents": ["explore_ray_agent:*"]})
+    keeper.start()
+    try:
+        await asyncio.to_thread(wait_for, lambda: any("ready" in r for r in reports), timeout=120,
+                                what="a new supervisor")
+        (test_dir / "xsub-gate").write_text("open")
+        await asyncio.to_thread(wait_for, lambda: objects.get(key=record + "result.json") is not None, timeout=240,
+                                what="the exploration's result")
+    finally:
+        stop.set()
+        keeper.join(30)
+    new = ray.get_actor(supervisor_name(runtime.config.store_url), namespace=NAMESPACE)
+    assert new._actor_id.hex() != old_id
+
     done = load_exploration(runtime.store, "xpl-sub", None)
     assert done.rounds_run == 2 and done.winner == "xpl-sub-r2-001"
-    assert all(b.stop_reason == "completed" for b in done.branches)
-    assert (await agent.get_checkpoint("base-sub")).forked_from == done.winner
-    assert record.get(key=prefix + "driver-error.json") is None
-
-    def gone() -> bool:
-        try:
-            ray.get_actor(EXPLORE_PREFIX + "xpl-sub", namespace="loomray")
-        except ValueError:
-            return True
-        return False
-
-    wait_for(gone, timeout=60)  # its work done, the actor went
+    assert [b.stop_reason for b in done.branches] == ["completed"] * 6
+    assert (await runtime.get_checkpoint("base-sub")).forked_from == done.winner
+    assert objects.get(key=record + "driver-error.json") is None
+    await asyncio.to_thread(wait_for, lambda: objects.get(key=mark) is None, timeout=30, what="the mark removed")
+    # Each call once: 6 branches of 2 tool passes and an answer, 6 judge calls (one final score each).
+    calls = (test_dir / "xsub-calls").read_text().splitlines()
+    assert len(calls) == len(set(calls)), [c for c in calls if calls.count(c) > 1]
+    assert sum(c.startswith("branch ") for c in calls) == 6 * 3
+    assert sum(c.startswith("judge ") for c in calls) == 6
