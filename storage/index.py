@@ -17,7 +17,6 @@ import io
 import logging
 import os
 import random
-import re
 import threading
 import time
 from collections import OrderedDict
@@ -26,11 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from storage.errors import CorruptObjectError, IndexChangedError, InvalidIdError
-from storage.ids import user_from_segment, validate_id
+from storage.errors import CorruptObjectError, IndexChangedError
+from storage.index_guard import checked, own_rows
 from storage.objects import ObjectInfo, ObjectStore
 
 log = logging.getLogger("storage.index")
@@ -91,26 +89,6 @@ def parquet_table(data: bytes) -> pa.Table:
     reader = pq.ParquetReader()
     reader.open(pa.py_buffer(data), pre_buffer=False)
     return checked(reader.read_all(use_threads=False))
-
-
-#: Seconds since 1970 of Python's first and last datetime (years 1 and 9999), a day inside each end (time zones).
-_PYTHON_SECONDS = (-62135596800 + 86400, 253402300799 - 86400)
-_PER_SECOND = {"s": 1, "ms": 10**3, "us": 10**6, "ns": 10**9}
-
-
-def checked(table: pa.Table) -> pa.Table:
-    """``table`` when a caller can convert every value of it, else ``pyarrow.ArrowInvalid``: text that is not
-    UTF-8 (the Parquet reader does not check it), a time outside Python's years 1-9999 (``to_pylist`` would
-    raise ``OverflowError``)."""
-    table.validate(full=True)
-    for i, field in enumerate(table.schema):
-        if not pa.types.is_timestamp(field.type) or table.column(i).null_count == table.num_rows:
-            continue
-        low, high = pc.min_max(table.column(i).cast(pa.int64())).values()
-        first, last = (s * _PER_SECOND[field.type.unit] for s in _PYTHON_SECONDS)
-        if low.as_py() < first or high.as_py() > last:
-            raise pa.ArrowInvalid(f"column {field.name} holds a time outside the years 1-9999")
-    return table
 
 
 #: Index columns with few distinct values per file: dictionary-encoded in compacted files.
@@ -297,86 +275,6 @@ class ParquetIndex:
                 log.warning("skipping index file with a foreign schema: %s: %s", self.objects.describe(key), e)
         table = pa.concat_tables(tables) if tables else schema.empty_table()
         return [k for k, _ in pairs], table
-
-
-_PARTITION = re.compile(r"^index/(?:checkpoints|table)/user=([^/]+)/(?:session=([^/]+)/)?")
-
-
-def own_rows(table: pa.Table, key: str) -> pa.Table:
-    """The rows of checkpoint index or table file ``key`` that belong to the partition its key names.
-
-    Anyone who may write one user's (or session's) partition could put rows of
-    another user or session there, or a checkpoint row whose ``key`` is not
-    its own checkpoint's; a reader of that partition would then follow them
-    to the other's objects. Such rows are dropped, with a warning. A
-    ``user_id``, ``session_id``, ``checkpoint_id`` or ``key`` column that is
-    not text is another schema (``ValueError``: the file is skipped).
-
-    A checkpoint row's ``key`` is a function of its partition and its id, so
-    a file without the column, or a row whose ``key`` is null, gets the key
-    its checkpoint's object has: a reader never asks the store for a null key,
-    nor loses a checkpoint whose object is there (it is still checked against
-    the row's size and sha256).
-    """
-    m = _PARTITION.match(key)
-    if m is None or table.num_rows == 0:
-        return table
-    if m.group(2) is not None and "checkpoint_id" in table.column_names:
-        table = _keyed(table, f"sessions/{m.group(1)}/{m.group(2)}/checkpoints/")
-    keep = None
-    for column, value in (("user_id", user_from_segment(m.group(1))), ("session_id", m.group(2))):
-        if column not in table.column_names or (column == "session_id" and value is None):
-            continue
-        col = text_column(table, column)
-        same = pc.is_null(col) if value is None else pc.fill_null(pc.equal(col, value), False)
-        keep = same if keep is None else pc.and_(keep, same)
-    if m.group(2) is not None and "key" in table.column_names and "checkpoint_id" in table.column_names:
-        keep = pc.and_(keep, _own_keys(table, f"sessions/{m.group(1)}/{m.group(2)}/checkpoints/"))
-    if keep is None or pc.all(keep).as_py():
-        return table
-    log.warning("dropping rows of another user or session from index file %s", key)
-    return table.filter(keep)
-
-
-def _keyed(table: pa.Table, prefix: str) -> pa.Table:
-    """``table`` with the ``key`` of each checkpoint row that lacks one (no column, or null) filled in: the
-    object of its ``checkpoint_id`` under ``prefix``."""
-    ids = text_column(table, "checkpoint_id").cast(pa.string())
-    expected = pc.binary_join_element_wise(prefix, ids, ".json", "")
-    if "key" not in table.column_names:
-        return table.append_column("key", expected)
-    keys = text_column(table, "key")
-    if keys.null_count == 0:
-        return table
-    return table.set_column(table.column_names.index("key"), "key", pc.coalesce(keys.cast(pa.string()), expected))
-
-
-def _own_keys(table: pa.Table, prefix: str) -> pa.ChunkedArray:
-    """Per checkpoint row: its id is valid and its ``key`` is that checkpoint's object under ``prefix``."""
-    ids, keys = text_column(table, "checkpoint_id"), text_column(table, "key")
-    bad = [c for c in pc.unique(ids).to_pylist() if not _is_id(c)]
-    expected = pc.binary_join_element_wise(prefix, ids, ".json", "")
-    same = pc.fill_null(pc.equal(keys, expected), False)
-    return pc.and_(same, pc.invert(pc.is_in(ids, value_set=pa.array(bad, pa.string())))) if bad else same
-
-
-def text_column(table: pa.Table, column: str) -> pa.ChunkedArray:
-    """A column of ids or keys as plain strings (a compacted file dictionary-encodes some); ``ValueError`` when it
-    holds anything but text."""
-    col = table[column]
-    if pa.types.is_dictionary(col.type):
-        col = col.cast(col.type.value_type)
-    if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type) or pa.types.is_null(col.type)):
-        raise ValueError(f"column {column} is {col.type}, not text")
-    return col
-
-
-def _is_id(value: object) -> bool:
-    try:
-        validate_id(value)
-    except InvalidIdError:
-        return False
-    return True
 
 
 def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:

@@ -36,7 +36,8 @@ import pyarrow.compute as pc
 
 from storage import layout, session_changes
 from storage.ids import user_from_segment, user_segment, validate_id
-from storage.index import ParquetIndex, text_column
+from storage.index import ParquetIndex
+from storage.index_guard import text_column
 from storage.objects import ObjectStore
 from storage.rows import SESSION_SCHEMA, SessionRow, as_utc, session_rows_from_table, session_rows_table
 

@@ -18,7 +18,7 @@ import pyarrow.compute as pc
 from storage import layout
 from storage.errors import StorageError
 from storage.ids import user_from_segment
-from storage.index import own_rows
+from storage.index_guard import own_rows
 from storage.rows import CHECKPOINT_SCHEMA, as_utc
 from storage.table import TABLE_SCHEMA, Staleness, UserTable, decode_partition, for_each, load_tables
 
