@@ -344,7 +344,10 @@ def local_cluster(
         cluster = _start_head(before, {
             "num_cpus": num_cpus_per_node, "node_ip_address": LOOPBACK,
             "resources": {node_resource(0): 1.0, **(head_resources or {})},
-            "include_dashboard": include_dashboard, "_system_config": config, **(head_node_args or {})})
+            "include_dashboard": include_dashboard, "_system_config": config,
+            # A free port, as the other nodes get: Ray's fixed default (52365) would be taken by the head of
+            # any other cluster on the machine, and its Ray Jobs, served through that agent, would fail.
+            "dashboard_agent_listen_port": 0, **(head_node_args or {})})
         lc = LocalCluster(cluster=cluster, namespace=namespace, num_cpus_per_node=num_cpus_per_node,
                           worker_resources=dict(worker_resources or {}), preexisting=before)
         try:
