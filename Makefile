@@ -18,9 +18,11 @@ install: $(VENV)/.installed
 demo: $(VENV)/.installed
 	$(VENV)/bin/loomray demo
 
+# Two workers (pytest-xdist), each given whole test modules (loadfile): a module's Ray cluster, moto server or
+# browser starts once, in one worker; tests/conftest.py keeps the modules in collection order.
 test: $(VENV)/.installed
 	bash .ci/ensure-browser
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile
 
 # Lint and types: ruff (style, imports, no private-name imports) and mypy over the library packages.
 lint: $(VENV)/.installed

@@ -1,6 +1,9 @@
-"""Suite-wide setup: Ray binds to loopback, and no test reaches the network."""
+"""Suite-wide setup: Ray binds to loopback, and no test reaches the network; each test process (an xdist
+worker under ``make test``'s ``-n 2``) has a Ray temp dir of its own, and gets whole test modules."""
 
 import os
+import shutil as _shutil
+import tempfile as _tempfile
 import uuid as _uuid
 
 import pytest as _pytest
@@ -11,6 +14,27 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 # Make sure no real AWS credentials or endpoints leak into tests.
 for _var in ("AWS_PROFILE", "AWS_DEFAULT_PROFILE", "AWS_SESSION_TOKEN"):
     os.environ.pop(_var, None)
+# Ray's temp dir (its sessions, sockets, and the "current cluster" file that a ray.init() without an address
+# connects to) for this process and its children alone: a cluster that another test process on the machine
+# starts (the other xdist worker) is never the one found there. Short: Ray's socket paths live under it.
+_RAY_TMPDIR = _tempfile.mkdtemp(prefix="lr-", dir=os.environ.get("RAY_TMPDIR", "/tmp"))
+os.environ["RAY_TMPDIR"] = _RAY_TMPDIR
+
+
+def pytest_unconfigure(config):
+    _shutil.rmtree(_RAY_TMPDIR, ignore_errors=True)
+
+
+@_pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist, whole modules go to a worker, in collection order, whatever ``--dist`` says: a
+    module's clusters, servers and browser start once, in one worker, and a worker that has connected to the
+    shared Ray cluster (tests/ray/conftest.py, whose modules are collected last) is never handed a module that
+    connects to a cluster of its own (xdist's loadfile would hand out the biggest modules first)."""
+    from xdist.scheduler import LoadFileScheduling
+
+    config.option.loadscopereorder = False
+    return LoadFileScheduling(config, log)
 
 
 # --- storage fixtures (shared: any test may ask for `store`, `s3_server`, `s3_store_url`) ---

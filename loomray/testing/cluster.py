@@ -83,6 +83,11 @@ FAST_FAILURE_DETECTION: dict[str, Any] = {
 }
 
 
+#: The head's dashboard agent on a free port, as the other nodes' are: Ray's fixed default (52365) is taken by
+#: the head of any other cluster on the machine, and this cluster's Ray Jobs, served through the agent, fail.
+_HEAD_DEFAULTS: dict[str, Any] = {"dashboard_agent_listen_port": 0}
+
+
 def node_resource(index: int) -> str:
     """The custom resource name ``local_cluster`` gives node ``index`` (0 = head).
 
@@ -342,7 +347,7 @@ def local_cluster(
     before = descendants(os.getpid())
     with _environment(env):
         cluster = _start_head(before, {
-            "num_cpus": num_cpus_per_node, "node_ip_address": LOOPBACK,
+            "num_cpus": num_cpus_per_node, "node_ip_address": LOOPBACK, **_HEAD_DEFAULTS,
             "resources": {node_resource(0): 1.0, **(head_resources or {})},
             "include_dashboard": include_dashboard, "_system_config": config, **(head_node_args or {})})
         lc = LocalCluster(cluster=cluster, namespace=namespace, num_cpus_per_node=num_cpus_per_node,

@@ -15,10 +15,12 @@ without it this module fails, saying so, rather than skipping.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import secrets
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +40,7 @@ LOOMRAY = BIN / "loomray"
 AGENT = "nodekill"  # ray_agents.make: TURNS slow tool passes, every model call logged to a file
 TURNS = 8  # ray_agents.TURNS
 TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+RAY_AGENT_DEFAULT_PORT = 52365  # a node's dashboard agent, unless told otherwise
 
 
 def _dashboard_deps_error() -> str | None:
@@ -68,14 +71,27 @@ def jobs(tmp_path_factory):
     # job's entrypoint and this client (which reads the same variables) use the token.
     env = {"PATH": os.pathsep.join([str(BIN), os.environ.get("PATH", "")]),
            "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
-    with local_cluster(num_nodes=3, connect=False, include_dashboard=True, env=env,
-                       head_node_args={"dashboard_host": "127.0.0.1", "dashboard_port": port},
-                       worker_resources={"loomray_session": 100}) as lc:
+    # Another cluster's head on this machine (the other test worker's) holds Ray's default port for its
+    # dashboard agent: Ray Jobs, served through this head's agent, must work all the same.
+    with _port_held(RAY_AGENT_DEFAULT_PORT), local_cluster(
+            num_nodes=3, connect=False, include_dashboard=True, env=env, worker_resources={"loomray_session": 100},
+            head_node_args={"dashboard_host": "127.0.0.1", "dashboard_port": port}) as lc:
         # The dashboard is started with the head; its job API may answer a little later.
         client = wait_for(lambda: _client(JobSubmissionClient, url), timeout=30, interval=0.2,
                           what=f"the Ray Jobs API at {url}")
         yield lc, url, client, tmp_path_factory.mktemp("ray-jobs-agents")
     assert lc.leftover == []
+
+
+@contextlib.contextmanager
+def _port_held(port: int):
+    """``port`` on 127.0.0.1 listened on for the duration (by this process, or already by another)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        with contextlib.suppress(OSError):  # in use: held by another process, as wanted
+            s.bind(("127.0.0.1", port))
+            s.listen()
+        yield
 
 
 def _client(cls, url):
