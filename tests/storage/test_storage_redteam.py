@@ -328,8 +328,6 @@ def test_delete_racing_a_tail_that_chains_on_the_deleted_object(tmp_path):
     assert views(root) == every(["c2", "c3"], "c3")
 
 
-@pytest.mark.xfail(strict=True, reason="red team: delete_checkpoint collects an object that a writer's checkpoint, "
-                                       "put after the deleter's snapshot, builds on; that checkpoint is unreadable")
 def test_delete_landing_between_a_writers_put_and_its_collect(tmp_path):
     """The deleter's snapshot is taken before the writer puts c2 (incremental on c1); c2's object lands while the
     deleter writes its tombstone, before it collects c1's object. c2 must stay readable once indexed: it is the
