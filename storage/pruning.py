@@ -10,7 +10,9 @@ run is last, and the last run's ``run_end`` (a finished run must not read as
 unfinished). Those records keep no request: a matching record that recovery
 does not need loses its ``request`` and ``spec_hash`` (context and metadata may
 hold secrets), keeping only ids, slot, epoch and start time. Without
-``before`` everything matching goes (objects without an index row too).
+``before`` everything matching goes (objects without an index row too), but
+for the chain a still unfinished last run builds on next (its rows are
+retired all the same: :mod:`storage.chains`).
 
 What prune deletes is chosen by one planner, :func:`plan_prune` for a dry run
 and :func:`prune` for the real thing, so the two never disagree: ``prune``
