@@ -18,6 +18,19 @@ own row was retired:
   ``sessions/{u}/{s}/pins/{dependent}.json`` (the refs it needs) before it
   first read the object, and removes the pin once none of its live rows needs
   them (:func:`release_pins`), collecting what the pin alone kept.
+- a running writer builds its next checkpoint on the head it holds in
+  memory, whatever a delete or prune retired meanwhile: so those keep the
+  objects of the session's *heads* and their chains
+  (:attr:`storage.tails.Snapshot.heads`: the newest row of the highest
+  epoch, indexed, live or retired, or tail; and the newest live row, what a
+  new owner restores from). Delete always does; prune while the session's
+  last run has not finished (a finished session's prune removes everything;
+  a run that starts after it finds its base gone). Their rows are tombstoned
+  as usual, so a kept object never reads as live: its retired row names it
+  (never a tail), and after compaction the deletion watermark does
+  (:mod:`storage.visibility`). A later delete, prune, retention or writer's
+  sweep collects them once no head names them any more: the writer moved on
+  to a full snapshot, or its run finished.
 
 Collecting reads the pins after the tombstones it relies on are written, and a
 fork writes its pin before it checks that its fork point is live, so a

@@ -192,8 +192,10 @@ class CheckpointWrites:
         row = snap.live.get(checkpoint_id)
         if row is None:
             return False
-        # What stays is judged on a fresh LIST of the index (retire's), never on a cached view of it.
-        self._rows.retire(session_id, user_id, [row], also_needed=[r for r in snap.tails.values() if r != row])
+        # What stays is judged on a fresh LIST of the index (retire's), never on a cached view of it; a running
+        # writer's next checkpoint builds on its head, so the heads' chains stay (storage.chains).
+        self._rows.retire(session_id, user_id, [row],
+                          also_needed=[*(r for r in snap.tails.values() if r != row), *snap.heads])
         return True
 
     def index_rows(self, session_id: str, *, user_id: str | None = None) -> dict[str, CheckpointRow]:

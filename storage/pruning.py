@@ -10,7 +10,9 @@ run is last, and the last run's ``run_end`` (a finished run must not read as
 unfinished). Those records keep no request: a matching record that recovery
 does not need loses its ``request`` and ``spec_hash`` (context and metadata may
 hold secrets), keeping only ids, slot, epoch and start time. Without
-``before`` everything matching goes (objects without an index row too).
+``before`` everything matching goes (objects without an index row too), but
+for the chain a still unfinished last run builds on next (its rows are
+retired all the same: :mod:`storage.chains`).
 
 What prune deletes is chosen by one planner, :func:`plan_prune` for a dry run
 and :func:`prune` for the real thing, so the two never disagree: ``prune``
@@ -46,6 +48,7 @@ from storage.rows import CheckpointRow, JournalEntry, PruneReport, RunRecord, as
 
 if TYPE_CHECKING:
     from storage.store import Store
+    from storage.tails import Snapshot
 
 log = logging.getLogger("storage")
 #: ``(user_id, session_id)``.
@@ -206,9 +209,10 @@ class _Planner:
                           and r.checkpoint_id not in spared), key=lambda r: (r.turn, r.checkpoint_id))
         orphans: list[str] = []
         if cutoff is None:
-            # Objects without an index row (written, row lost in a crash) go too when everything goes.
+            # Objects without an index row (written, row lost in a crash) go too when everything goes; a checkpoint
+            # that landed after the snapshot is a running writer's newest, not an orphan.
             listed = {o.key for o in store.objects.list(prefix=layout.session_prefix(sid, uid) + "checkpoints/")}
-            orphans = sorted(listed - {r.key for r in retired})
+            orphans = sorted(k for k in listed - {r.key for r in retired} if k in snap.present or not k.endswith(".json"))
         kept_runs = self.needs.runs.get((uid, sid), set())
         kept = tuple(layout.journal_prefix(sid, uid, r) for r in kept_runs)
         keys = [o.key for o in store.objects.list(prefix=layout.journal_prefix(sid, uid)) if not o.key.startswith(kept)]
@@ -227,15 +231,28 @@ class _Planner:
         records = _doomed_records(store, sid, uid, cutoff, older, kept_runs)
         return SessionPrunePlan(uid, sid, tuple(retired), tuple(orphans), tuple(keys), tuple(records),
                                 tuple(sorted(spared & {r.checkpoint_id for r in live})), live, entries,
-                                _object_keys(store, uid, sid, live, retired, orphans), tuple(bare))
+                                _object_keys(store, uid, sid, live, retired, orphans, self._heads(uid, sid, snap)),
+                                tuple(bare))
+
+    def _heads(self, uid: str | None, sid: str, snap: Snapshot) -> list[CheckpointRow]:
+        """The rows a running writer of the session may build on next (:attr:`Snapshot.heads`), when its last run
+        has not finished; none once it has (a run that starts later checks its base after recording itself)."""
+        if self.cutoff is not None:
+            running = (uid, sid) in self.needs.runs
+        else:
+            running = unfinished_last_run(self.store, sid, uid) is not None
+        return snap.heads if running else []
 
 
 def _object_keys(store: Store, uid: str | None, sid: str, live: Sequence[CheckpointRow],
-                 retired: Sequence[CheckpointRow], orphans: Sequence[str]) -> tuple[str, ...]:
+                 retired: Sequence[CheckpointRow], orphans: Sequence[str],
+                 heads: Sequence[CheckpointRow] = ()) -> tuple[str, ...]:
     """The objects prune deletes with ``retired``: theirs, their chains' and ``orphans``, less what the rows that
-    stay need and what other sessions pin (an unreadable pin keeps every object)."""
+    stay need, what a running writer may build on (``heads``, retired or not: :mod:`storage.chains`) and what
+    other sessions pin (an unreadable pin keeps every object)."""
     gone = {r.checkpoint_id for r in retired}
-    candidates = chains.unneeded_keys(retired, [r for r in live if r.checkpoint_id not in gone], sid, uid, orphans)
+    kept = [*(r for r in live if r.checkpoint_id not in gone), *heads]
+    candidates = chains.unneeded_keys(retired, kept, sid, uid, orphans)
     if candidates:
         pinned = chains.Pins(store.objects).pinned(sid, uid)
         candidates = set() if pinned is None else candidates - pinned

@@ -88,6 +88,16 @@ class Snapshot:
         when first asked, after :meth:`TailReader.snapshot` completed the rows)."""
         return self.rule.visible(self.rows)
 
+    @functools.cached_property
+    def heads(self) -> list[CheckpointRow]:
+        """The rows a writer of the session may build its next incremental checkpoint on, whatever retired them
+        since: the newest of the highest epoch (indexed, live or retired, or tail: a running writer's last one)
+        and the newest live one (what a new owner restores from). Delete and prune keep their chains' objects
+        (:mod:`storage.chains`)."""
+        newest = max([*self.indexed.values(), *self.tails.values()], key=lambda r: r.order, default=None)
+        latest = max(self.live.values(), key=lambda r: r.order, default=None)
+        return list({r.key: r for r in (newest, latest) if r is not None}.values())
+
 
 class TailReader:
     """Reads snapshots for a :class:`CheckpointRows` (parsed tails cached by key and size; objects are

@@ -189,8 +189,6 @@ async def paused_run(root: Path, maintain) -> tuple[Agent, LocalRuntime]:
     return agent, runtime
 
 
-@pytest.mark.xfail(strict=True, reason="red team: deleting a running session's newest checkpoint collects the object "
-                                       "the run's next incremental checkpoints build on: listed, never readable")
 async def test_delete_of_a_running_sessions_checkpoint_leaves_its_later_checkpoints_readable(tmp_path):
     """While a run is paused in a tool, the owner deletes the run's newest acknowledged checkpoint (``loomray
     delete`` from another store). The checkpoints the run writes after it must be readable in every view.
@@ -216,9 +214,7 @@ async def test_delete_of_a_running_sessions_checkpoint_leaves_its_later_checkpoi
 
 
 @pytest.mark.parametrize("before", [
-    pytest.param(None, id="all", marks=pytest.mark.xfail(strict=True, reason=(
-        "red team: prune of a running session collects the objects the run's next incremental checkpoints build on; "
-        "the session is left unreadable"))),
+    pytest.param(None, id="all"),
     pytest.param(datetime.now(UTC) + timedelta(days=1), id="before-future")])
 async def test_prune_of_a_running_session_leaves_its_later_checkpoints_readable(tmp_path, before):
     """While a run is paused in a tool, ``prune(session_id=...)`` removes the session's checkpoints. The run then

@@ -328,8 +328,6 @@ def test_delete_racing_a_tail_that_chains_on_the_deleted_object(tmp_path):
     assert views(root) == every(["c2", "c3"], "c3")
 
 
-@pytest.mark.xfail(strict=True, reason="red team: delete_checkpoint collects an object that a writer's checkpoint, "
-                                       "put after the deleter's snapshot, builds on; that checkpoint is unreadable")
 def test_delete_landing_between_a_writers_put_and_its_collect(tmp_path):
     """The deleter's snapshot is taken before the writer puts c2 (incremental on c1); c2's object lands while the
     deleter writes its tombstone, before it collects c1's object. c2 must stay readable once indexed: it is the
@@ -360,6 +358,29 @@ def test_delete_landing_between_a_writers_put_and_its_collect(tmp_path):
     reader = open_store(root)
     assert ids(reader.list_checkpoints("s1")) == ["c2"]
     assert reader.get_checkpoint_chain("s1", "c2") is not None
+
+
+def test_a_deleted_head_kept_for_its_writer_never_reads_as_live_and_goes_once_the_writer_moved_on(tmp_path):
+    """Another store deletes a running writer's newest checkpoint c2: its object stays (the writer's next
+    checkpoint builds on it) but no view shows it, before or after a compaction drops its tombstone. The writer's
+    c3 on it reads back; once the writer starts a full snapshot c4, deleting c3 collects c2's and c3's objects."""
+    root = tmp_path / "d"
+    store = open_store(root)
+    log = store.checkpoint_log(store.acquire_lease("s1", owner="w"), keep=20, batch=1)
+    log_put(log, "c1", turn=1)
+    log_put(log, "c2", turn=2, chain=("c1",))
+    assert open_store(root).delete_checkpoint("s1", "c2")
+    c2 = root / layout.checkpoint_key("s1", None, "c2")
+    assert c2.exists()
+    assert views(root) == every(["c1"], "c1")  # views() compacts with no grace: the tombstone is dropped
+    assert views(root) == every(["c1"], "c1")
+    log_put(log, "c3", turn=3, chain=("c1", "c2"))
+    assert views(root) == every(["c1", "c3"], "c3")
+    assert open_store(root).get_checkpoint_chain("s1", "c3") is not None
+    log_put(log, "c4", turn=4)  # a full snapshot: nothing builds on c2 any more
+    assert open_store(root).delete_checkpoint("s1", "c3")
+    assert not c2.exists() and not (root / layout.checkpoint_key("s1", None, "c3")).exists()
+    assert views(root) == every(["c1", "c4"], "c4")
 
 
 def test_two_concurrent_prunes_with_a_fork_pin_agree(tmp_path):
