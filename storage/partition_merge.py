@@ -26,6 +26,7 @@ from storage.index_merge import compact_checkpoint_partition, live_checkpoints
 from storage.rows import CHECKPOINT_SCHEMA, as_utc, utcnow
 from storage.table import SessionState, days_of, table_rows
 from storage.table_publish import SessionRead
+from storage.tombstone_settle import settled_files
 from storage.visibility import merge_tops, retired_tops
 
 if TYPE_CHECKING:
@@ -61,6 +62,8 @@ class _Part:
     started: float
     now: datetime | None
     listing: dict[str, datetime | None]
+    #: A file lost rows before the merge (a fenced writer's tombstones): write the merge even of one file.
+    rewrite: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,6 +126,14 @@ class PartitionMerger:
         moved = {k for k, _ in pairs} - {k for k, _ in usable}
         if moved:  # no longer the partition's: neither merged nor counted, nor named to the table
             part.keys = [k for k in part.keys if k not in moved]
+        if self.schema is CHECKPOINT_SCHEMA:
+            settled = settled_files(self.store, usable)  # a fenced writer's tombstones dropped (visibility)
+            if settled is None:
+                log.info("compaction skips %s for now: a takeover under way may yet ignore its tombstones",
+                         self.store.describe(part.partition))
+                return len(part.keys) + (part.base is not None), 0, 0, None
+            part.rewrite = any(a.num_rows != b.num_rows for (_, a), (_, b) in zip(usable, settled, strict=True))
+            usable = settled
         return self._replace(part, self._merge(part, usable))
 
     def _usable(self, pairs: list[tuple[str, pa.Table]]) -> list[tuple[str, pa.Table]]:
@@ -177,7 +188,7 @@ class PartitionMerger:
         """Write the merged file and delete the files merged, unless already compact or too late."""
         merged, keys, base = m.merged, part.keys, part.base
         unchanged = len(keys) + (base is not None), m.live, 0
-        if len(m.pairs) <= 1 and m.applied == 0 and merged.num_rows == m.table.num_rows:
+        if len(m.pairs) <= 1 and m.applied == 0 and merged.num_rows == m.table.num_rows and not part.rewrite:
             return (*unchanged, self._session_read(part, m, keys))  # already compact
         if self._late(part):
             log.warning("compaction skips %s: its merge would land %.0f s after its LIST (limit %.0f s, half "
@@ -299,6 +310,10 @@ def _reread(store: Store, partition: str, known: SessionState | None) -> Session
         log.info("table skips %s for now: %s", store.describe(partition), e)
         return None
     names = tuple(sorted(k.rsplit("/", 1)[1] for k in keys))
+    judged = settled_files(store, [("", table)])
+    if judged is None:
+        return None
+    table = judged[0][1]
     tomb = pc.fill_null(table["tombstone"], False)
     dead = tuple(sorted(set(table["checkpoint_id"].filter(tomb).to_pylist())))
     return SessionRead(table_rows(live_checkpoints(table)), names, bool(dead),
