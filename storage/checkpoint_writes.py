@@ -11,6 +11,7 @@ goes once no live row's chain and no fork's pin needs it
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 
@@ -92,11 +93,13 @@ class CheckpointWrites:
         elif keep >= 1:
             # A leased retention's tombstones are ignored if a takeover claims an epoch before they land
             # (storage.visibility rule 5): their objects go only once a proof after them says none did.
-            self._rows.apply_retention(row, keep, retired_by=row.order, proven=lambda: self._proven(lease))
+            self._rows.apply_retention(row, keep, retired_by=row.order, proven=functools.partial(self._proven, lease))
         return row
 
-    def _proven(self, lease: Lease) -> bool:
+    def _proven(self, lease: Lease | None) -> bool:
         """Whether no epoch above ``lease``'s is claimed (one LIST of the epoch markers); never raises."""
+        if lease is None:
+            return True
         try:
             self._leases.confirm(lease)
         except Exception as e:

@@ -127,13 +127,13 @@ class PartitionMerger:
         if moved:  # no longer the partition's: neither merged nor counted, nor named to the table
             part.keys = [k for k in part.keys if k not in moved]
         if self.schema is CHECKPOINT_SCHEMA:
-            settled = settled_files(self.store, usable)  # a fenced writer's tombstones dropped (visibility)
-            if settled is None:
-                log.info("compaction skips %s for now: a takeover under way may yet ignore its tombstones",
-                         self.store.describe(part.partition))
-                return len(part.keys) + (part.base is not None), 0, 0, None
-            part.rewrite = any(a.num_rows != b.num_rows for (_, a), (_, b) in zip(usable, settled, strict=True))
-            usable = settled
+            judged, settled = settled_files(self.store, usable)  # a fenced writer's tombstones dropped (visibility)
+            if not settled:
+                log.info("compaction leaves %s as it is for now: a takeover under way may yet ignore its "
+                         "tombstones", self.store.describe(part.partition))
+                return len(part.keys) + (part.base is not None), 0, 0, _provisional(part, judged)
+            part.rewrite = any(a.num_rows != b.num_rows for (_, a), (_, b) in zip(usable, judged, strict=True))
+            usable = judged
         return self._replace(part, self._merge(part, usable))
 
     def _usable(self, pairs: list[tuple[str, pa.Table]]) -> list[tuple[str, pa.Table]]:
@@ -310,14 +310,25 @@ def _reread(store: Store, partition: str, known: SessionState | None) -> Session
         log.info("table skips %s for now: %s", store.describe(partition), e)
         return None
     names = tuple(sorted(k.rsplit("/", 1)[1] for k in keys))
-    judged = settled_files(store, [("", table)])
-    if judged is None:
-        return None
+    judged, settled = settled_files(store, [("", table)])
     table = judged[0][1]
+    if not settled:
+        return SessionRead(table_rows(live_checkpoints(table)), (), True, changed=True)
     tomb = pc.fill_null(table["tombstone"], False)
     dead = tuple(sorted(set(table["checkpoint_id"].filter(tomb).to_pylist())))
     return SessionRead(table_rows(live_checkpoints(table)), names, bool(dead),
                        changed=known is None or names != known.files, dead=dead)
+
+
+def _provisional(part: _Part, pairs: list[tuple[str, pa.Table]]) -> SessionRead | None:
+    """What the table gets of a session whose leased tombstones are not settled (a takeover under way): its
+    live rows as the rule reads them now, absorbing none of its files (the query reads it from them, and the next
+    compaction reads it again: :mod:`storage.tombstone_settle`)."""
+    if not part.for_table:
+        return None
+    tables = [t for _, t in pairs]
+    table = pa.concat_tables(tables) if tables else CHECKPOINT_SCHEMA.empty_table()
+    return SessionRead(table_rows(live_checkpoints(table)), (), True, changed=True)
 
 
 def listing_now(listing: dict[str, datetime | None]) -> datetime | None:
