@@ -6,7 +6,7 @@ Every reader and writer of checkpoints decides with this module, so
 prune and recovery see one and the same history. For one session:
 
 1. **Rows.** An index row is live unless a tombstone (in any index file)
-   names its checkpoint id (:func:`live_of`).
+   that rule 5 honours names its checkpoint id (:func:`live_of`).
 2. **Fences.** A takeover records in ``lease.json`` the highest row it
    listed right before its swap (``"checkpoints"``: ``top``, with up to 8
    earlier owners' fences under ``prev``). A row of an epoch below a fence's
@@ -32,7 +32,6 @@ prune and recovery see one and the same history. For one session:
    and the fork point itself stays resolvable *for that fork*
    (``pinned_for=``) after its row was retired: it is never live for anyone
    else (not listed, not "latest", not found by id).
-
 5. **Tombstones.** A tombstone is a copy of the row it retires. One that
    prune, delete, quarantine or a takeover wrote (without a lease, or
    retiring only what a fence hides already) is always honoured. One that a
@@ -53,8 +52,12 @@ prune and recovery see one and the same history. For one session:
    writer rise, as "latest" assumes); a takeover lists after its claim, so
    every batch that landed before the listing is listed, and the one that
    lands after it (there is at most one: the next proof sees the claim) ranks
-   above all of them. A fence from before this rule (no ``tombs``) judges no
-   tombstone. Like rule 2 this lasts as long as the fence is among the 8 a
+   above all of them (a batch whose PUT seemed to fail is written again with
+   the next, which ranks above it). Between the takeover's listing and its
+   swap a reader finds no fence yet and honours such a tombstone; from the
+   swap on none does (compaction applies none meanwhile, see below, and the
+   retired objects are still there). A fence from before this rule (no
+   ``tombs``) judges no tombstone. Like rule 2 this lasts as long as the fence is among the 8 a
    lease body carries; compaction drops an ignored tombstone for good.
 
    A leased tombstone no fence judges yet is honoured, and is *settled* (no
