@@ -145,10 +145,16 @@ class CheckpointRows:
         """The session's live rows from a fresh LIST of its partition (strongly consistent); refreshes the view.
         ``rule``: the session's visibility rule (which tombstones are honoured), else read after the LIST."""
         files = self.partition_rows(session_id, user_id)
-        result = live_of(files, rule if rule is not None else self.rule_of(session_id, user_id))
+        result = live_of(files, rule if rule is not None else self._rule_for(files, session_id, user_id))
         with self._lock:
             self._views[(user_id, session_id)] = _View(dict(result))
         return result
+
+    def _rule_for(self, files: list[FileRows], session_id: str, user_id: str | None) -> Visibility | None:
+        """The session's rule when ``files`` hold a lease holder's tombstone (only those can be ignored); else
+        None, and no read."""
+        leased = any(isinstance(t, tuple) for rows in files for _, t in rows)
+        return self.rule_of(session_id, user_id) if leased else None
 
     def retire(self, session_id: str, user_id: str | None, rows: list[CheckpointRow], *, collect: bool = True,
                also_needed: Iterable[CheckpointRow] = (), live: dict[str, CheckpointRow] | None = None) -> None:
@@ -180,7 +186,7 @@ class CheckpointRows:
         """Collect objects of retired rows that a collection left behind (it failed, or its writer was fenced or
         died between the tombstones and the deletes); returns the session's live rows (from the fresh LIST)."""
         files = self.partition_rows(session_id, user_id)
-        live = live_of(files, self.rule_of(session_id, user_id))
+        live = live_of(files, self._rule_for(files, session_id, user_id))
         dead = {r.key for rows in files for r, _ in rows} - {r.key for r in live.values()}
         if dead:
             prefix = layout.session_prefix(session_id, user_id) + "checkpoints/"
