@@ -50,8 +50,9 @@ class CheckpointRows:
         self._retired: dict[str, Tops] = {}
         #: Per-session live rows for retention.
         self._views: dict[tuple[str | None, str], _View] = {}
-        #: The session's visibility rule as its lease body sets it, read afresh (one GET; set by
-        #: :class:`storage.tails.TailReader`, which reads lease bodies): which tombstones are honoured.
+        #: The session's visibility rule as its lease body sets it, read afresh (one GET, made only when the
+        #: session's index holds a lease holder's tombstone; set by :class:`storage.tails.TailReader`, which
+        #: reads lease bodies): which tombstones are honoured.
         self.rule_of: Callable[[str, str | None], Visibility] = lambda session_id, user_id: Visibility(None, ())
 
     def clear_cache(self) -> None:

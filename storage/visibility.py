@@ -105,7 +105,7 @@ def live_of(files: Iterable[FileRows], rule: Visibility | None = None) -> dict[s
         for row, tomb in rows:
             if not tomb:
                 live[row.checkpoint_id] = row
-            elif ignores is None or tomb is True or not ignores(tomb):  # type: ignore[arg-type]
+            elif not (ignores is not None and isinstance(tomb, tuple) and ignores(tomb)):
                 dead.add(row.checkpoint_id)
     return {cid: r for cid, r in live.items() if cid not in dead}
 
