@@ -5,7 +5,9 @@ files it listed, writes the merged file, then deletes exactly those files;
 it keeps every tombstone younger than the grace period (by the store's
 clock); it abandons a partition whose listed files vanished or whose merge
 would land more than half the grace after its LIST, and takes back a merge
-that landed later than that anyway.
+that landed later than that anyway. A lease holder's tombstone is dropped
+when the session's fences ignore it and applied only once it is settled
+(:mod:`storage.tombstone_settle`, rule 5 of :mod:`storage.visibility`).
 """
 
 from __future__ import annotations
