@@ -199,6 +199,7 @@ def _rows_table(session: int, n_files: int, rows_per_file: int, file_no: int, us
         "key": [f"sessions/{user}/{sid}/checkpoints/{c}.json" for c in cids], "size": [10_000] * n,
         "sha256": ["0" * 64] * n, "tombstone": tomb,
         "written_at": [T0 + timedelta(seconds=session * 10_000 + i) for i in idx],
+        "tomb_epoch": [None] * n, "tomb_mark": [None] * n,  # tombstones of prune or delete: no lease
     }, schema=CHECKPOINT_SCHEMA)
 
 

@@ -62,8 +62,10 @@ merged file that another compactor wrote from rows it read before the
 tombstone existed can never bring a retired row back; a compaction abandons
 a partition whose listed files vanished (another compaction merged them) or
 whose merge would land more than half the grace after its LIST, and deletes
-again a merge that landed later than that anyway. External readers apply tombstones (rows
-with ``tombstone`` true retire their ``checkpoint_id``) as ``query()`` does.
+again a merge that landed later than that anyway. External readers read the compacted table
+(``index/table/``), where the visibility rule is applied; a reader of the per-session files
+applies tombstones (rows with ``tombstone`` true retire their ``checkpoint_id``) except a
+lease holder's (``tomb_epoch`` set) that the session's fences ignore (:mod:`storage.visibility`).
 
 Fencing. ``acquire_lease`` bumps ``lease.json``'s epoch with a conditional
 put (``If-None-Match: *`` / ``If-Match: etag`` on S3, where a 404 answer to

@@ -24,7 +24,13 @@ file. A run that checkpoints every pass writes through a
   :class:`storage.errors.LeaseCorruptError`, and nothing is indexed either.
 
 So a fenced writer may land up to ``batch`` objects before it learns so; it
-never indexes them, nor retires anything, and none of them is acknowledged.
+never indexes them, nor retires anything any reader honours (its last
+batch's tombstones, if a takeover came between their proof and their
+write, are ignored: :mod:`storage.visibility` rule 5), and none of them is
+acknowledged. The objects retention retired are deleted one flush later,
+after the proof that settles their tombstones: deferral keeps at most one
+flush's retired checkpoints per session beyond ``keep`` (a run's last flush
+leaves them for the next writer's sweep, or prune).
 Which unindexed objects a reader still admits (the current epoch's tail) is
 :mod:`storage.tails`' rule.
 """
@@ -85,6 +91,8 @@ class CheckpointLog:
         self.pending: list[CheckpointRow] = []
         self._unindexed = 0
         self._view: dict[str, CheckpointRow] | None = None
+        #: Rows this writer's tombstones retired whose objects wait for the next proof (see :meth:`flush`).
+        self._unsettled: list[CheckpointRow] = []
         self._flushes = 0
         self.puts = 0
 
@@ -122,43 +130,58 @@ class CheckpointLog:
 
     def flush(self) -> list[CheckpointRow]:
         """Prove the lease, then index the pending rows (one file, with retention's tombstones) and collect what
-        retention freed; returns the rows acknowledged (every pending one). Safe to call again after a
-        storage error: what was not indexed is indexed next time.
+        the previous flush's retention freed; returns the rows acknowledged (every pending one). Safe to call
+        again after a storage error: what was not indexed is indexed next time.
 
         The proof comes first: a writer publishes rows and tombstones only for a batch whose objects all
         landed before it proved that no takeover had claimed an epoch (:meth:`Leases.confirm`, which also
         reads ``lease.json``). A takeover claims its epoch before it lists the session, so it saw every
-        object of such a batch; a fenced writer publishes nothing, and its retention retires nothing.
+        object of such a batch; a fenced writer publishes nothing, and its retention retires nothing. The
+        tombstones carry this writer's epoch and newest checkpoint (``retired_by``): should a takeover claim
+        its epoch between the proof and the write, its fence makes every reader ignore them
+        (:mod:`storage.visibility` rule 5). So the objects they retire are deleted only after the next
+        proof (that of the next flush), which settles them.
         """
         if not self.pending:
             return []
-        view = self._current_view()
-        fresh = self.pending[len(self.pending) - self._unindexed:] if self._unindexed else []
-        live = {**view, **{r.checkpoint_id: r for r in self.pending}}
-        doomed = over_keep(live, self.keep)
         try:
             self._leases.confirm(self.lease, read_lease=True)
         except LeaseLostError:
             self._abandon()
             raise
+        self._collect_settled()  # the proof above settled the tombstones the last flush wrote
+        view = self._current_view()
+        fresh = self.pending[len(self.pending) - self._unindexed:] if self._unindexed else []
+        live = {**view, **{r.checkpoint_id: r for r in self.pending}}
+        doomed = over_keep(live, self.keep)
         if fresh or doomed:
             self._rows.write(self.lease.session_id, self.lease.user_id, [*fresh, *doomed],
-                             tombstone=[False] * len(fresh) + [True] * len(doomed))
+                             tombstone=[False] * len(fresh) + [True] * len(doomed),
+                             retired_by=max(r.order for r in self.pending))
         self._unindexed = 0
         acked, self.pending = self.pending, []
         for r in doomed:
             live.pop(r.checkpoint_id, None)
         self._view = live
-        if doomed:
-            try:
-                self._rows.collect(self.lease.session_id, self.lease.user_id, doomed, live=live)
-            except StorageError as e:
-                log.warning("retention of session %r: objects not collected yet (%s)", self.lease.session_id, e)
+        self._unsettled += doomed
         return acked
+
+    def _collect_settled(self) -> None:
+        """Delete what the tombstones of earlier flushes retired, now that a proof came after them (they are
+        honoured by every reader from now on); what a storage error left is collected by a later sweep."""
+        if not self._unsettled:
+            return
+        retired, self._unsettled = self._unsettled, []
+        try:
+            self._rows.collect(self.lease.session_id, self.lease.user_id, retired, live=self._view,
+                               also_needed=self.pending)
+        except StorageError as e:
+            log.warning("retention of session %r: objects not collected yet (%s)", self.lease.session_id, e)
 
     def _current_view(self) -> dict[str, CheckpointRow]:
         """The session's live rows (indexed), from a fresh LIST on the first flush and every ``_VIEW_REFRESH``;
-        each refresh also collects what earlier collections left behind (:meth:`CheckpointRows.sweep`)."""
+        each refresh also collects what earlier collections left behind (:meth:`CheckpointRows.sweep`), after
+        the flush's proof: every tombstone it honours is settled then."""
         self._flushes += 1
         if self._view is None or self._flushes % _VIEW_REFRESH == 0:
             try:
@@ -171,7 +194,9 @@ class CheckpointLog:
     def _abandon(self) -> None:
         """Fenced: forget what was not acknowledged. Nothing is retired: what landed before the takeover's
         listing is what the new owner may have started from, and what landed after it is hidden by the
-        takeover's fence (``lease.json``) and retired by the next takeover."""
+        takeover's fence (``lease.json``) and retired by the next takeover. The objects of the last flush's
+        retirement stay: its tombstones may be ignored (the new owner's sweep collects them if they are not)."""
+        self._unsettled = []
         log.warning("session %r: %d checkpoint(s) written by epoch %d were never acknowledged: a newer epoch "
                     "was taken", self.lease.session_id, len(self.pending), self.lease.epoch)
         self.pending, self._unindexed = [], 0

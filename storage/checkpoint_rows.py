@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -24,7 +24,7 @@ from storage.errors import IndexChangedError
 from storage.index import ParquetIndex, conform
 from storage.objects import ObjectStore
 from storage.rows import CHECKPOINT_SCHEMA, CheckpointRow, checkpoint_rows_from_table, checkpoint_rows_table, utcnow
-from storage.visibility import FileRows, Tops, live_of, merge_tops, retired_tops
+from storage.visibility import FileRows, Tops, Visibility, live_of, merge_tops, retired_tops
 
 log = logging.getLogger("storage")
 _ROW_CACHE_FILES = 16384
@@ -50,6 +50,10 @@ class CheckpointRows:
         self._retired: dict[str, Tops] = {}
         #: Per-session live rows for retention.
         self._views: dict[tuple[str | None, str], _View] = {}
+        #: The session's visibility rule as its lease body sets it, read afresh (one GET, made only when the
+        #: session's index holds a lease holder's tombstone; set by :class:`storage.tails.TailReader`, which
+        #: reads lease bodies): which tombstones are honoured.
+        self.rule_of: Callable[[str, str | None], Visibility] = lambda session_id, user_id: Visibility(None, ())
 
     def clear_cache(self) -> None:
         """Forget every parsed file (a cold reader parses them again)."""
@@ -100,21 +104,24 @@ class CheckpointRows:
             return merge_tops(*(self._retired[k] for k in keys if k in self._retired))
 
     @staticmethod
-    def encode(rows: list[CheckpointRow], *, tombstone: bool | list[bool]) -> pa.Table:
-        """``rows`` (or tombstones for them; or one flag per row) as one index table, stamped ``written_at`` now."""
-        return checkpoint_rows_table(rows, tombstone=tombstone, written_at=utcnow())
+    def encode(rows: list[CheckpointRow], *, tombstone: bool | list[bool],
+               retired_by: tuple[int, str] | None = None) -> pa.Table:
+        """``rows`` (or tombstones for them; or one flag per row) as one index table, stamped ``written_at`` now;
+        ``retired_by``: the lease holder's retention writes the tombstones (see :func:`checkpoint_rows_table`)."""
+        return checkpoint_rows_table(rows, tombstone=tombstone, written_at=utcnow(), retired_by=retired_by)
 
     def write(self, session_id: str, user_id: str | None, rows: list[CheckpointRow], *, tombstone: bool | list[bool],
-              table: pa.Table | None = None) -> None:
+              table: pa.Table | None = None, retired_by: tuple[int, str] | None = None) -> None:
         """Append ``rows`` as one file in the session's partition (``tombstone``: for all rows, or one flag per
-        row); ``table``: them already :meth:`encode`-d."""
+        row; ``retired_by``: a lease holder's retention writes them, see :meth:`encode`); ``table``: them
+        already :meth:`encode`-d."""
         if table is None:
-            table = self.encode(rows, tombstone=tombstone)
+            table = self.encode(rows, tombstone=tombstone, retired_by=retired_by)
         flags = tombstone if isinstance(tombstone, list) else [tombstone] * len(rows)
         partition = layout.index_partition(layout.CHECKPOINT_INDEX, session_id, user_id)
         key = self.index.write(partition, table, cache=False)
         with self._lock:
-            self._remember(key, list(zip(rows, flags, strict=True)))
+            self._remember(key, [(r, (retired_by or True) if t else False) for r, t in zip(rows, flags, strict=True)])
             # The view holds the rows of its last LIST and every write of this store since, whoever wrote them
             # through it (a checkpoint log, put_checkpoint, delete, prune): never a live set older than that.
             view = self._views.get((user_id, session_id))
@@ -135,12 +142,20 @@ class CheckpointRows:
         partition = layout.index_partition(layout.CHECKPOINT_INDEX, session_id, user_id)
         return self.index.read_listed(partition, self.file_rows)[1]
 
-    def live(self, session_id: str, user_id: str | None) -> dict[str, CheckpointRow]:
-        """The session's live rows from a fresh LIST of its partition (strongly consistent); refreshes the view."""
-        result = live_of(self.partition_rows(session_id, user_id))
+    def live(self, session_id: str, user_id: str | None, rule: Visibility | None = None) -> dict[str, CheckpointRow]:
+        """The session's live rows from a fresh LIST of its partition (strongly consistent); refreshes the view.
+        ``rule``: the session's visibility rule (which tombstones are honoured), else read after the LIST."""
+        files = self.partition_rows(session_id, user_id)
+        result = live_of(files, rule if rule is not None else self._rule_for(files, session_id, user_id))
         with self._lock:
             self._views[(user_id, session_id)] = _View(dict(result))
         return result
+
+    def _rule_for(self, files: list[FileRows], session_id: str, user_id: str | None) -> Visibility | None:
+        """The session's rule when ``files`` hold a lease holder's tombstone (only those can be ignored); else
+        None, and no read."""
+        leased = any(isinstance(t, tuple) for rows in files for _, t in rows)
+        return self.rule_of(session_id, user_id) if leased else None
 
     def retire(self, session_id: str, user_id: str | None, rows: list[CheckpointRow], *, collect: bool = True,
                also_needed: Iterable[CheckpointRow] = (), live: dict[str, CheckpointRow] | None = None) -> None:
@@ -172,7 +187,7 @@ class CheckpointRows:
         """Collect objects of retired rows that a collection left behind (it failed, or its writer was fenced or
         died between the tombstones and the deletes); returns the session's live rows (from the fresh LIST)."""
         files = self.partition_rows(session_id, user_id)
-        live = live_of(files)
+        live = live_of(files, self._rule_for(files, session_id, user_id))
         dead = {r.key for rows in files for r, _ in rows} - {r.key for r in live.values()}
         if dead:
             prefix = layout.session_prefix(session_id, user_id) + "checkpoints/"
@@ -182,14 +197,18 @@ class CheckpointRows:
             self._views[(user_id, session_id)] = _View(dict(live))
         return live
 
-    def apply_retention(self, row: CheckpointRow, keep: int) -> None:
+    def apply_retention(self, row: CheckpointRow, keep: int, *, retired_by: tuple[int, str] | None = None,
+                        proven: Callable[[], bool] | None = None) -> None:
         """Drop the oldest live checkpoints of ``row``'s session beyond ``keep``, ``row`` just written.
 
         The session's live rows come from the view, refreshed by a full
         partition LIST on first use and every ``_VIEW_REFRESH`` writes, so a
         steady-state write costs no LIST. The view can only miss rows another
         process wrote; it never deletes beyond the ``keep`` newest rows it knows,
-        so a session never drops below ``keep`` checkpoints.
+        so a session never drops below ``keep`` checkpoints. A lease holder's
+        retention (``retired_by``, see :meth:`encode`) deletes the objects only
+        once ``proven()`` says its lease was proven after the tombstones landed
+        (:mod:`storage.visibility` rule 5: else a takeover may ignore them).
         """
         rows = self.view_with(row.session_id, row.user_id, [row])
         if rows is None:
@@ -197,8 +216,10 @@ class CheckpointRows:
         doomed = over_keep(rows, keep)
         if doomed:
             gone = {r.checkpoint_id for r in doomed}
-            self.retire(row.session_id, row.user_id, doomed,
-                        live={cid: r for cid, r in rows.items() if cid not in gone})
+            self.write(row.session_id, row.user_id, doomed, tombstone=True, retired_by=retired_by)
+            if proven is None or proven():
+                self.collect(row.session_id, row.user_id, doomed,
+                             live={cid: r for cid, r in rows.items() if cid not in gone})
 
     def view_with(self, session_id: str, user_id: str | None, new: list[CheckpointRow]) -> dict[str, CheckpointRow] | None:
         """The session's live rows as this process knows them, ``new`` (just indexed) added; None when a fresh

@@ -11,6 +11,7 @@ goes once no live row's chain and no fork's pin needs it
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 
@@ -87,9 +88,25 @@ class CheckpointWrites:
                 # A takeover raced this write: retire it so it can never be "latest".
                 self._rows.retire(row.session_id, row.user_id, [row])
                 raise
-        if keep >= 1:
+        if keep >= 1 and lease is None:
             self._rows.apply_retention(row, keep)
+        elif keep >= 1:
+            # A leased retention's tombstones are ignored if a takeover claims an epoch before they land
+            # (storage.visibility rule 5): their objects go only once a proof after them says none did.
+            self._rows.apply_retention(row, keep, retired_by=row.order, proven=functools.partial(self._proven, lease))
         return row
+
+    def _proven(self, lease: Lease | None) -> bool:
+        """Whether no epoch above ``lease``'s is claimed (one LIST of the epoch markers); never raises."""
+        if lease is None:
+            return True
+        try:
+            self._leases.confirm(lease)
+        except Exception as e:
+            log.warning("session %r: checkpoints retention retired keep their objects for now (lease not "
+                        "proven after the tombstones: %s)", lease.session_id, e)
+            return False
+        return True
 
     def _retire_if_fenced(self, lease: Lease, row: CheckpointRow) -> None:
         """Retire ``row`` if ``lease`` was lost; never raises (the caller is already failing).

@@ -72,8 +72,11 @@ class CheckpointLogConformance:
         assert _ids(store.list_checkpoints("s1")) == ["c3"]  # retention kept one row ...
         assert _objects(store) == {"c1", "c2", "c3"}  # ... and the objects its chain needs
         assert len(_some(_cold(store).get_checkpoint_chain("s1"))) == 3
-        log_put(log, "c4", turn=4)  # self-contained: nothing needs c1..c3 any more
-        assert _objects(store) == {"c4"} and _ids(_cold(store).list_checkpoints("s1")) == ["c4"]
+        log_put(log, "c4", turn=4)  # self-contained: nothing needs c1..c3 any more ...
+        assert _ids(_cold(store).list_checkpoints("s1")) == ["c4"]
+        assert _objects(store) == {"c1", "c2", "c3", "c4"}  # ... once a proof settled c3's tombstone: the next
+        log_put(log, "c5", turn=5)
+        assert _objects(store) == {"c4", "c5"} and _ids(_cold(store).list_checkpoints("s1")) == ["c5"]
 
     def test_a_takeover_indexes_the_old_owners_tail_and_hides_what_it_lands_later(self, store):
         old = store.checkpoint_log(store.acquire_lease("s1", owner="old"), batch=8)
@@ -129,7 +132,8 @@ class CheckpointLogConformance:
         store.prune(session_id="p")
         assert _objects(store, "p") == {"p1", "p2"}  # prune deletes all but what the fork needs
         assert len(_some(_cold(store).get_checkpoint_chain("f"))) == 3
-        log_put(fork, "f2", turn=4)  # the fork moves past its parent's chain: the pin goes, and what it kept
+        log_put(fork, "f2", turn=4)  # the fork moves past its parent's chain: the pin goes, and what it kept,
+        log_put(fork, "f3", turn=5)  # once the next proof settled the tombstone of f1
         assert _objects(store, "p") == set() and not [k for k in all_keys(store) if "/pins/" in k]
 
     def test_pinning_a_retired_checkpoint_fails_and_leaves_no_pin(self, store):
@@ -169,9 +173,10 @@ class CheckpointLogConformance:
                 log_put(log, "c2", turn=2, chain=("c1",))
         finally:
             del store.objects.put
-        log_put(log, "c3", turn=3)  # the writer's next checkpoint is whole; retention collects c1
+        log_put(log, "c3", turn=3)  # the writer's next checkpoint is whole; retention retires c1 ...
+        log_put(log, "c4", turn=4)  # ... and collects it after the next proof
         assert "c1" not in _objects(store) and "c2" in _objects(store)
         store.acquire_lease("s1", owner="taker")  # indexes the old owner's tail: c2 is not part of it
         rows = _cold(store).list_checkpoints("s1")
-        assert _ids(rows) == ["c3"]
+        assert _ids(rows) == ["c4"]
         assert all(_cold(store).get_checkpoint_chain("s1", r.checkpoint_id) for r in rows)

@@ -27,7 +27,7 @@ from storage.checkpoint_rows import CheckpointRows
 from storage.errors import StorageError
 from storage.objects import ObjectStore
 from storage.rows import CheckpointRow, Lease
-from storage.visibility import fenced_by, parse_fences
+from storage.visibility import Visibility, fenced_by, parse_fences
 
 log = logging.getLogger("storage")
 #: Earlier owners' checkpoint fences a lease body carries.
@@ -92,7 +92,7 @@ class CheckpointFences:
         chain: list[dict[str, Any]] = []
         fence = previous.get("checkpoints") if previous is not None else None
         if previous is not None and isinstance(fence, dict) and type(previous.get("epoch")) is int:
-            chain.append({"epoch": previous["epoch"], "top": fence.get("top")})
+            chain.append({"epoch": previous["epoch"], **{k: v for k, v in fence.items() if k in ("top", "tombs")}})
             prev = fence.get("prev")
             chain += [c for c in (prev if isinstance(prev, list) else []) if isinstance(c, dict)]
         chain = chain[:_CHECKPOINT_FENCES]
@@ -101,7 +101,9 @@ class CheckpointFences:
         live = snap.rows
         earlier = fenced_by(parse_fences(chain))  # a fenced writer's row not retired yet sets no top
         top = max((r.order for r in live.values() if not earlier(r)), default=None)
-        return set(live), {"top": list(top) if top is not None else None, "prev": chain}
+        tombs = snap.tomb_top  # the leased tombstones listed: one landing later is a fenced writer's (visibility)
+        return set(live), {"top": list(top) if top is not None else None,
+                           "tombs": list(tombs) if tombs is not None else None, "prev": chain}
 
     def _adopt(self, session_id: str, user_id: str | None, tails: list[CheckpointRow]) -> None:
         """Index the checkpoints the old owner wrote but had not indexed yet (its tail), before the swap that
@@ -129,12 +131,13 @@ class CheckpointFences:
         there is something to retire.
         """
         earlier = fenced_by(parse_fences(fence.get("prev")))
+        rule = Visibility.of({"epoch": lease.epoch, "checkpoints": fence})
 
         def fenced(r: CheckpointRow) -> bool:
             return 0 < r.epoch < lease.epoch and (r.checkpoint_id not in seen or earlier(r))
 
         try:
-            doomed = [r for r in self.rows.live(lease.session_id, lease.user_id).values() if fenced(r)]
+            doomed = [r for r in self.rows.live(lease.session_id, lease.user_id, rule).values() if fenced(r)]
             doomed += self._late_tails(lease, seen)
             if doomed:
                 log.warning("session %r: retiring %d checkpoint(s) written by a fenced writer after epoch %d was "

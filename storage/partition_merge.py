@@ -5,7 +5,9 @@ files it listed, writes the merged file, then deletes exactly those files;
 it keeps every tombstone younger than the grace period (by the store's
 clock); it abandons a partition whose listed files vanished or whose merge
 would land more than half the grace after its LIST, and takes back a merge
-that landed later than that anyway.
+that landed later than that anyway. A lease holder's tombstone is dropped
+when the session's fences ignore it and applied only once it is settled
+(:mod:`storage.tombstone_settle`, rule 5 of :mod:`storage.visibility`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from storage.index_merge import compact_checkpoint_partition, live_checkpoints
 from storage.rows import CHECKPOINT_SCHEMA, as_utc, utcnow
 from storage.table import SessionState, days_of, table_rows
 from storage.table_publish import SessionRead
+from storage.tombstone_settle import settled_files
 from storage.visibility import merge_tops, retired_tops
 
 if TYPE_CHECKING:
@@ -61,6 +64,8 @@ class _Part:
     started: float
     now: datetime | None
     listing: dict[str, datetime | None]
+    #: A file lost rows before the merge (a fenced writer's tombstones): write the merge even of one file.
+    rewrite: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,14 @@ class PartitionMerger:
         moved = {k for k, _ in pairs} - {k for k, _ in usable}
         if moved:  # no longer the partition's: neither merged nor counted, nor named to the table
             part.keys = [k for k in part.keys if k not in moved]
+        if self.schema is CHECKPOINT_SCHEMA:
+            judged, settled = settled_files(self.store, usable)  # a fenced writer's tombstones dropped (visibility)
+            if not settled:
+                log.info("compaction leaves %s as it is for now: a takeover under way may yet ignore its "
+                         "tombstones", self.store.describe(part.partition))
+                return len(part.keys) + (part.base is not None), 0, 0, _provisional(part, judged)
+            part.rewrite = any(a.num_rows != b.num_rows for (_, a), (_, b) in zip(usable, judged, strict=True))
+            usable = judged
         return self._replace(part, self._merge(part, usable))
 
     def _usable(self, pairs: list[tuple[str, pa.Table]]) -> list[tuple[str, pa.Table]]:
@@ -177,7 +190,7 @@ class PartitionMerger:
         """Write the merged file and delete the files merged, unless already compact or too late."""
         merged, keys, base = m.merged, part.keys, part.base
         unchanged = len(keys) + (base is not None), m.live, 0
-        if len(m.pairs) <= 1 and m.applied == 0 and merged.num_rows == m.table.num_rows:
+        if len(m.pairs) <= 1 and m.applied == 0 and merged.num_rows == m.table.num_rows and not part.rewrite:
             return (*unchanged, self._session_read(part, m, keys))  # already compact
         if self._late(part):
             log.warning("compaction skips %s: its merge would land %.0f s after its LIST (limit %.0f s, half "
@@ -299,10 +312,25 @@ def _reread(store: Store, partition: str, known: SessionState | None) -> Session
         log.info("table skips %s for now: %s", store.describe(partition), e)
         return None
     names = tuple(sorted(k.rsplit("/", 1)[1] for k in keys))
+    judged, settled = settled_files(store, [("", table)])
+    table = judged[0][1]
+    if not settled:
+        return SessionRead(table_rows(live_checkpoints(table)), (), True, changed=True)
     tomb = pc.fill_null(table["tombstone"], False)
     dead = tuple(sorted(set(table["checkpoint_id"].filter(tomb).to_pylist())))
     return SessionRead(table_rows(live_checkpoints(table)), names, bool(dead),
                        changed=known is None or names != known.files, dead=dead)
+
+
+def _provisional(part: _Part, pairs: list[tuple[str, pa.Table]]) -> SessionRead | None:
+    """What the table gets of a session whose leased tombstones are not settled (a takeover under way): its
+    live rows as the rule reads them now, absorbing none of its files (the query reads it from them, and the next
+    compaction reads it again: :mod:`storage.tombstone_settle`)."""
+    if not part.for_table:
+        return None
+    tables = [t for _, t in pairs]
+    table = pa.concat_tables(tables) if tables else CHECKPOINT_SCHEMA.empty_table()
+    return SessionRead(table_rows(live_checkpoints(table)), (), True, changed=True)
 
 
 def listing_now(listing: dict[str, datetime | None]) -> datetime | None:

@@ -226,10 +226,15 @@ def arrow_schema(row_type: type) -> pa.Schema:
     return pa.schema(columns)
 
 
-#: Checkpoint index columns: a row's fields, then ``tombstone`` (the row retires its checkpoint_id) and
-#: ``written_at`` (orders rows).
+#: Checkpoint index columns: a row's fields, then ``tombstone`` (the row retires its checkpoint_id),
+#: ``written_at`` (orders rows), and for a tombstone a lease holder's retention wrote, ``tomb_epoch`` (its lease
+#: epoch) and ``tomb_mark`` (its newest checkpoint id when it proved that lease); both null for a row, for a
+#: tombstone written without a lease (prune, delete, quarantine, a takeover) and in files written before them:
+#: such a tombstone is always honoured (:mod:`storage.visibility`).
 CHECKPOINT_SCHEMA = arrow_schema(CheckpointRow).append(pa.field("tombstone", pa.bool_())).append(
-    pa.field("written_at", _TS))
+    pa.field("written_at", _TS)).append(pa.field("tomb_epoch", pa.int64())).append(pa.field("tomb_mark", pa.string()))
+#: The index's bookkeeping columns: not part of a checkpoint row (the compacted table and queries drop them).
+INDEX_BOOKKEEPING = ("tombstone", "written_at", "tomb_epoch", "tomb_mark")
 CHECKPOINT_FIELDS = [f.name for f in fields(CheckpointRow)]
 #: Columns added after the first release: a table without them reads them as None.
 LATER_FIELDS = frozenset(f.name for f in fields(CheckpointRow) if f.metadata.get("added_later"))
@@ -260,29 +265,43 @@ def strings(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
-def checkpoint_rows_table(rows: list[CheckpointRow], *, tombstone: bool | list[bool],
-                          written_at: datetime) -> pa.Table:
+def checkpoint_rows_table(rows: list[CheckpointRow], *, tombstone: bool | list[bool], written_at: datetime,
+                          retired_by: tuple[int, str] | None = None) -> pa.Table:
     """Rows (or tombstones for them) as one Arrow table in ``CHECKPOINT_SCHEMA``; ``tombstone`` is one flag for
-    every row or one per row (a batch of new rows and the tombstones retention adds)."""
+    every row or one per row (a batch of new rows and the tombstones retention adds). ``retired_by``: the
+    ``(lease epoch, newest checkpoint id at its proof)`` of the lease holder whose retention writes these
+    tombstones (``tomb_epoch``, ``tomb_mark``); None: written without a lease."""
     cols: dict[str, list] = {name: [getattr(r, name) for r in rows] for name in CHECKPOINT_FIELDS}
     cols["chain"] = [encode_chain(c) for c in cols["chain"]]
     cols["tombstone"] = list(tombstone) if isinstance(tombstone, list) else [tombstone] * len(rows)
     if len(cols["tombstone"]) != len(rows):
         raise ValueError(f"{len(cols['tombstone'])} tombstone flags for {len(rows)} rows")
     cols["written_at"] = [written_at] * len(rows)
+    by = retired_by if retired_by is not None else (None, None)
+    cols["tomb_epoch"] = [by[0] if t else None for t in cols["tombstone"]]
+    cols["tomb_mark"] = [by[1] if t else None for t in cols["tombstone"]]
     return pa.Table.from_pydict(cols, schema=CHECKPOINT_SCHEMA)
 
 
-def checkpoint_rows_from_table(table: pa.Table) -> list[tuple[CheckpointRow, bool]]:
-    """``(row, is_tombstone)`` for every row of a ``CHECKPOINT_SCHEMA`` table."""
+#: What a parsed index row is besides its fields: False (a row), True (a tombstone written without a lease:
+#: always honoured), or a leased retention tombstone's ``(tomb_epoch, tomb_mark)`` (:mod:`storage.visibility`).
+Retired = bool | tuple[int, str]
+
+
+def checkpoint_rows_from_table(table: pa.Table) -> list[tuple[CheckpointRow, Retired]]:
+    """``(row, retired)`` for every row of a ``CHECKPOINT_SCHEMA`` table (see :data:`Retired`)."""
     data = table.to_pydict()
     absent = [None] * table.num_rows
     cols = {name: data.get(name, absent) if name in LATER_FIELDS else data[name] for name in CHECKPOINT_FIELDS}
     cols["chain"] = [decode_chain(c) for c in cols["chain"]]
-    out = []
+    epochs, marks = data.get("tomb_epoch", absent), data.get("tomb_mark", absent)
+    out: list[tuple[CheckpointRow, Retired]] = []
     for i in range(table.num_rows):
         row = CheckpointRow(**{name: col[i] for name, col in cols.items()})
-        out.append((row, bool(data["tombstone"][i])))
+        tomb: Retired = bool(data["tombstone"][i])
+        if tomb and type(epochs[i]) is int and epochs[i] > 0 and isinstance(marks[i], str):
+            tomb = (epochs[i], marks[i])
+        out.append((row, tomb))
     return out
 
 

@@ -24,13 +24,12 @@ from storage.checkpoints import CheckpointMethods
 from storage.errors import StorageError
 from storage.ids import user_from_segment, user_segment, validate_id
 from storage.index import ParquetIndex
-from storage.index_merge import live_checkpoints
 from storage.journaling import JournalMethods
 from storage.leases import LEASE_TIMEOUT, LeaseNote, Leases
 from storage.maintenance import IndexCompactReport, compact
 from storage.objects import ObjectStore
 from storage.pruning import Progress, PrunePlan, plan_prune, prune
-from storage.rows import Lease, PruneReport, as_utc
+from storage.rows import INDEX_BOOKKEEPING, Lease, PruneReport, as_utc
 from storage.session_changes import ChangedRows
 from storage.sessions import ANY, SessionMethods
 from storage.table import TableCache, load_tables, with_staleness
@@ -170,7 +169,7 @@ class Store(CheckpointMethods, CheckpointWrites, JournalMethods, SessionMethods)
         table_part, tail, stale = read_for_query(self, segment=segment, session_id=session_id, since=since,
                                                  until=until)
         # The tail as every reader sees it (storage.visibility): tombstones applied, fenced rows hidden.
-        tail = self._tails.hide_fenced(live_checkpoints(tail)).drop_columns(["tombstone", "written_at"])
+        tail = self._tails.visible_rows(tail).drop_columns(list(INDEX_BOOKKEEPING))
         tail = tail.cast(table_part.schema)
         table = pa.concat_tables([table_part, tail]) if table_part.num_rows else tail
         mask = None

@@ -85,7 +85,7 @@ from storage import layout
 from storage.errors import StorageError
 from storage.ids import user_from_segment
 from storage.index import DICTIONARY_COLUMNS, conform, parquet_table, serial_backend
-from storage.rows import CHECKPOINT_SCHEMA, as_utc, strings, utcnow
+from storage.rows import CHECKPOINT_SCHEMA, INDEX_BOOKKEEPING, as_utc, strings, utcnow
 
 if TYPE_CHECKING:
     from storage.store import Store
@@ -94,8 +94,8 @@ log = logging.getLogger("storage.table")
 T = TypeVar("T")
 R = TypeVar("R")
 
-#: Columns of the compacted table: a checkpoint row without the index's bookkeeping (tombstone, written_at).
-TABLE_SCHEMA = pa.schema([f for f in CHECKPOINT_SCHEMA if f.name not in ("tombstone", "written_at")])
+#: Columns of the compacted table: a checkpoint row without the index's bookkeeping (tombstone, written_at, ...).
+TABLE_SCHEMA = pa.schema([f for f in CHECKPOINT_SCHEMA if f.name not in INDEX_BOOKKEEPING])
 #: How long a compaction's write-phase intent holds the user's table before another compaction may take it over.
 INTENT_TTL = timedelta(minutes=10)
 _PART = "part-0.parquet"

@@ -34,6 +34,7 @@ from storage.chains import Pins
 from storage.checkpoint_rows import CheckpointRows
 from storage.envelope import row_of_header
 from storage.fencing import kept_lease_body, lease_body
+from storage.index_merge import live_checkpoints
 from storage.rows import CheckpointRow
 from storage.visibility import (
     FileRows,
@@ -71,6 +72,9 @@ class Snapshot:
     user_id: str | None = None
     #: The index files' deletion watermark (:data:`storage.visibility.RETIRED_META`).
     retired: Tops = field(default_factory=dict)
+    #: The highest ``(tomb_epoch, tomb_mark)`` of the honoured leased tombstones listed (what a takeover's fence
+    #: records: :meth:`storage.visibility.Visibility.tomb_top`).
+    tomb_top: tuple[int, str] | None = None
 
     @property
     def epoch(self) -> int | None:
@@ -107,6 +111,18 @@ class TailReader:
         self.rows = rows
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, int], CheckpointRow | None] = OrderedDict()
+        rows.rule_of = self.rule_of  # the rows' writers judge tombstones by the same lease bodies
+
+    def rule_of(self, session_id: str, user_id: str | None) -> Visibility:
+        """The session's visibility rule as its lease body sets it now: ``lease.json``, or when that is missing
+        or unreadable the copy the last swap kept (one GET; one LIST and a GET more in that case)."""
+        return Visibility.of(self._body((user_id, session_id)))
+
+    def _body(self, pair: tuple[str | None, str]) -> dict[str, Any] | None:
+        objects = self.rows.objects
+        obj = objects.get(key=layout.lease_key(pair[1], pair[0]))
+        found = lease_body(obj.data if obj is not None else None)
+        return found if found is not None else kept_lease_body(objects, pair[1], pair[0])
 
     def clear_cache(self) -> None:
         with self._lock:
@@ -141,13 +157,15 @@ class TailReader:
         partition = layout.index_partition(layout.CHECKPOINT_INDEX, session_id, user_id)
         self.rows.index.read_listed(partition, read)
         files: list[FileRows] = got["files"][0]
-        snap = Snapshot(live_of(files), {}, got["present"], got["lease"], _keys(files), session_id=session_id,
-                        user_id=user_id, retired=got["files"][1])
-        if snap.lease is None and (any(r.epoch > 0 for r in snap.indexed.values())
-                                   or any(k not in snap.indexed for k in snap.present)):
+        indexed, lease = _keys(files), got["lease"]
+        if lease is None and (any(r.epoch > 0 for r in indexed.values())
+                              or any(k not in indexed for k in got["present"])):
             # lease.json is gone (or unreadable) yet a leased writer may have written here: its fences live on
             # in the copy the last swap kept. A session written without a lease pays nothing for this.
-            snap.lease = kept_lease_body(objects, session_id, user_id)
+            lease = kept_lease_body(objects, session_id, user_id)
+        rule = Visibility.of(lease)
+        snap = Snapshot(live_of(files, rule), {}, got["present"], lease, indexed, session_id=session_id,
+                        user_id=user_id, retired=got["files"][1], tomb_top=rule.tomb_top(files))
         self._read_tail(snap, session_id)
         return snap
 
@@ -169,20 +187,27 @@ class TailReader:
         pairs = leased_sessions(table)
         if not pairs:
             return None
-        objects = self.rows.objects
-
-        def body(pair: tuple[str | None, str]) -> dict[str, Any] | None:
-            obj = objects.get(key=layout.lease_key(pair[1], pair[0]))
-            found = lease_body(obj.data if obj is not None else None)
-            return found if found is not None else kept_lease_body(objects, pair[1], pair[0])
-
-        mask = sessions_fenced_mask(table, dict(zip(pairs, self.rows.index.map_io(body, pairs), strict=True)))
+        mask = sessions_fenced_mask(table, dict(zip(pairs, self.rows.index.map_io(self._body, pairs), strict=True)))
         return mask if mask is not None and pc.any(mask).as_py() else None
 
     def hide_fenced(self, table: pa.Table) -> pa.Table:
         """``table`` without the rows :meth:`fenced_mask` says are fenced."""
         mask = self.fenced_mask(table)
         return table if mask is None else table.filter(pc.invert(mask))
+
+    def visible_rows(self, table: pa.Table) -> pa.Table:
+        """The live rows of ``table`` (index rows and tombstones of any sessions, as files hold them) as every
+        reader sees them: tombstones applied unless their session's fences ignore them, fenced rows hidden
+        (rules 2 and 5 of :mod:`storage.visibility`). One GET of ``lease.json`` per session with a row or a
+        tombstone written under a lease, in parallel."""
+        pairs = leased_sessions(table)
+        bodies = dict(zip(pairs, self.rows.index.map_io(self._body, pairs), strict=True)) if pairs else {}
+        ignored = sessions_fenced_mask(table, bodies, ignored=True) if bodies else None
+        if ignored is not None and pc.any(ignored).as_py():
+            table = table.filter(pc.invert(ignored))
+        live = live_checkpoints(table)
+        fenced = sessions_fenced_mask(live, bodies) if bodies else None
+        return live if fenced is None or not pc.any(fenced).as_py() else live.filter(pc.invert(fenced))
 
     def pinned_row(self, snap: Snapshot, checkpoint_id: str, dependent: str) -> CheckpointRow | None:
         """The row of checkpoint ``checkpoint_id`` of ``snap``'s session that session ``dependent``'s pin holds:

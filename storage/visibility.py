@@ -6,7 +6,7 @@ Every reader and writer of checkpoints decides with this module, so
 prune and recovery see one and the same history. For one session:
 
 1. **Rows.** An index row is live unless a tombstone (in any index file)
-   names its checkpoint id (:func:`live_of`).
+   that rule 5 honours names its checkpoint id (:func:`live_of`).
 2. **Fences.** A takeover records in ``lease.json`` the highest row it
    listed right before its swap (``"checkpoints"``: ``top``, with up to 8
    earlier owners' fences under ``prev``). A row of an epoch below a fence's
@@ -32,21 +32,43 @@ prune and recovery see one and the same history. For one session:
    and the fork point itself stays resolvable *for that fork*
    (``pinned_for=``) after its row was retired: it is never live for anyone
    else (not listed, not "latest", not found by id).
+5. **Tombstones.** A tombstone is a copy of the row it retires. One that
+   prune, delete, quarantine or a takeover wrote (without a lease, or
+   retiring only what a fence hides already) is always honoured. One that a
+   lease holder's retention wrote carries its writer (``tomb_epoch``, the
+   lease epoch, and ``tomb_mark``, that writer's newest checkpoint id when it
+   proved its lease: :data:`storage.rows.Retired`), and is honoured only if
+   its writer still held the lease when it landed (:meth:`Visibility.ignores`).
+   The writer proves its lease before it writes them, so what can go wrong is
+   the file in flight: a takeover claims its epoch right after the proof and
+   lists the index before the tombstones land. So a takeover records in its
+   fence (``tombs``) the highest ``(tomb_epoch, tomb_mark)`` among the
+   honoured leased tombstones it listed, and a leased tombstone of an epoch
+   below a fence's that ranks above that fence's ``tombs`` (or any, when it
+   listed none) is a fenced writer's: ignored by every reader, its row stays
+   live, and compaction drops it. Why that is exact: one lease holder writes
+   its batches one after another and each batch's mark is its newest
+   checkpoint, which ranks above every earlier batch's (checkpoint ids of one
+   writer rise, as "latest" assumes); a takeover lists after its claim, so
+   every batch that landed before the listing is listed, and the one that
+   lands after it (there is at most one: the next proof sees the claim) ranks
+   above all of them (a batch whose PUT seemed to fail is written again with
+   the next, which ranks above it). Between the takeover's listing and its
+   swap a reader finds no fence yet and honours such a tombstone; from the
+   swap on none does (compaction applies none meanwhile, see below, and the
+   retired objects are still there). A fence from before this rule (no
+   ``tombs``) judges no tombstone. Like rule 2 this lasts as long as the fence is among the 8 a
+   lease body carries; compaction drops an ignored tombstone for good.
 
-Tombstones are honoured as written, whoever wrote them: a tombstone is a
-copy of the row it retires and names no writer, and prune, delete and
-quarantine write theirs without a lease. So the writers keep them to lease
-holders: a leased writer's retention (a checkpoint log's batch,
-``put_checkpoint``'s) writes tombstones only after a proof of its lease
-that found no higher epoch claimed (:mod:`storage.checkpoint_log`), and a
-takeover retires what a fenced writer landed. What remains is the file in
-flight: a proof that passed right before a takeover claimed its epoch, and
-the tombstones of that batch landing after the takeover's listing. They
-retire only what the holder's retention chose at its proof, the oldest
-checkpoints beyond its ``keep`` newest (never the newest, which the new
-owner restores from), and a pin still keeps a fork point's object. A reader
-cannot undo more: the same writer deletes the retired objects right after
-its tombstones, and no object store conditions a delete on another key.
+   A leased tombstone no fence judges yet is honoured, and is *settled* (no
+   fence can ever ignore it) once a proof of a lease finds no higher epoch
+   claimed after it landed: its writer's next proof, or an epoch-marker LIST
+   made after reading it that shows no claim above its epoch (what compaction
+   does before it applies one: :mod:`storage.tombstone_settle`). So retention
+   deletes the objects it retired only after such a proof
+   (:mod:`storage.checkpoint_log`, ``put_checkpoint``): a checkpoint an
+   ignored tombstone names keeps its object.
+
 The rule here is pure: it reads nothing, so callers decide what to read
 (one LIST of the index, one of the objects, one GET of ``lease.json``, and
 when that is missing or unreadable one LIST and one GET of its copies) and
@@ -64,42 +86,56 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from storage.layout import is_epoch
-from storage.rows import CheckpointRow
+from storage.rows import CheckpointRow, Retired
 
-#: A fence as read back: ``(epoch of the takeover, highest (epoch, checkpoint_id) it listed or None)``.
-Fence = tuple[int, tuple[int, str] | None]
-#: One index file's rows, each with whether it is a tombstone.
-FileRows = list[tuple[CheckpointRow, bool]]
+#: A fence as read back: ``(epoch of the takeover, highest (epoch, checkpoint_id) it listed or None, highest
+#: (tomb_epoch, tomb_mark) of the leased tombstones it listed or None)``.
+Fence = tuple[int, tuple[int, str] | None, tuple[int, str] | None]
+#: One index file's rows, each with what it retires (:data:`storage.rows.Retired`: False for a row).
+FileRows = list[tuple[CheckpointRow, Retired]]
 
 
-def live_of(files: Iterable[FileRows]) -> dict[str, CheckpointRow]:
-    """The rows of ``files`` no tombstone (in any of them) retires, by checkpoint id."""
+def live_of(files: Iterable[FileRows], rule: Visibility | None = None) -> dict[str, CheckpointRow]:
+    """The rows of ``files`` no honoured tombstone (in any of them) retires, by checkpoint id (``rule``: the
+    session's; None honours every tombstone, as a session without a lease body must)."""
+    ignores = rule.ignores if rule is not None and rule.fences else None
     live: dict[str, CheckpointRow] = {}
     dead: set[str] = set()
     for rows in files:
         for row, tomb in rows:
-            if tomb:
-                dead.add(row.checkpoint_id)
-            else:
+            if not tomb:
                 live[row.checkpoint_id] = row
+            elif not (ignores is not None and isinstance(tomb, tuple) and ignores(tomb)):
+                dead.add(row.checkpoint_id)
     return {cid: r for cid, r in live.items() if cid not in dead}
+
+
+def _pair(value: Any) -> tuple[int, str] | None:
+    """``[epoch, checkpoint_id]`` as read from JSON, or None when malformed."""
+    if isinstance(value, list) and len(value) == 2 and is_epoch(value[0]) and isinstance(value[1], str):
+        return value[0], value[1]
+    return None
 
 
 def parse_fences(items: Any) -> list[Fence]:
     """The well-formed checkpoint fences among ``items`` (lease.json is not trusted: the worst a forged fence
     does is hide or retire rows of older epochs, never resurrect one). An epoch is an int in [0, 2**53), as
-    every writer writes it: a larger one (10**30) would not even compare with an index's int64 column."""
+    every writer writes it: a larger one (10**30) would not even compare with an index's int64 column.
+    A forged ``tombs`` can make readers ignore retention's tombstones below its epoch: rows come back whose
+    objects may be gone, and readers skip a row without its object. A fence without ``tombs`` (written before leased tombstones were judged) judges none of them: it reads as
+    having listed everything below its epoch."""
     out: list[Fence] = []
     for item in items if isinstance(items, list) else ():
         if not isinstance(item, dict):
             continue
         epoch, top = item.get("epoch"), item.get("top")
-        if not is_epoch(epoch) or epoch < 1:
+        if not is_epoch(epoch) or epoch < 1 or (top is not None and _pair(top) is None):
             continue
-        if top is None:
-            out.append((epoch, None))
-        elif isinstance(top, list) and len(top) == 2 and is_epoch(top[0]) and isinstance(top[1], str):
-            out.append((epoch, (top[0], top[1])))
+        raw = item.get("tombs", [epoch, ""])
+        tombs = _pair(raw)
+        if raw is not None and tombs is None:
+            continue
+        out.append((epoch, _pair(top), tombs))
     return out
 
 
@@ -107,7 +143,8 @@ def fenced_by(fences: list[Fence]) -> Callable[[CheckpointRow], bool]:
     """True for a row of an epoch below a fence's that ranks above what that takeover listed before its swap."""
     if not fences:
         return lambda row: False
-    return lambda row: row.epoch > 0 and any(row.epoch < k and (top is None or row.order > top) for k, top in fences)
+    return lambda row: row.epoch > 0 and any(row.epoch < k and (top is None or row.order > top)
+                                             for k, top, _ in fences)
 
 
 def lease_fences(body: dict[str, Any] | None) -> list[Fence]:
@@ -117,7 +154,8 @@ def lease_fences(body: dict[str, Any] | None) -> list[Fence]:
     if body is None or not isinstance(fence, dict) or not is_epoch(body.get("epoch")):
         return []
     prev = fence.get("prev")
-    return parse_fences([{"epoch": body["epoch"], "top": fence.get("top")}, *(prev if isinstance(prev, list) else ())])
+    own = {k: v for k, v in fence.items() if k in ("top", "tombs")}
+    return parse_fences([{"epoch": body["epoch"], **own}, *(prev if isinstance(prev, list) else ())])
 
 
 @dataclass(frozen=True)
@@ -138,6 +176,40 @@ class Visibility:
         """True for a row a fenced writer landed after a takeover (never live)."""
         return fenced_by(list(self.fences))(row)
 
+    def ignores(self, by: tuple[int, str]) -> bool:
+        """True for a leased tombstone (``by``: its ``(tomb_epoch, tomb_mark)``) that landed after a takeover's
+        listing, its writer fenced: no reader honours it (rule 5)."""
+        return by[0] > 0 and any(by[0] < k and (tombs is None or by > tombs) for k, _, tombs in self.fences)
+
+    def settled(self, by: tuple[int, str], claimed: int | None = None) -> bool:
+        """Whether an honoured leased tombstone stays honoured whatever takeover comes: a fence above its epoch
+        judged it, or ``claimed`` (the highest epoch marker, listed after the tombstone was read; None: not
+        listed) shows no takeover claimed an epoch above it (rule 5)."""
+        return any(by[0] < k for k, _, _ in self.fences) or (claimed is not None and claimed <= by[0])
+
+    def tomb_top(self, files: Iterable[FileRows]) -> tuple[int, str] | None:
+        """The highest ``(tomb_epoch, tomb_mark)`` of the leased tombstones in ``files`` this rule honours: what a
+        takeover's fence records as ``tombs``."""
+        marks = [t for rows in files for _, t in rows if isinstance(t, tuple) and not self.ignores(t)]
+        return max(marks) if marks else None
+
+    def ignored_mask(self, table: pa.Table) -> pa.ChunkedArray | pa.Array | None:
+        """Per row of ``table`` (one session's, ``CHECKPOINT_SCHEMA`` columns): whether it is a leased
+        tombstone this rule ignores; None when none can be."""
+        if not self.fences or not table.num_rows or "tomb_epoch" not in table.column_names:
+            return None
+        epoch, mark = table["tomb_epoch"], table["tomb_mark"]
+        leased = pc.and_(pc.and_(pc.fill_null(table["tombstone"], False), pc.greater(epoch, 0)), pc.is_valid(mark))
+        mask = None
+        for k, _, tombs in self.fences:
+            cond = pc.less(epoch, k)
+            if tombs is not None:
+                above = pc.or_(pc.greater(epoch, tombs[0]), pc.and_(pc.equal(epoch, tombs[0]),
+                                                                    pc.greater(mark, tombs[1])))
+                cond = pc.and_(cond, above)
+            mask = cond if mask is None else pc.or_(mask, cond)
+        return pc.fill_null(pc.and_(leased, mask), False)
+
     def visible(self, rows: dict[str, CheckpointRow]) -> dict[str, CheckpointRow]:
         """``rows`` (live index rows and tails) without the fenced ones."""
         if not self.fences:
@@ -152,7 +224,7 @@ class Visibility:
             return None
         epoch, cid = table["epoch"], table["checkpoint_id"]
         mask = None
-        for k, top in self.fences:
+        for k, top, _ in self.fences:
             cond = pc.and_(pc.greater(epoch, 0), pc.less(epoch, k))
             if top is not None:
                 above = pc.or_(pc.greater(epoch, top[0]),
@@ -233,10 +305,11 @@ def tail_admitted(row: CheckpointRow, current: int, tops: Tops) -> bool:
     return top is None or row.order > top
 
 
-def sessions_fenced_mask(table: pa.Table, bodies: dict[tuple[str | None, str], dict[str, Any] | None]
-                         ) -> pa.ChunkedArray | pa.Array | None:
-    """Per row of ``table`` (rows of many sessions): whether its session's lease body fences it (None: none
-    is). ``bodies`` maps ``(user_id, session_id)`` to that session's lease body."""
+def sessions_fenced_mask(table: pa.Table, bodies: dict[tuple[str | None, str], dict[str, Any] | None], *,
+                         ignored: bool = False) -> pa.ChunkedArray | pa.Array | None:
+    """Per row of ``table`` (rows of many sessions): whether its session's lease body fences it (``ignored``:
+    whether it is a tombstone that body's fences ignore); None: none is. ``bodies`` maps ``(user_id,
+    session_id)`` to that session's lease body."""
     rules = {s: Visibility.of(b) for s, b in bodies.items()}
     rules = {s: v for s, v in rules.items() if v.fences}
     if not rules or not table.num_rows:
@@ -245,16 +318,19 @@ def sessions_fenced_mask(table: pa.Table, bodies: dict[tuple[str | None, str], d
     for (uid, sid), rule in rules.items():
         same = pc.equal(table["session_id"], sid)
         same = pc.and_(same, pc.is_null(table["user_id"]) if uid is None else pc.equal(table["user_id"], uid))
-        fenced = rule.fenced_mask(table)
+        fenced = rule.ignored_mask(table) if ignored else rule.fenced_mask(table)
         if fenced is not None:
             mask = pc.or_(mask, pc.fill_null(pc.and_(same, fenced), False))
     return mask
 
 
 def leased_sessions(table: pa.Table) -> list[tuple[str | None, str]]:
-    """The ``(user_id, session_id)`` of ``table``'s sessions that have a row written under a lease (only those
-    can hold a fenced row)."""
-    leased = table.filter(pc.greater(table["epoch"], 0)).select(["user_id", "session_id"])
+    """The ``(user_id, session_id)`` of ``table``'s sessions that have a row or tombstone written under a lease
+    (only those can hold a fenced row or an ignored tombstone)."""
+    cond = pc.fill_null(pc.greater(table["epoch"], 0), False)
+    if "tomb_epoch" in table.column_names:
+        cond = pc.or_(cond, pc.fill_null(pc.greater(table["tomb_epoch"], 0), False))
+    leased = table.filter(cond).select(["user_id", "session_id"])
     if not leased.num_rows:
         return []
     pairs = leased.group_by(["user_id", "session_id"], use_threads=False).aggregate([])

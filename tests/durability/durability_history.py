@@ -75,6 +75,8 @@ class History:
     journal: list[JEntry] = field(default_factory=list)
     rows: dict[str, RowInfo] = field(default_factory=dict)
     tombstones: dict[str, int] = field(default_factory=dict)
+    #: Every call that landed a tombstone, per checkpoint id (a late one may be ignored, a later one honoured).
+    tomb_calls: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
     obj_puts: dict[str, list[Call]] = field(default_factory=lambda: defaultdict(list))
     obj_deletes: dict[str, list[Call]] = field(default_factory=lambda: defaultdict(list))
     session_rows: list[tuple[int, str | None, dict]] = field(default_factory=list)
@@ -88,6 +90,10 @@ class History:
                 break
             best = max(best, e)
         return best
+
+    def max_marker_before(self, n: int) -> int:
+        """The highest epoch claimed (its marker written) before call ``n``: a takeover under way."""
+        return max((e for m, e in self.markers if m < n), default=0)
 
     @classmethod
     def build(cls, calls: list[Call], session_id: str | None = None) -> History:
@@ -151,6 +157,7 @@ class History:
                     h.indexed.add(cid)
                     if r["tombstone"]:
                         h.tombstones.setdefault(cid, c.n)
+                        h.tomb_calls[cid].append(c.n)
                     elif cid not in h.rows and not c.key.endswith("-c.parquet"):
                         h.rows[cid] = RowInfo(cid, c.n, c.actor, int(r["epoch"]), r["created_at"], r["key"],
                                               r["execution_status"], int(r["epoch"]) >= h.max_epoch_before(c.n),

@@ -240,6 +240,32 @@ def _control(spec: Spec, rng: random.Random, plan: FaultPlan, actors: list, cras
     actors.append(("pause", "controller", {"what": "pause", "checkpoint": rng.random() < 0.5}))
 
 
+def _late_tombstones(spec: Spec, rng: random.Random, plan: FaultPlan, actors: list, crash: Any,
+                     resume_or_run: Any) -> None:
+    """The holder's batch file (its rows and retention's tombstones, keep below the batch) is held after its
+    lease proof passed while a taker claims the session, lists it and swaps the lease: the tombstones land
+    after the takeover's listing (or before it, or after the swap), and no reader may honour a fenced writer's
+    (storage.visibility rule 5): the checkpoints they name stay in every view, their objects readable."""
+    spec.keep = rng.choice([1, 2, 3])
+    spec.batch = rng.choice([4, 6])
+    hold = rng.choice([15, 40, 80, 200])
+    spec.notes.append(f"holder's index writes held {hold} steps")
+    plan.rules = [Rule(Fault("delay", hold=hold), p=rng.choice([1.0, 1.0, 0.5]), actors=frozenset({"holder"}),
+                       ops=frozenset({"put"}), key_contains="index/checkpoints/"),
+                  *_noise(rng, rng.choice(["none", "none", "low"]))]
+    actors.append(("holder", "writer", {"kind": "run", "attempts": 1}))
+    actors.append(("taker", "writer", {"kind": resume_or_run(), "attempts": 1,
+                                       "start_when": held("holder", "index/checkpoints/")}))
+    if rng.random() < 0.5:
+        actors.append(("compactor", "compactor", {"rounds": 2, "grace": 0, "start_when": done("holder", "taker")}))
+    actors.append(("reader", "reader", {"rounds": 1, "start_when": done("holder", "taker")}))
+
+
+def held(name: str, key: str):
+    """True while actor ``name`` is held in a delayed call on a key containing ``key``."""
+    return lambda s: (a := s.actors.get(name)) is not None and a.hold > 0 and key in (a.waiting_on or "")
+
+
 def both(*preds):
     return lambda s: all(p(s) for p in preds)
 
@@ -249,4 +275,4 @@ def stalled(name: str):
 
 
 BUILDERS.update({"zombie-pause": _zombie_pause, "pins": _pins, "foreign": _foreign, "lease-corrupt": _lease_corrupt,
-                 "control": _control})
+                 "control": _control, "late-tombstones": _late_tombstones})

@@ -185,21 +185,30 @@ def _removed_by_rule(world: Any, row: Any) -> str | None:
     return None
 
 
-def _retired_validly(world: Any, h: History) -> dict[str, str]:
-    """Checkpoints a rule retired by a writer entitled to (tombstone or object delete): they must stay gone."""
+def _retired_validly(world: Any, h: History) -> tuple[dict[str, str], dict[str, str]]:
+    """Checkpoints a rule retired by a writer entitled to (tombstone or object delete): they must stay gone; and
+    those only a tombstone that landed while a takeover was under way retired (claimed, ``lease.json`` not
+    swapped yet): honoured if the takeover listed it, ignored if not (storage.visibility rule 5), so either way."""
     by_epoch = _incs_by_epoch(world, h)
     actors = {name for name, *_ in world.prunes} | {name for name, _, _ in world.deletes}
-    out = {}
-    for cid, n in h.tombstones.items():
-        actor = h.calls[n - 1].actor
-        inc = next((i for incs in by_epoch.values() for i in incs if i.actor == actor and i.start < n
-                    and (i.end is None or n <= i.end)), None)
-        if actor in actors or (inc is not None and (inc.epoch or 0) >= h.max_epoch_before(n)):
-            out[cid] = f"tombstone by {actor} at call {n}"
+    out: dict[str, str] = {}
+    maybe: dict[str, str] = {}
+    for cid, calls in h.tomb_calls.items():
+        for n in calls:
+            actor = h.calls[n - 1].actor
+            inc = next((i for incs in by_epoch.values() for i in incs if i.actor == actor and i.start < n
+                        and (i.end is None or n <= i.end)), None)
+            if actor in actors:
+                out[cid] = f"tombstone by {actor} at call {n}"
+            elif inc is not None and (inc.epoch or 0) >= h.max_epoch_before(n):
+                if h.max_marker_before(n) > (inc.epoch or 0):
+                    maybe.setdefault(cid, f"tombstone by {actor} at call {n}, an epoch above claimed")
+                else:
+                    out[cid] = f"tombstone by {actor} at call {n}"
     for row in h.rows.values():
         if any(c.actor in actors for c in h.obj_deletes.get(row.key, ())):
             out.setdefault(row.checkpoint_id, "object deleted by prune/delete")
-    return out
+    return out, {cid: why for cid, why in maybe.items() if cid not in out}
 
 
 def check_views(world: Any, store: Any) -> list[Violation]:
@@ -225,8 +234,8 @@ def check_views(world: Any, store: Any) -> list[Violation]:
         how = "a fenced write" if row is not None and not row.valid else "not listed"
         _v(out, "views-agree", f"get_checkpoint({cid}) {what}, {how} (written by {row.actor if row else '?'})")
     everything = set().union(*(views[k] for k in ("list", "get", "query", "table-pyarrow", "table-duckdb")))
-    retired = _retired_validly(world, h)
-    _owed(world, h, retired, views, out)
+    retired, maybe = _retired_validly(world, h)
+    _owed(world, h, {**maybe, **retired}, views, out)
     for cid in sorted(everything):
         row = h.rows.get(cid)
         if row is not None and not row.valid:

@@ -14,13 +14,13 @@ import pytest
 from durability_scenarios import KINDS, run_scenario
 from soak import main as soak_main
 
-#: Seeds 0-27 on memory (every kind twice), 28-41 on a local directory (every kind once), and on S3 (moto, a few
-#: seconds a case) the kinds whose readers differ most by backend. Each case also runs the oracle of every view
-#: (forks included, see durability_views). ``make soak`` draws S3 for a tenth of its seeds.
-BOUNDED = ([(s, KINDS[s % len(KINDS)], "memory") for s in range(28)]
-           + [(s, KINDS[s % len(KINDS)], "local") for s in range(28, 42)]
+#: Seeds 0 to 2K-1 on memory (every one of the K kinds twice), the next K on a local directory (every kind once),
+#: and on S3 (moto, a few seconds a case) the kinds whose readers differ most by backend. Each case also runs the
+#: oracle of every view (forks included, see durability_views). ``make soak`` draws S3 for a tenth of its seeds.
+BOUNDED = ([(s, KINDS[s % len(KINDS)], "memory") for s in range(2 * len(KINDS))]
+           + [(s, KINDS[s % len(KINDS)], "local") for s in range(2 * len(KINDS), 3 * len(KINDS))]
            + [(44, "compaction", "s3"), (48, "chaos", "s3"), (51, "zombie-pause", "s3"), (52, "pins", "s3"),
-              (53, "foreign", "s3")])
+              (53, "foreign", "s3"), (54, "late-tombstones", "s3")])
 
 #: Soak finds pinned as regression cases (replay any with ``make soak SEED=.. SCENARIO=.. BACKEND=..``).
 PINNED = [(89, "lease-storm", "local"), (146, "compaction", "local"), (627, "chaos", "memory"), (88, "chaos", "memory"),

@@ -61,7 +61,7 @@ def test_the_plan_summary_names_sessions_checkpoints_and_what_recovery_keeps(sto
 
 def test_the_checkpoint_schema_is_the_row_fields_then_tombstone_and_written_at():
     names = [f for f in CheckpointRow.__dataclass_fields__]
-    assert CHECKPOINT_SCHEMA.names == [*names, "tombstone", "written_at"]
+    assert CHECKPOINT_SCHEMA.names == [*names, "tombstone", "written_at", "tomb_epoch", "tomb_mark"]
     assert set(CheckpointInfo.__dataclass_fields__) == set(names) - {"epoch", "key", "size", "sha256"}
     assert CHECKPOINT_SCHEMA.field("spend_usd").type == pa.float64()
     assert CHECKPOINT_SCHEMA.names[10:13] == ["cost_usd", "spend_usd", "parent_checkpoint_id"]  # as files have it
