@@ -65,6 +65,11 @@ class AdoptionPolicy:
         """Allow more agent references (patterns as in ``RuntimeConfig.allowed_agents``) for adopted sessions."""
         self._allowed.update(check_pattern(p) for p in patterns)
 
+    @property
+    def allowed(self) -> frozenset[str]:
+        """The allowed agent reference patterns now."""
+        return frozenset(self._allowed)
+
     def allows(self, ref: str) -> bool:
         """Whether an adopted session may import agent reference ``ref``."""
         return agent_ref_allowed(ref, self._allowed)

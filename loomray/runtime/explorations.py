@@ -194,6 +194,19 @@ class Explorations:
     def __init__(self, supervisor: Any, config: RuntimeConfig, store: Any, adoption: Any) -> None:
         self._supervisor, self._config, self._store, self._adoption = supervisor, config, store, adoption
         self._running: dict[Key, asyncio.Task] = {}
+        #: The allowed references when the marks were last looked at (None: not yet). A live supervisor runs
+        #: what was submitted to it; a dead one's marks are found by its replacement's first pass, or when
+        #: sessions were adopted or more references allowed since: the periodic pass then costs no LIST.
+        self._looked_with: frozenset[str] | None = None
+
+    async def resume_if_due(self, known_nodes: set[str] | None, adopted: bool) -> list[str]:
+        """:meth:`resume` on a first, foreign (``known_nodes`` None) or adopting pass, or once more references
+        are allowed; else nothing."""
+        allowed = self._adoption.allowed
+        if known_nodes is not None and not adopted and self._looked_with == allowed:
+            return []
+        self._looked_with = allowed
+        return await self.resume(known_nodes)
 
     def running(self, user_id: str | None, exploration_id: str) -> bool:
         """Whether this supervisor runs that exploration now."""

@@ -21,11 +21,8 @@ env) it keeps hosts on every node that can run them:
   requests: when every host is full (``sessions_per_host``) or no node is
   eligible, the pool creates one more host without pinning it, which is a
   pending resource demand the autoscaler acts on; a host left without
-  sessions for ``host_idle_s`` exits, so its node can be released; a host
-  whose options reserve something scarce (a custom resource, a GPU, memory,
-  an accelerator type) exits after :data:`RESERVING_IDLE_S` at most, so what
-  it holds goes to whoever asks for it next. Nothing here starts or stops
-  nodes.
+  sessions for ``host_idle_s`` exits, so its node can be released. Nothing
+  here starts or stops nodes.
 - **Loss.** A host whose call fails with ``ActorDiedError``, or whose node the
   GCS reports dead, is dropped from the pool; its sessions' watchers
   reactivate them elsewhere.
@@ -73,10 +70,6 @@ _HOST_START_TIMEOUT_S = 120.0
 #: process start, so a warm host takes it unless it is already that much busier. Starting
 #: hosts are all equal, so a burst at cluster start still spreads evenly.
 STARTING_PENALTY = 16
-#: Longest a host whose options reserve something scarce (custom resource, GPU, memory) stays up without
-#: sessions: long enough for the next session of a burst to reuse it, short enough that a session of
-#: other options asking for the same unit does not wait for ``host_idle_s``.
-RESERVING_IDLE_S = 5.0
 
 
 @dataclass(eq=False)
@@ -112,12 +105,6 @@ def demand_of(options: dict[str, Any]) -> dict[str, float]:
     demand = {"CPU": options.get("num_cpus") or 0, "GPU": options.get("num_gpus") or 0,
               "memory": options.get("memory") or 0, **(options.get("resources") or {})}
     return {k: float(v) for k, v in demand.items() if v}
-
-
-def host_idle_s(options: dict[str, Any], config: RuntimeConfig) -> float:
-    """How long a host of ``options`` stays up without sessions (module docstring, "Autoscaling")."""
-    reserves = any(k != "CPU" for k in demand_of(options)) or bool(options.get("accelerator_type"))
-    return min(config.host_idle_s, RESERVING_IDLE_S) if reserves else config.host_idle_s
 
 
 def eligible(node: dict[str, Any], demand: dict[str, float]) -> bool:
@@ -295,7 +282,7 @@ class HostPool:
         if node_id is not None:
             # Hard affinity: the node was chosen because its totals fit; spreading is the point.
             opts["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node_id, soft=False)
-        handle = ray.remote(SessionHost).options(**opts).remote(name, pool_key, host_idle_s(options, config))
+        handle = ray.remote(SessionHost).options(**opts).remote(name, pool_key, config.host_idle_s)
         host = HostRecord(name=name, pool_key=pool_key, handle=handle, node_id=node_id)
         host.ready = asyncio.ensure_future(self._await_ready(host))
         # Its failure is handled where it is awaited; do not also log it as "never retrieved".

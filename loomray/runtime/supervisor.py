@@ -184,7 +184,7 @@ class Supervisor:
             adopted.append(row.session_id)
         if adopted:
             log.info("supervisor adopted %d session(s) from %s", len(adopted), self._config.store_url)
-        await self._explorations.resume(known)  # after their branches: a continued one joins them
+        await self._explorations.resume_if_due(known, bool(adopted))  # after their branches: one continued joins them
         return adopted
 
     # -- sessions --------------------------------------------------------------

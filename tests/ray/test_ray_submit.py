@@ -115,20 +115,6 @@ async def test_forks_each_run_in_an_actor_of_their_own(env):
     plenty.close()
 
 
-async def test_an_idle_dense_host_lets_go_of_a_scarce_unit_soon(env):
-    """A dense host asking for the unit keeps it only while it hosts a session (and a few seconds after), so a
-    session of other options gets it without waiting for the host's ordinary idle time (600 s)."""
-    _, runtime, _ = env
-    from loomray.runtime import RayRuntime
-
-    dense = RayRuntime(runtime.config.store_url, placement="dense", actor_options={"resources": {"scarce": 1}})
-    assert (await _agent(["dense done"], runtime=dense).run("go", session_id="s-dense")).output == "dense done"
-
-    await _submit(runtime, _agent(["after dense"]), "s-after-dense")
-    assert (await asyncio.wait_for(runtime.wait("s-after-dense"), 90)).output == "after dense"
-    dense.close()
-
-
 def test_standby_actors_is_ignored_with_a_warning(tmp_path):
     from loomray.runtime import RayRuntime
 
