@@ -95,10 +95,11 @@ def fork_resumer(world: World, name: str):
                 got = load_checkpoint(store, rec["request"].session_id, "latest", user_id=spec.user_id)
                 same = got is not None and got.messages[:len(rec["messages"])] == rec["messages"]
                 rec["resumed"] = "ok" if same else "ok, but the transcript is not the fork point's"
-            except TransientStorageError as e:
-                rec["resumed"] = f"transient: {e}"
             except Exception as e:
-                rec["resumed"] = f"{type(e).__name__}: {e}"
+                # A load that met an injected transient fault raises a typed error (CheckpointException, the fault
+                # as its cause): the caller retries, nothing is lost. Only another failure breaks the promise.
+                transient = isinstance(e, TransientStorageError) or isinstance(e.__cause__, TransientStorageError)
+                rec["resumed"] = f"transient: {e}" if transient else f"{type(e).__name__}: {e}"
     return fn
 
 
