@@ -250,6 +250,18 @@ class SessionHost:
         return [{"session_id": a._request.session_id, "user_id": a._request.user_id,
                  "request_json": a._request_json, "finished": a.finished()} for a in self._activations.values()]
 
+    async def retire_if_idle(self) -> bool:
+        """Exit now if no session is here or being activated (another host needs what this one holds).
+
+        True when it exits. Checked on the host's own event loop, so an
+        activation cannot slip in between the check and the exit.
+        """
+        if self._activations or self._activating:
+            return False
+        log.info("host %s retired while idle: its resources are wanted elsewhere", self.name)
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+        return True
+
     async def _idle_watch(self) -> None:
         period = max(0.5, min(30.0, self._idle_s / 4))
         while True:

@@ -21,8 +21,9 @@ env) it keeps hosts on every node that can run them:
   requests: when every host is full (``sessions_per_host``) or no node is
   eligible, the pool creates one more host without pinning it, which is a
   pending resource demand the autoscaler acts on; a host left without
-  sessions for ``host_idle_s`` exits, so its node can be released. Nothing
-  here starts or stops nodes.
+  sessions for ``host_idle_s`` exits, so its node can be released; one that
+  holds a GPU or custom unit another session waits for exits at once
+  (:meth:`HostPool.make_room`). Nothing here starts or stops nodes.
 - **Loss.** A host whose call fails with ``ActorDiedError``, or whose node the
   GCS reports dead, is dropped from the pool; its sessions' watchers
   reactivate them elsewhere.
@@ -113,11 +114,20 @@ def eligible(node: dict[str, Any], demand: dict[str, float]) -> bool:
     return bool(node.get("Alive")) and all(have.get(k, 0.0) >= v for k, v in demand.items())
 
 
-def hosts_wanted(node: dict[str, Any], config: RuntimeConfig) -> int:
-    """Hosts per eligible node: ``hosts_per_node``, else one per CPU of the node (at least one)."""
-    if config.hosts_per_node is not None:
-        return max(1, int(config.hosts_per_node))
-    return max(1, int((node.get("Resources") or {}).get("CPU", 1)))
+def hosts_wanted(node: dict[str, Any], config: RuntimeConfig, demand: dict[str, float] | None = None) -> int:
+    """Hosts per eligible node: ``hosts_per_node``, else one per CPU of the node (at least one), and no
+    more than the node's totals fit of ``demand``: a host that could never start would wait for, and
+    then hold, a unit a session of other options asks for."""
+    have = node.get("Resources") or {}
+    want = config.hosts_per_node if config.hosts_per_node is not None else int(have.get("CPU", 1))
+    for name, amount in (demand or {}).items():
+        want = min(want, int(have.get(name, 0.0) // amount))
+    return max(1, int(want))
+
+
+def scarce_part(demand: dict[str, float]) -> dict[str, float]:
+    """The part of ``demand`` a user session may also ask for and wait on: GPUs and custom resources."""
+    return {k: v for k, v in demand.items() if k not in ("CPU", "memory")}
 
 
 def pick(hosts: list[HostRecord], *, capacity: int, avoid_node: str | None = None,
@@ -138,6 +148,11 @@ def pick(hosts: list[HostRecord], *, capacity: int, avoid_node: str | None = Non
 
     return min(candidates, key=lambda h: (h.load + (STARTING_PENALTY if starting(h) else 0),
                                           node_load.get(h.node_id, 0)))
+
+
+def _demand_of_key(pool_key: str) -> dict[str, float]:
+    """The demand of a pool's hosts, from its key (the options' JSON, see :func:`host_options`)."""
+    return demand_of(json.loads(pool_key))  # made by host_options: always a JSON object
 
 
 class HostPool:
@@ -221,6 +236,7 @@ class HostPool:
     async def _reserve(self, pool_key: str, options: dict[str, Any], config: RuntimeConfig,
                        avoid_node: str | None, tried: set[str]) -> HostRecord:
         async with self._lock:  # creation decisions must see each other's reservations
+            await self._make_room(demand_of(options), keep_key=pool_key)
             await self._refresh(pool_key, options, config)
             host = pick(self.hosts(pool_key), capacity=max(1, config.sessions_per_host), avoid_node=avoid_node,
                         exclude=tried)
@@ -246,7 +262,7 @@ class HostPool:
         if "scheduling_strategy" in options:
             # Ray places these hosts: keep as many as pinned placement would, wherever Ray puts them.
             demand = demand_of(options)
-            want = sum(hosts_wanted(n, config) for n in self._nodes if eligible(n, demand)) or 1
+            want = sum(hosts_wanted(n, config, demand) for n in self._nodes if eligible(n, demand)) or 1
             for _ in range(want - len(self.hosts(pool_key))):
                 self._create(pool_key, options, config, node_id=None)
             return
@@ -255,11 +271,40 @@ class HostPool:
             if not eligible(node, demand):
                 continue
             have = sum(1 for h in self.hosts(pool_key) if h.node_id == node["NodeID"])
-            for _ in range(hosts_wanted(node, config) - have):
+            for _ in range(hosts_wanted(node, config, demand) - have):
                 self._create(pool_key, options, config, node_id=node["NodeID"])
         if not self.hosts(pool_key):
             # No node can run a host now: ask anyway; the pending demand is the autoscaler's signal.
             self._create(pool_key, options, config, node_id=None)
+
+    async def make_room(self, demand: dict[str, float]) -> int:
+        """Retire idle hosts that hold a GPU or custom resource ``demand`` asks for and the cluster has too
+        little of free (a session of other options, or an actor-placement session, waits for it).
+
+        Returns how many hosts exited. Nothing loomray keeps warm holds a unit a user's session wants.
+        """
+        async with self._lock:
+            return await self._make_room(demand, keep_key=None)
+
+    async def _make_room(self, demand: dict[str, float], *, keep_key: str | None) -> int:
+        scarce = scarce_part(demand)
+        if not scarce:
+            return 0
+        idle = [h for h in self.hosts() if h.pool_key != keep_key and h.load == 0 and h.ready is not None
+                and h.ready.done() and set(scarce) & set(scarce_part(_demand_of_key(h.pool_key)))]
+        if not idle:  # the usual case: no other options' host is idle; no GCS call
+            return 0
+        free = await asyncio.to_thread(ray.available_resources)
+        short = {k for k, v in scarce.items() if free.get(k, 0.0) < v}
+        retired = 0
+        for h in (h for h in idle if short & set(scarce_part(_demand_of_key(h.pool_key)))):
+            try:
+                gone = await h.handle.retire_if_idle.remote()
+            except ray.exceptions.RayActorError:
+                gone = True
+            if gone:
+                h.alive, h.load, retired = False, 0, retired + 1
+        return retired
 
     def _roomiest(self, options: dict[str, Any], avoid_node: str | None) -> str | None:
         demand = demand_of(options)

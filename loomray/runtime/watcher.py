@@ -32,7 +32,7 @@ from loomray.run_errors import index_error, record_error
 from loomray.runtime import active
 from loomray.runtime.actors import AgentSpec, Outcome, RuntimeConfig, session_actor_name, session_actor_options
 from loomray.runtime.connection import NAMESPACE
-from loomray.runtime.placement import HostPool
+from loomray.runtime.placement import HostPool, demand_of
 from loomray.runtime.session_actor import session_actor_class
 from storage import SessionRow, Store
 
@@ -135,6 +135,8 @@ class SessionWatcher:
     async def _start_own_actor(self, w: WatchedSession, config: RuntimeConfig, *, avoid_node: str | None) -> Any:
         """Create the session's own actor, named after it; attach to one that runs this very request already."""
         options = session_actor_options(config, w.session_id, w.user_id, avoid_node=avoid_node)
+        if self._hosts is not None:  # idle session hosts must not hold what this actor asks for
+            await self._hosts.make_room(demand_of(options))
         w.host = options["name"]
         actor_cls = session_actor_class()
         me = ray.get_runtime_context().current_actor

@@ -75,6 +75,9 @@ def test_hosts_follow_actor_options_resources_and_cpus():
     assert hosts_wanted(worker, cfg) == 4  # one per CPU by default
     assert hosts_wanted(_node("z", 0), cfg) == 1
     assert hosts_wanted(worker, RuntimeConfig(store_url="/tmp/x", hosts_per_node=2)) == 2
+    # Never more hosts than the node's totals fit: the extra one would wait for, then hold, a unit.
+    assert hosts_wanted(_node("one", 4, loomray_session=1), cfg, demand) == 1
+    assert hosts_wanted(worker, cfg, demand) == 4
     gpu = demand_of(host_options(RuntimeConfig(store_url="/tmp/x", actor_options={"num_gpus": 1}))[1])
     assert not eligible(worker, gpu) and eligible(_node("g", 2, GPU=1.0), gpu)
     # Same options, same pool; other resources, another pool.

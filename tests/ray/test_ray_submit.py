@@ -121,3 +121,23 @@ def test_standby_actors_is_ignored_with_a_warning(tmp_path):
     with pytest.warns(DeprecationWarning, match="standby_actors"):
         rt = RayRuntime(tmp_path / "store", standby_actors=8)
     assert rt.config.actor_options == {} and rt.store is not None
+
+
+async def test_an_idle_session_host_gives_up_the_unit_a_session_of_other_options_asks_for(env):
+    """Dense hosts stay warm for their own options only: an idle one holding the unit exits when another
+    session (actor placement, or dense with other options) needs it, instead of after ``host_idle_s``."""
+    _, runtime, _ = env
+    from loomray.runtime import RayRuntime
+
+    url = runtime.config.store_url
+    dense = RayRuntime(url, placement="dense", actor_options={"resources": {"scarce": 1}})
+    dense_other = RayRuntime(url, placement="dense", actor_options={
+        "resources": {"scarce": 1}, "runtime_env": {"env_vars": {"LOOMRAY_SUBMIT_TEST": "2"}}})
+    assert dense.config.host_idle_s >= 600  # the wait these sessions would otherwise see
+    for rt, session_id in ((dense, "d-first"), (runtime, "a-after-dense"), (dense_other, "d-other"),
+                           (dense, "d-again"), (runtime, "a-last")):
+        await _submit(rt, _agent([f"{session_id} done"]), session_id)
+        result = await asyncio.wait_for(rt.wait(session_id), 90)
+        assert result.output == f"{session_id} done"
+    dense.close()
+    dense_other.close()
