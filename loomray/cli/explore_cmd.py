@@ -47,7 +47,7 @@ from loomray.cli.ray_access import placement_option, require_address
 from loomray.cli.runs import agent_for, bind, runtime_for
 from loomray.explore import Budget, ModelJudge, find_exploration
 from loomray.explore.record import ExplorationRecord, variant_from_doc
-from loomray.variants import Variant
+from loomray.variants import Variant, VariantError
 
 
 def load_judge(ref: str) -> Any:
@@ -83,12 +83,12 @@ def parse_variants(values: tuple[str, ...]) -> list[Variant]:
         except ValueError as e:
             raise CliError(f"--variant {value[:60]!r} is not JSON: {e}") from e
         for item in doc if isinstance(doc, list) else [doc]:
-            if not isinstance(item, dict) or set(item) - {"prompt", "model", "instructions", "edits"}:
-                raise CliError("a --variant is a JSON object with prompt, model, instructions and/or edits, "
-                               f"got {json.dumps(item)[:80]}")
+            if not isinstance(item, dict) or set(item) - {"prompt", "model", "instructions", "tools", "tuning", "edits"}:
+                raise CliError("a --variant is a JSON object with prompt, model, instructions, tools (names of the "
+                               f"agent's tools), tuning (Tuning's fields) and/or edits, got {json.dumps(item)[:80]}")
             try:
-                out.append(variant_from_doc(item))
-            except (TypeError, ValueError, KeyError) as e:
+                out.append(Variant.from_json({k: v for k, v in item.items() if v is not None}))
+            except (TypeError, ValueError, KeyError, VariantError) as e:
                 raise CliError(f"--variant {json.dumps(item)[:80]}: {first_line(str(e))}") from e
     return out
 
@@ -96,7 +96,8 @@ def parse_variants(values: tuple[str, ...]) -> list[Variant]:
 @click.command()
 @click.argument("session_id", required=False)
 @click.option("--variant", "variant_values", multiple=True, metavar="JSON|@FILE",
-              help='One variant (repeatable): {"prompt": ..., "model": ..., "instructions": ...}, or @file.')
+              help='One variant (repeatable): {"prompt", "model", "instructions", "tools": [names], "tuning": {...}, '
+                   '"edits"}, or @file.')
 @click.option("--judge", "judge_ref", default=None, metavar="MODULE:FN",
               help="The judge: a function (JudgeInput) -> float | Score, or a ModelJudge.")
 @click.option("--rounds", default=1, show_default=True, type=click.IntRange(1), help="Rounds of forks (a beam).")

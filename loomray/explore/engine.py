@@ -27,7 +27,7 @@ from loomray.explore.stopping import StopRule, successive_halving
 from loomray.explore.summary import branches_of, contenders, summarize, winner_of
 from loomray.explore.types import Branch, Budget, Exploration, JudgeInput, Score
 from loomray.ids import new_id
-from loomray.variants import Variant
+from loomray.variants import Variant, variant_agent
 
 if TYPE_CHECKING:  # the Agent module imports this package
     from loomray.agent import Agent
@@ -108,6 +108,8 @@ async def _round_plan(ctx: Context, number: int, variants: Variants, parents: li
     chosen = list(variants(number, list(parents)) if callable(variants) else variants)
     if not all(isinstance(v, Variant) for v in chosen):
         raise TypeError(f"variants for round {number} must be loomray.Variant values")
+    for v in chosen:  # a tool name the agent lacks, a model that does not resolve: refused before any fork
+        variant_agent(ctx.agent, v)
     name = f"r{number:03d}-plan"
     stored = ctx.docs.get(name)
     if stored is None:

@@ -119,18 +119,22 @@ def variant_doc(variant: Variant) -> dict[str, Any]:
 
 
 def variant_from_doc(doc: dict[str, Any]) -> Variant:
-    """The variant a stored document describes, as far as names allow: prompt, model name, instructions, edits.
+    """The variant a stored document describes, as far as names allow: prompt, instructions, edits, the model
+    and the tools by name, and the tuning field by field.
 
-    Tools and tuning are not rebuilt from the store (only names are stored): a
-    variant that needs them must be passed again by the caller.
+    A model or tool object is stored by its name only: to continue with one
+    that no name resolves to, the caller passes the variant again.
     """
     edits = tuple(Edit(e["op"], e["index"], None if e["message"] is None else Message.model_validate(e["message"]))
                   for e in doc.get("edits") or [])
+    tuning = None if doc.get("tuning") is None else Variant.from_json({"tuning": doc["tuning"]}).tuning
     return Variant(prompt=doc.get("prompt"), model=doc.get("model"), instructions=doc.get("instructions"),
-                   edits=edits)
+                   tools=doc.get("tools"), tuning=tuning, edits=edits)
 
 
 def _tool_name(tool: Any) -> str:
+    if isinstance(tool, str):  # a name of one of the base agent's tools
+        return tool
     return str(getattr(tool, "name", None) or getattr(tool, "__name__", None) or type(tool).__name__)
 
 

@@ -46,7 +46,7 @@ import ray
 
 from loomray.errors import LoomrayUserError
 from loomray.explore import Budget, ModelJudge
-from loomray.explore.record import ExplorationRecord, callable_ref, variant_doc, variant_from_doc
+from loomray.explore.record import ExplorationRecord, callable_ref
 from loomray.ids import new_id
 from loomray.run_request import RunRequest
 from loomray.runtime.actors import (
@@ -62,7 +62,7 @@ from loomray.runtime.base import Runtime, per_request
 from loomray.runtime.fanouts import agent_specs
 from loomray.runtime.handoffs import handed_off
 from loomray.runtime.stored_options import restore_secrets, secret_env_names, storable_options, trusted_options
-from loomray.variants import Variant
+from loomray.variants import Variant, VariantError, variant_agent
 from storage import layout
 from storage.ids import user_from_segment
 
@@ -225,7 +225,9 @@ class Explorations:
         # Whoever submits runs code here already: its references (and its runtime's list) may be continued later.
         self._adoption.allow([request["agent_ref"], request["judge_ref"], *config.allowed_agents])
         await asyncio.to_thread(import_judge, request["judge_ref"])
-        await asyncio.to_thread(resolve_ref, request["agent_ref"])
+        agent = await asyncio.to_thread(resolve_ref, request["agent_ref"])
+        for doc in request["variants"]:  # a tool name the agent lacks, a model that does not resolve: fail now
+            variant_agent(agent, Variant.from_json(doc))
         record = self._record(request)
         stored = await asyncio.to_thread(record.put, "submit", request)
         if {k: stored.get(k) for k in REQUEST_FIELDS} != request:
@@ -322,7 +324,7 @@ class Explorations:
             agent = set_agent_ref(copy.copy(await asyncio.to_thread(resolve_ref, ref)), ref)
             agent.runtime = SupervisedRuntime(self._supervisor, self._store, config, request["max_concurrent_forks"])
             judge = off_loop(await asyncio.to_thread(import_judge, request["judge_ref"]))
-            await agent.explore(request["session_id"], variants=[variant_from_doc(v) for v in request["variants"]],
+            await agent.explore(request["session_id"], variants=[Variant.from_json(v) for v in request["variants"]],
                                 judge=judge, from_checkpoint=request["from_checkpoint"], rounds=request["rounds"],
                                 keep=request["keep"], score_every=request["score_every"], adopt=request["adopt"],
                                 budget=Budget(**request["budget"]), exploration_id=xid, user_id=request["user_id"])
@@ -353,17 +355,28 @@ async def submit_exploration(runtime: RayRuntime, agent_ref: str, judge_ref: str
     placement, actor options and ``max_concurrent_forks``. The exploration goes on after this process
     exits; its record in the store (``loomray query --exploration ID``, ``loomray tree``) shows how far it got.
     """
-    for v in variants:
-        if not isinstance(v, Variant) or v.tools is not None or v.tuning is not None \
-                or not (v.model is None or isinstance(v.model, str)):
-            raise LoomrayUserError("a submitted exploration stores its variants: each may change the prompt, the "
-                                   f"model (by name), the instructions and the transcript, got {v!r:.200}")
+    stored = [_storable_variant(v) for v in variants]
     budget = Budget.of(budget)
     request = request_doc(runtime.config, exploration_id=exploration_id or new_id("xpl"), session_id=session_id,
                           user_id=user_id, agent_ref=agent_ref, judge_ref=judge_ref,
-                          variants=[variant_doc(v) for v in variants], rounds=rounds, keep=keep,
+                          variants=stored, rounds=rounds, keep=keep,
                           score_every=score_every, adopt=bool(adopt), from_checkpoint=from_checkpoint,
                           max_concurrent_forks=runtime.max_concurrent_forks,
                           budget={"max_cost_usd": budget.max_cost_usd, "max_wall_s": budget.max_wall_s})
     handle = await asyncio.to_thread(runtime.supervisor)
     return str(await handle.explore.remote(request, runtime.config))
+
+
+def _storable_variant(v: Any) -> dict[str, Any]:
+    """``v`` as the request stores it (:meth:`Variant.to_json`): its model by name, its tools by the names of
+    the agent's tools, its tuning field by field; :class:`LoomrayUserError` when it does not store whole."""
+    if not isinstance(v, Variant) or not (v.model is None or isinstance(v.model, str)):
+        raise LoomrayUserError("a submitted exploration stores its variants: each names its model (a string) and "
+                               f"its tools (the agent's, by name); got {v!r:.200}")
+    doc = v.to_json()
+    try:
+        Variant.from_json(json.loads(json.dumps(doc)))
+    except (TypeError, ValueError, VariantError) as e:
+        raise LoomrayUserError(f"a submitted exploration stores its variants; this one does not store whole "
+                               f"({e}): {v!r:.200}") from None
+    return doc

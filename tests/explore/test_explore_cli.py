@@ -40,7 +40,8 @@ def explored(tmp_path_factory):
     agent.run_sync("task", session_id="base")
     agent.runtime.close()
     more = store.parent / "more.json"
-    more.write_text(json.dumps([{"prompt": "variant b q=0.7 passes=2"}, {"prompt": "variant c q=0.4 passes=0"}]))
+    more.write_text(json.dumps([{"prompt": "variant b q=0.7 passes=2"},
+                                {"prompt": "variant c q=0.4 passes=0", "tools": ["step"], "tuning": {"checkpoint": True, "max_turns": 12}}]))
     result = ok(cli(store, "explore", "base", "--variant", '{"prompt": "variant a q=0.2 passes=1"}',
                     "--variant", f"@{more}", "--judge", "explore_agents:judge", *AGENT, "--rounds", "2",
                     "--adopt", "--id", "xpl-cli", "--json"))
@@ -55,6 +56,13 @@ def test_explore_prints_the_result_and_adopts_the_winner(explored):
     assert winner["round"] == 2 and winner["score"] == 0.7 and winner["prompt"] == "variant b q=0.7 passes=2"
     latest = ok(cli(store, "checkpoints", "base", "--json"))[0]
     assert latest["checkpoint_id"] == result["adopted_checkpoint_id"]
+    # A variant given as JSON may set tools (by name) and tuning; each c branch's run request carries them.
+    c_branches = [b["session_id"] for b in result["branches"] if b["prompt"].startswith("variant c")]
+    assert len(c_branches) == 2
+    for sid in c_branches:
+        runs = [json.loads(p.read_text()) for p in (store / "sessions" / "_" / sid / "runs").glob("*.json")]
+        variants = [r["request"]["variant"] for r in runs if r.get("request", {}).get("variant")]
+        assert variants and all(v["tuning"]["max_turns"] == 12 and v["tools"] == ["step"] for v in variants)
 
 
 def test_tree_and_query_agree_with_the_result(explored):

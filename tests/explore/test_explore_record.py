@@ -47,3 +47,16 @@ def test_a_decision_is_taken_once_and_a_newer_record_is_refused(record):
     with pytest.raises(ValueError, match="newer"):
         record.load()
     assert find_exploration(record.objects, "xpl-fixture", None) is None  # no pointer: the id alone finds nothing
+
+
+def test_a_variant_reads_back_from_its_record_with_its_tool_names_and_tuning():
+    """What a continued exploration (``--resume``, a supervisor's) and the tree rebuild from the store."""
+    from loomray import Tuning, Variant
+    from loomray.explore.record import variant_doc, variant_from_doc
+
+    given = Variant(prompt="p", model="m", tools=["step", "look"], tuning=Tuning(checkpoint=True, max_turns=7))
+    doc = json.loads(json.dumps(variant_doc(given)))
+    assert doc["tools"] == ["look", "step"]  # names as given, never the type of a name ("str")
+    again = variant_from_doc(doc)
+    assert again.tuning == given.tuning and sorted(again.tools) == ["look", "step"] and again.model == "m"
+    assert variant_doc(again) == doc

@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-from explore_agents import async_judge, judge, step, variant  # noqa: E402
+from explore_agents import async_judge, judge, variant  # noqa: E402
 
 from loomray import JudgeInput, ModelJudge, Tuning, Variant  # noqa: E402
 from loomray.errors import LoomrayUserError  # noqa: E402
@@ -22,7 +22,7 @@ from loomray.models import ScriptedModel  # noqa: E402
 from loomray.runtime.explorations import REQUEST_FIELDS, check_request, off_loop, submit_exploration  # noqa: E402
 
 
-@pytest.mark.parametrize("bad", [Variant(prompt="p", tools=[step]), Variant(prompt="p", tuning=Tuning()),
+@pytest.mark.parametrize("bad", [Variant(prompt="p", tuning=Tuning(checkpoint=lambda r: True)),
                                  Variant(prompt="p", model=ScriptedModel(["x"])), "a prompt"])
 def test_variants_that_do_not_store_whole_are_refused_before_the_cluster_is_asked(tmp_path, bad):
     from loomray.runtime import RayRuntime

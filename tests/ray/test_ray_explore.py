@@ -121,7 +121,10 @@ def _submit_from_a_driver_process(lc, store: Path) -> tuple[subprocess.Completed
     """``loomray explore --submit`` in a process of its own: its output, and how long the process lived."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(HERE), str(HERE.parent / "explore")]),
            "RAY_ADDRESS": lc.address}
-    variants = [f'{{"prompt": "variant {n} q={q} passes=2"}}' for n, q in (("s0", 0.2), ("s1", 0.7), ("s2", 0.4))]
+    variants = [f'{{"prompt": "variant {n} q={q} passes=2"}}' for n, q in (("s0", 0.2), ("s1", 0.7))]
+    # A submitted variant may set tools (by the agent's names) and tuning: both store whole.
+    variants.append('{"prompt": "variant s2 q=0.4 passes=2", "tools": ["step"], '
+                    '"tuning": {"checkpoint": true, "max_turns": 20}}')
     args = ["explore", "base-sub", *(a for v in variants for a in ("--variant", v)), "--rounds", "2", "--keep", "1",
             "--adopt", "--judge", "explore_ray_agent:model_judge", "--agent", "explore_ray_agent:counted",
             "--id", "xpl-sub", "--submit", "--address", lc.address, "--store", str(store), "--placement", "dense",
@@ -193,3 +196,5 @@ async def test_a_submitted_exploration_outlives_its_driver_and_a_killed_supervis
     assert len(calls) == len(set(calls)), [c for c in calls if calls.count(c) > 1]
     assert sum(c.startswith("branch ") for c in calls) == 6 * 3
     assert sum(c.startswith("judge ") for c in calls) == 6
+    s2 = [b for b in done.branches if b.variant.prompt.startswith("variant s2")]
+    assert len(s2) == 2 and all(b.variant.tuning.max_turns == 20 and b.variant.tools == ("step",) for b in s2), s2
