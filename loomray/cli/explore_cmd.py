@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import importlib
-import json
 import os
 import sys
-from pathlib import Path
 from typing import Any
 
 import click
@@ -45,9 +43,9 @@ from loomray.cli.explore_view import exploration_dict, exploration_table
 from loomray.cli.output import emit_json
 from loomray.cli.ray_access import placement_option, require_address
 from loomray.cli.runs import agent_for, bind, runtime_for
+from loomray.cli.variant_args import parse_variants
 from loomray.explore import Budget, ModelJudge, find_exploration
 from loomray.explore.record import ExplorationRecord, variant_from_doc
-from loomray.variants import Variant, VariantError
 
 
 def load_judge(ref: str) -> Any:
@@ -66,31 +64,6 @@ def load_judge(ref: str) -> Any:
     if not isinstance(obj, ModelJudge) and not callable(obj):
         raise CliError(f"judge {ref!r} names a {type(obj).__name__}, not a callable or a ModelJudge")
     return obj
-
-
-def parse_variants(values: tuple[str, ...]) -> list[Variant]:
-    """``--variant`` values: a JSON object (or list of them), or ``@file`` holding one."""
-    out: list[Variant] = []
-    for value in values:
-        text = value
-        if value.startswith("@"):
-            try:
-                text = Path(value[1:]).read_text()
-            except OSError as e:
-                raise CliError(f"--variant {value}: {e.strerror or e}") from e
-        try:
-            doc = json.loads(text)
-        except ValueError as e:
-            raise CliError(f"--variant {value[:60]!r} is not JSON: {e}") from e
-        for item in doc if isinstance(doc, list) else [doc]:
-            if not isinstance(item, dict) or set(item) - {"prompt", "model", "instructions", "tools", "tuning", "edits"}:
-                raise CliError("a --variant is a JSON object with prompt, model, instructions, tools (names of the "
-                               f"agent's tools), tuning (Tuning's fields) and/or edits, got {json.dumps(item)[:80]}")
-            try:
-                out.append(Variant.from_json({k: v for k, v in item.items() if v is not None}))
-            except (TypeError, ValueError, KeyError, VariantError) as e:
-                raise CliError(f"--variant {json.dumps(item)[:80]}: {first_line(str(e))}") from e
-    return out
 
 
 @click.command()
