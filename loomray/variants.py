@@ -224,11 +224,7 @@ def apply_edits(messages: Sequence[Message], edits: Sequence[Edit]) -> list[Mess
     """
     out = list(messages)
     for n, edit in enumerate(edits):
-        # As Python's lists count: insert takes -len..len (len appends), replace and drop -len..len-1.
-        top = len(out) + 1 if edit.op == "insert" else len(out)
-        if not -len(out) <= edit.index < top:
-            raise VariantError(f"edit {n} ({edit.describe()}) is outside a transcript of {len(out)} message(s)")
-        i = edit.index if edit.index >= 0 else edit.index + len(out)
+        i = _edit_index(n, edit, len(out))
         if edit.op == "drop":
             del out[i]
         elif edit.op == "replace":
@@ -238,6 +234,23 @@ def apply_edits(messages: Sequence[Message], edits: Sequence[Edit]) -> list[Mess
             assert edit.message is not None
             out.insert(i, edit.message)
     return out
+
+
+def check_edits(message_count: int, edits: Sequence[Edit]) -> None:
+    """:class:`VariantError` unless ``edits`` apply to a transcript of ``message_count`` messages (as
+    :func:`apply_edits` would find): a fork checks its variants against the checkpoint's index row, unread."""
+    for n, edit in enumerate(edits):
+        _edit_index(n, edit, message_count)
+        message_count += {"drop": -1, "replace": 0, "insert": 1}[edit.op]
+
+
+def _edit_index(n: int, edit: Edit, length: int) -> int:
+    """Where edit ``n`` applies in a transcript of ``length`` messages (:class:`VariantError` if outside it)."""
+    # As Python's lists count: insert takes -len..len (len appends), replace and drop -len..len-1.
+    top = length + 1 if edit.op == "insert" else length
+    if not -length <= edit.index < top:
+        raise VariantError(f"edit {n} ({edit.describe()}) is outside a transcript of {length} message(s)")
+    return edit.index if edit.index >= 0 else edit.index + length
 
 
 def fork_transcript(messages: Sequence[Message], stored: dict[str, Any]) -> list[Message]:
