@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from loomray.config import CheckpointConfig, Tuning
+from loomray.config import RENAMED_FIELDS, CheckpointConfig, Tuning
 from loomray.errors import LoomrayUserError
 from loomray.models.resolve import resolve_model
 from loomray.records import Message
@@ -168,7 +168,8 @@ class Variant:
                 checkpoint = tuning.get("checkpoint")
                 if isinstance(checkpoint, dict):
                     tuning = {**tuning, "checkpoint": CheckpointConfig(**checkpoint)}
-                tuning = Tuning(**tuning)
+                # A variant stored before Tuning's compact_* fields were renamed: its fields, named as now.
+                tuning = Tuning(**{RENAMED_FIELDS.get(k, k): v for k, v in tuning.items()})
             return cls(prompt=data.get("prompt"), model=data.get("model"), instructions=data.get("instructions"),
                        tools=data.get("tools"), tuning=tuning,
                        edits=tuple(Edit.from_json(e) for e in data.get("edits") or ()))

@@ -14,7 +14,7 @@ reply that turn would have had. Replies may be strings (a final answer),
 
 A reply may also be a function ``(request) -> reply`` (sync or async).
 Tool-call ids are derived from the reply number (``s0003_0``), which also lets
-the model find its place after compaction folded older assistant messages away.
+the model find its place after condensing folded older assistant messages away.
 ``calls`` counts invocations; ``counter_path`` additionally appends one line per
 call to a file, so a count survives a killed process.
 """
@@ -28,7 +28,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from loomray.compaction import estimate_tokens
+from loomray.condense import estimate_tokens
 from loomray.errors import ModelError
 from loomray.models.base import ModelRequest, ModelResponse
 from loomray.records import Message, ToolCall, Usage
@@ -39,7 +39,7 @@ _COMPACTED = re.compile(r"\[compacted: \d+ earlier messages, (\d+) from the assi
 
 
 def reply_index(messages: Sequence[Message]) -> int:
-    """Which scripted reply answers this transcript (robust to compaction)."""
+    """Which scripted reply answers this transcript (robust to condensing)."""
     after = 0
     for m in reversed(messages):
         if m.role != "assistant":
