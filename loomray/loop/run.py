@@ -206,7 +206,7 @@ class AgentLoop(SteeredLoop):
         self.messages[at:at] = results
 
     async def finish_pass_with_tools(self, calls: list[ToolCall]) -> None:
-        """Run the pass's tool calls and close the pass: count it, compact, checkpoint "after_tools"."""
+        """Run the pass's tool calls and close the pass: count it, condense, checkpoint "after_tools"."""
         await self.run_tools(calls)
         self.turn += 1
         await self.maybe_condense()

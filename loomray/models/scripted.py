@@ -34,7 +34,7 @@ from loomray.models.base import ModelRequest, ModelResponse
 from loomray.records import Message, ToolCall, Usage
 
 _SCRIPTED_ID = re.compile(r"^s(\d{4,})_\d+$")
-_COMPACTED = re.compile(r"\[compacted: \d+ earlier messages, (\d+) from the assistant\]")
+_CONDENSED = re.compile(r"\[compacted: \d+ earlier messages, (\d+) from the assistant\]")
 
 
 
@@ -52,7 +52,7 @@ def reply_index(messages: Sequence[Message]) -> int:
     folded = 0
     for m in messages:
         if m.role == "user":
-            for hit in _COMPACTED.finditer(m.content):
+            for hit in _CONDENSED.finditer(m.content):
                 folded += int(hit.group(1))
     return after + folded
 
