@@ -11,6 +11,8 @@ import asyncio
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
+from pydantic import BaseModel
+
 from loomray import control
 from loomray.call_args import check_id, check_ids, check_user, output_type, schema, split_kwargs
 from loomray.config import Tuning
@@ -112,7 +114,7 @@ class Agent:
         context: Any = None,
         extra_tools: Sequence[Any] = (),
         emit: EmitFn | None = None,
-        output_schema: Any = None,
+        output_schema: type[BaseModel] | dict[str, Any] | None = None,
         effort: str | None = None,
     ) -> RunResult:
         """Run ``prompt`` in ``session_id`` (a new ``sess...`` id when omitted) until the model answers.
@@ -308,7 +310,7 @@ class Agent:
         await self.runtime.cancel(session_id, user_id=user_id)
 
     async def _execute(self, request: RunRequest, *, emit: EmitFn | None, extra_tools: Sequence[Any],
-                       output_schema: Any) -> RunResult:
+                       output_schema: type[BaseModel] | dict[str, Any] | None) -> RunResult:
         wanted = output_type(output_schema)
         result = await self.runtime.execute(self, request, emit=emit, extra_tools=extra_tools, output_type=wanted)
         if wanted is not None and not isinstance(result.structured, wanted) and result.output:

@@ -69,10 +69,14 @@ class SessionReads:
     #: Journals read so far (a failed optional read is empty).
     journals: Mapping[JournalRef, Sequence[JournalEntry]] = field(default_factory=dict)
 
-    def with_read(self, ref: Read, value: Any) -> SessionReads:
-        """These reads plus ``value``, what ``ref`` names."""
+    def with_read(self, ref: Read, value: Checkpoint | Sequence[JournalEntry] | None) -> SessionReads:
+        """These reads plus ``value``, what ``ref`` names (a checkpoint or None; a journal's entries)."""
         if isinstance(ref, CheckpointRef):
+            if value is not None and not isinstance(value, Checkpoint):
+                raise TypeError(f"{ref} reads as a Checkpoint or None, got {type(value).__name__}")
             return replace(self, checkpoints={**self.checkpoints, ref: value})
+        if value is None or isinstance(value, Checkpoint):
+            raise TypeError(f"{ref} reads as a sequence of journal entries, got {type(value).__name__}")
         return replace(self, journals={**self.journals, ref: tuple(value)})
 
     def checkpoint(self, ref: CheckpointRef | None) -> Checkpoint | None:

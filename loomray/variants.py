@@ -22,10 +22,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, TypeVar
 
 from loomray.config import RENAMED_FIELDS, CheckpointConfig, Tuning
 from loomray.errors import LoomrayUserError
+from loomray.models.base import Model
 from loomray.models.resolve import resolve_model
 from loomray.records import Message
 from loomray.tools import Tool, as_tools
@@ -108,7 +109,7 @@ class Variant:
     """
 
     prompt: str | None = None
-    model: Any = None
+    model: str | Model | None = None
     instructions: str | None = None
     tools: tuple[Any, ...] | None = None
     tuning: Tuning | None = None
@@ -265,7 +266,20 @@ def fork_transcript(messages: Sequence[Message], stored: dict[str, Any]) -> list
     return out
 
 
-def variant_agent(base: Any, variant: Variant) -> Any:
+class VariantBase(Protocol):
+    """What a variant changes on an agent, and where it records which variant it is (an Agent has all of it)."""
+
+    model: Model
+    instructions: str
+    tools: dict[str, Tool]
+    tuning: Tuning
+    variant: dict[str, Any] | None
+
+
+A = TypeVar("A", bound=VariantBase)
+
+
+def variant_agent(base: A, variant: Variant) -> A:
     """A copy of agent ``base`` with the fields ``variant`` sets; ``base`` is untouched.
 
     The copy's ``variant`` attribute is the stored form, so a run told to
@@ -303,14 +317,14 @@ def _tools(base: dict[str, Tool], given: Sequence[Any]) -> dict[str, Tool]:
         raise VariantError(f"the variant's tools cannot be used: {e}") from e
 
 
-def agent_for(agent: Any, stored: dict[str, Any] | None) -> Any:
+def agent_for(agent: A, stored: dict[str, Any] | None) -> A:
     """The agent a run whose request carries variant ``stored`` runs with.
 
     ``agent`` itself when it is that variant's agent already (the driver
     built it) or there is no variant; else the variant rebuilt from its
     stored form against ``agent``, the base (see the module docstring).
     """
-    held = getattr(agent, "variant", None)
+    held = getattr(agent, "variant", None)  # an agent pickled before variants existed has none
     if stored is None or held == stored:
         return agent
     if held is not None:
