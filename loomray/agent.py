@@ -11,6 +11,8 @@ import asyncio
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
+from pydantic import BaseModel
+
 from loomray import control
 from loomray.call_args import check_id, check_ids, check_user, output_type, schema, split_kwargs
 from loomray.config import Tuning
@@ -27,9 +29,17 @@ from loomray.run_request import RunRequest
 from loomray.runtime.base import Runtime
 from loomray.runtime.inproc import InProcRuntime
 from loomray.tools import as_tools
-from loomray.variants import Variant, apply_edits, fork_arms, variant_agent
+from loomray.variants import Variant, check_edits, fork_arms, variant_agent
 
 T = TypeVar("T")
+
+
+def _row(rows: Sequence[CheckpointMeta], session_id: str, checkpoint_id: str, user_id: str | None) -> CheckpointMeta:
+    """The row of ``checkpoint_id`` (``"latest"``: the newest) among ``rows``; else CheckpointNotFound."""
+    for row in rows:
+        if checkpoint_id in ("latest", row.checkpoint_id):
+            return row
+    raise CheckpointNotFound(f"session {session_id!r} (user {user_id!r}) has no checkpoint {checkpoint_id!r}")
 
 
 def _run_sync(coro: Coroutine[Any, Any, T]) -> T:
@@ -104,7 +114,7 @@ class Agent:
         context: Any = None,
         extra_tools: Sequence[Any] = (),
         emit: EmitFn | None = None,
-        output_schema: Any = None,
+        output_schema: type[BaseModel] | dict[str, Any] | None = None,
         effort: str | None = None,
     ) -> RunResult:
         """Run ``prompt`` in ``session_id`` (a new ``sess...`` id when omitted) until the model answers.
@@ -176,9 +186,9 @@ class Agent:
         if from_checkpoint != "latest":
             # The newest readable checkpoint continues in place, still by its id: "latest" may name a newer,
             # unreadable one, and an explicit valid id must always work.
-            newest = await self.runtime.list_checkpoints(session_id, limit=1, user_id=user_id)
-            if not (newest and newest[0].checkpoint_id == from_checkpoint):
-                await self._require_checkpoint(session_id, from_checkpoint, user_id)
+            rows = await self.runtime.list_checkpoints(session_id, limit=None, user_id=user_id)  # no object read
+            if not (rows and rows[0].checkpoint_id == from_checkpoint):
+                _row(rows, session_id, from_checkpoint, user_id)
                 fork_of, target = session_id, new_id("sess")
         if approvals:
             if not isinstance(approvals, dict):
@@ -220,21 +230,20 @@ class Agent:
         arms = fork_arms(prompts, variants)
         emit, extra_tools, output_schema, fields = split_kwargs(run_kwargs)
         check_ids(session_id, user_id, from_checkpoint)
-        if from_checkpoint == "latest":
-            newest = await self.runtime.list_checkpoints(session_id, limit=1, user_id=user_id)
-            if not newest:
-                raise CheckpointNotFound(f"session {session_id!r} (user {user_id!r}) has no checkpoint to fork")
-            from_checkpoint = newest[0].checkpoint_id
-            point = None
-        else:
-            point = await self._require_checkpoint(session_id, from_checkpoint, user_id)
+        # The fork point is found in the index; each fork reads its objects once, when it restores it.
+        limit = 1 if from_checkpoint == "latest" else None
+        rows = await self.runtime.list_checkpoints(session_id, limit=limit, user_id=user_id)
+        point = _row(rows, session_id, from_checkpoint, user_id)
+        from_checkpoint = point.checkpoint_id
         agents: Agent | list[Agent] = self  # one agent for all: what a runtime got before variants existed
         if variants is not None:
-            if point is None and any(v.edits for v in variants):
-                point = await self._require_checkpoint(session_id, from_checkpoint, user_id)
             agents = [self.with_variant(v) for v in variants]
+            count = point.message_count
+            if count is None and any(v.edits for v in variants):  # a row written before rows counted messages
+                found = await self.get_checkpoint(session_id, from_checkpoint, user_id=user_id)
+                count = len(found.messages) if found is not None else 0
             for v in variants:
-                apply_edits(point.messages if point is not None else (), v.edits)  # a bad index fails here
+                check_edits(count or 0, v.edits)  # a bad index fails here
         requests = [RunRequest(kind="resume", prompt=prompt, session_id=new_id("sess"), user_id=user_id,
                                from_checkpoint=from_checkpoint, fork_of=session_id, variant=variant,
                                output_schema=schema(output_schema), **fields) for prompt, variant in arms]
@@ -300,14 +309,8 @@ class Agent:
         check_ids(session_id, user_id)
         await self.runtime.cancel(session_id, user_id=user_id)
 
-    async def _require_checkpoint(self, session_id: str, checkpoint_id: str, user_id: str | None) -> Checkpoint:
-        ckpt = await self.get_checkpoint(session_id, checkpoint_id, user_id=user_id)
-        if ckpt is None:
-            raise CheckpointNotFound(f"session {session_id!r} (user {user_id!r}) has no checkpoint {checkpoint_id!r}")
-        return ckpt
-
     async def _execute(self, request: RunRequest, *, emit: EmitFn | None, extra_tools: Sequence[Any],
-                       output_schema: Any) -> RunResult:
+                       output_schema: type[BaseModel] | dict[str, Any] | None) -> RunResult:
         wanted = output_type(output_schema)
         result = await self.runtime.execute(self, request, emit=emit, extra_tools=extra_tools, output_type=wanted)
         if wanted is not None and not isinstance(result.structured, wanted) and result.output:

@@ -15,7 +15,7 @@ A full snapshot (no base) starts a new chain: the first checkpoint of a
 session; the one after a failed write (never a link on an object that may
 not exist); when the chain reaches ``CheckpointConfig.full_every`` links; or
 when the chain holds much more than the transcript (messages were dropped or
-rewritten, e.g. by compaction).
+rewritten, e.g. by condensing).
 
 A fork's first checkpoint builds on its parent's checkpoint, in the parent
 session (refs ``"{session_id}/{checkpoint_id}"``): forks share the parent's

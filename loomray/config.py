@@ -8,7 +8,10 @@ pydantic validation error from deep inside a run.
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -69,10 +72,13 @@ class Tuning:
       ordered and are all awaited before the run returns.
     - ``journal``: record every model and tool step (needed for replay and
       crash recovery without checkpoints). On by default.
-    - ``compact_after_tokens``: when the estimated transcript size passes this
-      many tokens, older messages are compacted before the next checkpoint.
-      ``None`` disables auto-compaction.
-    - ``compact_keep_last``: how many recent messages compaction keeps verbatim.
+    - ``condense_after_tokens``: when the estimated transcript size passes
+      this many tokens, older messages are condensed into one digest before
+      the next checkpoint (:mod:`loomray.condense`). ``None`` (default) never
+      condenses. Formerly ``compact_after_tokens``: the old keyword still
+      works for one release, with a ``DeprecationWarning``.
+    - ``condense_keep_last``: how many recent messages condensing keeps
+      verbatim (formerly ``compact_keep_last``, likewise).
     - ``output_retries``: how often the model is asked again when its final
       answer does not validate against ``output_schema``.
     - ``max_cost_usd`` / ``max_tokens``: spend limits (``None``: no limit).
@@ -96,12 +102,13 @@ class Tuning:
       limits raise ``ValueError`` here.
     """
 
-    checkpoint: Any = False
+    #: Any value is kept: a wrong type is the Agent constructor's ``TypeError`` (see above), not a dataclass's.
+    checkpoint: bool | CheckpointConfig | None = False
     max_turns: int = 50
     durability: Literal["sync", "async"] = "sync"
     journal: bool = True
-    compact_after_tokens: int | None = None
-    compact_keep_last: int = 8
+    condense_after_tokens: int | None = None
+    condense_keep_last: int = 8
     output_retries: int = 1
     max_cost_usd: float | None = None
     max_tokens: int | None = None
@@ -118,10 +125,22 @@ class Tuning:
             raise ValueError(f"Tuning.max_turns must be a positive int, got {self.max_turns!r}")
         if self.durability not in _DURABILITY:
             raise ValueError(f"Tuning.durability must be one of {_DURABILITY}, got {self.durability!r}")
-        if self.compact_after_tokens is not None and self.compact_after_tokens < 1:
-            raise ValueError("Tuning.compact_after_tokens must be positive or None")
-        if self.compact_keep_last < 2:
-            raise ValueError("Tuning.compact_keep_last must be at least 2")
+        if self.condense_after_tokens is not None and self.condense_after_tokens < 1:
+            raise ValueError("Tuning.condense_after_tokens must be positive or None")
+        if self.condense_keep_last < 2:
+            raise ValueError("Tuning.condense_keep_last must be at least 2")
+
+    @property
+    def compact_after_tokens(self) -> int | None:
+        """Deprecated: :attr:`condense_after_tokens` (removed in the next release)."""
+        _renamed("compact_after_tokens", 3)
+        return self.condense_after_tokens
+
+    @property
+    def compact_keep_last(self) -> int:
+        """Deprecated: :attr:`condense_keep_last` (removed in the next release)."""
+        _renamed("compact_keep_last", 3)
+        return self.condense_keep_last
 
     def over_budget(self, usage: Usage) -> str | None:
         """Why the next model call would exceed a limit given ``usage`` (the spend so far), or None.
@@ -153,3 +172,31 @@ class Tuning:
             "Tuning.checkpoint takes True, False or CheckpointConfig(position=...), "
             f"got {type(value).__name__}"
         )
+
+
+#: Tuning fields renamed in this release: old keyword -> new field. The old keywords work for one more release
+#: (stored forms of a Tuning, e.g. a stored Variant, are read with the new names, without a warning).
+RENAMED_FIELDS = {"compact_after_tokens": "condense_after_tokens", "compact_keep_last": "condense_keep_last"}
+
+
+def _renamed(old: str, stacklevel: int) -> None:
+    warnings.warn(f"Tuning.{old} is deprecated and will be removed in the next release; use Tuning.{RENAMED_FIELDS[old]} "
+                  "(transcript condensing, not the index's compaction)", DeprecationWarning, stacklevel=stacklevel)
+
+
+def _accepting_old_names(init: Callable[..., None]) -> Callable[..., None]:
+    """``Tuning.__init__`` that also takes the renamed keywords (with a warning); both spellings at once is a
+    ``TypeError``. A wrong value fails as it would under the new name, when the Tuning is built."""
+    @functools.wraps(init)
+    def __init__(self: Tuning, *args: Any, **kwargs: Any) -> None:
+        for old, new in RENAMED_FIELDS.items():
+            if old in kwargs:
+                _renamed(old, 3)
+                if new in kwargs:
+                    raise TypeError(f"Tuning got both {old} (deprecated) and {new}; pass {new} only")
+                kwargs[new] = kwargs.pop(old)
+        init(self, *args, **kwargs)
+    return __init__
+
+
+Tuning.__init__ = _accepting_old_names(Tuning.__init__)  # type: ignore[method-assign]

@@ -8,9 +8,10 @@ Every event is a frozen pydantic model with a ``type`` tag, so a consumer can
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Awaitable, Callable
 from datetime import datetime
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
@@ -125,14 +126,29 @@ class DeterminismViolation(Event):
     actual_hash: str
 
 
-class CompactionEvent(Event):
-    """The transcript was compacted to stay under the token budget."""
+class CondenseEvent(Event):
+    """The transcript was condensed to stay under ``Tuning.condense_after_tokens`` (see :mod:`loomray.condense`)."""
 
-    type: Literal["compaction"] = "compaction"
+    type: Literal["condense"] = "condense"
     tokens_before: int
     tokens_after: int
     messages_before: int
     messages_after: int
+
+
+class CompactionEvent(CondenseEvent):
+    """Deprecated (removed in the next release): the old name of :class:`CondenseEvent`, kind ``"compaction"``.
+
+    The loop emits :class:`CondenseEvent` (kind ``"condense"``); this class reads events of the old kind back
+    (:func:`event_from_dict`), and warns whenever one is built.
+    """
+
+    type: Literal["compaction"] = "compaction"  # type: ignore[assignment]
+
+    def __init__(self, **data: Any) -> None:
+        warnings.warn("CompactionEvent (event kind 'compaction') is deprecated: the loop emits CondenseEvent "
+                      "(kind 'condense')", DeprecationWarning, stacklevel=2)
+        super().__init__(**data)
 
 
 class ControlEvent(Event):
@@ -172,10 +188,11 @@ class RunError(Event):
     error: str
 
 
-AnyEvent = Union[  # noqa: UP007 - a runtime alias for pydantic, not an annotation
+#: Every event class, told apart by ``type`` (a discriminated union: only the class of the event's kind is tried).
+AnyEvent = Annotated[Union[  # noqa: UP007 - a runtime alias for pydantic, not an annotation
     RunStart, ModelCall, TextDelta, ModelResponseEvent, ToolCallEvent, ToolResultEvent, CheckpointEvent,
-    ReplayedStep, DeterminismViolation, CompactionEvent, ControlEvent, RunEnd, RunError,
-]
+    ReplayedStep, DeterminismViolation, CondenseEvent, CompactionEvent, ControlEvent, RunEnd, RunError,
+], Field(discriminator="type")]
 
 #: A user callback: sync or async, called with each event in order.
 EmitFn = Callable[[Event], Awaitable[None] | None]

@@ -256,7 +256,7 @@ class StepRunner:
         """``input_hash(request)``'s job, in O(new messages) per call instead of O(transcript).
 
         The hash covers each message's canonical JSON digest in order, plus the
-        rest of the request. Transcripts only grow between compactions, so the
+        rest of the request. Transcripts only grow between condensings, so the
         hash state over the previous call's messages is kept and, when this
         request starts with the very same message objects, only the new ones
         are digested. Same inputs give the same hash in any process.

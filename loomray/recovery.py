@@ -14,29 +14,29 @@ the session's last run.
 Everything here is a pure function of values the takeover read
 (:mod:`loomray.takeover`): the session's last run, the continued run's
 journal, the latest checkpoint, run records and the request. The functions
-come in the order the takeover needs them: which run the request continues
+come in the order they are needed: the session's last run as read
+(:func:`last_run_of`), which run the request continues
 (:func:`run_to_continue`), which checkpoint a new run may start from
 (:func:`new_run_checkpoint`) and where it starts (:func:`new_run_start`),
 where a continued run first started (:func:`recorded_start`,
-:func:`restart`), and finally the frozen :class:`RunPlan`
-(:func:`plan_run`).
+:func:`restart`). :func:`loomray.planning.decide` puts them together into
+the frozen :class:`~loomray.planning.RunPlan`.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from loomray.control import consumed_names
 from loomray.errors import CheckpointNotFound, LoomrayUserError
 from loomray.journal import STEP_KINDS, JournalRecord, approval_step_key, tool_step_key
-from loomray.loop import CONTINUE_NUDGE, LoopState, dangling_tool_calls, run_of_cursor
-from loomray.records import Checkpoint, Message, RunResult, Usage
+from loomray.loop import CONTINUE_NUDGE, dangling_tool_calls, run_of_cursor
+from loomray.records import Checkpoint, Usage
 from loomray.run_request import RunRequest
 from storage.journal import JournalRun
-from storage.rows import JournalEntry, RunRecord
+from storage.rows import JournalEntry, Lease, RunRecord
 
 #: The session's logger: a run's warnings keep one name, whichever module logs them.
 log = logging.getLogger("loomray.session")
@@ -76,6 +76,22 @@ class LastRun:
     def unfinished(self) -> bool:
         """A run that started (recorded or journaled) and did not journal its end: recovery may continue it."""
         return self.run_id is not None and not self.done and (self.record is not None or self.start is not None)
+
+
+def last_run_of(record: RunRecord | None, journal: JournalRun | None, *, lease: Lease | None = None,
+                seen_before: Collection[str] = ()) -> LastRun:
+    """The session's last run from its record and journal as read (no record: the journal names the run).
+
+    With ``lease`` (the run is not sealed yet) it is judged as this incarnation's seal will make it: entries
+    a fenced writer appended after the pre-lease listing (``seen_before``: the run's keys then) do not count.
+    """
+    run_id = record.run_id if record is not None else journal.run_id if journal is not None else None
+    if run_id is None:
+        return LastRun()
+    view = journal if journal is None or lease is None else journal.sealed_view(lease, seen_before)
+    if view is None:
+        return LastRun(run_id, record)
+    return LastRun(run_id, record, journal, view.start, view.finished, tuple(view.entries))
 
 
 def run_to_continue(request: RunRequest, last: LastRun, known_runs: Sequence[str]) -> tuple[str | None, RunRequest]:
@@ -269,97 +285,3 @@ def pending_tool_steps(checkpoint: Checkpoint) -> tuple[str, frozenset[str]] | N
         return None
     turn = checkpoint.turn
     return source_run, frozenset(k for c in pending for k in (tool_step_key(turn, c.id), approval_step_key(turn, c.id)))
-
-
-@dataclass(frozen=True)
-class RunPlan:
-    """Where a run starts, decided before its first step; the run reads it and never changes it."""
-
-    run_id: str
-    #: The request the run executes: the caller's, or for ``resume(None)`` continuing an unfinished run,
-    #: that run's own stored request (so its model requests, and their journal hashes, are unchanged).
-    request: RunRequest
-    #: The ``run_start`` output (journaled by the run unless it is ``continuing``).
-    start_output: dict[str, Any]
-    #: Appended to the restored or fresh transcript (None: the restored transcript holds it already).
-    prompt: str | None
-    #: The checkpoint whose transcript the run restores (None: a fresh transcript).
-    restored: Checkpoint | None
-    forked_from: str | None
-    #: Journal records replay may answer from.
-    prior: tuple[JournalRecord, ...] = ()
-    #: Where the run's own journal records continue.
-    next_seq: int = 0
-    #: The run's ``run_start`` is journaled already: it continues an unfinished run.
-    continuing: bool = False
-    #: The restored checkpoint already finished this run (a crash after its final write).
-    finished: bool = False
-    #: Control requests whose consumption the continued run or the session's last run journaled.
-    consumed: frozenset[str] = field(default_factory=frozenset)
-
-    @property
-    def resume_position(self) -> str | None:
-        """``position`` of the checkpoint the run restores (None: none)."""
-        return self.restored.position if self.restored is not None else None
-
-    @property
-    def resume_status(self) -> str | None:
-        """``execution_status`` of the checkpoint the run restores (None: none)."""
-        return self.restored.execution_status if self.restored is not None else None
-
-    def initial_state(self, *, agent_id: str, instructions: str, epoch: int) -> LoopState:
-        """The loop's starting state: the restored transcript, else ``instructions`` as the system message."""
-        request, ckpt = self.request, self.restored
-        if ckpt is None:
-            messages = [Message(role="system", content=instructions)] if instructions else []
-            return LoopState(session_id=request.session_id, user_id=request.user_id, run_id=self.run_id,
-                             agent_id=agent_id, messages=messages, epoch=epoch,
-                             usage=spent_at_start(self.start_output))
-        chain = ckpt._chain
-        if chain is not None and ckpt.session_id != request.session_id:
-            chain = chain.rebased(ckpt.session_id, request.session_id)  # a fork builds on its parent's chain
-        return LoopState(session_id=request.session_id, user_id=request.user_id, run_id=self.run_id,
-                         agent_id=agent_id, messages=list(ckpt.messages), turn=ckpt.turn, usage=ckpt.cumulative_usage,
-                         parent_checkpoint_id=ckpt.checkpoint_id, forked_from=self.forked_from, epoch=epoch,
-                         chain=chain)
-
-    def finished_result(self) -> RunResult:
-        """The result of a run whose restored checkpoint already finished it."""
-        ckpt = self.restored
-        assert ckpt is not None and self.finished
-        return RunResult(output=ckpt.messages[-1].content if ckpt.messages else "", messages=list(ckpt.messages),
-                         usage=ckpt.cumulative_usage, session_id=ckpt.session_id, user_id=ckpt.user_id,
-                         run_id=self.run_id, turns=ckpt.turn, checkpoint_id=ckpt.checkpoint_id,
-                         resumed_from_checkpoint=True, resume_position=ckpt.position, forked_from=ckpt.forked_from)
-
-
-def plan_run(request: RunRequest, run_id: str, start: Start, *, journal: JournalRun | None = None,
-             latest: Checkpoint | None = None, replay: Sequence[JournalEntry] = (),
-             pending: Sequence[JournalRecord] = (), last_entries: Sequence[JournalEntry] = ()) -> RunPlan:
-    """The plan of run ``run_id`` executing ``request``.
-
-    ``journal`` is the journal of the unfinished run it continues (None: a
-    new run); with a ``run_start`` in it the run continues (its ``start``
-    came from there), else the run begins as new and its journaled steps
-    replay. ``latest`` is the session's latest checkpoint: when this run
-    wrote it, the run restores it as is. ``replay`` are the entries of the
-    run ``start`` replays, ``pending`` the journaled results of the start
-    checkpoint's dangling tool calls, ``last_entries`` the session's last
-    run as replay sees it (for the control requests it consumed).
-    """
-    continuing = journal is not None and journal.start is not None
-    own = continuing and written_by(latest, run_id)
-    entries = journal_records(journal.entries) if journal is not None else []
-    prior = journal_records(replay) + entries
-    restored: Checkpoint | None
-    if own:
-        assert latest is not None
-        restored, prompt, forked_from = latest, None, latest.forked_from
-    else:
-        restored, prompt, forked_from = start.checkpoint, start.output.get("prompt"), start.forked_from
-        prior += pending
-    return RunPlan(
-        run_id=run_id, request=request, start_output=start.output, prompt=prompt, restored=restored,
-        forked_from=forked_from, prior=tuple(prior), next_seq=journal.max_seq + 1 if journal is not None else 0,
-        continuing=continuing, finished=own and restored is not None and restored.execution_status == "completed",
-        consumed=frozenset(consumed_names(prior) | consumed_names(last_entries)))

@@ -16,7 +16,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 from loomray.errors import DurabilityLost
 from loomray.journal import JournalRecord
@@ -37,6 +37,8 @@ LEASE_CHECK_WRITES = 32
 LEASE_CHECK_S = 2.0
 
 #: Write errors no retry can fix (a bad id, a wrong type, a bug): they stop the run instead of being logged.
+P = ParamSpec("P")
+T = TypeVar("T")
 _NON_TRANSIENT = (TypeError, ValueError, AttributeError, NotImplementedError)
 
 
@@ -47,7 +49,8 @@ class InflightWrites:
     def __init__(self) -> None:
         self.tasks: set[asyncio.Future[Any]] = set()
 
-    async def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """``fn(*args, **kwargs)`` in a worker thread, tracked until it ends; its result."""
         # Submitted to the executor now, in the caller's tick (a Task around ``to_thread`` would submit on the
         # next one): a step whose result just arrived is handed over before anything else on the loop can run,
         # such as the node-loss watchdog freezing the executor (which would lose the record and re-bill the step).

@@ -8,7 +8,7 @@ its own. It runs a request in four steps:
    :class:`storage.errors.LeaseLostError` stops the run;
 2. plan where the run starts (fresh, a checkpoint, a fork, or the
    continuation of an unfinished run): :mod:`loomray.takeover` fences the
-   old owner's runs, reads and records, :mod:`loomray.recovery` decides;
+   old owner's runs, reads and records, :mod:`loomray.planning` decides;
 3. run the loop, with the store adapted to its journal and checkpoint seams
    (:mod:`loomray.run_writes`);
 4. finalize: the status rows the supervisor reads, and the run's end in the
@@ -66,8 +66,8 @@ from loomray.fencing import fence_session, take_lease
 from loomray.ids import new_id, new_segment, segment_id
 from loomray.journal import StepRunner
 from loomray.loop import CheckpointWriter, LoopOptions, run_loop
+from loomray.planning import RunPlan
 from loomray.records import Checkpoint, RunResult, utcnow
-from loomray.recovery import RunPlan
 from loomray.run_errors import index_error, record_error
 from loomray.run_request import RunRequest
 from loomray.run_writes import GuardedJournal, InflightWrites, StoreJournalSink, WriteGuard

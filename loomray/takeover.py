@@ -4,11 +4,12 @@ A run owns its session's lease for as long as it runs (every write carries
 it). Taking it fences whatever older writer may still be alive: the runs
 that writer may append to are listed right before the lease swap and sealed
 right after it (:mod:`storage.journal`), so whatever it appends from then
-on is never replayed. Then the takeover reads what recovery needs (the
-session's last run, the continued run's journal, checkpoints, journals to
-replay), leaves the decisions to :mod:`loomray.recovery`, records a run that
-is not the session's last one yet (store order) and proves it still holds
-the lease before the run's first step.
+on is never replayed. Then the takeover reads the session's last run, seals
+the runs an old writer may still append to, and reads what the decision
+asks for (:func:`loomray.planning.decide`: pure code, given what was read)
+until it has a plan. It records a run that is not the session's last one
+yet (store order) and proves it still holds the lease before the run's
+first step.
 """
 
 from __future__ import annotations
@@ -19,24 +20,9 @@ from collections.abc import Callable, Sequence
 from loomray.checkpoint_format import load_checkpoint
 from loomray.errors import CheckpointException
 from loomray.fencing import seal_listed
-from loomray.journal import JournalRecord
+from loomray.planning import Read, RunPlan, SessionReads, decide
 from loomray.records import Checkpoint
-from loomray.recovery import (
-    CheckpointRef,
-    LastRun,
-    RunPlan,
-    Start,
-    journal_records,
-    new_run_checkpoint,
-    new_run_start,
-    pending_tool_steps,
-    plan_run,
-    recorded_start,
-    restart,
-    run_to_continue,
-    start_checkpoint,
-    written_by,
-)
+from loomray.recovery import CheckpointRef, LastRun, last_run_of, run_to_continue
 from loomray.run_request import RunRequest
 from loomray.session_store import SessionStore
 from storage.errors import ObjectNotFound, StorageError
@@ -65,12 +51,10 @@ def read_last_run(store: SessionStore, sid: str, uid: str | None, lease: Lease, 
     else:
         runs = store.journal_runs(sid, user_id=uid)
         run_id = runs[-1] if runs else None
-    if run_id is None:
-        return LastRun()
-    journal = view = store.journal_read(sid, run_id, user_id=uid)
-    if run_id not in sealed:  # not sealed yet: judge it as its seal will make it
-        view = journal.sealed_view(lease, _seen_keys(seen, run_id))
-    return LastRun(run_id, record, journal, view.start, view.finished, tuple(view.entries))
+    journal = store.journal_read(sid, run_id, user_id=uid) if run_id is not None else None
+    unsealed = run_id is not None and run_id not in sealed  # not sealed yet: judge it as its seal will make it
+    return last_run_of(record, journal, lease=lease if unsealed else None,
+                       seen_before=_seen_keys(seen, run_id) if run_id is not None else ())
 
 
 def plan_takeover(store: SessionStore, request: RunRequest, lease: Lease, fence: FenceNote,
@@ -84,21 +68,11 @@ def plan_takeover(store: SessionStore, request: RunRequest, lease: Lease, fence:
     if request.run_id is not None and request.run_id != last.run_id:
         known = store.journal_runs(sid, user_id=uid)
     run_id, request = run_to_continue(request, last, known)
-    if last.unfinished and last.run_id not in sealed and last.run_id != run_id:
-        assert last.run_id is not None
-        # Not continued by this request: its old incarnation may still append; fence it.
-        store.journal_seal(sid, last.run_id, user_id=uid, lease=lease, seen_before=_seen_keys(seen, last.run_id),
-                           known=last.journal)
-    if run_id is None:
-        plan = _plan_new_run(store, request, request.run_id or new_run_id(), last)
-    else:
-        known_journal = last.journal if run_id == last.run_id else None
-        if run_id not in sealed:
-            journal = store.journal_seal(sid, run_id, user_id=uid, lease=lease, seen_before=_seen_keys(seen, run_id),
-                                         known=known_journal)
-        else:
-            journal = known_journal if known_journal is not None else store.journal_read(sid, run_id, user_id=uid)
-        plan = _plan_continued_run(store, request, run_id, journal, last)
+    journal = _seal_runs(store, request, lease, seen, sealed, last, run_id)
+    reads = SessionReads(request, run_id or request.run_id or new_run_id(), last, journal)
+    while not isinstance(step := decide(reads), RunPlan):
+        reads = reads.with_read(step, _read(store, step, request))
+    plan = step
     if last.record is None or last.record.run_id != plan.run_id:
         _record_run(store, plan, lease.epoch)
     # Appends do not read the lease, so prove ownership once before the first step: a takeover that
@@ -108,39 +82,37 @@ def plan_takeover(store: SessionStore, request: RunRequest, lease: Lease, fence:
     return plan
 
 
-def _plan_new_run(store: SessionStore, request: RunRequest, run_id: str, last: LastRun,
-                  journal: JournalRun | None = None) -> RunPlan:
-    """A new run, or a recorded one whose ``run_start`` is missing (``journal``: its steps, replayed)."""
-    uid = request.user_id
-    ref = new_run_checkpoint(request, last)
-    start = new_run_start(request, _load(store, ref, uid, request.session_id), last)
-    replay = store.journal_list(request.session_id, start.replay_from, user_id=uid) if start.replay_from else []
-    return plan_run(request, run_id, start, journal=journal, replay=replay,
-                    pending=_pending_tool_records(store, start.checkpoint, uid), last_entries=last.entries)
-
-
-def _plan_continued_run(store: SessionStore, request: RunRequest, run_id: str, journal: JournalRun,
-                        last: LastRun) -> RunPlan:
-    """The plan that continues unfinished run ``run_id``: same run id, its journal replayed."""
+def _seal_runs(store: SessionStore, request: RunRequest, lease: Lease, seen: Seen, sealed: set[str], last: LastRun,
+               run_id: str | None) -> JournalRun | None:
+    """Seal the runs an old incarnation may still append to; returns the continued run's journal, as sealed
+    (None: the request starts a new run)."""
     sid, uid = request.session_id, request.user_id
-    if journal.start is None:
-        # Recorded, but its run_start is missing: begin it as its request says, replaying what it journaled.
-        output = recorded_start(request, last.record if run_id == last.run_id else None)
-        if output is None:
-            return _plan_new_run(store, request, run_id, LastRun(entries=last.entries), journal)
-        start = restart(request, run_id, output, _load(store, start_checkpoint(output, sid), uid, sid))
-        return plan_run(request, run_id, start, journal=journal, last_entries=last.entries,
-                        pending=_pending_tool_records(store, start.checkpoint, uid))
-    output = dict(journal.start.output)
-    replay_from = output.get("replay_from")
-    replay = store.journal_list(sid, replay_from, user_id=uid) if replay_from else []
-    latest = _load(store, CheckpointRef(sid, "latest"), uid)
-    if written_by(latest, run_id):  # this run already checkpointed: restore its newest snapshot
-        return plan_run(request, run_id, Start(output), journal=journal, latest=latest, replay=replay,
-                        last_entries=last.entries)
-    start = restart(request, run_id, output, _load(store, start_checkpoint(output, sid), uid, sid))
-    return plan_run(request, run_id, start, journal=journal, latest=latest, replay=replay,
-                    pending=_pending_tool_records(store, start.checkpoint, uid), last_entries=last.entries)
+    if last.unfinished and last.run_id not in sealed and last.run_id != run_id:
+        assert last.run_id is not None
+        # Not continued by this request: its old incarnation may still append; fence it.
+        store.journal_seal(sid, last.run_id, user_id=uid, lease=lease, seen_before=_seen_keys(seen, last.run_id),
+                           known=last.journal)
+    if run_id is None:
+        return None
+    known_journal = last.journal if run_id == last.run_id else None
+    if run_id not in sealed:
+        return store.journal_seal(sid, run_id, user_id=uid, lease=lease, seen_before=_seen_keys(seen, run_id),
+                                  known=known_journal)
+    return known_journal if known_journal is not None else store.journal_read(sid, run_id, user_id=uid)
+
+
+def _read(store: SessionStore, ref: Read, request: RunRequest) -> Checkpoint | list[JournalEntry] | None:
+    """What ``ref`` names, read for ``request``'s run."""
+    uid = request.user_id
+    if isinstance(ref, CheckpointRef):
+        return _load(store, ref, uid, request.session_id)
+    if not ref.optional:
+        return store.journal_list(ref.session_id, ref.run_id, user_id=uid)
+    try:
+        return store.journal_list(ref.session_id, ref.run_id, user_id=uid)
+    except Exception as e:  # the journal is an optimisation here: without it the tools run again
+        log.warning("could not read journal of run %s of session %r: %s", ref.run_id, ref.session_id, e)
+        return []
 
 
 def _load(store: SessionStore, ref: CheckpointRef | None, user_id: str | None,
@@ -162,20 +134,6 @@ def _load(store: SessionStore, ref: CheckpointRef | None, user_id: str | None,
             raise CheckpointException(f"checkpoint {ref.checkpoint_id!r} of session {ref.session_id!r} could not "
                                       f"be pinned for fork {for_session!r}: {e}") from e
     return load_checkpoint(store, ref.session_id, ref.checkpoint_id, user_id=user_id, pinned_for=pinned)
-
-
-def _pending_tool_records(store: SessionStore, ckpt: Checkpoint | None, user_id: str | None) -> list[JournalRecord]:
-    """Journaled results of the restored checkpoint's dangling tool calls (so they are not run twice)."""
-    steps = pending_tool_steps(ckpt) if ckpt is not None else None
-    if ckpt is None or steps is None:
-        return []
-    source_run, keys = steps
-    try:
-        entries: list[JournalEntry] = store.journal_list(ckpt.session_id, source_run, user_id=user_id)
-    except Exception as e:  # the journal is an optimisation here: without it the tools run again
-        log.warning("could not read journal of run %s of session %r: %s", source_run, ckpt.session_id, e)
-        return []
-    return journal_records(entries, keys)
 
 
 def _record_run(store: SessionStore, plan: RunPlan, epoch: int) -> None:

@@ -22,10 +22,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol, TypeVar
 
-from loomray.config import CheckpointConfig, Tuning
+from loomray.config import RENAMED_FIELDS, CheckpointConfig, Tuning
 from loomray.errors import LoomrayUserError
+from loomray.models.base import Model
 from loomray.models.resolve import resolve_model
 from loomray.records import Message
 from loomray.tools import Tool, as_tools
@@ -108,7 +109,7 @@ class Variant:
     """
 
     prompt: str | None = None
-    model: Any = None
+    model: str | Model | None = None
     instructions: str | None = None
     tools: tuple[Any, ...] | None = None
     tuning: Tuning | None = None
@@ -168,7 +169,8 @@ class Variant:
                 checkpoint = tuning.get("checkpoint")
                 if isinstance(checkpoint, dict):
                     tuning = {**tuning, "checkpoint": CheckpointConfig(**checkpoint)}
-                tuning = Tuning(**tuning)
+                # A variant stored before Tuning's compact_* fields were renamed: its fields, named as now.
+                tuning = Tuning(**{RENAMED_FIELDS.get(k, k): v for k, v in tuning.items()})
             return cls(prompt=data.get("prompt"), model=data.get("model"), instructions=data.get("instructions"),
                        tools=data.get("tools"), tuning=tuning,
                        edits=tuple(Edit.from_json(e) for e in data.get("edits") or ()))
@@ -224,11 +226,7 @@ def apply_edits(messages: Sequence[Message], edits: Sequence[Edit]) -> list[Mess
     """
     out = list(messages)
     for n, edit in enumerate(edits):
-        # As Python's lists count: insert takes -len..len (len appends), replace and drop -len..len-1.
-        top = len(out) + 1 if edit.op == "insert" else len(out)
-        if not -len(out) <= edit.index < top:
-            raise VariantError(f"edit {n} ({edit.describe()}) is outside a transcript of {len(out)} message(s)")
-        i = edit.index if edit.index >= 0 else edit.index + len(out)
+        i = _edit_index(n, edit, len(out))
         if edit.op == "drop":
             del out[i]
         elif edit.op == "replace":
@@ -238,6 +236,23 @@ def apply_edits(messages: Sequence[Message], edits: Sequence[Edit]) -> list[Mess
             assert edit.message is not None
             out.insert(i, edit.message)
     return out
+
+
+def check_edits(message_count: int, edits: Sequence[Edit]) -> None:
+    """:class:`VariantError` unless ``edits`` apply to a transcript of ``message_count`` messages (as
+    :func:`apply_edits` would find): a fork checks its variants against the checkpoint's index row, unread."""
+    for n, edit in enumerate(edits):
+        _edit_index(n, edit, message_count)
+        message_count += {"drop": -1, "replace": 0, "insert": 1}[edit.op]
+
+
+def _edit_index(n: int, edit: Edit, length: int) -> int:
+    """Where edit ``n`` applies in a transcript of ``length`` messages (:class:`VariantError` if outside it)."""
+    # As Python's lists count: insert takes -len..len (len appends), replace and drop -len..len-1.
+    top = length + 1 if edit.op == "insert" else length
+    if not -length <= edit.index < top:
+        raise VariantError(f"edit {n} ({edit.describe()}) is outside a transcript of {length} message(s)")
+    return edit.index if edit.index >= 0 else edit.index + length
 
 
 def fork_transcript(messages: Sequence[Message], stored: dict[str, Any]) -> list[Message]:
@@ -251,7 +266,20 @@ def fork_transcript(messages: Sequence[Message], stored: dict[str, Any]) -> list
     return out
 
 
-def variant_agent(base: Any, variant: Variant) -> Any:
+class VariantBase(Protocol):
+    """What a variant changes on an agent, and where it records which variant it is (an Agent has all of it)."""
+
+    model: Model
+    instructions: str
+    tools: dict[str, Tool]
+    tuning: Tuning
+    variant: dict[str, Any] | None
+
+
+A = TypeVar("A", bound=VariantBase)
+
+
+def variant_agent(base: A, variant: Variant) -> A:
     """A copy of agent ``base`` with the fields ``variant`` sets; ``base`` is untouched.
 
     The copy's ``variant`` attribute is the stored form, so a run told to
@@ -289,14 +317,14 @@ def _tools(base: dict[str, Tool], given: Sequence[Any]) -> dict[str, Tool]:
         raise VariantError(f"the variant's tools cannot be used: {e}") from e
 
 
-def agent_for(agent: Any, stored: dict[str, Any] | None) -> Any:
+def agent_for(agent: A, stored: dict[str, Any] | None) -> A:
     """The agent a run whose request carries variant ``stored`` runs with.
 
     ``agent`` itself when it is that variant's agent already (the driver
     built it) or there is no variant; else the variant rebuilt from its
     stored form against ``agent``, the base (see the module docstring).
     """
-    held = getattr(agent, "variant", None)
+    held = getattr(agent, "variant", None)  # an agent pickled before variants existed has none
     if stored is None or held == stored:
         return agent
     if held is not None:

@@ -11,8 +11,8 @@ Invariants the loop keeps:
 - a transcript with dangling tool calls (an assistant message whose calls
   have no results yet, e.g. restored from an "after_model" checkpoint) is
   never sent to a model: the missing tool calls run (or replay) first;
-- compaction happens at pass boundaries, before the checkpoint of that
-  boundary, so a snapshot holds the compacted transcript;
+- condensing happens at pass boundaries, before the checkpoint of that
+  boundary, so a snapshot holds the condensed transcript;
 - a failed checkpoint write logs a warning and the run goes on; an error
   the writer's ``is_fatal`` accepts (fencing, lost ownership, a non-transient
   error) stops the run before its next model or tool call once the write has
@@ -22,7 +22,7 @@ Invariants the loop keeps:
 - repairing a transcript puts the results of dangling tool calls right after
   the assistant message that made the calls, before any later message;
 - a spend limit (``Tuning.max_cost_usd``/``max_tokens``) is checked before
-  every model call, after compaction: once the spend so far reached a limit
+  every model call, after condensing: once the spend so far reached a limit
   the run checkpoints (unless nothing changed since the checkpoint it wrote or
   restored last) and returns ``stop_reason="budget_exceeded"`` without
   calling the model.

@@ -1,4 +1,4 @@
-"""One run's transcript and counters, and what the run writes: checkpoints, compaction, its result.
+"""One run's transcript and counters, and what the run writes: checkpoints, condensing, its result.
 
 The passes themselves are :class:`loomray.loop.run.AgentLoop`'s; steering at
 pass boundaries is :class:`loomray.loop.steering.SteeredLoop`'s. Both build on
@@ -11,8 +11,8 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from loomray.compaction import compact, estimate_tokens
-from loomray.events import CompactionEvent, EmitFn, Event, deliver
+from loomray.condense import condense, estimate_tokens
+from loomray.events import CondenseEvent, EmitFn, Event, deliver
 from loomray.ids import new_id
 from loomray.journal import StepRunner
 from loomray.loop.state import LoopOptions, LoopState
@@ -84,20 +84,20 @@ class LoopCore:
         """True when the transcript changed since the checkpoint this run last wrote or restored."""
         return self.saved is None or self.saved != (self.turn, self.messages)
 
-    async def maybe_compact(self) -> None:
-        """Compact the transcript once it passes ``Tuning.compact_after_tokens`` (never with calls dangling)."""
-        budget = self.options.tuning.compact_after_tokens
+    async def maybe_condense(self) -> None:
+        """Condense the transcript once it passes ``Tuning.condense_after_tokens`` (never with calls dangling)."""
+        budget = self.options.tuning.condense_after_tokens
         if budget is None or dangling_tool_calls(self.messages):
             return
         before = estimate_tokens(self.messages)
-        new = compact(self.messages, budget_tokens=budget, keep_last=self.options.tuning.compact_keep_last)
+        new = condense(self.messages, budget_tokens=budget, keep_last=self.options.tuning.condense_keep_last)
         if new is None:
             return
         n_before = len(self.messages)
         self.messages = new
-        await self.emit(CompactionEvent(**self.event_fields(), tokens_before=before,
-                                        tokens_after=estimate_tokens(new), messages_before=n_before,
-                                        messages_after=len(new)))
+        await self.emit(CondenseEvent(**self.event_fields(), tokens_before=before,
+                                      tokens_after=estimate_tokens(new), messages_before=n_before,
+                                      messages_after=len(new)))
 
     async def stop(self, reason: StopReason, why: str) -> RunResult:
         """Stop before the next model call, leaving the run unfinished and resumable: checkpoint, flush, return."""

@@ -134,8 +134,8 @@ class AgentLoop(SteeredLoop):
             "stopped; resume() continues it")
 
     async def before_model_call(self) -> RunResult | None:
-        """The pass boundary: compaction, control, the spend limit, then signals. A result stops the run."""
-        await self.maybe_compact()
+        """The pass boundary: condensing, control, the spend limit, then signals. A result stops the run."""
+        await self.maybe_condense()
         assert not dangling_tool_calls(self.messages), "never send dangling tool calls to a model"
         self.check_writes()
         stopped = await self.boundary()
@@ -145,7 +145,7 @@ class AgentLoop(SteeredLoop):
         if over is not None:
             return await self.stop("budget_exceeded", over)
         if await self.apply_signals():
-            await self.maybe_compact()
+            await self.maybe_condense()
         return None
 
     async def call_model(self) -> Message:
@@ -206,9 +206,9 @@ class AgentLoop(SteeredLoop):
         self.messages[at:at] = results
 
     async def finish_pass_with_tools(self, calls: list[ToolCall]) -> None:
-        """Run the pass's tool calls and close the pass: count it, compact, checkpoint "after_tools"."""
+        """Run the pass's tool calls and close the pass: count it, condense, checkpoint "after_tools"."""
         await self.run_tools(calls)
         self.turn += 1
-        await self.maybe_compact()
+        await self.maybe_condense()
         if self.options.checkpoint and self.options.checkpoint.saves_after_tools():
             await self.checkpoint("after_tools")

@@ -19,7 +19,7 @@ import asyncio
 import hashlib
 import re
 
-from loomray.compaction import estimate_tokens
+from loomray.condense import estimate_tokens
 from loomray.models.base import ModelRequest, ModelResponse
 from loomray.models.scripted import reply_index
 from loomray.records import Message, ToolCall, Usage

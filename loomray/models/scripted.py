@@ -14,7 +14,7 @@ reply that turn would have had. Replies may be strings (a final answer),
 
 A reply may also be a function ``(request) -> reply`` (sync or async).
 Tool-call ids are derived from the reply number (``s0003_0``), which also lets
-the model find its place after compaction folded older assistant messages away.
+the model find its place after condensing folded older assistant messages away.
 ``calls`` counts invocations; ``counter_path`` additionally appends one line per
 call to a file, so a count survives a killed process.
 """
@@ -28,18 +28,18 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from loomray.compaction import estimate_tokens
+from loomray.condense import estimate_tokens
 from loomray.errors import ModelError
 from loomray.models.base import ModelRequest, ModelResponse
 from loomray.records import Message, ToolCall, Usage
 
 _SCRIPTED_ID = re.compile(r"^s(\d{4,})_\d+$")
-_COMPACTED = re.compile(r"\[compacted: \d+ earlier messages, (\d+) from the assistant\]")
+_CONDENSED = re.compile(r"\[compacted: \d+ earlier messages, (\d+) from the assistant\]")
 
 
 
 def reply_index(messages: Sequence[Message]) -> int:
-    """Which scripted reply answers this transcript (robust to compaction)."""
+    """Which scripted reply answers this transcript (robust to condensing)."""
     after = 0
     for m in reversed(messages):
         if m.role != "assistant":
@@ -52,7 +52,7 @@ def reply_index(messages: Sequence[Message]) -> int:
     folded = 0
     for m in messages:
         if m.role == "user":
-            for hit in _COMPACTED.finditer(m.content):
+            for hit in _CONDENSED.finditer(m.content):
                 folded += int(hit.group(1))
     return after + folded
 

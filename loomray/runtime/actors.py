@@ -33,7 +33,7 @@ from loomray.errors import LoomrayRunError, LoomrayUserError
 from loomray.records import RunResult
 from loomray.runtime.connection import NAMESPACE
 from loomray.runtime.stored_options import REDACTED, without_secrets
-from storage import open_store
+from storage import Store, open_store
 from storage.ids import user_from_segment, user_segment, validate_id
 
 #: Name prefix of the detached supervisors (namespace ``loomray``): one per store, any number per
@@ -237,7 +237,7 @@ class RuntimeConfig:
         check_actor_options(self.actor_options)
         object.__setattr__(self, "allowed_agents", tuple(check_pattern(p) for p in self.allowed_agents))
 
-    def open_store(self) -> Any:
+    def open_store(self) -> Store:
         """Open the store this config names, in the calling process."""
         return open_store(self.store_url, **self.storage_options)
 
@@ -294,7 +294,7 @@ class Outcome(BaseModel):
     #: "paused", "awaiting_approval", "budget_exceeded"), what its status row in the store says.
     stop_reason: str | None = None
     #: The run's exception, to re-raise in the driver; only when it survives pickling. Never stored.
-    exception: Any = Field(default=None, exclude=True)
+    exception: BaseException | None = Field(default=None, exclude=True)
 
     @property
     def state(self) -> str:

@@ -43,8 +43,10 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 import ray
+from pydantic import BaseModel
 
 from loomray.errors import LoomrayUserError
+from loomray.events import EmitFn
 from loomray.explore import Budget, ModelJudge
 from loomray.explore.record import ExplorationRecord, callable_ref
 from loomray.ids import new_id
@@ -58,12 +60,14 @@ from loomray.runtime.actors import (
     run_result,
     set_agent_ref,
 )
+from loomray.runtime.adoption import AdoptionPolicy
 from loomray.runtime.base import Runtime, per_request
 from loomray.runtime.fanouts import agent_specs
 from loomray.runtime.handoffs import handed_off
 from loomray.runtime.stored_options import restore_secrets, secret_env_names, storable_options, trusted_options
+from loomray.session_store import SessionStore
 from loomray.variants import Variant, VariantError, variant_agent
-from storage import layout
+from storage import Store, layout
 from storage.ids import user_from_segment
 
 if TYPE_CHECKING:
@@ -124,14 +128,14 @@ class SupervisedRuntime(Runtime):
     supervisor may have started, and joins them.
     """
 
-    def __init__(self, supervisor: Any, store: Any, config: RuntimeConfig,
+    def __init__(self, supervisor: Any, store: SessionStore, config: RuntimeConfig,
                  max_concurrent_forks: int | None = None) -> None:
         super().__init__(store, max_checkpoints_per_session=config.max_checkpoints_per_session)
         self.config, self.max_concurrent_forks = config, max_concurrent_forks
         self._supervisor = supervisor
 
-    async def execute(self, agent: Agent, request: RunRequest, *, emit: Any = None, extra_tools: Sequence[Any] = (),
-                      output_type: Any = None) -> RunResult:
+    async def execute(self, agent: Agent, request: RunRequest, *, emit: EmitFn | None = None,
+                      extra_tools: Sequence[Any] = (), output_type: type[BaseModel] | None = None) -> RunResult:
         """Run ``request`` as a supervised session and return its result (a judge session, in practice)."""
         request = handed_off(request)
         try:
@@ -144,8 +148,9 @@ class SupervisedRuntime(Runtime):
                 raise
         return run_result(await self._supervisor.result(request.session_id, request.user_id), request.session_id)
 
-    async def execute_many(self, agent: Agent | Sequence[Agent], requests: Sequence[RunRequest], *, emit: Any = None,
-                           extra_tools: Sequence[Any] = (), output_type: Any = None) -> list[RunResult]:
+    async def execute_many(self, agent: Agent | Sequence[Agent], requests: Sequence[RunRequest], *,
+                           emit: EmitFn | None = None, extra_tools: Sequence[Any] = (),
+                           output_type: type[BaseModel] | None = None) -> list[RunResult]:
         """The branches of a round: one fan-out of the supervisor; results in request order."""
         spec = agent_specs(per_request(agent, requests), extra_tools)
         requests = [handed_off(r, fork=True) for r in requests]
@@ -191,7 +196,7 @@ class Explorations:
     it may import).
     """
 
-    def __init__(self, supervisor: Any, config: RuntimeConfig, store: Any, adoption: Any) -> None:
+    def __init__(self, supervisor: Any, config: RuntimeConfig, store: Store, adoption: AdoptionPolicy) -> None:
         self._supervisor, self._config, self._store, self._adoption = supervisor, config, store, adoption
         self._running: dict[Key, asyncio.Task] = {}
         #: The allowed references when the marks were last looked at (None: not yet). A live supervisor runs

@@ -57,7 +57,7 @@ from typing import TYPE_CHECKING, Any
 import ray
 
 from loomray.errors import SessionNotHosted, SessionStartError
-from loomray.runtime.actors import AgentSpec, RuntimeConfig, store_key
+from loomray.runtime.actors import AgentSpec, Outcome, RuntimeConfig, store_key
 from loomray.runtime.loop_guard import guard_loop
 from loomray.runtime.raylet_watch import DrainableExecutor, watch_raylet
 from loomray.runtime.session_actor import SessionActor
@@ -210,7 +210,7 @@ class SessionHost:
             raise SessionNotHosted(f"host {self.name} holds no session {session_id!r} (user {user_id!r})")
         return act
 
-    async def run(self, session_id: str, user_id: str | None = None) -> Any:
+    async def run(self, session_id: str, user_id: str | None = None) -> Outcome:
         """The session's :class:`~loomray.runtime.actors.Outcome` once its run ends (joins the run in flight)."""
         return await self._get(session_id, user_id).run()
 

@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import ray
+from pydantic import BaseModel
 
 from loomray.errors import LoomrayRunError, LoomrayUserError
 from loomray.events import EmitFn, deliver, event_from_dict
@@ -122,7 +123,7 @@ class RayRuntime(Runtime):
     reference), :meth:`wait`, :meth:`status`, :meth:`session`.
     """
 
-    def __init__(self, store: Any, address: str | None = None, max_checkpoints_per_session: int = 20,
+    def __init__(self, store: str | os.PathLike[str], address: str | None = None, max_checkpoints_per_session: int = 20,
                  actor_options: dict[str, Any] | None = None, *, max_concurrent_forks: int = 32,
                  on_fork_progress: Callable[[dict[str, Any]], Any] | None = None,
                  placement: str = "actor", hosts_per_node: int | None = None, sessions_per_host: int = 1000,
@@ -201,7 +202,7 @@ class RayRuntime(Runtime):
 
     # -- Runtime ----------------------------------------------------------------
     async def execute(self, agent: Agent, request: RunRequest, *, emit: EmitFn | None = None,
-                      extra_tools: Sequence[Any] = (), output_type: Any = None) -> RunResult:
+                      extra_tools: Sequence[Any] = (), output_type: type[BaseModel] | None = None) -> RunResult:
         """Run ``request`` in a session actor and return its result (restarts are invisible here).
 
         With ``emit``, the actor sends each event to the supervisor and this
@@ -267,7 +268,7 @@ class RayRuntime(Runtime):
 
     async def execute_many(self, agent: Agent | Sequence[Agent], requests: Sequence[RunRequest], *,
                            emit: EmitFn | None = None, extra_tools: Sequence[Any] = (),
-                           output_type: Any = None) -> list[RunResult]:
+                           output_type: type[BaseModel] | None = None) -> list[RunResult]:
         """Fan-out: one actor per request, at most ``max_concurrent_forks`` at once; results in request order.
         ``agent``: one for all requests, or one per request. ``on_fork_progress`` (if set) is called with the
         supervisor's progress dict (``total``, ``queued``, ``running``, a count per ending, ``max_running``,

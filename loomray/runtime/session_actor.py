@@ -39,7 +39,6 @@ import ray
 from ray import cloudpickle
 
 from loomray import control
-from loomray.checkpoint_format import load_checkpoint
 from loomray.runtime.actors import (
     NAMESPACE,
     AgentSpec,
@@ -102,15 +101,10 @@ class SessionActor:
         self._epoch: int | None = None
         self._epoch_task: asyncio.Task | None = None
         self._events = 0
-        #: The session's latest checkpoint, read and validated here so an unreadable one fails the
-        #: constructor (typed error, no restart loop) and status knows the turn before the run starts.
-        #: ``run()`` restores it into the loop (after taking the lease) through ``execute_request``.
+        #: The checkpoint the run restored (from its ``run_start`` event): the run reads it once, in
+        #: ``execute_request`` after taking the lease; an unreadable one fails the run (outcome "failed", no restart).
         self._restored_turn: int | None = None
         self._restored_checkpoint_id: str | None = None
-        ckpt = load_checkpoint(self._store, self._request.session_id, "latest", user_id=self._request.user_id)
-        if ckpt is not None:
-            self._restored_turn, self._restored_checkpoint_id = ckpt.turn, ckpt.checkpoint_id
-            self._turn = ckpt.turn
 
     async def run(self) -> Outcome:
         """Run (or join the run in flight) and return its outcome. Never raises for a run's failure."""
@@ -181,6 +175,8 @@ class SessionActor:
         self._turn = event.turn
         if event.type == "checkpoint" and event.ok:
             self._checkpoint_turn = event.turn
+        if event.type == "run_start" and event.restored_checkpoint_id is not None:
+            self._restored_turn, self._restored_checkpoint_id = event.turn, event.restored_checkpoint_id
         if event.type == "run_start" and self._epoch_task is None:
             # The lease was taken just before the run started; read its epoch off the loop's path.
             self._epoch_task = asyncio.get_running_loop().create_task(self._read_epoch())

@@ -10,7 +10,7 @@ restart is a fresh lease epoch decided once. Its jobs, each in its own part:
   sessions nobody here watches (a killed supervisor's, a lost cluster's),
   refusing what the store must not choose;
 - relay events (:mod:`loomray.runtime.event_relay`), run fan-outs
-  (:mod:`loomray.runtime.fanouts`), compact the index (:mod:`loomray.runtime.compaction`);
+  (:mod:`loomray.runtime.fanouts`), compact the index (:mod:`loomray.runtime.index_compaction`);
 - run submitted explorations, and continue a dead supervisor's (:mod:`loomray.runtime.explorations`).
 
 Its state is derived, never authoritative: what it watches comes from the
@@ -35,12 +35,12 @@ from loomray.errors import LoomrayUserError
 from loomray.runtime import active
 from loomray.runtime.actors import AgentSpec, Outcome, RuntimeConfig, head_node_id, session_actor_name, supervisor_name
 from loomray.runtime.adoption import AdoptionPolicy, same_request
-from loomray.runtime.compaction import Compaction
 from loomray.runtime.connection import NAMESPACE
 from loomray.runtime.event_relay import EventRelay, SessionKey
 from loomray.runtime.explorations import Explorations
 from loomray.runtime.fanouts import Fanouts
 from loomray.runtime.handoffs import pinned
+from loomray.runtime.index_compaction import IndexCompaction
 from loomray.runtime.watcher import SessionWatcher, WatchedSession
 from loomray.session import RunRequest
 
@@ -68,7 +68,7 @@ class Supervisor:
         self._adoption = AdoptionPolicy(config, self._store)
         self._events = EventRelay()
         self._fanouts = Fanouts()
-        self._compaction = Compaction(self._store)
+        self._compaction = IndexCompaction(self._store)
         self._explorations = Explorations(self, config, self._store, self._adoption)
         self._started: asyncio.Task | None = None
         self._background: list[asyncio.Task] = []

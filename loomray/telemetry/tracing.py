@@ -32,7 +32,7 @@ from typing import Any
 
 from loomray.events import (
     CheckpointEvent,
-    CompactionEvent,
+    CondenseEvent,
     DeterminismViolation,
     Event,
     ModelCall,
@@ -220,7 +220,7 @@ class TracingObserver:
             self._ensure(event).tools[event.tool_call.id] = _ToolStep(_ns(event.at), event.turn, event.tool_call)
         elif isinstance(event, ToolResultEvent):
             self._tool_result(event, info)
-        elif isinstance(event, (CheckpointEvent, ReplayedStep, DeterminismViolation, CompactionEvent)):
+        elif isinstance(event, (CheckpointEvent, ReplayedStep, DeterminismViolation, CondenseEvent)):
             current = self._run(event)
             if current is not None and current.span is not None:
                 fields = event.model_dump(mode="json", exclude={"type", "session_id", "run_id", "at"})

@@ -1,4 +1,4 @@
-"""The loop: checkpoint positions, events, usage, max_turns, output_schema, compaction, durability."""
+"""The loop: checkpoint positions, events, usage, max_turns, output_schema, condensing, durability."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pydantic import BaseModel
 
 from loomray import Agent, Checkpoint, CheckpointConfig, Tuning
 from loomray.errors import MaxTurnsExceeded
+from loomray.events import CondenseEvent
 from loomray.loop import OutputValidationError
 from loomray.models import ScriptedModel
 from loomray.runtime import InProcRuntime
@@ -267,30 +268,62 @@ def big_lookup(key: str) -> str:
     return f"{key}: " + "lorem ipsum " * 300
 
 
-async def test_auto_compaction_keeps_budget_and_checkpoint_holds_compacted_transcript():
+async def test_condensing_keeps_budget_and_checkpoint_holds_condensed_transcript():
     n = 12
     model = ScriptedModel([{"tool": "big_lookup", "args": {"key": f"k{i}"}} for i in range(n)] + ["report"])
     agent = Agent("sys", model=model, tools=[big_lookup], runtime=InProcRuntime(0),
-                  tuning=Tuning(checkpoint=True, compact_after_tokens=3000, compact_keep_last=4))
+                  tuning=Tuning(checkpoint=True, condense_after_tokens=3000, condense_keep_last=4))
     events = []
     result = await agent.run("research task", session_id="s1", emit=events.append)
-    compactions = [e for e in events if e.type == "compaction"]
-    assert compactions and all(e.tokens_after < e.tokens_before for e in compactions)
+    condensed = [e for e in events if e.type == "condense"]
+    assert condensed and all(e.tokens_after < e.tokens_before for e in condensed)
+    assert all(type(e) is CondenseEvent for e in condensed)
     assert result.output == "report" and result.turns == n + 1 and model.calls == n + 1
-    # The model kept its place after compaction (ScriptedModel reads it from the transcript).
+    # The model kept its place after condensing (ScriptedModel reads it from the transcript).
     assert [r.messages[-1].content.split(":")[0] for r in model.requests[1:]] == [f"k{i}" for i in range(n)]
     assert result.messages[0].role == "system" and result.messages[1].content.startswith("research task")
-    assert "[compacted:" in result.messages[1].content
-    # Each checkpoint after a compaction holds the compacted transcript, not the full one.
-    # (Checkpoint events come when the store acknowledges them, in batches: the checkpoint written right after the
-    # compaction is the one of the turn the compaction happened at.)
-    first = next(e for e in events if e.type == "compaction")
+    assert "[compacted:" in result.messages[1].content  # the digest's wording is part of stored transcripts
+    # Each checkpoint after condensing holds the condensed transcript, not the full one.
+    # (Checkpoint events come when the store acknowledges them, in batches: the checkpoint written right after
+    # condensing is the one of the turn it happened at.)
+    first = condensed[0]
     ck = next(e for e in events if e.type == "checkpoint" and e.turn == first.turn)
     assert len((await agent.get_checkpoint("s1", ck.checkpoint_id)).messages) == first.messages_after
     # No dangling tool call was ever sent to the model.
     from loomray.loop import dangling_tool_calls
 
     assert all(not dangling_tool_calls(list(r.messages)) for r in model.requests)
+
+
+def test_the_old_compaction_names_still_work_with_a_deprecation_warning():
+    """Tuning's compact_* keywords and CompactionEvent were renamed (transcript condensing is not the index's
+    compaction); for one release the old spellings build the same thing and warn."""
+    with pytest.warns(DeprecationWarning, match="deprecated") as warned:
+        old = Tuning(compact_after_tokens=3000, compact_keep_last=4)  # type: ignore[call-arg]
+    assert sorted(str(w.message).split()[0] for w in warned) == ["Tuning.compact_after_tokens",
+                                                                   "Tuning.compact_keep_last"]
+    assert old == Tuning(condense_after_tokens=3000, condense_keep_last=4)
+    with pytest.warns(DeprecationWarning, match="condense_keep_last"):
+        assert old.compact_keep_last == 4
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="condense_keep_last"):
+        Tuning(compact_keep_last=1)  # type: ignore[call-arg]  # a bad value still fails when built
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="both"):
+        Tuning(compact_after_tokens=10, condense_after_tokens=20)  # type: ignore[call-arg]
+    # A variant stored by the previous release names the old fields: it reads back as it was, without a warning.
+    from loomray import Variant
+
+    stored = {"tuning": {"compact_after_tokens": 3000, "compact_keep_last": 4}}
+    assert Variant.from_json(stored).tuning == Tuning(condense_after_tokens=3000, condense_keep_last=4)
+    from loomray.events import CompactionEvent, event_from_dict
+
+    fields = {"session_id": "s", "tokens_before": 9, "tokens_after": 3, "messages_before": 8, "messages_after": 4}
+    with pytest.warns(DeprecationWarning, match="CondenseEvent"):
+        event = CompactionEvent(**fields)
+    assert isinstance(event, CondenseEvent) and event.type == "compaction"
+    with pytest.warns(DeprecationWarning):
+        back = event_from_dict({"type": "compaction", **fields})  # an event of the old kind still reads back
+    assert isinstance(back, CondenseEvent) and back.tokens_after == 3
+    assert type(event_from_dict({"type": "condense", **fields})) is CondenseEvent
 
 
 async def test_events_are_json_and_round_trip():

@@ -100,7 +100,7 @@ def test_loop_and_journal_do_not_import_storage_or_ray():
     root = Path(__file__).resolve().parents[2] / "loomray"
     loop_modules = tuple(f"loop/{p.name}" for p in sorted((root / "loop").glob("*.py")))
     assert "loop/run.py" in loop_modules
-    for name in (*loop_modules, "journal.py", "tools.py", "compaction.py", "events.py", "config.py"):
+    for name in (*loop_modules, "journal.py", "tools.py", "condense.py", "events.py", "config.py"):
         text = (root / name).read_text()
         assert "import ray" not in text and "from ray" not in text
         assert "from storage" not in text and "import storage" not in text, name

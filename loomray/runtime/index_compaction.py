@@ -1,5 +1,9 @@
 """Background compaction of the store's index, scheduled by the supervisor.
 
+"Compaction" in loomray always means this: merging the index's small Parquet
+files (:meth:`storage.Store.compact`, ``loomray compact``). Keeping a long
+transcript short is *condensing* (:mod:`loomray.condense`).
+
 Every session run adds small index files; readers of the index (``loomray
 query``, ``status`` without a cluster) slow down as they pile up. The
 supervisor is the one long-lived process of a cluster, so it compacts every
@@ -15,10 +19,10 @@ from typing import Any
 
 from storage import Store
 
-log = logging.getLogger("loomray.runtime.compaction")
+log = logging.getLogger("loomray.runtime.index_compaction")
 
 
-class Compaction:
+class IndexCompaction:
     """Compacts one store's index now (:meth:`compact`) or every so often (:meth:`every`)."""
 
     def __init__(self, store: Store) -> None:

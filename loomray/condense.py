@@ -1,7 +1,10 @@
-"""Auto-compaction: keep a long transcript under a token budget, deterministically.
+"""Condensing: keep a long transcript under a token budget, deterministically (``Tuning.condense_after_tokens``).
 
-Compaction is a pure function of the transcript (no model call), so a replayed
-run compacts to exactly the same messages and every later step's input hash
+Not to be confused with the index's compaction (``loomray compact``,
+:meth:`storage.Store.compact`), which merges index files: this module
+touches only a run's transcript. Condensing is a pure function of the
+transcript (no model call), so a replayed run condenses to exactly the same
+messages and every later step's input hash
 matches its journal entry. It keeps the system message, the first user message
 (the task) and the last ``keep_last`` messages, and folds everything between
 into one short digest appended to the task message. The cut never separates an
@@ -65,8 +68,8 @@ def _cut_index(messages: list[Message], start: int, keep_last: int) -> int:
     return cut
 
 
-def compact(messages: list[Message], *, budget_tokens: int, keep_last: int) -> list[Message] | None:
-    """Return a compacted transcript, or None when it is under budget or nothing can be folded."""
+def condense(messages: list[Message], *, budget_tokens: int, keep_last: int) -> list[Message] | None:
+    """Return a condensed transcript, or None when it is under budget or nothing can be folded."""
     if estimate_tokens(messages) <= budget_tokens:
         return None
     head_end = 0
@@ -81,6 +84,8 @@ def compact(messages: list[Message], *, budget_tokens: int, keep_last: int) -> l
     if not folded:
         return None
     assistants = sum(1 for m in folded if m.role == "assistant")
+    # The digest's first line keeps the wording of the releases that called this compaction: it is part of the
+    # transcript, so of the input hash of every journaled step after it (a run recovered across an upgrade).
     lines = [f"[compacted: {len(folded)} earlier messages, {assistants} from the assistant]"]
     for m in folded:
         if m.role == "assistant" and m.tool_calls:
