@@ -12,13 +12,13 @@ import asyncio
 import copy
 import os
 import sys
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import click
+from rich.progress import Progress, TaskID
 
 from loomray.agent import Agent
-from loomray.checkpoint_format import load_checkpoint
 from loomray.cli.common import (
     CliError,
     address_option,
@@ -37,15 +37,13 @@ from loomray.cli.output import emit_json, excerpt
 from loomray.cli.progress import run_progress
 from loomray.cli.ray_access import join_cluster, placement_option, require_address
 from loomray.cli.tables import Col, fit_table
-from loomray.cli.variant_args import parse_variant
+from loomray.cli.variant_args import parse_variants
 from loomray.errors import LoomrayUserError
-from loomray.ids import new_id
+from loomray.events import CheckpointEvent, EmitFn, Event, RunStart
 from loomray.records import RunResult
-from loomray.run_request import RunRequest
 from loomray.runtime import LocalRuntime, Runtime
 from loomray.runtime.connection import normalize_store_url
-from loomray.session import execute_request
-from loomray.variants import Variant, apply_edits, describe_variant
+from loomray.variants import describe_variant
 from storage import Store
 
 T = TypeVar("T")
@@ -68,19 +66,10 @@ def load_agent(ref: str) -> Agent:
     return obj
 
 
-class _AgentRefLocalRuntime(LocalRuntime):
-    """``LocalRuntime`` that writes the agent's reference into the session rows (``LocalRuntime`` writes none)."""
-
-    async def execute(self, agent: Agent, request: RunRequest, *, emit: Any = None, extra_tools: Sequence[Any] = (),
-                      output_type: Any = None) -> RunResult:
-        return await execute_request(agent, request, self.store, max_checkpoints_per_session=self.keep,
-                                     emit=emit, extra_tools=extra_tools, output_type=output_type,
-                                     agent_ref=getattr(agent, "loomray_ref", None))
-
-
 def in_process_runtime(store_url: str) -> LocalRuntime:
-    """The runtime of ``resume``/``fork`` without a cluster: this process, keeping sessions resumable by reference."""
-    return _AgentRefLocalRuntime(store_url)
+    """The runtime of ``resume``/``fork`` without a cluster: this process (a bound agent's reference is stored
+    with its sessions, so they stay resumable by reference)."""
+    return LocalRuntime(store_url)
 
 
 def runtime_for(store_url: str, address: str | None, placement: str = "actor") -> Runtime:
@@ -124,27 +113,31 @@ def result_dict(r: RunResult) -> dict[str, Any]:
             "output": r.output}
 
 
-async def _latest_turn(store: Store, session_id: str, user_id: str | None) -> int | None:
-    rows = await asyncio.to_thread(store.list_checkpoints, session_id, user_id=user_id, limit=1)
-    return rows[0].turn if rows else None
+class _Bars:
+    """Progress bars fed by the runs' own events: a bar per session from its ``run_start``, its turn from each
+    checkpoint. ``labels``: the label of each run in the order given (a run is matched to it by its prompt)."""
+
+    def __init__(self, progress: Progress, labels: Sequence[tuple[str | None, str]]) -> None:
+        self._progress, self._free = progress, list(labels)
+        self._bars: dict[str, tuple[TaskID, int]] = {}
+
+    def __call__(self, event: Event) -> None:
+        sid = event.session_id
+        if isinstance(event, RunStart) and sid not in self._bars:
+            hit = next((i for i, (p, _) in enumerate(self._free) if p == event.prompt), 0 if self._free else None)
+            label = self._free.pop(hit)[1] if hit is not None else sid
+            self._bars[sid] = (self._progress.add_task(label, total=None, info="starting"), event.turn)
+        elif sid in self._bars and isinstance(event, CheckpointEvent) and event.ok:
+            bar, base = self._bars[sid]
+            self._progress.update(bar, info=f"turn {event.turn} (+{max(event.turn - base, 0)})")
+        elif sid in self._bars and event.type in ("run_end", "run_error"):
+            self._progress.update(self._bars[sid][0], total=1, completed=1)
 
 
-async def with_progress(work: Awaitable[T], store: Store, sessions: Sequence[tuple[str, str]], user_id: str | None,
-                        base_turn: int | None) -> T:
-    """Await ``work`` while showing, per ``(session, label)``, how many passes it has checkpointed so far."""
-    task = asyncio.ensure_future(work)
+async def with_progress(work: Callable[[EmitFn], Awaitable[T]], labels: Sequence[tuple[str | None, str]]) -> T:
+    """``work(emit)``, showing a bar per run it starts (see :class:`_Bars`) until it is done."""
     with run_progress() as progress:
-        bars = {sid: progress.add_task(label, total=None, info="starting") for sid, label in sessions}
-        while not task.done():
-            await asyncio.wait({task}, timeout=0.5)
-            for sid, bar in bars.items():
-                turn = await _latest_turn(store, sid, user_id)
-                if turn is not None:
-                    done = turn - (base_turn or 0)
-                    progress.update(bar, info=f"turn {turn} (+{max(done, 0)})")
-        for bar in bars.values():
-            progress.update(bar, total=1, completed=1)
-    return task.result()
+        return await work(_Bars(progress, labels))
 
 
 @click.command()
@@ -169,10 +162,9 @@ def resume(session_id: str, prompt: str | None, from_checkpoint: str, agent_ref:
     store = open_store_or_fail(store_url)
     agent, ref = agent_for(session_id, user_id, store, agent_ref)
     bound = bind(agent, ref, runtime_for(store_url_or_fail(store_url), address))
-    base = store.list_checkpoints(session_id, user_id=user_id, limit=1)
-    work = bound.resume(prompt, session_id=session_id, from_checkpoint=from_checkpoint, user_id=user_id)
-    result = asyncio.run(with_progress(work, store, [(session_id, f"resume {session_id}")], user_id,
-                                       base[0].turn if base else None))
+    result = asyncio.run(with_progress(lambda emit: bound.resume(
+        prompt, session_id=session_id, from_checkpoint=from_checkpoint, user_id=user_id, emit=emit),
+        [(prompt, f"resume {session_id}")]))
     if as_json:
         emit_json(result_dict(result))
         return
@@ -183,29 +175,14 @@ def resume(session_id: str, prompt: str | None, from_checkpoint: str, agent_ref:
 
 
 def _fork_base(store: Store, session_id: str, user_id: str | None, from_checkpoint: str) -> tuple[str, int]:
-    """The checkpoint to fork from (``latest`` resolved) and its turn."""
-    if from_checkpoint == "latest":
-        rows = store.list_checkpoints(session_id, user_id=user_id, limit=1)
-        if not rows:
-            raise CliError(f"session {session_id!r} has no checkpoint to fork from")
-        return rows[0].checkpoint_id, rows[0].turn
-    check_id(from_checkpoint, "checkpoint_id")
-    base = load_checkpoint(store, session_id, from_checkpoint, user_id=user_id)
-    if base is None:
-        raise CliError(f"session {session_id!r} has no checkpoint {from_checkpoint!r}")
-    return from_checkpoint, base.turn
-
-
-def _fork_arms(bound: Agent, store: Store, session_id: str, user_id: str | None, from_checkpoint: str,
-               prompts: Sequence[str], variants: Sequence[Variant]) -> list[tuple[Agent, str | None, dict | None]]:
-    """Each fork's agent, prompt and stored variant; a variant that cannot apply fails here, before any fork runs."""
-    if not variants:
-        return [(bound, p, None) for p in prompts]
-    if any(v.edits for v in variants):
-        base = load_checkpoint(store, session_id, from_checkpoint, user_id=user_id)
-        for v in variants:
-            apply_edits(base.messages if base is not None else [], v.edits)
-    return [(bound.with_variant(v), v.prompt, v.to_json()) for v in variants]
+    """The checkpoint to fork from (``latest`` resolved) and its turn, from the session's index rows."""
+    if from_checkpoint != "latest":
+        check_id(from_checkpoint, "checkpoint_id")
+    rows = store.list_checkpoints(session_id, user_id=user_id, limit=1 if from_checkpoint == "latest" else None)
+    row = next((r for r in rows if from_checkpoint in ("latest", r.checkpoint_id)), None)
+    if row is None:
+        raise CliError(f"session {session_id!r} has no checkpoint {from_checkpoint!r} to fork from")
+    return row.checkpoint_id, row.turn
 
 
 @click.command()
@@ -234,28 +211,27 @@ def fork(session_id: str, from_checkpoint: str, prompts: tuple[str, ...], varian
     check_id(user_id, "user_id")
     if bool(prompts) == bool(variant_texts):
         raise CliError("give one fork per --prompt or per --variant (not both)")
-    variants = [parse_variant(t) for t in variant_texts]
+    variants = parse_variants(variant_texts)
     store = open_store_or_fail(store_url)
     agent, ref = agent_for(session_id, user_id, store, agent_ref)
     from_checkpoint, base_turn = _fork_base(store, session_id, user_id, from_checkpoint)
-    runtime = runtime_for(store_url_or_fail(store_url), address, placement)
-    arms = _fork_arms(bind(agent, ref, runtime), store, session_id, user_id, from_checkpoint, prompts, variants)
-    # Built here (as Agent.fork does) so the new session ids are known and their progress can be shown.
-    requests = [RunRequest(kind="resume", prompt=p, session_id=new_id("sess"), user_id=user_id,
-                           from_checkpoint=from_checkpoint, fork_of=session_id, variant=v) for _, p, v in arms]
-    what = [(q.prompt or "") if q.variant is None else describe_variant(q.variant) for q in requests]
-    labels = [(r.session_id, f"fork {i + 1}: {excerpt(what[i], 32)}") for i, r in enumerate(requests)]
-    results = asyncio.run(with_progress(runtime.execute_many([a for a, _, _ in arms], requests), store, labels,
-                                        user_id, base_turn))
+    bound = bind(agent, ref, runtime_for(store_url_or_fail(store_url), address, placement))
+    # Each fork's prompt, how it is shown, and its variant as stored (None: a prompt fork).
+    arms: list[tuple[str | None, str, dict[str, Any] | None]] = [
+        (v.prompt, describe_variant(v.to_json()), v.to_json()) for v in variants] or [(p, p, None) for p in prompts]
+    labels = [(p, f"fork {i + 1}: {excerpt(what or '', 32)}") for i, (p, what, _) in enumerate(arms)]
+    results = asyncio.run(with_progress(lambda emit: bound.fork(
+        session_id, from_checkpoint=from_checkpoint, prompts=None if variants else list(prompts),
+        variants=variants or None, user_id=user_id, emit=emit), labels))
     if as_json:
-        emit_json([{**result_dict(r), "prompt": q.prompt, "variant": q.variant, "forked_from": session_id,
-                    "from_checkpoint": from_checkpoint} for r, q in zip(results, requests, strict=False)])
+        emit_json([{**result_dict(r), "prompt": p, "variant": v, "forked_from": session_id,
+                    "from_checkpoint": from_checkpoint} for r, (p, _, v) in zip(results, arms, strict=True)])
         return
     # The new session ids are what the next command needs: printed whole, whatever the terminal's width.
     cols = [Col("session"), Col("turns", justify="right"), Col("calls", "model calls", drop=2, justify="right"),
             Col("prompt", "variant" if variants else "prompt", wrap=True, min_wrap=12),
             Col("output", wrap=True, drop=1)]
     rows = [{"session": r.session_id, "prompt": w, "turns": str(r.turns), "calls": str(r.model_calls),
-             "output": excerpt(r.output, 80)} for r, w in zip(results, what, strict=False)]
+             "output": excerpt(r.output, 80)} for r, (_, w, _) in zip(results, arms, strict=True)]
     console.print(fit_table(cols, rows, title=f"{len(results)} forks of {session_id} from {from_checkpoint} "
                                               f"(turn {base_turn})"))

@@ -71,9 +71,14 @@ class Runtime:
         extra_tools: Sequence[Any] = (),
         output_type: type[BaseModel] | None = None,
     ) -> RunResult:
-        """Run one request to completion and return its result."""
+        """Run one request to completion and return its result.
+
+        An agent registered by reference (``set_agent_ref``) has its reference stored with the session's
+        rows, so the session stays resumable by reference (``loomray resume``) whichever runtime ran it.
+        """
         return await execute_request(agent, request, self.store, max_checkpoints_per_session=self.keep,
-                                     emit=emit, extra_tools=extra_tools, output_type=output_type)
+                                     emit=emit, extra_tools=extra_tools, output_type=output_type,
+                                     agent_ref=getattr(agent, "loomray_ref", None))
 
     async def execute_many(
         self,
