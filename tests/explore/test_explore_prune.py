@@ -66,3 +66,4 @@ def test_prune_removes_finished_explorations_and_never_a_running_one(tmp_path):
     assert store.prune(before=datetime.now(timezone.utc) + timedelta(seconds=5)).explorations == 1
     assert _keys(store, mine) == set() and _keys(store, "explorations/") == set()
     agent.runtime.close()
+
