@@ -1,5 +1,7 @@
 """Prune: delete checkpoints, journal entries and run records matching every given filter, and nothing else.
 
+(And the records of the explorations of the sessions in scope that are over: :mod:`storage.prune_explorations`.)
+
 With ``before``, recovery of an unfinished run is never broken: when a
 session's last run has not finished, its journal, its run record, the
 journal it replays, the checkpoint it started from (also in another session
@@ -43,6 +45,7 @@ from storage import chains, layout
 from storage.ids import user_from_segment, user_segment, validate_id
 from storage.journal import RUN_END, last_run_window, load_entries, unfinished_last_run
 from storage.journal.runs import drop_request, requests_held
+from storage.prune_explorations import ExplorationsPlan, delete_explorations, plan_explorations
 from storage.prune_objects import put_back, read_objects, restore_entry
 from storage.rows import CheckpointRow, JournalEntry, PruneReport, RunRecord, as_utc
 
@@ -86,6 +89,8 @@ class SessionPrunePlan:
     #: Run records that stay (the last run is chosen among them) but lose their request and its hash: the
     #: records of matching runs that recovery does not need (:func:`storage.journal.runs.drop_request`).
     request_keys: tuple[str, ...] = ()
+    #: The records of the session's explorations that are over (:mod:`storage.prune_explorations`).
+    explorations: ExplorationsPlan = ExplorationsPlan()
 
     @property
     def checkpoints(self) -> int:
@@ -105,7 +110,7 @@ class SessionPrunePlan:
         return {"session_id": self.session_id, "user_id": self.user_id, "checkpoints": self.checkpoints,
                 "journal_entries": self.journal_entries, "run_records": self.run_records,
                 "checkpoint_ids": [r.checkpoint_id for r in self.retired],
-                "kept_for_recovery": list(self.kept_for_recovery)}
+                "kept_for_recovery": list(self.kept_for_recovery), "explorations": list(self.explorations.deleted)}
 
 
 @dataclass(frozen=True)
@@ -129,12 +134,17 @@ class PrunePlan:
     def run_records(self) -> int:
         return sum(s.run_records for s in self.sessions)
 
+    @property
+    def explorations(self) -> int:
+        return sum(len(s.explorations.deleted) for s in self.sessions)
+
     def summary(self) -> dict[str, Any]:
         """The filters, the totals and every session's :meth:`SessionPrunePlan.summary`, JSON-ready but for
         ``before`` (a datetime)."""
         return {"before": self.before, "session_id": self.session_id, "user_id": self.user_id,
                 "checkpoints": self.checkpoints, "journal_entries": self.journal_entries,
-                "run_records": self.run_records, "sessions": [s.summary() for s in self.sessions]}
+                "run_records": self.run_records, "explorations": self.explorations,
+                "sessions": [s.summary() for s in self.sessions]}
 
 
 def _scope(store: Store, session_id: str | None, user_id: str | None) -> list[SessionKey]:
@@ -232,7 +242,7 @@ class _Planner:
         return SessionPrunePlan(uid, sid, tuple(retired), tuple(orphans), tuple(keys), tuple(records),
                                 tuple(sorted(spared & {r.checkpoint_id for r in live})), live, entries,
                                 _object_keys(store, uid, sid, live, retired, orphans, self._heads(uid, sid, snap)),
-                                tuple(bare))
+                                tuple(bare), plan_explorations(store.objects, sid, uid, cutoff))
 
     def _heads(self, uid: str | None, sid: str, snap: Snapshot) -> list[CheckpointRow]:
         """The rows a running writer of the session may build on next (:attr:`Snapshot.heads`), when its last run
@@ -282,9 +292,10 @@ def prune(store: Store, *, before: datetime | None, session_id: str | None, user
     meanwhile never loses what it needs.
     """
     planner = _Planner(store, before, session_id, user_id)
-    n_ckpt = n_journal = n_runs = 0
+    n_ckpt = n_journal = n_runs = n_explorations = 0
     for uid, sid in planner.scope:
         plan = planner.plan(uid, sid)
+        n_explorations += delete_explorations(store.objects, plan.explorations)
         if planner.cutoff is None:
             store.retire_checkpoints(sid, list(plan.retired), user_id=uid, collect=False)  # tombstones, view
             if plan.object_keys:
@@ -298,7 +309,8 @@ def prune(store: Store, *, before: datetime | None, session_id: str | None, user
             n_ckpt += checkpoints
             n_journal += journal_entries
         n_runs += plan.run_records
-    return PruneReport(checkpoints=n_ckpt, journal_entries=n_journal, run_records=n_runs)
+    return PruneReport(checkpoints=n_ckpt, journal_entries=n_journal, run_records=n_runs,
+                       explorations=n_explorations)
 
 
 def _delete(store: Store, journal_keys: Sequence[str], record_keys: Sequence[str]) -> None:

@@ -135,6 +135,8 @@ class PruneReport:
     checkpoints: int
     journal_entries: int
     run_records: int = 0
+    #: Explorations whose records went (:mod:`storage.prune_explorations`).
+    explorations: int = 0
 
 
 @dataclass(frozen=True)

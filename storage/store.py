@@ -224,6 +224,9 @@ class Store(CheckpointMethods, CheckpointWrites, JournalMethods, SessionMethods)
               user_id: str | None = None) -> PruneReport:
         """Delete checkpoints, journal entries and run records matching all filters (None = any), nothing else.
 
+        The records of the explorations of the sessions in scope go once they are over (finished before
+        ``before``, when given); a running exploration's never do (:mod:`storage.prune_explorations`).
+
         With ``before``, what recovery of an unfinished last run needs stays,
         even for a run that starts while prune works, and the session's last
         run stays its last run (see :func:`storage.pruning.prune`). Then

@@ -48,7 +48,9 @@ def prune(store_url: str | None, before: str | None, session_id: str | None, use
           dry_run: bool, yes: bool, show_progress: bool, as_json: bool) -> None:
     """Delete checkpoints, journal entries and run records matching every given filter, and nothing else.
 
-    With --before, what recovering an unfinished run needs stays. --dry-run
+    With --before, what recovering an unfinished run needs stays. The records
+    of the sessions' explorations go once they are over (finished before
+    --before, if given); a running exploration's never do. --dry-run
     lists what would go. Without --yes, prune shows what it would delete and
     asks for confirmation on a terminal; when stdin is not a terminal (a
     script, cron) it refuses unless --yes is given.
@@ -71,10 +73,10 @@ def prune(store_url: str | None, before: str | None, session_id: str | None, use
                            "asking (or --dry-run to list what would be deleted)")
         with Activity("prune: looking for what matches", show_progress) as activity:
             plan = _plan(store, cutoff, session_id, user_id, activity)
-        if not (plan.checkpoints or plan.journal_entries or plan.run_records):
+        if not (plan.checkpoints or plan.journal_entries or plan.run_records or plan.explorations):
             err_console.print("nothing matches: nothing to delete", highlight=False)
             if as_json:
-                emit_json({"checkpoints": 0, "journal_entries": 0, "run_records": 0})
+                emit_json({"checkpoints": 0, "journal_entries": 0, "run_records": 0, "explorations": 0})
             return
         err_console.print(f"prune would delete {_plan_summary(plan)} in {store.describe()}"
                           + (" (every session's history)" if everything else ""), highlight=False)
@@ -89,7 +91,9 @@ def prune(store_url: str | None, before: str | None, session_id: str | None, use
     else:
         console.print(f"pruned {count(report.checkpoints, 'checkpoint')}, "
                       f"{count(report.journal_entries, 'journal entry', 'journal entries')} and "
-                      f"{count(report.run_records, 'run record')}", highlight=False)
+                      f"{count(report.run_records, 'run record')}"
+                      + (f", and {count(report.explorations, 'finished exploration')}" if report.explorations else ""),
+                      highlight=False)
 
 
 def _plan(store: Store, cutoff: datetime | None, session_id: str | None, user_id: str | None,
@@ -102,13 +106,14 @@ def _plan(store: Store, cutoff: datetime | None, session_id: str | None, user_id
 
 def _deleting(plan: PrunePlan) -> list[SessionPrunePlan]:
     """The sessions of which the plan deletes something."""
-    return [s for s in plan.sessions if s.checkpoints or s.journal_entries or s.run_records]
+    return [s for s in plan.sessions if s.checkpoints or s.journal_entries or s.run_records or s.explorations.deleted]
 
 
 def _plan_summary(plan: PrunePlan) -> str:
     return (f"{count(plan.checkpoints, 'checkpoint')}, "
             f"{count(plan.journal_entries, 'journal entry', 'journal entries')} and "
-            f"{count(plan.run_records, 'run record')} of {count(len(_deleting(plan)), 'session')}")
+            f"{count(plan.run_records, 'run record')} of {count(len(_deleting(plan)), 'session')}"
+            + (f", and {count(plan.explorations, 'finished exploration')}" if plan.explorations else ""))
 
 
 def _print_plan(plan: PrunePlan, as_json: bool) -> None:

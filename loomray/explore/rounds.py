@@ -19,6 +19,7 @@ from loomray.explore.forking import BranchPlan, start_branches
 from loomray.explore.judges import transcript
 from loomray.explore.types import Branch, JudgeInput
 from loomray.records import Checkpoint, RunResult
+from storage.errors import TransientStorageError
 
 
 @dataclass
@@ -141,6 +142,10 @@ class RoundRun:
             results: list[RunResult | None] = list(task.result())
             error = None
         except Exception as e:  # one branch's failure fails the fan-out: each branch ends by what it stored
+            if _transient(e):
+                # The store failed for a while, not a branch: stop here as a dead driver would, deciding nothing
+                # for the branches (a stored "failed" would be for good); a continuation re-issues them.
+                raise
             results, error = [None] * len(pending), f"{type(e).__name__}: {e}"
         for live, result in zip(pending, results, strict=True):
             if live.done:
@@ -211,6 +216,18 @@ class RoundRun:
         self.stop_reason = stored["reason"]
         await asyncio.gather(*(self._stop(lv, "exploration_budget") for lv in self.live
                                if not lv.done and self.name("stop", lv) not in ctx.docs))
+
+
+def _transient(error: BaseException) -> bool:
+    """Whether a transient storage failure (one that outlived its retries) is in ``error``'s causes."""
+    seen: set[int] = set()
+    cur: BaseException | None = error
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, TransientStorageError):
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 def _spent(live: _Live, cost: float | None) -> None:

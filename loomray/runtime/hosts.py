@@ -65,7 +65,8 @@ from loomray.session import RunRequest
 from storage import Store
 
 if TYPE_CHECKING:  # pragma: no cover
-    from loomray.runtime.placement import HostPool, HostRecord
+    from loomray.runtime.placement import HostPool
+    from loomray.runtime.placement_rules import HostRecord
 
 log = logging.getLogger("loomray.runtime.hosts")
 

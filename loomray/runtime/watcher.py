@@ -32,7 +32,8 @@ from loomray.run_errors import index_error, record_error
 from loomray.runtime import active
 from loomray.runtime.actors import AgentSpec, Outcome, RuntimeConfig, session_actor_name, session_actor_options
 from loomray.runtime.connection import NAMESPACE
-from loomray.runtime.placement import HostPool, demand_of
+from loomray.runtime.placement import HostPool
+from loomray.runtime.placement_rules import demand_of
 from loomray.runtime.session_actor import session_actor_class
 from storage import SessionRow, Store
 

@@ -10,6 +10,7 @@ import random
 import traceback
 from datetime import datetime, timedelta, timezone
 
+from durability_explore import explorer
 from durability_moves import controller, corrupter, deleter, fork_resumer, forker, planter
 from durability_world import ReaderObs, World
 
@@ -121,4 +122,4 @@ def writer(world: World, name: str, **opts):
 #: Every role a scenario's actor can play: ``factory(world, name, **options)`` -> the actor's function.
 ROLES = {"writer": writer, "compactor": compactor, "pruner": pruner, "vandal": vandal, "reader": reader,
          "forker": forker, "fork_resumer": fork_resumer, "deleter": deleter, "planter": planter,
-         "corrupter": corrupter, "controller": controller}
+         "corrupter": corrupter, "controller": controller, "explorer": explorer}

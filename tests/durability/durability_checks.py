@@ -237,7 +237,7 @@ def _latest(world, h: History, final) -> list[Violation]:
 
 #: The store layout's top-level prefixes (``storage/layout.py``); ``changed`` holds the session-status
 #: change markers the compacted session table is behind on.
-_TOP_PREFIXES = ("sessions", "index", "live", "active", "changed")
+_TOP_PREFIXES = ("sessions", "index", "live", "active", "changed", "explorations", "submitted-explorations")
 
 
 # -- journal -----------------------------------------------------------------------

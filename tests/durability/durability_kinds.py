@@ -8,6 +8,7 @@ draws is the seed's scenario: change a kind by adding draws at its end.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Any
 
@@ -274,5 +275,25 @@ def stalled(name: str):
     return lambda s: name in s.world.stalled
 
 
+def _explore(spec: Spec, rng: random.Random, plan: FaultPlan, actors: list, crash: Any, resume_or_run: Any) -> None:
+    """One exploration of the base session continued by id by three drivers in turn: the first two under
+    storage noise, crash-stopped at a drawn call (most seeds); the third, fault-free, finishes it
+    (:mod:`durability_explore`)."""
+    drivers = frozenset({"explorer", "explorer2"})
+    plan.rules = [dataclasses.replace(r, actors=drivers) for r in _noise(rng, rng.choice(["none", "low", "mid"]))]
+    # Crash-stops where a decision meets its consequence: around a score's put (judged, score stored, branch
+    # not yet recorded as done) and a model step's journal entry (called, journaled or not).
+    plan.rules[:0] = [Rule(Fault("crash"), p=rng.choice([0.0, 0.3, 0.6]), actors=drivers, ops=frozenset({"put"}),
+                           key_contains="-score-"),
+                      Rule(Fault("crash"), p=rng.choice([0.0, 0.1]), actors=drivers, ops=frozenset({"put"}),
+                           key_contains="-model")]
+    actors.append(("holder", "writer", {"kind": "run"}))
+    actors.append(("explorer", "explorer", {"start_when": done("holder")}))
+    crash("explorer", 5, 500, p=0.9)
+    actors.append(("explorer2", "explorer", {"start_when": done("explorer")}))
+    crash("explorer2", 5, 300, p=0.5)
+    actors.append(("explorer3", "explorer", {"start_when": done("explorer2")}))
+
+
 BUILDERS.update({"zombie-pause": _zombie_pause, "pins": _pins, "foreign": _foreign, "lease-corrupt": _lease_corrupt,
-                 "control": _control, "late-tombstones": _late_tombstones})
+                 "control": _control, "late-tombstones": _late_tombstones, "explore": _explore})

@@ -22,6 +22,7 @@ import json
 from datetime import datetime, timezone
 from typing import Any
 
+from durability_explore import check_explore
 from durability_history import History, Violation, _incs_by_epoch, _v
 
 from loomray.run_writes import LEASE_CHECK_S
@@ -34,7 +35,7 @@ def check_moves(world: Any, h: History) -> list[Violation]:
         check(world, h, out)
     for invariant, detail in world.control:
         _v(out, invariant, detail)
-    return out
+    return out + check_explore(world)
 
 
 def _proof_window(world: Any, h: History, out: list[Violation]) -> None:

@@ -37,6 +37,7 @@ from typing import Any
 
 from durability_actors import ROLES
 from durability_checks import Violation, check_all
+from durability_explore import explore_summary
 from durability_history import History
 from durability_index import check_index
 from durability_kinds import BUILDERS
@@ -209,6 +210,7 @@ def run_scenario(seed: int, kind: str, backend: str = "memory", *, s3_server: An
         result.summary += [f"compaction {c}" for c in world.compactions]
         result.summary += [f"prune {p}" for p in world.prunes]
         result.summary += [f"reader {o}" for o in world.readers]
+        result.summary += explore_summary(world)
         result.trace = [f"#{c.n} {c.actor} {c.op} {c.key or ''}{' ' + str(len(c.keys)) + ' keys' if len(c.keys) > 1 else ''}"
                         f" -> {c.outcome}{' [' + c.fault + ']' if c.fault else ''}" for c in world.faulty.calls]
     finally:

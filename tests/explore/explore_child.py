@@ -1,6 +1,6 @@
 """A driver process for the kill test: explores session ``base`` on a LocalRuntime, and may SIGKILL itself.
 
-    python explore_child.py DATA_DIR EXPLORATION_ID OUT_JSON [kill]
+    python explore_child.py DATA_DIR EXPLORATION_ID OUT_JSON [kill | killjudge]
 
 Three rounds (keep 1) of the variants ``short1``, ``short2`` and ``long``
 (which wins every round); a :class:`~loomray.ModelJudge` scores each branch.
@@ -8,7 +8,9 @@ Both models are ScriptedModels whose file-backed counters (``DATA_DIR/model_call
 ``DATA_DIR/judge_calls``) survive the kill. With ``kill``, the round-2 ``long``
 branch's second model call waits until its two siblings finished, then kills
 the process: the exploration dies mid-round, with branches finished, one
-running, and nothing judged yet in that round.
+running, and nothing judged yet in that round. With ``killjudge``, the process kills
+itself inside the judge's first model call (once per DATA_DIR): the judge's
+call is in flight, its answer not journaled.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from loomray.runtime import LocalRuntime
 VARIANTS = [variant("short1", 0.3), variant("short2", 0.5), variant("long", 0.9, 2)]
 
 
-def main(data_dir: str, exploration_id: str, out: str, kill: bool) -> None:
+def main(data_dir: str, exploration_id: str, out: str, kill: bool, kill_judge: bool = False) -> None:
     runtime = LocalRuntime(Path(data_dir) / "store")
     store = runtime.store
 
@@ -52,6 +54,10 @@ def main(data_dir: str, exploration_id: str, out: str, kill: bool) -> None:
 
     model = ScriptedModel([answer] * 20, counter_path=Path(data_dir) / "model_calls")
     def verdict(request):
+        marker = Path(data_dir) / "judge_killed"
+        if kill_judge and not marker.exists():
+            marker.write_text("killed in the judge's call")
+            os.kill(os.getpid(), signal.SIGKILL)
         return json.dumps({"score": float(re.findall(r"q=([\d.]+)", request.messages[-1].content)[-1]), "reasons": "q"})
 
     judge_model = ScriptedModel([verdict] * 2, counter_path=Path(data_dir) / "judge_calls")
@@ -66,4 +72,5 @@ def main(data_dir: str, exploration_id: str, out: str, kill: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3], len(sys.argv) > 4 and sys.argv[4] == "kill")
+    mode = sys.argv[4] if len(sys.argv) > 4 else ""
+    main(sys.argv[1], sys.argv[2], sys.argv[3], mode == "kill", mode == "killjudge")

@@ -55,3 +55,34 @@ def test_a_killed_driver_resumes_without_repeating_a_model_call(tmp_path):
     assert got == expected
     assert _calls(crashed, "model_calls") == _calls(reference, "model_calls")
     assert _calls(crashed, "judge_calls") == _calls(reference, "judge_calls") == 9
+
+
+def test_a_driver_killed_inside_a_model_judges_call_resumes_without_paying_the_judge_twice(tmp_path):
+    reference, crashed = tmp_path / "reference", tmp_path / "crashed"
+    reference.mkdir(), crashed.mkdir()
+    assert _drive(reference, tmp_path / "reference.json").returncode == 0
+    expected = json.loads((tmp_path / "reference.json").read_text())
+
+    killed = _drive(crashed, tmp_path / "killed.json", "killjudge")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert (crashed / "judge_killed").exists() and _calls(crashed, "judge_calls") == 0  # its one call never answered
+    record = crashed / "store" / "sessions" / "_" / "base" / "explorations" / "xpl-kill"
+    assert not any(p.stem.startswith("r001-score") for p in record.iterdir())
+
+    resumed = _drive(crashed, tmp_path / "resumed.json", "killjudge")  # the marker is there: no second kill
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads((tmp_path / "resumed.json").read_text()) == expected
+    # The call in flight was never answered, so never journaled: asked once more, and every judge call answered
+    # once; the branches ran no model call twice.
+    assert _calls(crashed, "judge_calls") == _calls(reference, "judge_calls") == 9
+    assert _calls(crashed, "model_calls") == _calls(reference, "model_calls")
+    # The judge session the kill interrupted holds one question and one answer, like the others.
+    from loomray.checkpoint_format import load_checkpoint
+    from storage import open_store
+
+    store = open_store(crashed / "store")
+    judged = [s for s in store.objects.list_dirs(prefix="sessions/_/") if "-j" in s]
+    assert len(judged) == 9
+    for sid in judged:
+        messages = load_checkpoint(store, sid, "latest").messages
+        assert [m.role for m in messages if m.role in ("user", "assistant")] == ["user", "assistant"], sid

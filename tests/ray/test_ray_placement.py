@@ -15,7 +15,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from loomray.runtime.actors import RuntimeConfig  # noqa: E402
-from loomray.runtime.placement import (  # noqa: E402
+from loomray.runtime.placement_rules import (  # noqa: E402
     HostRecord,
     demand_of,
     eligible,
@@ -181,7 +181,7 @@ async def test_periodic_pass_reads_only_active_sessions(tmp_path, monkeypatch):
 
 
 async def test_placement_prefers_warm_hosts_until_they_are_much_busier():
-    from loomray.runtime.placement import STARTING_PENALTY
+    from loomray.runtime.placement_rules import STARTING_PENALTY
 
     hosts = _hosts({"a": 1, "b": 1})
     warm, starting = hosts

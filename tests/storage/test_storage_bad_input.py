@@ -72,8 +72,9 @@ def test_nothing_written_outside_the_local_root(tmp_path):
                 _put(store, **{field: bad})
     _put(store)
     assert sorted(os.listdir(tmp_path)) == ["root"]
-    assert sorted(os.listdir(root)) == [".tmp", "index", "sessions"]
-    assert os.listdir(root / ".tmp") == []  # no temporary left behind
+    assert sorted(os.listdir(root)) == ["index", "sessions"]
+    # No temporary left behind (they are written next to their targets, named %tmp-...).
+    assert [p for p in root.rglob("*") if "%tmp" in p.name] == []
 
 
 def test_bad_store_urls():
@@ -97,3 +98,17 @@ def test_s3_from_environment(s3_store_url):
     _put(store)
     assert store.get_checkpoint("s1") == b"{}"
     assert "s3://" in store.describe()
+
+
+def test_local_temporaries_are_never_listed_nor_named(tmp_path):
+    from storage.errors import StorageError
+    from storage.localdir import LocalObjectStore
+
+    objects = LocalObjectStore(tmp_path)
+    objects.put(key="sessions/_/s1/a.json", data=b"1")
+    # What a writer killed between writing its temporary and publishing it leaves next to the target.
+    (tmp_path / "sessions" / "_" / "s1" / "%tmp-0123").write_bytes(b"half")
+    assert [o.key for o in objects.list(prefix="sessions/")] == ["sessions/_/s1/a.json"]
+    with pytest.raises(StorageError, match="outside the root"):
+        objects.put(key="sessions/_/s1/%tmp-0123", data=b"x")
+    assert (tmp_path / "sessions" / "_" / "s1" / "%tmp-0123").read_bytes() == b"half"

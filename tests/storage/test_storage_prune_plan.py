@@ -55,7 +55,7 @@ def test_the_plan_summary_names_sessions_checkpoints_and_what_recovery_keeps(sto
     (s1,) = plan.summary()["sessions"]
     # The unfinished run resumes from the latest checkpoint: it stays; the older two go.
     assert s1 == {"session_id": "s1", "user_id": None, "checkpoints": 2, "journal_entries": 0, "run_records": 0,
-                  "checkpoint_ids": ["c0", "c1"], "kept_for_recovery": ["c2"]}
+                  "checkpoint_ids": ["c0", "c1"], "kept_for_recovery": ["c2"], "explorations": []}
     assert plan.summary()["checkpoints"] == 2
 
 
