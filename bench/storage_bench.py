@@ -103,7 +103,7 @@ def bench_writes(store, backend, sizes, n):
         t_all = time.perf_counter()
         for i in range(n):
             t = time.perf_counter()
-            store.put_checkpoint(payload, CheckpointInfo(session_id=f"w{size}", checkpoint_id=f"c{i:06d}", turn=i,
+            store.checkpoints.put(payload, CheckpointInfo(session_id=f"w{size}", checkpoint_id=f"c{i:06d}", turn=i,
                                                          created_at=T0, position="after_tools",
                                                          execution_status="active", message_count=i), keep=20)
             lat.append(time.perf_counter() - t)
@@ -111,10 +111,10 @@ def bench_writes(store, backend, sizes, n):
         written, puts = counter.bytes, counter.puts
         fenced = []
         lease_session = f"f{size}"
-        lease = store.acquire_lease(lease_session, owner="bench")
+        lease = store.leases.acquire(lease_session, owner="bench")
         for i in range(n):
             t = time.perf_counter()
-            store.put_checkpoint(payload, CheckpointInfo(session_id=lease_session, checkpoint_id=f"c{i:06d}", turn=i,
+            store.checkpoints.put(payload, CheckpointInfo(session_id=lease_session, checkpoint_id=f"c{i:06d}", turn=i,
                                                          created_at=T0, position="after_tools",
                                                          execution_status="active", message_count=i),
                                  lease=lease, keep=20)
@@ -142,7 +142,7 @@ def bench_listing(store, backend, sessions, per_session, threads):
     """
     def fill(i):
         for j in range(per_session):
-            store.put_checkpoint(b'{"x": 1}', CheckpointInfo(session_id=f"s{i:06d}", checkpoint_id=f"c{j:04d}",
+            store.checkpoints.put(b'{"x": 1}', CheckpointInfo(session_id=f"s{i:06d}", checkpoint_id=f"c{j:04d}",
                                                              turn=j, created_at=T0, position="after_tools",
                                                              execution_status="active", message_count=j), keep=0)
 
@@ -160,7 +160,7 @@ def bench_listing(store, backend, sessions, per_session, threads):
         for _ in range(reps):
             store.drop_caches()  # a cold reader: LISTs, GETs and parses every time
             t = time.perf_counter()
-            rows = store.list_checkpoints(sid)
+            rows = store.checkpoints.list(sid)
             lat.append(time.perf_counter() - t)
             assert len(rows) == per_session
         return 1e3 * statistics.median(lat)
@@ -295,7 +295,7 @@ def bench_query(store, backend, sessions, files_per_session, rows_per_file, user
     t = time.perf_counter()
     for i in range(new_checkpoints):
         s, u = targets[i % len(targets)]
-        store.put_checkpoint(b'{"x": 1}', CheckpointInfo(session_id=f"s{s:06d}", user_id=u, checkpoint_id=f"n{i:06d}",
+        store.checkpoints.put(b'{"x": 1}', CheckpointInfo(session_id=f"s{s:06d}", user_id=u, checkpoint_id=f"n{i:06d}",
                                                          turn=i, created_at=t_new + timedelta(seconds=i),
                                                          position="after_tools", execution_status="active",
                                                          message_count=i, cost_usd=0.07), keep=1_000_000)

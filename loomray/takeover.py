@@ -59,15 +59,15 @@ def _seen_keys(seen: Seen, run_id: str) -> frozenset[str]:
 def read_last_run(store: SessionStore, sid: str, uid: str | None, lease: Lease, seen: Seen,
                   sealed: set[str]) -> LastRun:
     """The session's last run as replay will see it once this incarnation sealed it."""
-    record = store.last_run(sid, user_id=uid)
+    record = store.runs.last(sid, user_id=uid)
     if record is not None:
         run_id: str | None = record.run_id
     else:
-        runs = store.journal_runs(sid, user_id=uid)
+        runs = store.journal.runs(sid, user_id=uid)
         run_id = runs[-1] if runs else None
     if run_id is None:
         return LastRun()
-    journal = view = store.journal_read(sid, run_id, user_id=uid)
+    journal = view = store.journal.read(sid, run_id, user_id=uid)
     if run_id not in sealed:  # not sealed yet: judge it as its seal will make it
         view = journal.sealed_view(lease, _seen_keys(seen, run_id))
     return LastRun(run_id, record, journal, view.start, view.finished, tuple(view.entries))
@@ -82,29 +82,29 @@ def plan_takeover(store: SessionStore, request: RunRequest, lease: Lease, fence:
     last = read_last_run(store, sid, uid, lease, seen, sealed)
     known: Sequence[str] = ()
     if request.run_id is not None and request.run_id != last.run_id:
-        known = store.journal_runs(sid, user_id=uid)
+        known = store.journal.runs(sid, user_id=uid)
     run_id, request = run_to_continue(request, last, known)
     if last.unfinished and last.run_id not in sealed and last.run_id != run_id:
         assert last.run_id is not None
         # Not continued by this request: its old incarnation may still append; fence it.
-        store.journal_seal(sid, last.run_id, user_id=uid, lease=lease, seen_before=_seen_keys(seen, last.run_id),
+        store.journal.seal(sid, last.run_id, user_id=uid, lease=lease, seen_before=_seen_keys(seen, last.run_id),
                            known=last.journal)
     if run_id is None:
         plan = _plan_new_run(store, request, request.run_id or new_run_id(), last)
     else:
         known_journal = last.journal if run_id == last.run_id else None
         if run_id not in sealed:
-            journal = store.journal_seal(sid, run_id, user_id=uid, lease=lease, seen_before=_seen_keys(seen, run_id),
+            journal = store.journal.seal(sid, run_id, user_id=uid, lease=lease, seen_before=_seen_keys(seen, run_id),
                                          known=known_journal)
         else:
-            journal = known_journal if known_journal is not None else store.journal_read(sid, run_id, user_id=uid)
+            journal = known_journal if known_journal is not None else store.journal.read(sid, run_id, user_id=uid)
         plan = _plan_continued_run(store, request, run_id, journal, last)
     if last.record is None or last.record.run_id != plan.run_id:
         _record_run(store, plan, lease.epoch)
     # Appends do not read the lease, so prove ownership once before the first step: a takeover that
     # listed the session before this plan's record landed (and so could not seal the run it is about
     # to start) took the lease before this read, which then fences this writer here.
-    store.check_lease(lease)
+    store.leases.check(lease)
     return plan
 
 
@@ -114,7 +114,7 @@ def _plan_new_run(store: SessionStore, request: RunRequest, run_id: str, last: L
     uid = request.user_id
     ref = new_run_checkpoint(request, last)
     start = new_run_start(request, _load(store, ref, uid, request.session_id), last)
-    replay = store.journal_list(request.session_id, start.replay_from, user_id=uid) if start.replay_from else []
+    replay = store.journal.list(request.session_id, start.replay_from, user_id=uid) if start.replay_from else []
     return plan_run(request, run_id, start, journal=journal, replay=replay,
                     pending=_pending_tool_records(store, start.checkpoint, uid), last_entries=last.entries)
 
@@ -133,7 +133,7 @@ def _plan_continued_run(store: SessionStore, request: RunRequest, run_id: str, j
                         pending=_pending_tool_records(store, start.checkpoint, uid))
     output = dict(journal.start.output)
     replay_from = output.get("replay_from")
-    replay = store.journal_list(sid, replay_from, user_id=uid) if replay_from else []
+    replay = store.journal.list(sid, replay_from, user_id=uid) if replay_from else []
     latest = _load(store, CheckpointRef(sid, "latest"), uid)
     if written_by(latest, run_id):  # this run already checkpointed: restore its newest snapshot
         return plan_run(request, run_id, Start(output), journal=journal, latest=latest, replay=replay,
@@ -155,7 +155,7 @@ def _load(store: SessionStore, ref: CheckpointRef | None, user_id: str | None,
     pinned = for_session if ref.session_id != for_session and ref.checkpoint_id != "latest" else None
     if pinned is not None:
         try:
-            store.pin_checkpoint(ref.session_id, ref.checkpoint_id, user_id=user_id, dependent=pinned)
+            store.checkpoints.pin(ref.session_id, ref.checkpoint_id, user_id=user_id, dependent=pinned)
         except ObjectNotFound:
             return None  # retired meanwhile: the fork finds no checkpoint to start from
         except StorageError as e:
@@ -171,7 +171,7 @@ def _pending_tool_records(store: SessionStore, ckpt: Checkpoint | None, user_id:
         return []
     source_run, keys = steps
     try:
-        entries: list[JournalEntry] = store.journal_list(ckpt.session_id, source_run, user_id=user_id)
+        entries: list[JournalEntry] = store.journal.list(ckpt.session_id, source_run, user_id=user_id)
     except Exception as e:  # the journal is an optimisation here: without it the tools run again
         log.warning("could not read journal of run %s of session %r: %s", source_run, ckpt.session_id, e)
         return []
@@ -182,6 +182,6 @@ def _record_run(store: SessionStore, plan: RunPlan, epoch: int) -> None:
     """Record the run at the session's next store-sequenced slot, its request and base beside it."""
     request, out = plan.request, plan.start_output
     base = out.get("base_checkpoint_id")
-    store.run_create(request.session_id, user_id=request.user_id, run_id=plan.run_id, request=request.stored_json(),
+    store.runs.create(request.session_id, user_id=request.user_id, run_id=plan.run_id, request=request.stored_json(),
                      spec_hash=request.spec_hash(), base_session_id=out.get("source_session") if base else None,
                      base_checkpoint_id=base, replay_from=out.get("replay_from"), epoch=epoch)

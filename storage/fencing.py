@@ -1,7 +1,7 @@
 """Checkpoint fences: what a lease takeover records of the checkpoint index, and the rows it retires.
 
 ``Store.put_checkpoint`` checks its lease before a checkpoint write and,
-after its row landed, the epoch markers (``Leases.confirm``), retiring the
+after its row landed, the epoch markers (``LeaseKeeper.confirm``), retiring the
 row itself when a takeover had claimed its epoch by then; a writer that dies
 between its row and that re-check leaves a fenced row that could be "latest".
 A :class:`storage.checkpoint_log.CheckpointLog` proves its lease before it

@@ -186,7 +186,7 @@ def put_checkpoint(store: Store, session_id: str, checkpoint_id: str, *, user_id
                           created_at=created_at or T0 + timedelta(minutes=turn), position="after_tools",
                           execution_status=status, message_count=2 * turn, input_tokens=10 * turn,
                           output_tokens=turn, cost_usd=cost)
-    return store.put_checkpoint(data, info, lease=lease, keep=keep)
+    return store.checkpoints.put(data, info, lease=lease, keep=keep)
 
 
 def log_put(log: CheckpointLog, checkpoint_id: str, *, turn: int = 1, chain: tuple[str, ...] = (),

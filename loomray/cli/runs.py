@@ -96,9 +96,9 @@ def runtime_for(store_url: str, address: str | None, placement: str = "actor") -
 
 def agent_for(session_id: str, user_id: str | None, store: Store, agent_ref: str | None) -> tuple[Agent, str]:
     """The agent that continues ``session_id``: ``--agent``, else the reference stored with the session."""
-    row = store.get_session(session_id, user_id=user_id)
+    row = store.sessions.get(session_id, user_id=user_id)
     if agent_ref is None:
-        if row is None and not store.list_checkpoints(session_id, user_id=user_id, limit=1):
+        if row is None and not store.checkpoints.list(session_id, user_id=user_id, limit=1):
             raise unknown_session(store, session_id, user_id)
         agent_ref = row.agent_ref if row is not None else None
         if not agent_ref:
@@ -125,7 +125,7 @@ def result_dict(r: RunResult) -> dict[str, Any]:
 
 
 async def _latest_turn(store: Store, session_id: str, user_id: str | None) -> int | None:
-    rows = await asyncio.to_thread(store.list_checkpoints, session_id, user_id=user_id, limit=1)
+    rows = await asyncio.to_thread(store.checkpoints.list, session_id, user_id=user_id, limit=1)
     return rows[0].turn if rows else None
 
 
@@ -169,7 +169,7 @@ def resume(session_id: str, prompt: str | None, from_checkpoint: str, agent_ref:
     store = open_store_or_fail(store_url)
     agent, ref = agent_for(session_id, user_id, store, agent_ref)
     bound = bind(agent, ref, runtime_for(store_url_or_fail(store_url), address))
-    base = store.list_checkpoints(session_id, user_id=user_id, limit=1)
+    base = store.checkpoints.list(session_id, user_id=user_id, limit=1)
     work = bound.resume(prompt, session_id=session_id, from_checkpoint=from_checkpoint, user_id=user_id)
     result = asyncio.run(with_progress(work, store, [(session_id, f"resume {session_id}")], user_id,
                                        base[0].turn if base else None))
@@ -185,7 +185,7 @@ def resume(session_id: str, prompt: str | None, from_checkpoint: str, agent_ref:
 def _fork_base(store: Store, session_id: str, user_id: str | None, from_checkpoint: str) -> tuple[str, int]:
     """The checkpoint to fork from (``latest`` resolved) and its turn."""
     if from_checkpoint == "latest":
-        rows = store.list_checkpoints(session_id, user_id=user_id, limit=1)
+        rows = store.checkpoints.list(session_id, user_id=user_id, limit=1)
         if not rows:
             raise CliError(f"session {session_id!r} has no checkpoint to fork from")
         return rows[0].checkpoint_id, rows[0].turn

@@ -7,7 +7,7 @@ What one page reads, whatever the store holds:
   compaction (its status, when, its error, the turn and running cost the
   run last checkpointed, its exploration); a file already parsed at the
   ETag listed is not read again;
-- the tail: one LIST of the change markers (:meth:`storage.Store.changed_sessions`)
+- the tail: one LIST of the change markers (:meth:`storage.sessions.Sessions.changed`)
   naming the sessions with a status row newer than the table, and those
   sessions' own status rows (work that follows the rows written since the
   last compaction, not the sessions stored);
@@ -119,7 +119,7 @@ class TableCache:
             files = dict(self._files)
         seen: list[tuple[str, str]] = []
         table = read_session_tables(store, None if user is ANY else user_segment(user), files, _COLUMNS, seen)
-        markers = store.changed_sessions(user)
+        markers = store.sessions.changed(user)
         signature = (tuple(sorted(seen)), tuple(sorted((k, max(v)) for k, v in markers.items())))
         view = "*" if user is ANY else user
         with self._lock:
@@ -128,7 +128,7 @@ class TableCache:
         if hit is not None and hit[0] == signature:
             return hit[1]
         # One chunk: a page's rows are taken from it (taking from 50 chunks copies them all first).
-        merged = _with_tail(table, store.changed_rows(user, markers)).combine_chunks()
+        merged = _with_tail(table, store.sessions.changed_rows(user, markers)).combine_chunks()
         with self._lock:
             self._merged[view] = (signature, merged)
         return merged
@@ -179,7 +179,7 @@ def _filtered(table: pa.Table, q: ListQuery) -> pa.Table:
 
 def _with_latest_checkpoint(store: Store, row: SessionSummary) -> None:
     """A running session's (or an old row's) turn and spend from its latest checkpoint, when it has one."""
-    latest = store.list_checkpoints(row.session_id, user_id=row.user_id, limit=1)
+    latest = store.checkpoints.list(row.session_id, user_id=row.user_id, limit=1)
     if latest:
         row.turns, row.spend_usd = latest[0].turn, latest[0].cost_usd
         row.last_activity = max(row.last_activity, latest[0].created_at)

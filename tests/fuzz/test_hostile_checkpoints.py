@@ -126,7 +126,7 @@ def test_a_checkpoint_of_another_session_copied_under_this_one_is_refused():
     body = {"schema_version": "1.0", "session_id": "other", "checkpoint_id": "c1", "turn": 0,
             "created_at": "2026-07-04T00:00:00+00:00", "position": "after_tools", "execution_status": "active",
             "messages": [{"role": "user", "content": "the other session's words"}]}
-    store.put_checkpoint(json.dumps(body).encode(), CheckpointInfo(
+    store.checkpoints.put(json.dumps(body).encode(), CheckpointInfo(
         session_id="s", checkpoint_id="c1", turn=0, position="after_tools", created_at=datetime.now(timezone.utc),
         execution_status="active", message_count=1))
     with pytest.raises(CheckpointException, match="holds session 'other'"):

@@ -15,7 +15,7 @@ NOW = datetime(2026, 7, 4, tzinfo=timezone.utc)
 def _fill(store):
     for user in (None, "alice"):
         for i in range(3):
-            store.put_checkpoint(b"{}", CheckpointInfo(session_id="sess-a", checkpoint_id=f"c{i}", user_id=user,
+            store.checkpoints.put(b"{}", CheckpointInfo(session_id="sess-a", checkpoint_id=f"c{i}", user_id=user,
                                                        turn=i, created_at=NOW, position="after_tools",
                                                        execution_status="active", message_count=i,
                                                        cost_usd=0.25 * i), keep=2)
