@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from storage import CheckpointInfo, SessionRow, open_store  # noqa: E402
 from storage.layout import SESSION_INDEX, index_partition  # noqa: E402
 from storage.rows import session_rows_table  # noqa: E402
+from storage.testing import write_checkpoint
 
 GOAL_MS = 300.0
 PAGES = {"first page": "/", "second page": "/?page=2", "filtered": "/?status=completed&min_spend=1.5",
@@ -72,7 +73,7 @@ def build(root: str, sessions: int, users: int, tail: int, threads: int) -> dict
         status = "running" if i % 10 == 1 else "cancelled" if i % 4 == 0 else "completed"
         store.sessions.put(_row(s, users, now - timedelta(seconds=tail - i), status))
         if status == "running":
-            store.checkpoints.put(b"{}", CheckpointInfo(
+            write_checkpoint(store, b"{}", CheckpointInfo(
                 session_id=f"s{s:06d}", user_id=f"u{s % users:03d}", checkpoint_id="c1", turn=3,
                 created_at=now - timedelta(seconds=tail - i), position="after_tools", execution_status="active",
                 message_count=6, cost_usd=0.25))

@@ -1,9 +1,9 @@
 """A lease holder's checkpoint writes, at one PUT each: rows, retention and the lease re-check come in batches.
 
-:meth:`storage.Store.put_checkpoint` pays, per checkpoint, a lease GET, the
+Writing one checkpoint at a time would pay, per checkpoint, a lease GET, the
 object, an index file, a LIST of the epoch markers and retention's tombstone
-file. A run that checkpoints every pass writes through a
-:class:`CheckpointLog` instead (``store.checkpoints.log``):
+file. Every writer writes through a :class:`CheckpointLog` instead
+(``store.checkpoints.log``; a batch of one acknowledges each write):
 
 - :meth:`CheckpointLog.put` is one PUT of a self-describing object
   (:mod:`storage.envelope`: the index row rides in the object, with a digest),

@@ -13,36 +13,20 @@ its object goes once no live row's chain and no fork's pin needs it
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import logging
 
 from storage import chains, layout
 from storage.checkpoint_log import INDEX_BATCH, CheckpointLog
 from storage.checkpoint_reads import CheckpointReads
 from storage.checkpoint_rows import CheckpointRows
-from storage.errors import LeaseLostError, ObjectNotFound
+from storage.errors import ObjectNotFound
 from storage.ids import validate_id
 from storage.leases import LeaseKeeper
 from storage.objects import ObjectStore
-from storage.rows import CheckpointInfo, CheckpointRow, Lease, as_utc
+from storage.rows import CheckpointRow, Lease
 from storage.tails import Snapshot, TailReader
 
 log = logging.getLogger("storage")
-
-
-def _row_for(data: bytes, info: CheckpointInfo, epoch: int) -> CheckpointRow:
-    """The index row of ``data`` written as ``info`` at ``epoch``: values normalized, size and sha256 computed
-    once over the caller's buffer (the same buffer is the PUT body)."""
-    return CheckpointRow(
-        **{**info.__dict__, "turn": int(info.turn), "created_at": as_utc(info.created_at),
-           "position": str(info.position), "execution_status": str(info.execution_status),
-           "message_count": int(info.message_count), "input_tokens": int(info.input_tokens),
-           "output_tokens": int(info.output_tokens),
-           "cost_usd": None if info.cost_usd is None else float(info.cost_usd),
-           "spend_usd": None if info.spend_usd is None else float(info.spend_usd)},
-        epoch=epoch, key=layout.checkpoint_key(info.session_id, info.user_id, info.checkpoint_id),
-        size=len(data), sha256=hashlib.sha256(data).hexdigest())
 
 
 class Checkpoints(CheckpointReads):
@@ -56,81 +40,6 @@ class Checkpoints(CheckpointReads):
         self._leases = leases
         #: Checkpoints a log indexes at once (None: ``storage.checkpoint_log.INDEX_BATCH``).
         self.batch = batch
-
-    def put(self, data: bytes, info: CheckpointInfo, *, lease: Lease | None = None,
-                       keep: int = 20) -> CheckpointRow:
-        """One PUT of ``data`` plus one index row, then retention; see docs/contracts.md.
-
-        ``info`` is what the caller says about the checkpoint; the row returned
-        adds the writer's epoch (``lease.epoch``, 0 without a lease), the
-        object key, size and sha256. ``keep`` < 1 keeps every checkpoint.
-        """
-        if not isinstance(data, (bytes, bytearray, memoryview)):
-            raise TypeError(f"checkpoint data must be bytes, got {type(data).__name__}")
-        if not isinstance(info, CheckpointInfo):
-            raise TypeError(f"checkpoint info must be a CheckpointInfo, got {type(info).__name__}")
-        layout.checkpoint_key(info.session_id, info.user_id, info.checkpoint_id)  # validates the ids
-        for name in ("parent_checkpoint_id", "forked_from", "agent_id"):
-            if getattr(info, name) is not None:
-                validate_id(getattr(info, name), name)
-        epoch = self._leases.fence(lease, info.session_id, info.user_id)
-        row = _row_for(data, info, epoch)
-        # The index row is encoded before the PUT: a value Arrow refuses (an int beyond int64) fails
-        # here, never after the object landed without a row.
-        table = self._rows.encode([row], tombstone=False)
-        self.objects.put(key=row.key, data=data)
-        try:
-            self._rows.write(row.session_id, row.user_id, [row], tombstone=False, table=table)
-        except Exception:
-            # The row may have landed though its PUT raised (the reply was lost): if a takeover raced this
-            # write, retire it as below, so it can never be "latest". The write's own error is the caller's.
-            if lease is not None:
-                self._retire_if_fenced(lease, row)
-            raise
-        if lease is not None:
-            try:
-                self._leases.confirm(lease)
-            except LeaseLostError:
-                # A takeover raced this write: retire it so it can never be "latest".
-                self._rows.retire(row.session_id, row.user_id, [row])
-                raise
-        if keep >= 1 and lease is None:
-            self._rows.apply_retention(row, keep)
-        elif keep >= 1:
-            # A leased retention's tombstones are ignored if a takeover claims an epoch before they land
-            # (storage.visibility rule 5): their objects go only once a proof after them says none did.
-            self._rows.apply_retention(row, keep, retired_by=row.order, proven=functools.partial(self._proven, lease))
-        return row
-
-    def _proven(self, lease: Lease | None) -> bool:
-        """Whether no epoch above ``lease``'s is claimed (one LIST of the epoch markers); never raises."""
-        if lease is None:
-            return True
-        try:
-            self._leases.confirm(lease)
-        except Exception as e:
-            log.warning("session %r: checkpoints retention retired keep their objects for now (lease not "
-                        "proven after the tombstones: %s)", lease.session_id, e)
-            return False
-        return True
-
-    def _retire_if_fenced(self, lease: Lease, row: CheckpointRow) -> None:
-        """Retire ``row`` if ``lease`` was lost; never raises (the caller is already failing).
-
-        When the lease cannot be read either, the row stays: if it was fenced,
-        the next owner's takeover retires it (see :mod:`storage.fencing`).
-        """
-        try:
-            self._leases.confirm(lease)
-        except LeaseLostError:
-            try:
-                self._rows.retire(row.session_id, row.user_id, [row])
-            except Exception as e:
-                log.warning("could not retire checkpoint %r written after a takeover (the next takeover "
-                            "retires it): %s", row.checkpoint_id, e)
-        except Exception as e:
-            log.warning("could not check the lease after a failed index write of checkpoint %r (the next "
-                        "takeover retires it if it was fenced): %s", row.checkpoint_id, e)
 
     def log(self, lease: Lease, *, keep: int = 20, batch: int | None = None) -> CheckpointLog:
         """A batched writer of ``lease``'s session (see :mod:`storage.checkpoint_log`): one PUT per checkpoint;

@@ -63,15 +63,15 @@ class ObjectStoreConformance(CheckpointLogConformance):
         st.close()
 
     # -- checkpoints ------------------------------------------------------------
-
     def test_put_get_roundtrip_and_row(self, store):
         data = "{\"msg\": \"héllo ✓\"}".encode()
         row = put_checkpoint(store, "s1", "ckpt001", turn=3, payload=data)
         assert row.key == "sessions/_/s1/checkpoints/ckpt001.json"
-        assert row.size == len(data) and row.sha256 == hashlib.sha256(data).hexdigest()
+        stored = store.checkpoints.get("s1") or b""
+        assert json.loads(stored)["msg"] == "héllo ✓" and row.size == len(stored)  # the caller's members, enveloped
+        assert row.sha256 == hashlib.sha256(stored).hexdigest()
         assert row.turn == 3 and row.epoch == 0 and row.created_at.tzinfo is not None
-        assert store.checkpoints.get("s1") == data
-        assert store.checkpoints.get("s1", "ckpt001") == data
+        assert store.checkpoints.get("s1", "ckpt001") == stored
         assert store.checkpoints.get("s1", "nope") is None
         assert store.checkpoints.get("other") is None
         assert store.checkpoints.list("other") == []
@@ -131,7 +131,6 @@ class ObjectStoreConformance(CheckpointLogConformance):
         assert all_keys(store) == []
 
     # -- leases and fencing -------------------------------------------------------
-
     def test_lease_epochs_increase(self, store):
         assert store.leases.current_epoch("s1") == 0
         a = store.leases.acquire("s1", owner="a")
@@ -206,7 +205,6 @@ class ObjectStoreConformance(CheckpointLogConformance):
             put_checkpoint(store, "s2", "c1", lease=lease)
 
     # -- journal ------------------------------------------------------------------
-
     def test_journal_append_list_runs(self, store):
         for seq, step in [(2, "t0001-tool-call_1"), (0, "t0000-run_start"), (1, "t0001-model")]:
             store.journal.append(journal_entry(seq, step))
@@ -236,7 +234,6 @@ class ObjectStoreConformance(CheckpointLogConformance):
         assert "00000001-t1.json" in caplog.text
 
     # -- session index ------------------------------------------------------------
-
     def test_session_rows(self, store):
         store.sessions.put(SessionRow("s1", None, "pending", T0, run_id="r1", spec_json='{"prompt": "x"}'))
         store.sessions.put(SessionRow("s1", None, "running", T0 + timedelta(seconds=1), run_id="r1", epoch=1, node_id="n1"))
@@ -254,7 +251,6 @@ class ObjectStoreConformance(CheckpointLogConformance):
         assert len(store.index_files("sessions")) == 2
 
     # -- Parquet index: query and compaction ------------------------------------------
-
     def test_query_filters(self, store):
         fill_sessions(store)
         t = store.query()
@@ -310,7 +306,6 @@ class ObjectStoreConformance(CheckpointLogConformance):
         assert len(store.index_files()) == 2
 
     # -- prune ------------------------------------------------------------------------
-
     def test_prune_deletes_matching_and_nothing_else(self, store):
         for u in (None, "alice"):
             for s in ("s1", "s2"):
@@ -339,10 +334,10 @@ class ObjectStoreConformance(CheckpointLogConformance):
         assert store.query(user_id="alice").num_rows == 0 and store.query().num_rows == 4
 
     # -- corruption -------------------------------------------------------------------
-
     def test_corrupt_object_raises_naming_the_key(self, store, caplog):
         row = put_checkpoint(store, "s1", "c1", payload=b'{"a": 1}')
-        store.objects.put(key=row.key, data=b'{"a": 2}')  # same size, different bytes (bit rot)
+        data = store.objects.get(key=row.key).data
+        store.objects.put(key=row.key, data=data.replace(b'"a": 1', b'"a": 2'))  # same size, other bytes (bit rot)
         with pytest.raises(CorruptObjectError, match="c1.json"):
             store.checkpoints.get("s1")
         assert [r.checkpoint_id for r in store.checkpoints.list("s1")] == ["c1"]  # size matches: listed

@@ -18,7 +18,7 @@ every reader of status rows does.
 The file is as of one compaction: two compactions racing may publish in
 either order, and the next compaction corrects whichever lost (its sources
 differ from the listing). What came since is named by the change markers
-``put_session`` leaves (:meth:`storage.sessions.Sessions.changed`): a
+``sessions.put`` leaves (:meth:`storage.sessions.Sessions.changed`): a
 compaction lists them before the status rows and deletes those it listed
 once the user's table is written, so table plus markers name every session
 whose latest row the table may not hold (:func:`read_session_tables` and

@@ -30,7 +30,8 @@ from __future__ import annotations
 import builtins
 import logging
 from datetime import datetime
-from typing import Any
+from types import EllipsisType
+from typing import TypeAlias
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -43,7 +44,10 @@ from storage.objects import ObjectStore
 from storage.rows import SESSION_SCHEMA, SessionRow, as_utc, session_rows_from_table, session_rows_table
 
 log = logging.getLogger("storage")
-ANY: Any = ...  # "any user" in queries; None means "no user"
+#: "any user" in queries (``...``); None means "no user".
+ANY: EllipsisType = ...
+#: Whose sessions a query reads: a user id, None (sessions of no user) or :data:`ANY`.
+UserFilter: TypeAlias = "str | None | EllipsisType"
 _ACTIVE = "active/"
 _LIVE = "live/"
 #: Statuses a later row follows (a run under way): listing by them reads only the live markers.
@@ -91,7 +95,7 @@ class Sessions:
         if row.status not in LIVE_STATUSES:
             self.objects.delete(keys=[live])
 
-    def changed(self, user_id: Any = ANY) -> dict[tuple[str | None, str], builtins.list[str]]:
+    def changed(self, user_id: UserFilter = ANY) -> dict[tuple[str | None, str], builtins.list[str]]:
         """The sessions (of ``user_id``) with a status row newer than the session-status table, with their change
         markers' keys: one LIST (see :mod:`storage.session_changes`)."""
         out: dict[tuple[str | None, str], builtins.list[str]] = {}
@@ -101,7 +105,7 @@ class Sessions:
                 out.setdefault(owner, []).append(info.key)
         return out
 
-    def changed_rows(self, user_id: Any = ANY, markers: dict[tuple[str | None, str], builtins.list[str]] | None = None
+    def changed_rows(self, user_id: UserFilter = ANY, markers: dict[tuple[str | None, str], builtins.list[str]] | None = None
                      ) -> builtins.list[SessionRow]:
         """The latest status row of each session :meth:`changed` names (or ``markers``, what it
         returned): one LIST, then one GET per session whose newest marker this store has not read yet."""
@@ -157,7 +161,7 @@ class Sessions:
         rows = session_rows_from_table(self._session_table(prefix))
         return latest_sessions(rows)[0] if rows else None
 
-    def list(self, *, status: str | None = None, user_id: Any = ANY) -> builtins.list[SessionRow]:
+    def list(self, *, status: str | None = None, user_id: UserFilter = ANY) -> builtins.list[SessionRow]:
         """The latest row of every session (of ``user_id``; ``...`` = any user), filtered by status.
 
         A live ``status`` (:data:`LIVE_STATUSES`) reads only the sessions with a
@@ -166,13 +170,14 @@ class Sessions:
         if status in LIVE_STATUSES:
             rows = [r for r in map(self._marked_row, self._live_sessions(user_id)) if r is not None]
             return [r for r in sorted(rows, key=lambda r: r.updated_at, reverse=True) if r.status == status]
-        prefix = layout.SESSION_INDEX if user_id is ANY else f"{layout.SESSION_INDEX}user={user_segment(user_id)}/"
+        prefix = layout.SESSION_INDEX if isinstance(user_id, EllipsisType) else \
+            f"{layout.SESSION_INDEX}user={user_segment(user_id)}/"
         rows = latest_sessions(session_rows_from_table(self._session_table(prefix)))
         return [r for r in rows if status is None or r.status == status]
 
-    def _live_sessions(self, user_id: Any) -> builtins.list[tuple[str | None, str]]:
+    def _live_sessions(self, user_id: UserFilter) -> builtins.list[tuple[str | None, str]]:
         """``(user_id, session_id)`` of every live marker (of ``user_id``): one LIST."""
-        prefix = _LIVE if user_id is ANY else f"{_LIVE}{user_segment(user_id)}/"
+        prefix = _LIVE if isinstance(user_id, EllipsisType) else f"{_LIVE}{user_segment(user_id)}/"
         out = []
         for info in self.objects.list(prefix=prefix):
             user, _, name = info.key[len(_LIVE):].partition("/")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from datetime import datetime, timedelta
+from types import EllipsisType
 from typing import Any
 
 import pyarrow as pa
@@ -33,7 +34,7 @@ from storage.maintenance import IndexCompactReport, compact
 from storage.objects import ObjectStore
 from storage.pruning import Progress, PrunePlan, plan_prune, prune
 from storage.rows import INDEX_BOOKKEEPING, PruneReport, as_utc
-from storage.sessions import ANY, ActiveMarks, Sessions
+from storage.sessions import ANY, ActiveMarks, Sessions, UserFilter
 from storage.table import TableCache, load_tables, with_staleness
 from storage.table_query import read_for_query
 from storage.tails import TailReader
@@ -93,7 +94,7 @@ class Store:
 
     # -- leases ------------------------------------------------------------
     # -- queries -----------------------------------------------------------
-    def query(self, *, user_id: Any = ANY, session_id: str | None = None, status: str | None = None,
+    def query(self, *, user_id: UserFilter = ANY, session_id: str | None = None, status: str | None = None,
               since: datetime | None = None, until: datetime | None = None, min_cost: float | None = None,
               max_cost: float | None = None, columns: list[str] | None = None) -> pa.Table:
         """Live checkpoint rows across sessions as an Arrow table (``user_id=...`` = any user).
@@ -107,7 +108,7 @@ class Store:
         The rows are the live ones of :mod:`storage.visibility`: a row a fenced
         writer landed after a takeover is in neither part.
         """
-        segment = None if user_id is ANY else user_segment(user_id)
+        segment = None if isinstance(user_id, EllipsisType) else user_segment(user_id)
         if session_id is not None:
             validate_id(session_id, "session_id")
         # Consistent with one LIST of the per-session files even while a compaction merges them.

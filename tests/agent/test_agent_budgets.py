@@ -6,6 +6,7 @@ every call costs something and the same transcript always costs the same.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from datetime import datetime, timezone
 
@@ -20,6 +21,7 @@ from loomray.models.scripted import count_calls
 from loomray.records import Message, Usage
 from storage import CheckpointInfo, layout
 from storage.rows import CHECKPOINT_SCHEMA, CheckpointRow, checkpoint_rows_from_table, checkpoint_rows_table
+from storage.testing import write_checkpoint
 
 PASSES = 4  # tool passes; one more pass gives the final answer
 tool_calls: dict[str, int] = {}
@@ -248,12 +250,13 @@ def test_an_old_index_file_still_lists(tmp_path):
     store = open_store(tmp_path / "d")
     try:
         data = b'{"x": 1}'
-        row = store.checkpoints.put(data, CheckpointInfo(session_id="s", checkpoint_id="ckpt-new", turn=2,
+        row = write_checkpoint(store, data, CheckpointInfo(session_id="s", checkpoint_id="ckpt-new", turn=2,
                                                         created_at=datetime.now(timezone.utc), position="after_tools",
                                                         execution_status="active", message_count=1, cost_usd=0.5,
                                                         spend_usd=0.5), keep=0)
-        old_row = CheckpointRow(**{**row.__dict__, "checkpoint_id": "ckpt-old", "turn": 1,
-                                   "key": layout.checkpoint_key("s", None, "ckpt-old")})
+        old_row = CheckpointRow(**{**row.__dict__, "checkpoint_id": "ckpt-old", "turn": 1,  # an old writer's row
+                                   "key": layout.checkpoint_key("s", None, "ckpt-old"), "size": len(data),
+                                   "sha256": hashlib.sha256(data).hexdigest()})
         store.objects.put(key=old_row.key, data=data)
         table = checkpoint_rows_table([old_row], tombstone=False, written_at=datetime.now(timezone.utc))
         old = table.drop_columns(["spend_usd"])

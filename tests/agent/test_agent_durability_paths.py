@@ -24,6 +24,7 @@ from storage import CheckpointInfo
 from storage.errors import CorruptObjectError, StorageError, TransientStorageError
 from storage.objects import ObjectStore
 from storage.store import Store
+from storage.testing import write_checkpoint
 
 calls: list[str] = []
 #: Tool calls and injected faults in the order they happened (to prove nothing ran after a fault).
@@ -306,9 +307,10 @@ async def test_path11_every_checkpoint_load_failure_is_a_checkpoint_exception(tm
 
     # An unknown schema version.
     raw = b'{"schema_version": "9.9", "session_id": "s11", "turn": 1}'
-    rt.store.checkpoints.put(raw, CheckpointInfo(session_id="s11", checkpoint_id="ckpt-future", turn=1,
+    lease = rt.store.leases.acquire("s11", owner="a writer of a later release")
+    write_checkpoint(rt.store, raw, CheckpointInfo(session_id="s11", checkpoint_id="ckpt-future", turn=1,
                                                 created_at=datetime.now(timezone.utc), position="after_tools",
-                                                execution_status="active", message_count=0), keep=0)
+                                                execution_status="active", message_count=0), lease=lease, keep=0)
     with pytest.raises(CheckpointException, match="9.9"):
         await agent.get_checkpoint("s11", "ckpt-future")
     rt.close()
@@ -369,9 +371,10 @@ async def test_path14_repair_orders_tool_result_before_user_message(runtime):
     messages = [Message(role="system", content="You look things up."), Message(role="user", content="task"),
                 Message(role="assistant", tool_calls=[call]), Message(role="user", content="are you there?")]
     from loomray import Checkpoint
+    from loomray.checkpoint_format import ChainEncoder
 
     ckpt = Checkpoint(session_id="s14", turn=0, position="after_model", messages=messages, message_count=4)
-    runtime.store.checkpoints.put(ckpt.to_json_bytes(), CheckpointInfo(
+    write_checkpoint(runtime.store, ChainEncoder(None).encode(ckpt).body, CheckpointInfo(
         session_id="s14", checkpoint_id=ckpt.checkpoint_id, turn=0, created_at=ckpt.created_at,
         position="after_model", execution_status="active", message_count=4))
 

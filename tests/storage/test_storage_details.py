@@ -6,8 +6,9 @@ from datetime import datetime, timezone
 
 import pytest
 
-from storage import CheckpointInfo, JournalEntry, Store, open_store
+from storage import CheckpointInfo, JournalEntry, Store
 from storage.errors import CorruptObjectError
+from storage.testing import write_checkpoint
 
 NOW = datetime(2026, 7, 4, tzinfo=timezone.utc)
 
@@ -15,15 +16,7 @@ NOW = datetime(2026, 7, 4, tzinfo=timezone.utc)
 def _put(store, cid, data=b'{"x": 1}', keep=20, session_id="s1"):
     info = CheckpointInfo(session_id=session_id, checkpoint_id=cid, turn=1, created_at=NOW,
                           position="after_tools", execution_status="active", message_count=1)
-    return store.checkpoints.put(data, info, keep=keep)
-
-
-def test_payload_bytes_are_stored_without_a_copy():
-    store = open_store("memory://")
-    data = b'{"messages": "' + b"x" * 100_000 + b'"}'
-    row = _put(store, "c1", data)
-    assert store.objects._objects[row.key][0] is data  # the caller's buffer, not a copy
-    assert store.checkpoints.get("s1") is data
+    return write_checkpoint(store, data, info, keep=keep)
 
 
 def test_corrupt_lease_is_a_typed_error(store):

@@ -19,6 +19,7 @@ from storage import CheckpointInfo, index_guard, open_store
 from storage.index_guard import checked, own_rows
 from storage.layout import lease_key
 from storage.rows import CheckpointRow, checkpoint_rows_table
+from storage.testing import write_checkpoint
 
 T0 = datetime(2026, 7, 1, tzinfo=timezone.utc)
 #: Column-wide calls the per-file checks used to make.
@@ -63,7 +64,7 @@ def test_a_cold_listing_makes_one_list_per_prefix_and_no_column_wide_call_per_sm
     store = open_store(tmp_path / "store")
     lease = store.leases.acquire("s", owner="o") if leased else None
     for j in range(4):  # four index files of one row each
-        store.checkpoints.put(b'{"x": 1}', _info("s", j), lease=lease, keep=0)
+        write_checkpoint(store, b'{"x": 1}', _info("s", j), lease=lease, keep=0)
     counted = _Counted(store, monkeypatch)
     store.drop_caches()
     counted.reset()
@@ -78,7 +79,7 @@ def test_a_leased_session_without_lease_json_also_lists_the_kept_copies(tmp_path
     store = open_store(tmp_path / "store")
     lease = store.leases.acquire("s", owner="o")
     for j in range(2):
-        store.checkpoints.put(b'{"x": 1}', _info("s", j), lease=lease, keep=0)
+        write_checkpoint(store, b'{"x": 1}', _info("s", j), lease=lease, keep=0)
     store.objects.delete(keys=[lease_key("s", None)])
     counted = _Counted(store, monkeypatch)
     store.drop_caches()

@@ -14,6 +14,7 @@ import pytest
 from storage import CheckpointInfo, SessionRow, open_store
 from storage.rows import session_rows_table
 from storage.session_table import read_session_table, read_session_tables, session_table_key
+from storage.testing import write_checkpoint
 
 T0 = datetime(2026, 12, 1, tzinfo=timezone.utc)
 
@@ -56,7 +57,7 @@ def test_exact_after_retention_prune_and_more_status_changes(store):
     for i in range(3):
         _status(store, f"s{i}", "bob", "running", i)
         for n in range(3):
-            store.checkpoints.put(b"{}", CheckpointInfo(session_id=f"s{i}", checkpoint_id=f"c{n}", user_id="bob",
+            write_checkpoint(store, b"{}", CheckpointInfo(session_id=f"s{i}", checkpoint_id=f"c{n}", user_id="bob",
                                                        turn=n, created_at=T0, position="after_tools",
                                                        execution_status="active", message_count=n), keep=2)
     store.compact()

@@ -13,6 +13,7 @@ import pytest
 import storage.table as table_module
 from storage import CheckpointInfo, Store, layout, open_store
 from storage.table import Manifest, staleness
+from storage.testing import write_checkpoint
 
 T0 = datetime(2026, 7, 4, 22, 0, tzinfo=timezone.utc)  # rows of a session cross midnight: two day partitions
 #: Ids a hive path treats specially, or that a glob or a URL would: spaces, non-ASCII, glob and quote characters.
@@ -28,7 +29,7 @@ def put(store: Store, session_id: str, checkpoint_id: str, *, user_id=None, turn
                           created_at=T0 + timedelta(minutes=30 * turn if minutes is None else minutes),
                           position="after_tools", execution_status="completed" if turn % 2 else "active",
                           message_count=turn, cost_usd=0.1 * turn if cost is None else cost)
-    return store.checkpoints.put(data, info, keep=keep)
+    return write_checkpoint(store, data, info, keep=keep)
 
 
 def fill(store: Store, *, turns: int = 5, keep: int = 3) -> None:

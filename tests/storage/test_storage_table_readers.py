@@ -10,6 +10,7 @@ import pytest
 from pyarrow import fs as pafs
 
 from storage import CheckpointInfo
+from storage.testing import write_checkpoint
 
 DAYS = (1, 2, 3)
 CUTOFF = "2026-12-02"
@@ -20,7 +21,7 @@ def _fill(store) -> None:
     for user in (None, "alice"):
         for day in DAYS:
             for n in (1, 2):
-                store.checkpoints.put(b"{}", CheckpointInfo(
+                write_checkpoint(store, b"{}", CheckpointInfo(
                     session_id=f"s{day}", checkpoint_id=f"c{day}-{n}", user_id=user, turn=n,
                     created_at=datetime(2026, 12, day, 12, tzinfo=timezone.utc), position="after_tools",
                     execution_status="active", message_count=n, cost_usd=0.25 * n))

@@ -10,6 +10,7 @@ from ui_harness import bound
 
 from loomray.ui.listing import ListQuery, TableCache, list_sessions
 from storage import CheckpointInfo, SessionRow, open_store
+from storage.testing import write_checkpoint
 
 T0 = datetime(2026, 7, 1, tzinfo=timezone.utc)
 
@@ -103,7 +104,7 @@ def test_a_running_sessions_turns_and_spend_come_from_its_latest_checkpoint():
     store.sessions.put(SessionRow(session_id="live", user_id="alice", status="running", updated_at=T0 + timedelta(
         hours=5), run_id="r2", turn=0, cost_usd=0.0))
     for turn in (1, 2, 3):
-        store.checkpoints.put(b"{}", CheckpointInfo(
+        write_checkpoint(store, b"{}", CheckpointInfo(
             session_id="live", user_id="alice", checkpoint_id=f"c{turn}", turn=turn,
             created_at=T0 + timedelta(hours=5, minutes=turn), position="after_tools", execution_status="active",
             message_count=2 * turn, cost_usd=0.5 * turn))
