@@ -13,16 +13,15 @@ elsewhere is fenced, as ``loomray cancel`` fences one.
 
 from __future__ import annotations
 
-from typing import Any
-
 from loomray.checkpoint_format import ChainEncoder, load_checkpoint
 from loomray.errors import CheckpointNotFound
 from loomray.fencing import fence_session
 from loomray.records import Checkpoint
+from loomray.session_store import SessionStore
 from storage import CheckpointInfo
 
 
-def adopt_winner(store: Any, session_id: str, user_id: str | None, winner: str, checkpoint_id: str, *,
+def adopt_winner(store: SessionStore, session_id: str, user_id: str | None, winner: str, checkpoint_id: str, *,
                  agent_id: str, keep: int, owner: str) -> str:
     """Write checkpoint ``checkpoint_id`` of ``session_id`` from ``winner``'s latest one (once); return its id."""
     if any(r.checkpoint_id == checkpoint_id for r in store.checkpoints.list(session_id, user_id=user_id, limit=None)):

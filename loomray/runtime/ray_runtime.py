@@ -122,7 +122,7 @@ class RayRuntime(Runtime):
     reference), :meth:`wait`, :meth:`status`, :meth:`session`.
     """
 
-    def __init__(self, store: Any, address: str | None = None, max_checkpoints_per_session: int = 20,
+    def __init__(self, store: str | os.PathLike[str], address: str | None = None, max_checkpoints_per_session: int = 20,
                  actor_options: dict[str, Any] | None = None, *, max_concurrent_forks: int = 32,
                  on_fork_progress: Callable[[dict[str, Any]], Any] | None = None,
                  placement: str = "actor", hosts_per_node: int | None = None, sessions_per_host: int = 1000,

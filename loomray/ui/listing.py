@@ -26,6 +26,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from datetime import datetime
+from types import EllipsisType
 from typing import Any
 
 import pyarrow as pa
@@ -35,7 +36,7 @@ from storage import Store
 from storage.ids import user_segment
 from storage.rows import SessionRow
 from storage.session_table import read_session_tables
-from storage.sessions import ANY
+from storage.sessions import ANY, UserFilter
 
 #: The statuses a session's status row says (the status filter's choices).
 STATUSES = ("pending", "running", "completed", "awaiting_approval", "paused", "budget_exceeded", "failed",
@@ -58,7 +59,7 @@ class ListQuery:
     ``exploration_id`` of their run's metadata).
     """
 
-    user: Any = ANY
+    user: UserFilter = ANY
     status: str | None = None
     since: datetime | None = None
     until: datetime | None = None
@@ -113,15 +114,15 @@ class TableCache:
         self._files: dict[str, tuple[str, pa.Table]] = {}
         self._merged: dict[Any, tuple[Any, pa.Table]] = {}
 
-    def current(self, store: Store, user: Any) -> pa.Table:
+    def current(self, store: Store, user: UserFilter) -> pa.Table:
         """Each session's latest status row, of ``user`` (``ANY``: every user)."""
         with self._lock:
             files = dict(self._files)
         seen: list[tuple[str, str]] = []
-        table = read_session_tables(store, None if user is ANY else user_segment(user), files, _COLUMNS, seen)
+        table = read_session_tables(store, None if isinstance(user, EllipsisType) else user_segment(user), files, _COLUMNS, seen)
         markers = store.sessions.changed(user)
         signature = (tuple(sorted(seen)), tuple(sorted((k, max(v)) for k, v in markers.items())))
-        view = "*" if user is ANY else user
+        view = "*" if isinstance(user, EllipsisType) else user
         with self._lock:
             self._files.update(files)
             hit = self._merged.get(view)
@@ -155,7 +156,7 @@ def _with_tail(table: pa.Table, rows: list[SessionRow]) -> pa.Table:
     return pa.concat_tables([table, tail]) if table.num_rows else tail
 
 
-def current_rows(store: Store, user: Any, tables: TableCache | None = None) -> pa.Table:
+def current_rows(store: Store, user: UserFilter, tables: TableCache | None = None) -> pa.Table:
     """Each session's latest status row (of ``user``; ``ANY``: every user): the session-status table, with the
     tail's rows in place of the table's for the sessions the change markers name."""
     return (tables or TableCache()).current(store, user)
