@@ -124,7 +124,7 @@ def drive(address: str, store: str, xid: str, log: str, width: int, passes: int,
                          max_concurrent_forks=max_concurrent_forks)
     agent = _agent(log, passes, latency)
     agent.runtime = runtime
-    if not runtime.store.list_checkpoints("base", limit=1):
+    if not runtime.store.checkpoints.list("base", limit=1):
         agent.run_sync("task", session_id="base")
     result = agent.explore_sync("base", variants=_variants(width), judge=judge, rounds=ROUNDS, keep=KEEP,
                                 exploration_id=xid)

@@ -5,8 +5,9 @@ Run: ``.venv/bin/python bench/storage_bench.py`` (full: 15-30 minutes on 2 cores
 ``bench/results/storage.json`` (or ``--out``). Ratios are measured in one run
 because these machines are noisy:
 
-- write latency/throughput of ``put_checkpoint`` (keep=20, lease-fenced, one
-  index row per write) for 10 KB / 100 KB / 1 MB payloads on the local
+- write latency/throughput of a checkpoint log (``store.checkpoints.log``,
+  keep=20: one PUT per checkpoint, rows and the lease proof in batches; and
+  with a batch of one, each write acknowledged) for 10 KB / 100 KB / 1 MB payloads on the local
   directory and on S3 (moto on loopback), against the physical floor: one raw
   PUT of the same bytes through the same object store;
 - bytes written per checkpoint / payload bytes (object + index row + the
@@ -19,14 +20,14 @@ because these machines are noisy:
   tombstones) and 100,000 on S3 (1,000 files): one user + 30 days + a minimum
   cost, all users + 30 days + status + minimum cost, and every row; each before
   compaction (all of it uncompacted tail), after a full ``compact()`` (the
-  compacted table), and after 1,000 (S3: 200) more ``put_checkpoint`` calls
+  compacted table), and after 1,000 (S3: 200) more checkpoint writes
   (table + tail); with the GET / LIST / PUT / DELETE requests each one made;
 - compaction: the full one (per-session merges + building the table), the
   incremental one after those new checkpoints, and a no-op one, with wall and
   CPU seconds, requests and the 1-minute load average when each started (the
   machine may be shared: compare the CPU seconds and the load, not only the
   wall time). Only this part: ``--parts query --backends local``. The index rows are generated as Arrow tables and
-  written through the index writer ``put_checkpoint`` uses
+  written through the index writer checkpoint logs use
   (``ParquetIndex.write``), so the files have the shape a long run produces,
   only with more rows per file than one write makes. On S3 the CPU seconds
   include moto's, which runs in this process.
@@ -55,7 +56,7 @@ from storage import CheckpointInfo, Store, open_store  # noqa: E402
 from storage.layout import CHECKPOINT_INDEX, checkpoint_key, index_partition  # noqa: E402
 from storage.rows import CHECKPOINT_SCHEMA, CheckpointRow, checkpoint_rows_table  # noqa: E402
 from storage.table import staleness  # noqa: E402
-from storage.testing import MotoS3Server  # noqa: E402
+from storage.testing import MotoS3Server, write_checkpoint  # noqa: E402
 
 T0 = datetime(2026, 7, 1, tzinfo=timezone.utc)
 
@@ -101,23 +102,23 @@ def bench_writes(store, backend, sizes, n):
         counter.reset()
         lat = []
         t_all = time.perf_counter()
+        log = store.checkpoints.log(store.leases.acquire(f"w{size}", owner="bench"), keep=20)
         for i in range(n):
             t = time.perf_counter()
-            store.put_checkpoint(payload, CheckpointInfo(session_id=f"w{size}", checkpoint_id=f"c{i:06d}", turn=i,
-                                                         created_at=T0, position="after_tools",
-                                                         execution_status="active", message_count=i), keep=20)
+            log.put(payload, CheckpointInfo(session_id=f"w{size}", checkpoint_id=f"c{i:06d}", turn=i, created_at=T0,
+                                            position="after_tools", execution_status="active", message_count=i))
             lat.append(time.perf_counter() - t)
+        log.flush()
         total = time.perf_counter() - t_all
         written, puts = counter.bytes, counter.puts
         fenced = []
         lease_session = f"f{size}"
-        lease = store.acquire_lease(lease_session, owner="bench")
+        acked = store.checkpoints.log(store.leases.acquire(lease_session, owner="bench"), keep=20, batch=1)
         for i in range(n):
             t = time.perf_counter()
-            store.put_checkpoint(payload, CheckpointInfo(session_id=lease_session, checkpoint_id=f"c{i:06d}", turn=i,
-                                                         created_at=T0, position="after_tools",
-                                                         execution_status="active", message_count=i),
-                                 lease=lease, keep=20)
+            acked.put(payload, CheckpointInfo(session_id=lease_session, checkpoint_id=f"c{i:06d}", turn=i,
+                                              created_at=T0, position="after_tools", execution_status="active",
+                                              message_count=i))
             fenced.append(time.perf_counter() - t)
         out.append({
             "backend": backend, "payload_bytes": size, "writes": n,
@@ -135,16 +136,16 @@ def bench_writes(store, backend, sizes, n):
 def bench_listing(store, backend, sessions, per_session, threads):
     """``list_checkpoints`` of one session, cold, among 10 and among ``sessions`` sessions.
 
-    The first 10 sessions are written with ``put_checkpoint``; the rest (only
+    The first 10 sessions are written through checkpoint logs; the rest (only
     there to be listed past) get one checkpoint object and one index file each,
-    written straight through the object store in the layout ``put_checkpoint``
-    uses, which fills 100,000 sessions in a minute instead of ten.
+    written straight through the object store in the layout of an index row,
+    which fills 100,000 sessions in a minute instead of ten.
     """
     def fill(i):
         for j in range(per_session):
-            store.put_checkpoint(b'{"x": 1}', CheckpointInfo(session_id=f"s{i:06d}", checkpoint_id=f"c{j:04d}",
-                                                             turn=j, created_at=T0, position="after_tools",
-                                                             execution_status="active", message_count=j), keep=0)
+            write_checkpoint(store, b'{"x": 1}', CheckpointInfo(session_id=f"s{i:06d}", checkpoint_id=f"c{j:04d}",
+                                                               turn=j, created_at=T0, position="after_tools",
+                                                               execution_status="active", message_count=j), keep=0)
 
     def fill_fast(i):
         sid = f"s{i:06d}"
@@ -160,7 +161,7 @@ def bench_listing(store, backend, sessions, per_session, threads):
         for _ in range(reps):
             store.drop_caches()  # a cold reader: LISTs, GETs and parses every time
             t = time.perf_counter()
-            rows = store.list_checkpoints(sid)
+            rows = store.checkpoints.list(sid)
             lat.append(time.perf_counter() - t)
             assert len(rows) == per_session
         return 1e3 * statistics.median(lat)
@@ -295,10 +296,9 @@ def bench_query(store, backend, sessions, files_per_session, rows_per_file, user
     t = time.perf_counter()
     for i in range(new_checkpoints):
         s, u = targets[i % len(targets)]
-        store.put_checkpoint(b'{"x": 1}', CheckpointInfo(session_id=f"s{s:06d}", user_id=u, checkpoint_id=f"n{i:06d}",
-                                                         turn=i, created_at=t_new + timedelta(seconds=i),
-                                                         position="after_tools", execution_status="active",
-                                                         message_count=i, cost_usd=0.07), keep=1_000_000)
+        write_checkpoint(store, b'{"x": 1}', CheckpointInfo(
+            session_id=f"s{s:06d}", user_id=u, checkpoint_id=f"n{i:06d}", turn=i, created_at=t_new + timedelta(seconds=i),
+            position="after_tools", execution_status="active", message_count=i, cost_usd=0.07), keep=1_000_000)
     write_s = time.perf_counter() - t
     with_tail = run_query(3)
     load_inc = os.getloadavg()[0]
@@ -385,7 +385,7 @@ def main(argv=None) -> int:
 
 
 def report(r) -> None:
-    print("\ncheckpoint writes (put_checkpoint, keep=20; floor = one raw PUT of the same bytes)")
+    print("\ncheckpoint writes (a checkpoint log, keep=20; fenced = a batch of one; floor = one raw PUT of the same bytes)")
     print(f"{'backend':8} {'payload':>9} {'p50 ms':>8} {'p95 ms':>8} {'fenced':>8} {'floor':>8} {'x floor':>8} "
           f"{'writes/s':>9} {'MB/s':>7} {'bytes/payload':>13} {'PUTs':>5}")
     for w in r["writes"]:

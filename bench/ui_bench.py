@@ -6,7 +6,7 @@ running cost, for some an exploration id) as one index file per session,
 spread over the 30 days before now, then compacted (the session-status table
 the list reads, one file per user), then a tail the table does not hold
 yet: sessions started, finished and cancelled after the compaction
-(``--tail``), through ``Store.put_session`` as runs write them, and
+(``--tail``), through ``store.sessions.put`` as runs write them, and
 checkpoints for the running ones. Then each page is requested in a fresh
 Python process (a new server and a new ``Store``: nothing parsed, nothing
 cached) through Starlette's test client (no network in the figure): the
@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from storage import CheckpointInfo, SessionRow, open_store  # noqa: E402
 from storage.layout import SESSION_INDEX, index_partition  # noqa: E402
 from storage.rows import session_rows_table  # noqa: E402
+from storage.testing import write_checkpoint
 
 GOAL_MS = 300.0
 PAGES = {"first page": "/", "second page": "/?page=2", "filtered": "/?status=completed&min_spend=1.5",
@@ -70,9 +71,9 @@ def build(root: str, sessions: int, users: int, tail: int, threads: int) -> dict
     for i in range(tail):  # after the compaction: new sessions (some still running) and changes to old ones
         s = sessions + i if i % 4 else i * 7 % sessions
         status = "running" if i % 10 == 1 else "cancelled" if i % 4 == 0 else "completed"
-        store.put_session(_row(s, users, now - timedelta(seconds=tail - i), status))
+        store.sessions.put(_row(s, users, now - timedelta(seconds=tail - i), status))
         if status == "running":
-            store.put_checkpoint(b"{}", CheckpointInfo(
+            write_checkpoint(store, b"{}", CheckpointInfo(
                 session_id=f"s{s:06d}", user_id=f"u{s % users:03d}", checkpoint_id="c1", turn=3,
                 created_at=now - timedelta(seconds=tail - i), position="after_tools", execution_status="active",
                 message_count=6, cost_usd=0.25))

@@ -56,7 +56,7 @@ async def _one(lc, runtime, agents, i: int) -> dict:
     victim = lc.node_of(info["node_id"])
     t1 = time.perf_counter()
     lc.remove_node(victim)
-    await _until(lambda: runtime.store.current_epoch(sid) >= 2)
+    await _until(lambda: runtime.store.leases.current_epoch(sid) >= 2)
     new_lease = time.perf_counter() - t1
     await _until(lambda: agents.steps_started("nodekill") >= 4)
     next_step = time.perf_counter() - t1

@@ -39,7 +39,7 @@ async def main(data_dir: str) -> int:
         agent = build(runtime)
         t0 = time.monotonic()
         run = asyncio.create_task(agent.run(PROMPT, session_id=SESSION))
-        while not (rows := runtime.store.list_checkpoints(SESSION, limit=1)) or rows[0].turn < 3:
+        while not (rows := runtime.store.checkpoints.list(SESSION, limit=1)) or rows[0].turn < 3:
             await asyncio.sleep(0.05)
         where = {s["session_id"]: s for s in await runtime.status()}[SESSION]["node_id"]
         print(f"turn {rows[0].turn} checkpointed on node {where[:8]} after {time.monotonic() - t0:.1f}s; "
@@ -50,7 +50,7 @@ async def main(data_dir: str) -> int:
         status = {s["session_id"]: s for s in await runtime.status()}[SESSION]
         print(f"finished {time.monotonic() - t_kill:.1f}s after the kill on node {status['node_id'][:8]}: "
               f"{result.turns} passes, epoch {status['epoch']}, restarts {status['restarts']}")
-        journal = runtime.store.journal_list(SESSION, runtime.store.get_session(SESSION).run_id)
+        journal = runtime.store.journal.list(SESSION, runtime.store.sessions.get(SESSION).run_id)
         model_steps = [e.step_key for e in journal if e.kind == "model"]
         print(f"model calls journaled: {len(model_steps)} for {result.turns} passes; "
               f"each once: {len(set(model_steps)) == len(model_steps) == result.turns}")

@@ -8,7 +8,7 @@ names every object it is read from, oldest first, each the base of the next;
 consecutive links of one writer are one range (:func:`storage.chains.expand`),
 so the header stays small. A pass that adds 2 KB to a 2 MB transcript thus
 writes about 2 KB, and reading any checkpoint is one parallel fetch of its
-chain (:meth:`storage.Store.get_checkpoint_chain`), like Akka Persistence's
+chain (:meth:`storage.checkpoints.Checkpoints.get_chain`), like Akka Persistence's
 snapshot plus the events after it.
 
 A full snapshot (no base) starts a new chain: the first checkpoint of a
@@ -238,7 +238,7 @@ def load_checkpoint(store: SessionStore, session_id: str, checkpoint_id: str = "
     """
     try:
         pinned = {"pinned_for": pinned_for} if pinned_for is not None else {}
-        objects = store.get_checkpoint_chain(session_id, checkpoint_id, user_id=user_id, **pinned)
+        objects = store.checkpoints.get_chain(session_id, checkpoint_id, user_id=user_id, **pinned)
     except InvalidIdError:
         raise
     except (StorageError, OSError) as e:

@@ -24,7 +24,7 @@ def pre_lease_listing(store: SessionStore, request: RunRequest) -> Listing:
     above its listed keys, so whatever the old owner appends from then on is
     never replayed.
     """
-    return store.journal_listing(request.session_id, user_id=request.user_id, run_id=request.run_id)
+    return store.journal.listing(request.session_id, user_id=request.user_id, run_id=request.run_id)
 
 
 def take_lease(store: SessionStore, request: RunRequest, owner: str) -> tuple[Lease, FenceNote]:
@@ -35,7 +35,7 @@ def take_lease(store: SessionStore, request: RunRequest, owner: str) -> tuple[Le
     taking the lease and sealing (``storage.journal.FenceNote``).
     """
     fence = FenceNote(lambda: pre_lease_listing(store, request))
-    lease = store.acquire_lease(request.session_id, user_id=request.user_id, owner=owner, note=fence)
+    lease = store.leases.acquire(request.session_id, user_id=request.user_id, owner=owner, note=fence)
     return lease, fence
 
 
@@ -56,7 +56,7 @@ def seal_listed(store: SessionStore, sid: str, uid: str | None, lease: Lease, fe
     """Seal the runs the pre-lease listing showed (one PUT per run) and write the seals earlier owners
     recorded in the lease but never wrote; return the sealed run ids."""
     for run_id, keys in fence.listing.runs.items():
-        store.journal_seal_listed(sid, run_id, user_id=uid, lease=lease, listed=keys)
+        store.journal.seal_listed(sid, run_id, user_id=uid, lease=lease, listed=keys)
     if fence.chain:
-        store.journal_complete_fences(sid, user_id=uid, chain=fence.chain, listed=dict(fence.listing.runs))
+        store.journal.complete_fences(sid, user_id=uid, chain=fence.chain, listed=dict(fence.listing.runs))
     return set(fence.listing.runs)

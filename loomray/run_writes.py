@@ -108,7 +108,7 @@ class WriteGuard:
             self.fatal = error
             raise error
         try:
-            self.store.check_lease(self.lease)
+            self.store.leases.check(self.lease)
         except LeaseLostError as e:
             self.fatal = e
             raise
@@ -144,10 +144,10 @@ class WriteGuard:
             raise self.fatal
 
 
-class JournalStore(Protocol):
+class JournalTarget(Protocol):
     """What the journal sink writes to: appends and lease reads."""
 
-    def journal_append(self, entry: JournalEntry) -> None: ...
+    def append(self, entry: JournalEntry) -> None: ...
 
     def check_lease(self, lease: Lease) -> None: ...
 
@@ -162,16 +162,16 @@ class GuardedJournal:
     def __init__(self, store: SessionStore, guard: WriteGuard) -> None:
         self._store, self._guard = store, guard
 
-    def journal_append(self, entry: JournalEntry) -> None:
+    def append(self, entry: JournalEntry) -> None:
         try:
-            self._store.journal_append(entry)
+            self._store.journal.append(entry)
         except Exception as e:
             self._guard.failed(f"journal entry {entry.step_key} of run {entry.run_id}", e)
             raise
 
     def check_lease(self, lease: Lease) -> None:
         try:
-            self._store.check_lease(lease)
+            self._store.leases.check(lease)
         except LeaseLostError:
             raise
         except Exception as e:
@@ -203,10 +203,10 @@ class StoreJournalSink:
     - before it reports its end (:meth:`prove`).
     """
 
-    def __init__(self, store: JournalStore, request: RunRequest, run_id: str, lease: Lease,
+    def __init__(self, target: JournalTarget, request: RunRequest, run_id: str, lease: Lease,
                  recheck_s: float = LEASE_RECHECK_S, inflight: InflightWrites | None = None, *,
                  check_writes: int | None = None, check_s: float | None = None) -> None:
-        self.store, self.request, self.run_id, self.lease = store, request, run_id, lease
+        self.target, self.request, self.run_id, self.lease = target, request, run_id, lease
         self.inflight = inflight or InflightWrites()
         self.recheck_s = recheck_s
         self.check_writes = LEASE_CHECK_WRITES if check_writes is None else check_writes
@@ -227,7 +227,7 @@ class StoreJournalSink:
     async def prove(self) -> None:
         """Read the lease unless nothing was written since it was last proven: before a run reports its end."""
         if self._writes:
-            await asyncio.to_thread(self.store.check_lease, self.lease)
+            await asyncio.to_thread(self.target.check_lease, self.lease)
             self.proven()
 
     async def before_step(self) -> None:
@@ -236,7 +236,7 @@ class StoreJournalSink:
         if self._writes >= self.check_writes or time.monotonic() - self._proven >= self.check_s:
             # Through the guard: fenced is LeaseLostError, unreadable is DurabilityLost; either stops the run
             # before the step is billed or its tools act.
-            await asyncio.to_thread(self.store.check_lease, self.lease)
+            await asyncio.to_thread(self.target.check_lease, self.lease)
             self.proven()
 
     async def append(self, record: JournalRecord) -> None:
@@ -245,7 +245,7 @@ class StoreJournalSink:
                              input_hash=record.input_hash, output=record.output, epoch=self.lease.epoch)
         self.wrote()
         try:
-            await self.inflight.run(self.store.journal_append, entry)
+            await self.inflight.run(self.target.append, entry)
         except LeaseLostError:
             raise
         except Exception as e:  # the step already happened; losing its record only costs a re-run later
@@ -256,7 +256,7 @@ class StoreJournalSink:
 
     async def _recheck_lease(self) -> None:
         try:
-            await asyncio.to_thread(self.store.check_lease, self.lease)
+            await asyncio.to_thread(self.target.check_lease, self.lease)
             self.proven()
         except LeaseLostError:
             raise

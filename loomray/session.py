@@ -193,7 +193,7 @@ class _SessionRun:
         # per checkpoint and acknowledges them in batches (storage.checkpoint_log).
         config = agent.tuning.checkpoint_config()
         self.encoder = ChainEncoder(self.state.chain, full_every=config.full_every if config else 1)
-        self.checkpoints = store.checkpoint_log(lease, keep=max_checkpoints_per_session)
+        self.checkpoints = store.checkpoints.log(lease, keep=max_checkpoints_per_session)
         self.consumed_at: dict[str, Any] = {}
         # One id segment per run: its checkpoints are consecutive links, which a chain names as one range.
         self.segment, self.links = new_segment(), 0
@@ -298,7 +298,7 @@ class _SessionRun:
             return result
         if self.sink is not None:
             await self.sink.prove()  # a run fenced since its last proof must not report its end (LeaseLostError)
-        await self.controls.release(lambda: self.store.check_lease(self.lease))
+        await self.controls.release(lambda: self.store.leases.check(self.lease))
         if result.stop_reason != "completed":
             # Stopped before its end (over budget, awaiting approval, paused): the run stays unfinished, no
             # run_end, so resume(None) or the same run() continues it. The status is not an active one: a
@@ -321,7 +321,7 @@ class _SessionRun:
                          error=error, turn=self.written_turn, cost_usd=self.written_cost,
                          exploration_id=self.request.exploration_id())
         try:
-            await asyncio.to_thread(self.store.put_session, row)
+            await asyncio.to_thread(self.store.sessions.put, row)
         except Exception as e:
             log.warning("session row %s of %r could not be written: %s", state, sid, e)
 

@@ -3,13 +3,15 @@
 A run takes the session's lease, fences and reads the journal, records its
 run, writes checkpoints, journal entries and status rows; a runtime lists and
 reads checkpoints; both hand the store to :mod:`loomray.control` for control
-requests (objects under ``control/``, status rows). Typing those callers with this protocol instead of the
-whole ``Store`` keeps the seam visible: a store wrapper (fault injection, a
-write counter) needs only these methods to stand in for the real one.
+requests (objects under ``control/``, status rows). Typing those callers with
+these protocols instead of the whole ``Store`` keeps the seam visible: a store
+wrapper (fault injection, a write counter) needs only these sub-stores and
+methods to stand in for the real one.
 """
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Collection
 from typing import Any, Protocol
 
@@ -17,7 +19,86 @@ from storage.checkpoint_log import CheckpointLog
 from storage.journal import JournalRun, Listing
 from storage.leases import LeaseNote
 from storage.objects import ObjectStore
-from storage.rows import CheckpointInfo, CheckpointRow, JournalEntry, Lease, RunRecord, SessionRow
+from storage.rows import CheckpointRow, JournalEntry, Lease, RunRecord, SessionRow
+
+
+class CheckpointStore(Protocol):
+    """What runs and runtimes call on ``store.checkpoints`` (:class:`storage.checkpoints.Checkpoints`)."""
+
+    def log(self, lease: Lease, *, keep: int = 20, batch: int | None = None) -> CheckpointLog: ...
+
+    def get(self, session_id: str, checkpoint_id: str = "latest", *, user_id: str | None = None) -> bytes | None: ...
+
+    def get_chain(self, session_id: str, checkpoint_id: str = "latest", *, user_id: str | None = None,
+                  pinned_for: str | None = None) -> builtins.list[bytes] | None: ...
+
+    def pin(self, session_id: str, checkpoint_id: str, *, user_id: str | None = None,
+            dependent: str) -> tuple[str, ...]: ...
+
+    def list(self, session_id: str, *, user_id: str | None = None,
+             limit: int | None = 50) -> builtins.list[CheckpointRow]: ...
+
+
+class JournalStore(Protocol):
+    """What runs call on ``store.journal`` (:class:`storage.journaling.Journal`)."""
+
+    def listing(self, session_id: str, *, user_id: str | None = None, run_id: str | None = None) -> Listing: ...
+
+    def seal_listed(self, session_id: str, run_id: str, *, user_id: str | None = None, lease: Lease,
+                    listed: Collection[str]) -> JournalEntry: ...
+
+    def complete_fences(self, session_id: str, *, user_id: str | None = None,
+                        chain: builtins.list[dict[str, Any]], listed: dict[str, Collection[str]]) -> int: ...
+
+    def seal(self, session_id: str, run_id: str, *, user_id: str | None = None, lease: Lease,
+             seen_before: Collection[str] | None = None, known: JournalRun | None = None) -> JournalRun: ...
+
+    def read(self, session_id: str, run_id: str, *, user_id: str | None = None) -> JournalRun: ...
+
+    def list(self, session_id: str, run_id: str, *, user_id: str | None = None,
+             include_fenced: bool = False) -> builtins.list[JournalEntry]: ...
+
+    def runs(self, session_id: str, *, user_id: str | None = None) -> builtins.list[str]: ...
+
+    def append(self, entry: JournalEntry, *, lease: Lease | None = None) -> None: ...
+
+
+class RunStore(Protocol):
+    """What runs call on ``store.runs`` (:class:`storage.journaling.Runs`)."""
+
+    def last(self, session_id: str, *, user_id: str | None = None) -> RunRecord | None: ...
+
+    def create(self, session_id: str, *, user_id: str | None = None, run_id: str,
+               request: dict[str, Any] | None = None, spec_hash: str = "", base_session_id: str | None = None,
+               base_checkpoint_id: str | None = None, replay_from: str | None = None,
+               epoch: int = 0) -> RunRecord: ...
+
+    def list(self, session_id: str, *, user_id: str | None = None) -> builtins.list[RunRecord]: ...
+
+
+class LeaseStore(Protocol):
+    """What runs call on ``store.leases`` (:class:`storage.leasing.Leases`)."""
+
+    def acquire(self, session_id: str, *, user_id: str | None = None, owner: str,
+                timeout: float = ..., note: LeaseNote | None = None) -> Lease: ...
+
+    def check(self, lease: Lease) -> None: ...
+
+    def current_epoch(self, session_id: str, *, user_id: str | None = None) -> int: ...
+
+
+class SessionIndex(Protocol):
+    """What runs and control requests call on ``store.sessions`` (:class:`storage.sessions.Sessions`)."""
+
+    def put(self, row: SessionRow) -> None: ...
+
+    def get(self, session_id: str, *, user_id: str | None = None) -> SessionRow | None: ...
+
+
+class ActiveStore(Protocol):
+    """What runtimes call on ``store.active`` (:class:`storage.sessions.ActiveMarks`)."""
+
+    def get(self, session_id: str, *, user_id: str | None = None) -> bytes | None: ...
 
 
 class SessionStore(Protocol):
@@ -28,64 +109,24 @@ class SessionStore(Protocol):
     #: The store's URL: what metrics label the run's series with.
     url: str
 
-    # -- lease ---------------------------------------------------------------
-    def acquire_lease(self, session_id: str, *, user_id: str | None = None, owner: str,
-                      timeout: float = ..., note: LeaseNote | None = None) -> Lease: ...
+    @property
+    def checkpoints(self) -> CheckpointStore: ...
 
-    def check_lease(self, lease: Lease) -> None: ...
+    @property
+    def journal(self) -> JournalStore: ...
 
-    # -- journal and run records ---------------------------------------------------
-    def journal_listing(self, session_id: str, *, user_id: str | None = None,
-                        run_id: str | None = None) -> Listing: ...
+    @property
+    def runs(self) -> RunStore: ...
 
-    def journal_seal_listed(self, session_id: str, run_id: str, *, user_id: str | None = None, lease: Lease,
-                            listed: Collection[str]) -> JournalEntry: ...
+    @property
+    def leases(self) -> LeaseStore: ...
 
-    def journal_complete_fences(self, session_id: str, *, user_id: str | None = None, chain: list[dict[str, Any]],
-                                listed: dict[str, Collection[str]]) -> int: ...
+    @property
+    def sessions(self) -> SessionIndex: ...
 
-    def journal_seal(self, session_id: str, run_id: str, *, user_id: str | None = None, lease: Lease,
-                     seen_before: Collection[str] | None = None, known: JournalRun | None = None) -> JournalRun: ...
+    @property
+    def active(self) -> ActiveStore: ...
 
-    def journal_read(self, session_id: str, run_id: str, *, user_id: str | None = None) -> JournalRun: ...
-
-    def journal_list(self, session_id: str, run_id: str, *, user_id: str | None = None,
-                     include_fenced: bool = False) -> list[JournalEntry]: ...
-
-    def journal_runs(self, session_id: str, *, user_id: str | None = None) -> list[str]: ...
-
-    def journal_append(self, entry: JournalEntry, *, lease: Lease | None = None) -> None: ...
-
-    def last_run(self, session_id: str, *, user_id: str | None = None) -> RunRecord | None: ...
-
-    def run_create(self, session_id: str, *, user_id: str | None = None, run_id: str,
-                   **fields: Any) -> RunRecord: ...
-
-    # -- checkpoints and status rows ----------------------------------------------
-    def put_checkpoint(self, data: bytes, info: CheckpointInfo, *, lease: Lease | None = None,
-                       keep: int = 20) -> CheckpointRow: ...
-
-    def checkpoint_log(self, lease: Lease, *, keep: int = 20, batch: int | None = None) -> CheckpointLog: ...
-
-    def get_checkpoint_chain(self, session_id: str, checkpoint_id: str = "latest", *,
-                             user_id: str | None = None, pinned_for: str | None = None) -> list[bytes] | None: ...
-
-    def pin_checkpoint(self, session_id: str, checkpoint_id: str, *, user_id: str | None = None,
-                       dependent: str) -> tuple[str, ...]: ...
-
-    def list_checkpoints(self, session_id: str, *, user_id: str | None = None,
-                         limit: int | None = 50) -> list[CheckpointRow]: ...
-
-    def get_checkpoint(self, session_id: str, checkpoint_id: str = "latest", *,
-                       user_id: str | None = None) -> bytes | None: ...
-
-    def put_session(self, row: SessionRow) -> None: ...
-
-    def get_session(self, session_id: str, *, user_id: str | None = None) -> SessionRow | None: ...
-
-    def get_active(self, session_id: str, *, user_id: str | None = None) -> bytes | None: ...
-
-    # -- the store itself ------------------------------------------------------------
     def describe(self, key: str | None = None) -> str: ...
 
     def close(self) -> None: ...

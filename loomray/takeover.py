@@ -45,13 +45,13 @@ def _seen_keys(seen: Seen, run_id: str) -> frozenset[str]:
 def read_last_run(store: SessionStore, sid: str, uid: str | None, lease: Lease, seen: Seen,
                   sealed: set[str]) -> LastRun:
     """The session's last run as replay will see it once this incarnation sealed it."""
-    record = store.last_run(sid, user_id=uid)
+    record = store.runs.last(sid, user_id=uid)
     if record is not None:
         run_id: str | None = record.run_id
     else:
-        runs = store.journal_runs(sid, user_id=uid)
+        runs = store.journal.runs(sid, user_id=uid)
         run_id = runs[-1] if runs else None
-    journal = store.journal_read(sid, run_id, user_id=uid) if run_id is not None else None
+    journal = store.journal.read(sid, run_id, user_id=uid) if run_id is not None else None
     unsealed = run_id is not None and run_id not in sealed  # not sealed yet: judge it as its seal will make it
     return last_run_of(record, journal, lease=lease if unsealed else None,
                        seen_before=_seen_keys(seen, run_id) if run_id is not None else ())
@@ -66,7 +66,7 @@ def plan_takeover(store: SessionStore, request: RunRequest, lease: Lease, fence:
     last = read_last_run(store, sid, uid, lease, seen, sealed)
     known: Sequence[str] = ()
     if request.run_id is not None and request.run_id != last.run_id:
-        known = store.journal_runs(sid, user_id=uid)
+        known = store.journal.runs(sid, user_id=uid)
     run_id, request = run_to_continue(request, last, known)
     journal = _seal_runs(store, request, lease, seen, sealed, last, run_id)
     reads = SessionReads(request, run_id or request.run_id or new_run_id(), last, journal)
@@ -78,7 +78,7 @@ def plan_takeover(store: SessionStore, request: RunRequest, lease: Lease, fence:
     # Appends do not read the lease, so prove ownership once before the first step: a takeover that
     # listed the session before this plan's record landed (and so could not seal the run it is about
     # to start) took the lease before this read, which then fences this writer here.
-    store.check_lease(lease)
+    store.leases.check(lease)
     return plan
 
 
@@ -90,15 +90,15 @@ def _seal_runs(store: SessionStore, request: RunRequest, lease: Lease, seen: See
     if last.unfinished and last.run_id not in sealed and last.run_id != run_id:
         assert last.run_id is not None
         # Not continued by this request: its old incarnation may still append; fence it.
-        store.journal_seal(sid, last.run_id, user_id=uid, lease=lease, seen_before=_seen_keys(seen, last.run_id),
+        store.journal.seal(sid, last.run_id, user_id=uid, lease=lease, seen_before=_seen_keys(seen, last.run_id),
                            known=last.journal)
     if run_id is None:
         return None
     known_journal = last.journal if run_id == last.run_id else None
     if run_id not in sealed:
-        return store.journal_seal(sid, run_id, user_id=uid, lease=lease, seen_before=_seen_keys(seen, run_id),
+        return store.journal.seal(sid, run_id, user_id=uid, lease=lease, seen_before=_seen_keys(seen, run_id),
                                   known=known_journal)
-    return known_journal if known_journal is not None else store.journal_read(sid, run_id, user_id=uid)
+    return known_journal if known_journal is not None else store.journal.read(sid, run_id, user_id=uid)
 
 
 def _read(store: SessionStore, ref: Read, request: RunRequest) -> Checkpoint | list[JournalEntry] | None:
@@ -107,9 +107,9 @@ def _read(store: SessionStore, ref: Read, request: RunRequest) -> Checkpoint | l
     if isinstance(ref, CheckpointRef):
         return _load(store, ref, uid, request.session_id)
     if not ref.optional:
-        return store.journal_list(ref.session_id, ref.run_id, user_id=uid)
+        return store.journal.list(ref.session_id, ref.run_id, user_id=uid)
     try:
-        return store.journal_list(ref.session_id, ref.run_id, user_id=uid)
+        return store.journal.list(ref.session_id, ref.run_id, user_id=uid)
     except Exception as e:  # the journal is an optimisation here: without it the tools run again
         log.warning("could not read journal of run %s of session %r: %s", ref.run_id, ref.session_id, e)
         return []
@@ -127,7 +127,7 @@ def _load(store: SessionStore, ref: CheckpointRef | None, user_id: str | None,
     pinned = for_session if ref.session_id != for_session and ref.checkpoint_id != "latest" else None
     if pinned is not None:
         try:
-            store.pin_checkpoint(ref.session_id, ref.checkpoint_id, user_id=user_id, dependent=pinned)
+            store.checkpoints.pin(ref.session_id, ref.checkpoint_id, user_id=user_id, dependent=pinned)
         except ObjectNotFound:
             return None  # retired meanwhile: the fork finds no checkpoint to start from
         except StorageError as e:
@@ -140,6 +140,6 @@ def _record_run(store: SessionStore, plan: RunPlan, epoch: int) -> None:
     """Record the run at the session's next store-sequenced slot, its request and base beside it."""
     request, out = plan.request, plan.start_output
     base = out.get("base_checkpoint_id")
-    store.run_create(request.session_id, user_id=request.user_id, run_id=plan.run_id, request=request.stored_json(),
+    store.runs.create(request.session_id, user_id=request.user_id, run_id=plan.run_id, request=request.stored_json(),
                      spec_hash=request.spec_hash(), base_session_id=out.get("source_session") if base else None,
                      base_checkpoint_id=base, replay_from=out.get("replay_from"), epoch=epoch)

@@ -67,7 +67,7 @@ again a merge that landed later than that anyway. External readers read the comp
 applies tombstones (rows with ``tombstone`` true retire their ``checkpoint_id``) except a
 lease holder's (``tomb_epoch`` set) that the session's fences ignore (:mod:`storage.visibility`).
 
-Fencing. ``acquire_lease`` bumps ``lease.json``'s epoch with a conditional
+Fencing. ``leases.acquire`` bumps ``lease.json``'s epoch with a conditional
 put (``If-None-Match: *`` / ``If-Match: etag`` on S3, where a 404 answer to
 ``If-Match`` means the lease vanished meanwhile and counts as a lost swap;
 ``os.link`` / a ``flock``-guarded replace locally; a lock in memory). A lost
@@ -89,16 +89,16 @@ markers are listed once more. While ``lease.json`` is missing and nobody has
 acquired, the holder of the highest marker still owns the session. A
 ``lease.json`` that does not parse or whose epoch is not an integer in
 [0, 2**53) raises :class:`~storage.errors.LeaseCorruptError` (naming the key)
-before anything is written; ``repair_lease`` (CLI ``loomray lease repair
+before anything is written; ``leases.repair`` (CLI ``loomray lease repair
 SESSION``) rewrites it above every epoch used, which fences every holder.
 Cost: an acquire is one GET and two PUTs (marker, lease), plus two LISTs when
 ``lease.json`` is missing; a checkpoint write is unchanged.
 
-Damaged checkpoints. ``get_checkpoint(explicit id)`` raises
+Damaged checkpoints. ``checkpoints.get(explicit id)`` raises
 :class:`~storage.errors.CorruptObjectError` when the bytes do not match the
-size and sha256 recorded at write time; ``get_checkpoint("latest")`` skips
+size and sha256 recorded at write time; ``checkpoints.get("latest")`` skips
 such a checkpoint with a warning and returns the newest readable one (it
-raises only when none is readable). ``quarantine_checkpoint`` (CLI ``loomray
+raises only when none is readable). ``checkpoints.quarantine`` (CLI ``loomray
 checkpoints quarantine SESSION CKPT``) moves the object to ``quarantine/``
 and tombstones its row.
 """

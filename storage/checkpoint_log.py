@@ -1,9 +1,9 @@
 """A lease holder's checkpoint writes, at one PUT each: rows, retention and the lease re-check come in batches.
 
-:meth:`storage.Store.put_checkpoint` pays, per checkpoint, a lease GET, the
+Writing one checkpoint at a time would pay, per checkpoint, a lease GET, the
 object, an index file, a LIST of the epoch markers and retention's tombstone
-file. A run that checkpoints every pass writes through a
-:class:`CheckpointLog` instead (``Store.checkpoint_log``):
+file. Every writer writes through a :class:`CheckpointLog` instead
+(``store.checkpoints.log``; a batch of one acknowledges each write):
 
 - :meth:`CheckpointLog.put` is one PUT of a self-describing object
   (:mod:`storage.envelope`: the index row rides in the object, with a digest),
@@ -13,7 +13,7 @@ file. A run that checkpoints every pass writes through a
   and a takeover's fence (``lease.json``) hides whatever a fenced writer
   lands after it;
 - every ``batch`` puts, and on :meth:`CheckpointLog.flush`, the writer first
-  proves its lease (:meth:`storage.leases.Leases.confirm`: one LIST of the
+  proves its lease (:meth:`storage.leases.LeaseKeeper.confirm`: one LIST of the
   epoch markers and one GET of ``lease.json``), and only then indexes the
   pending rows in one file together with retention's tombstones: the pending
   checkpoints are *acknowledged*. No takeover raced them, so they stay
@@ -46,7 +46,7 @@ from storage.checkpoint_rows import CheckpointRows, over_keep
 from storage.envelope import header_of_row
 from storage.errors import LeaseCorruptError, LeaseLostError, StorageError
 from storage.ids import validate_id
-from storage.leases import Leases
+from storage.leases import LeaseKeeper
 from storage.rows import CheckpointInfo, CheckpointRow, Lease, as_utc
 
 log = logging.getLogger("storage")
@@ -81,7 +81,7 @@ class CheckpointLog:
     """One lease holder's checkpoint writes to one session (see the module docstring). Not thread-safe: one
     writer calls it, in order."""
 
-    def __init__(self, rows: CheckpointRows, leases: Leases, lease: Lease, *, keep: int = 20,
+    def __init__(self, rows: CheckpointRows, leases: LeaseKeeper, lease: Lease, *, keep: int = 20,
                  batch: int = INDEX_BATCH) -> None:
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch!r}")
@@ -134,7 +134,7 @@ class CheckpointLog:
         again after a storage error: what was not indexed is indexed next time.
 
         The proof comes first: a writer publishes rows and tombstones only for a batch whose objects all
-        landed before it proved that no takeover had claimed an epoch (:meth:`Leases.confirm`, which also
+        landed before it proved that no takeover had claimed an epoch (:meth:`LeaseKeeper.confirm`, which also
         reads ``lease.json``). A takeover claims its epoch before it lists the session, so it saw every
         object of such a batch; a fenced writer publishes nothing, and its retention retires nothing. The
         tombstones carry this writer's epoch and newest checkpoint (``retired_by``): should a takeover claim

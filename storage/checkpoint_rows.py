@@ -123,7 +123,7 @@ class CheckpointRows:
         with self._lock:
             self._remember(key, [(r, (retired_by or True) if t else False) for r, t in zip(rows, flags, strict=True)])
             # The view holds the rows of its last LIST and every write of this store since, whoever wrote them
-            # through it (a checkpoint log, put_checkpoint, delete, prune): never a live set older than that.
+            # through it (a checkpoint log, delete, prune): never a live set older than that.
             view = self._views.get((user_id, session_id))
             if view is not None:
                 for r, tomb in zip(rows, flags, strict=True):

@@ -1,262 +1,158 @@
-"""The :class:`~storage.store.Store`'s checkpoint operations: write, read, list, quarantine, delete.
+"""``store.checkpoints``: write checkpoints through a batched log, read, list, pin, quarantine, delete, retire.
 
 A checkpoint is one object (``sessions/{u}/{s}/checkpoints/{id}.json``) plus
 one index row carrying its size and sha256; "latest" is the highest
-``(epoch, checkpoint_id)``. Readers never fall back to an older checkpoint,
-or to none, because a LIST went stale: a row whose object is missing is
-looked up again in a fresh LIST (retention writes a row's successor before it
-deletes the row's object), for up to ``READ_TIMEOUT`` seconds.
+``(epoch, checkpoint_id)``. A writer opens a
+:class:`~storage.checkpoint_log.CheckpointLog` with :meth:`Checkpoints.log`
+(one PUT per checkpoint; rows, retention and the lease re-check in
+batches); that is the one write path. Reads are in
+:mod:`storage.checkpoint_reads`. Retiring a checkpoint tombstones its row;
+its object goes once no live row's chain and no fork's pin needs it
+(:mod:`storage.chains`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-from dataclasses import dataclass, field
 
-from storage import backoff, chains, envelope, layout
+from storage import chains, layout
+from storage.checkpoint_log import INDEX_BATCH, CheckpointLog
+from storage.checkpoint_reads import CheckpointReads
 from storage.checkpoint_rows import CheckpointRows
-from storage.errors import CorruptObjectError, IndexChangedError
-from storage.leases import Leases
+from storage.errors import ObjectNotFound
+from storage.ids import validate_id
+from storage.leases import LeaseKeeper
 from storage.objects import ObjectStore
-from storage.rows import CheckpointRow
+from storage.rows import CheckpointRow, Lease
 from storage.tails import Snapshot, TailReader
 
 log = logging.getLogger("storage")
-#: Seconds a reader keeps listing again while writers keep changing what it lists (then IndexChangedError).
-READ_TIMEOUT = 10.0
 
 
-def _relist_pause(attempt: int, deadline: float, what: str) -> None:
-    """Back off before a reader's next LIST (full jitter); :class:`IndexChangedError` past ``deadline``."""
-    if not backoff.wait(attempt, deadline):
-        raise IndexChangedError(f"{what}; listed {attempt} times in {READ_TIMEOUT:g} s while writers kept "
-                                "changing it; try again")
+class Checkpoints(CheckpointReads):
+    """A store's checkpoints (``store.checkpoints``); see docs/contracts.md. Thread-safe."""
 
+    def __init__(self, objects: ObjectStore, rows: CheckpointRows, tails: TailReader, leases: LeaseKeeper, *,
+                 batch: int | None = None) -> None:
+        self.objects = objects
+        self._rows = rows
+        self._tails = tails
+        self._leases = leases
+        #: Checkpoints a log indexes at once (None: ``storage.checkpoint_log.INDEX_BATCH``).
+        self.batch = batch
 
-@dataclass
-class _Reading:
-    """One ``get_checkpoint``: what it asked for and what its LISTs met so far."""
+    def log(self, lease: Lease, *, keep: int = 20, batch: int | None = None) -> CheckpointLog:
+        """A batched writer of ``lease``'s session (see :mod:`storage.checkpoint_log`): one PUT per checkpoint;
+        rows, retention (``keep`` newest live; < 1 keeps every checkpoint) and the lease re-check every
+        ``batch`` puts (default: :attr:`batch`, ``open_store(..., checkpoint_batch=n)``, else ``INDEX_BATCH``)
+        and on ``flush``."""
+        if batch is None:
+            batch = self.batch or INDEX_BATCH
+        return CheckpointLog(self._rows, self._leases, lease, keep=keep, batch=batch)
 
-    session_id: str
-    checkpoint_id: str
-    #: Keys whose object was missing although a fresh LIST still showed their row.
-    gone: set[str] = field(default_factory=set)
-    warned: set[str] = field(default_factory=set)
-    first_error: CorruptObjectError | None = None
-    relist: bool = False
+    def pin(self, session_id: str, checkpoint_id: str, *, user_id: str | None = None,
+                       dependent: str) -> tuple[str, ...]:
+        """Pin checkpoint ``checkpoint_id`` of ``session_id`` and its chain for session ``dependent`` (a fork of
+        the same user that will build on them); returns the chain ``dependent``'s first checkpoint names.
 
-
-class CheckpointMethods:
-    """Checkpoint operations of :class:`~storage.store.Store` (over its object store, index rows and leases)."""
-
-    objects: ObjectStore
-    _rows: CheckpointRows
-    _leases: Leases
-    _tails: TailReader
-
-    def list_checkpoints(self, session_id: str, *, user_id: str | None = None,
-                         limit: int | None = 50) -> list[CheckpointRow]:
-        """Newest first by (epoch, checkpoint_id); rows whose object is missing or truncated are skipped.
-
-        The rows are the index's and the tail's (checkpoints written, not yet
-        indexed: :mod:`storage.tails`), read with one LIST of the objects.
-        When the newest rows have no object, they were retired after the index
-        LIST (retention writes a row's successor before it deletes the row's
-        object, so a fresh index LIST shows the successor) or deleted for good:
-        the index is listed again, after a short jittered backoff. A row a
-        fresh LIST still shows, whose object is still missing, was deleted for
-        good and is skipped. So a writer moving on between the two LISTs never
-        makes the list start at an older checkpoint, or come out empty; if the
-        newest rows keep being retired before they are read for
-        ``READ_TIMEOUT`` seconds, :class:`IndexChangedError`.
+        The pins are written first, then the checkpoint is checked to be live
+        (:class:`ObjectNotFound` if it is not, and the pins are released): so
+        a collector either sees the pin or the fork never starts from the
+        checkpoint (:mod:`storage.chains`). A checkpoint ``dependent``'s pin
+        already holds is pinned again even if its row was retired since (the
+        fork resumes from its fork point). Pins go in every session the
+        chain reaches (a fork of a fork builds on its grandparent's objects too).
         """
-        objects_prefix = layout.session_prefix(session_id, user_id) + "checkpoints/"
-        deadline = backoff.clock() + READ_TIMEOUT
-        gone: set[str] = set()  # keys whose object was missing although a fresh LIST still showed their row
-        attempt = 0
-        while True:
-            snap = self._tails.snapshot(session_id, user_id)
-            rows, present = snap.live, snap.present
-            above: set[str] = set()  # rows newer than the newest one whose object exists, their objects gone
-            for row in sorted(rows.values(), key=lambda r: r.order, reverse=True):
-                if row.key in present:
-                    break
-                above.add(row.key)
-            if not above - gone:
-                break
-            # The retirement of a row comes after its successor's row is written, so a fresh LIST shows that
-            # successor; a row it still shows, whose object is still missing, was deleted without one.
-            gone |= above
-            attempt += 1
-            _relist_pause(attempt, deadline, f"{self.objects.describe(objects_prefix)}: the newest checkpoints of "
-                                             f"session {session_id!r} kept being retired before they were read")
-        return self._present(rows, present, limit)
+        validate_id(dependent, "session_id")
+        snap = self._tails.snapshot(session_id, user_id)
+        row = snap.live.get(checkpoint_id)
+        # A fork point this fork pinned before (it crashed before its first checkpoint, say) is still its to
+        # build on after the parent retired its row: that pin kept its objects from every collector since.
+        held = row is None and (row := self._tails.pinned_row(snap, checkpoint_id, dependent)) is not None
+        if row is None:
+            raise ObjectNotFound(f"{self.objects.describe(layout.checkpoint_key(session_id, user_id, checkpoint_id))}: "
+                                 f"session {session_id!r} has no checkpoint {checkpoint_id!r}")
+        links = [*chains.expand(row.chain, session_id), (session_id, checkpoint_id)]
+        needs: dict[str, set[str]] = {}
+        for sid, cid in links:
+            needs.setdefault(sid, set()).add(cid)
+        pins = chains.Pins(self.objects)
+        for sid, ids in needs.items():
+            if sid != dependent:
+                pins.write(sid, user_id, dependent, ids)
+        if not held and checkpoint_id not in self._tails.snapshot(session_id, user_id).live:
+            for sid in needs:
+                if sid != dependent:
+                    pins.release(sid, user_id, dependent)
+            raise ObjectNotFound(f"session {session_id!r}: checkpoint {checkpoint_id!r} was retired while it was "
+                                 "being pinned")
+        return chains.compress(chains.ref_of(sid, cid, dependent) for sid, cid in links)
 
-    def _present(self, rows: dict[str, CheckpointRow], present: dict[str, int],
-                 limit: int | None) -> list[CheckpointRow]:
-        """``rows`` whose object was listed at its written size, newest first, at most ``limit`` (< 1: all)."""
-        out = []
-        for row in sorted(rows.values(), key=lambda r: r.order, reverse=True):
-            size = present.get(row.key)
-            if size is None:
-                continue
-            if size != row.size:
-                log.warning("skipping checkpoint: %s is %d bytes, %d were written (truncated or replaced)",
-                            self.objects.describe(row.key), size, row.size)
-                continue
-            out.append(row)
-            if limit is not None and limit > 0 and len(out) >= limit:
-                break
-        return out
+    def quarantine(self, session_id: str, checkpoint_id: str, *, user_id: str | None = None) -> str | None:
+        """Move a checkpoint (typically a corrupt one) aside and retire its index row.
 
-    def get_checkpoint(self, session_id: str, checkpoint_id: str = "latest", *,
-                       user_id: str | None = None) -> bytes | None:
-        """The checkpoint's object, verified against the size and sha256 recorded at write time (and its own
-        digest, for a self-describing object).
-
-        What is live is :mod:`storage.visibility`'s rule: an id a fenced
-        writer landed after a takeover (hidden by the takeover's fence) is not
-        a checkpoint of the session, so it reads as ``None``, as a retired one
-        does. An explicit id whose object is corrupt or truncated raises
-        :class:`CorruptObjectError` naming the key. ``"latest"`` skips such a
-        checkpoint with a warning and returns the newest readable one (the
-        journal replays what followed it); it raises only when no checkpoint
-        is readable and at least one is corrupt. ``None``: no such checkpoint.
-        A "latest" whose object was retired after the index LIST (a writer's
-        retention) is looked up again in a fresh LIST, never replaced by an
-        older one or by ``None``; if that keeps happening for ``READ_TIMEOUT``
-        seconds, :class:`IndexChangedError`. An incremental checkpoint's object
-        holds only what changed since its chain: see :meth:`get_checkpoint_chain`.
+        The object's bytes are copied to ``sessions/{u}/{s}/quarantine/{id}.json``
+        (kept for inspection; nothing reads or prunes them), then the object is
+        deleted and its row tombstoned, so neither "latest" nor listings see it.
+        Returns the quarantine key, or ``None`` when the object was already gone
+        (the row is still retired). :class:`ObjectNotFound` when the session has
+        neither a row nor an object of that id. Crash-safe in that order: a rerun
+        finishes the job.
         """
-        found = self._resolve(session_id, checkpoint_id, user_id, chain=False)
-        return None if found is None else found[-1]
-
-    def get_checkpoint_chain(self, session_id: str, checkpoint_id: str = "latest", *,
-                             user_id: str | None = None, pinned_for: str | None = None) -> list[bytes] | None:
-        """The objects a checkpoint is read from, oldest first: its chain's (``CheckpointRow.chain``, fetched in
-        parallel), then its own; each verified. Like :meth:`get_checkpoint` otherwise, except that "latest"
-        also skips a checkpoint whose chain is broken (an object missing or corrupt).
-
-        ``pinned_for``: the fork session reading its fork point. A fork point
-        whose row the parent retired since is still found while that fork's
-        pin holds it (rule 4 of :mod:`storage.visibility`)."""
-        return self._resolve(session_id, checkpoint_id, user_id, chain=True, pinned_for=pinned_for)
-
-    def _resolve(self, session_id: str, checkpoint_id: str, user_id: str | None, *, chain: bool,
-                 pinned_for: str | None = None) -> list[bytes] | None:
-        if checkpoint_id != "latest":
-            layout.checkpoint_key(session_id, user_id, checkpoint_id)  # validates the id
-        read = _Reading(session_id, checkpoint_id)
-        deadline = backoff.clock() + READ_TIMEOUT
-        attempt = 0
-        while True:
-            snap = self._tails.snapshot(session_id, user_id)
-            if checkpoint_id == "latest":
-                candidates = sorted(snap.live.values(), key=lambda r: r.order, reverse=True)
-            elif pinned_for is not None:
-                row = self._tails.pinned_row(snap, checkpoint_id, pinned_for)
-                candidates = [row] if row is not None else []
-            else:
-                candidates = [snap.live[checkpoint_id]] if checkpoint_id in snap.live else []
-            found = self._read_first(read, candidates, snap, chain)
-            if not read.relist:
-                break
-            attempt += 1
-            _relist_pause(attempt, deadline, f"{self.objects.describe(layout.session_prefix(session_id, user_id))}: "
-                                             f"the latest checkpoints of session {session_id!r} kept being retired "
-                                             "before they were read")
-        if found is None and read.first_error is not None:
-            raise read.first_error  # a session whose checkpoints are all unreadable never reads as "no checkpoint"
-        return found
-
-    def _read_first(self, read: _Reading, candidates: list[CheckpointRow], snap: Snapshot,
-                    chain: bool) -> list[bytes] | None:
-        """The objects of the first of ``candidates`` that is readable and intact (with its chain's when
-        ``chain``); sets ``read.relist`` when a "latest" candidate's object is gone and a fresh LIST must decide."""
-        read.relist = False
-        for row in candidates:
-            if chain and row.key not in snap.data:
-                self._prefetch(row, snap)  # its object and its chain's in one parallel round trip
-            data = snap.data.get(row.key)
-            if data is None and not chain:
-                obj = self.objects.get(key=row.key)
-                data = None if obj is None else obj.data
-            if data is None:
-                if read.checkpoint_id == "latest" and row.key not in read.gone:
-                    # Retired since our LIST (retention, prune): its successor was written first, so a fresh
-                    # LIST shows it. Never fall back to an older checkpoint, or to none, on a stale LIST; a
-                    # row whose object is still missing after a fresh LIST was deleted for good.
-                    read.gone.add(row.key)
-                    read.relist = True
-                    return None
-                continue  # deleted behind the index's back; the next newest is the latest that exists
-            try:
-                _verify(self.objects, row, data, read.session_id)
-                return [*self._chain_of(row, snap), data] if chain else [data]
-            except CorruptObjectError as error:
-                if read.checkpoint_id != "latest":
-                    raise
-                if row.key not in read.warned:  # once, though a re-LIST may meet it again
-                    read.warned.add(row.key)
-                    log.warning("skipping an unreadable checkpoint for 'latest', falling back to the next "
-                                "newest (quarantine it with Store.quarantine_checkpoint): %s", error)
-                read.first_error = read.first_error or error
-        return None
-
-    def _prefetch(self, row: CheckpointRow, snap: Snapshot) -> None:
-        """Read ``row``'s object and its chain's (those not read yet) in parallel into ``snap.data``."""
-        try:
-            links = _chain_keys(row)
-        except ValueError:
-            links = []  # a malformed chain: reported when the chain is read
-        keys = [k for k in (row.key, *links) if k not in snap.data]
-        for key, data in zip(keys, self._rows.index.map_wide(self._data, keys), strict=True):
-            if data is not None:
-                snap.data[key] = data
-
-    def _data(self, key: str) -> bytes | None:
-        """The object at ``key``'s bytes, None if there is none."""
+        key = layout.checkpoint_key(session_id, user_id, checkpoint_id)
+        row = self._rows.live(session_id, user_id).get(checkpoint_id)
         obj = self.objects.get(key=key)
-        return None if obj is None else obj.data
+        if row is None and obj is None:
+            raise ObjectNotFound(f"{self.objects.describe(key)}: session {session_id!r} has no checkpoint "
+                                 f"{checkpoint_id!r}")
+        moved = None
+        if obj is not None:
+            moved = layout.quarantine_key(session_id, user_id, checkpoint_id)
+            self.objects.put(key=moved, data=obj.data)
+        if row is not None:
+            self._rows.retire(session_id, user_id, [row], collect=False)
+        self.objects.delete(keys=[key])  # moved aside; a chain through it was broken by its corruption already
+        log.warning("quarantined checkpoint %r of session %r: %s", checkpoint_id, session_id,
+                    self.objects.describe(moved) if moved else "object already gone, row retired")
+        return moved
 
-    def _chain_of(self, row: CheckpointRow, snap: Snapshot) -> list[bytes]:
-        """The objects of ``row``'s chain, oldest first, fetched in parallel and verified."""
-        try:
-            keys = _chain_keys(row)
-        except ValueError as e:
-            raise CorruptObjectError(f"{self.objects.describe(row.key)}: checkpoint {row.checkpoint_id!r} names a "
-                                     f"malformed chain: {e}") from e
+    def delete(self, session_id: str, checkpoint_id: str, *, user_id: str | None = None) -> bool:
+        """Delete one checkpoint: tombstone its row, then its object unless another checkpoint's chain (or a
+        fork's pin) still needs it; False when it is not live (:mod:`storage.visibility`: a fenced writer's row
+        is not a checkpoint of the session; the takeovers retire it)."""
+        layout.checkpoint_key(session_id, user_id, checkpoint_id)
+        snap = self._tails.snapshot(session_id, user_id)
+        row = snap.live.get(checkpoint_id)
+        if row is None:
+            return False
+        # What stays is judged on a fresh LIST of the index (retire's), never on a cached view of it; a running
+        # writer's next checkpoint builds on its head, so the heads' chains stay (storage.chains).
+        self._rows.retire(session_id, user_id, [row],
+                          also_needed=[*(r for r in snap.tails.values() if r != row), *snap.heads])
+        return True
 
-        def get(key: str) -> bytes | None:
-            return snap.data[key] if key in snap.data else self._data(key)
+    def rows(self, session_id: str, *, user_id: str | None = None) -> dict[str, CheckpointRow]:
+        """The session's checkpoint rows no tombstone retires, by id, from a fresh LIST: the index's, and its
+        writer's tail.
 
-        out = []
-        for key, data in zip(keys, self._rows.index.map_wide(get, keys), strict=True):
-            if data is None:
-                raise CorruptObjectError(f"{self.objects.describe(key)}: checkpoint {row.checkpoint_id!r} of "
-                                         f"session {row.session_id!r} builds on this object, which is missing")
-            known = snap.indexed.get(key)
-            if envelope.is_enveloped(data) or known is not None:
-                _verify(self.objects, known or row, data, row.session_id, own=known is not None)
-            out.append(data)
-        return out
+        Objects are not looked at and fenced rows are included: what
+        maintenance (prune) retires, not what readers see (that is
+        :meth:`snapshot`'s ``live``, and :meth:`list`).
+        """
+        return self._tails.snapshot(session_id, user_id).rows
 
+    def snapshot(self, session_id: str, *, user_id: str | None = None) -> Snapshot:
+        """One look at the session's checkpoints (:class:`storage.tails.Snapshot`): ``rows`` (fenced ones
+        included) and ``live`` (what readers see), from one fresh LIST."""
+        return self._tails.snapshot(session_id, user_id)
 
-def _verify(objects: ObjectStore, row: CheckpointRow, data: bytes, session_id: str, *, own: bool = True) -> None:
-    """:class:`CorruptObjectError` unless ``data`` is what ``row`` recorded (``own``) and, for a self-describing
-    object, what its digest says."""
-    key = row.key if own else "?"
-    bad = own and (len(data) != row.size or hashlib.sha256(data).hexdigest() != row.sha256)
-    if not bad and envelope.is_enveloped(data) and not envelope.intact(data):
-        bad = True
-    if bad:
-        raise CorruptObjectError(
-            f"{objects.describe(key)}: checkpoint {row.checkpoint_id if own else '(in a chain)'!r} of session "
-            f"{session_id!r} is corrupt or truncated ({len(data)} bytes, {row.size if own else '?'} written; "
-            "sha256 mismatch)")
+    def release_pins(self, session_id: str, retired: list[CheckpointRow], *, user_id: str | None = None) -> None:
+        """Drop this session's pins on the sessions ``retired`` built on and its live rows no longer do, then
+        collect what those pins alone kept there (see :mod:`storage.chains`)."""
+        remaining = [r for r in self._tails.snapshot(session_id, user_id).rows.values() if r not in retired]
+        chains.release_pins(self._rows, session_id, user_id, remaining, retired)
 
-
-def _chain_keys(row: CheckpointRow) -> list[str]:
-    """The object keys of ``row``'s chain, oldest first (ValueError when the chain is malformed)."""
-    return [layout.checkpoint_key(sid, row.user_id, cid) for sid, cid in chains.expand(row.chain, row.session_id)]
+    def retire(self, session_id: str, rows: list[CheckpointRow], *, user_id: str | None = None,
+                           collect: bool = True) -> None:
+        """Tombstone ``rows`` (of this session), then delete their objects nothing else needs (``collect``)."""
+        self._rows.retire(session_id, user_id, rows, collect=collect)

@@ -15,8 +15,9 @@ It is one JSON object (``jq`` works; the caller's members keep their names).
 The header is on the first line (JSON text never holds a raw newline), so a
 reader parses it without parsing the body. Storage never looks inside the
 body; the digest covers header and body. Objects written by
-:meth:`storage.Store.put_checkpoint` are stored as given, without an envelope:
-their index row is written at once and carries their size and sha256.
+earlier releases one at a time (``Store.put_checkpoint``, since removed) are
+stored as given, without an envelope: their index row carries their size and
+sha256; readers still read them.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ class CorruptObjectError(StorageError):
 class LeaseCorruptError(CorruptObjectError):
     """A session's ``lease.json`` (or an epoch marker) is unreadable or holds an epoch outside [0, 2**53).
 
-    Raised before anything is written. Repair: ``Store.repair_lease`` (CLI:
+    Raised before anything is written. Repair: ``store.leases.repair`` (CLI:
     ``loomray lease repair SESSION``) rewrites it above every epoch the session used.
     """
 

@@ -1,9 +1,9 @@
 """Checkpoint fences: what a lease takeover records of the checkpoint index, and the rows it retires.
 
-``Store.put_checkpoint`` checks its lease before a checkpoint write and,
-after its row landed, the epoch markers (``Leases.confirm``), retiring the
-row itself when a takeover had claimed its epoch by then; a writer that dies
-between its row and that re-check leaves a fenced row that could be "latest".
+Earlier releases also wrote checkpoints one at a time (``Store.put_checkpoint``,
+since removed), checking the lease before the write and the epoch markers after
+it; a writer that died between its row and that re-check left a fenced row
+that could be "latest", and buckets may still hold such rows.
 A :class:`storage.checkpoint_log.CheckpointLog` proves its lease before it
 indexes a batch, so it never indexes a fenced row; its objects, though, may
 land after a takeover's listing. So every

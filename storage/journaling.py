@@ -1,26 +1,29 @@
-"""The :class:`~storage.store.Store`'s journal and run-record operations (the storage side: :mod:`storage.journal`)."""
+"""``store.journal`` and ``store.runs``: a session's journal entries and run records (see :mod:`storage.journal`)."""
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Collection
 from typing import Any
 
 from storage import journal, layout
 from storage.errors import ObjectNotFound
 from storage.index import ParquetIndex
-from storage.leases import Leases
+from storage.leases import LeaseKeeper
 from storage.objects import ObjectStore
 from storage.rows import JournalEntry, Lease, RunRecord
 
 
-class JournalMethods:
-    """Journal and run-record operations of :class:`~storage.store.Store`."""
+class Journal:
+    """A store's journal (``store.journal``): create-only entries per run, and the seals that fence old writers."""
 
-    objects: ObjectStore
-    index: ParquetIndex
-    _leases: Leases
+    def __init__(self, objects: ObjectStore, index: ParquetIndex, leases: LeaseKeeper) -> None:
+        self.objects = objects
+        #: The index's reader threads read many entries at once (the journal functions' ``JournalStore``).
+        self.index = index
+        self._leases = leases
 
-    def journal_append(self, entry: JournalEntry, *, lease: Lease | None = None) -> None:
+    def append(self, entry: JournalEntry, *, lease: Lease | None = None) -> None:
         """Create-only write of one journal entry; PreconditionFailed if that (run, seq, step) exists.
 
         With ``lease`` the lease is checked first (one GET) and the entry takes
@@ -34,12 +37,12 @@ class JournalMethods:
             entry = entry.model_copy(update={"epoch": epoch})
         self.objects.put(key=key, data=entry.__pydantic_serializer__.to_json(entry), if_none_match=True)
 
-    def journal_read(self, session_id: str, run_id: str, *, user_id: str | None = None) -> journal.JournalRun:
+    def read(self, session_id: str, run_id: str, *, user_id: str | None = None) -> journal.JournalRun:
         """The run's journal: every readable entry by key, fenced ones included (``.entries`` drops them)."""
         return journal.read_run(self, session_id, run_id, user_id)
 
-    def journal_list(self, session_id: str, run_id: str, *, user_id: str | None = None,
-                     include_fenced: bool = False) -> list[JournalEntry]:
+    def list(self, session_id: str, run_id: str, *, user_id: str | None = None,
+             include_fenced: bool = False) -> builtins.list[JournalEntry]:
         """The run's entries by seq, without those a seal fenced (unless ``include_fenced``).
 
         Unreadable entries, and entries whose ids do not match their key, are skipped with a warning.
@@ -47,37 +50,48 @@ class JournalMethods:
         run = journal.read_run(self, session_id, run_id, user_id)
         return run.all if include_fenced else run.entries
 
-    def journal_keys(self, session_id: str, run_id: str, *, user_id: str | None = None) -> frozenset[str]:
+    def keys(self, session_id: str, run_id: str, *, user_id: str | None = None) -> frozenset[str]:
         """Keys of the run's entries (one LIST): what a new incarnation lists before taking the lease."""
         return journal.journal_keys(self, session_id, run_id, user_id)
 
-    def journal_seal(self, session_id: str, run_id: str, *, user_id: str | None = None, lease: Lease,
-                     seen_before: Collection[str] | None = None,
-                     known: journal.JournalRun | None = None) -> journal.JournalRun:
+    def seal(self, session_id: str, run_id: str, *, user_id: str | None = None, lease: Lease,
+             seen_before: Collection[str] | None = None,
+             known: journal.JournalRun | None = None) -> journal.JournalRun:
         """Seal the run for ``lease``'s incarnation (fences older writers) and return its journal, seal included."""
         return journal.seal_run(self, session_id, run_id, user_id, lease, seen_before=seen_before,
                                 known=known)
 
-    def journal_seal_listed(self, session_id: str, run_id: str, *, user_id: str | None = None, lease: Lease,
-                            listed: Collection[str]) -> JournalEntry:
+    def seal_listed(self, session_id: str, run_id: str, *, user_id: str | None = None, lease: Lease,
+                    listed: Collection[str]) -> JournalEntry:
         """Seal the run right after taking ``lease``, above the keys ``listed`` before it (one PUT)."""
         return journal.seal_listed(self, session_id, run_id, user_id, lease, listed)
 
-    def journal_listing(self, session_id: str, *, user_id: str | None = None,
-                        run_id: str | None = None) -> journal.Listing:
+    def listing(self, session_id: str, *, user_id: str | None = None,
+                run_id: str | None = None) -> journal.Listing:
         """What a new owner lists right before its lease swap to fence the session's last run (and ``run_id``)."""
         return journal.list_for_fence(self, session_id, user_id, run_id)
 
-    def journal_complete_fences(self, session_id: str, *, user_id: str | None = None, chain: list[dict[str, Any]],
-                                listed: dict[str, Collection[str]]) -> int:
+    def complete_fences(self, session_id: str, *, user_id: str | None = None,
+                        chain: builtins.list[dict[str, Any]], listed: dict[str, Collection[str]]) -> int:
         """Write the seals earlier owners recorded in the lease but did not write (see ``journal.FenceNote``)."""
         return journal.complete_fences(self, session_id, user_id, chain, listed)
 
-    def journal_runs(self, session_id: str, *, user_id: str | None = None) -> list[str]:
-        """Run ids with journal entries, sorted (not run order: see :meth:`last_run`)."""
+    def runs(self, session_id: str, *, user_id: str | None = None) -> builtins.list[str]:
+        """Run ids with journal entries, sorted (not run order: see :meth:`Runs.last`)."""
         return self.objects.list_dirs(prefix=layout.journal_prefix(session_id, user_id))
 
-    def run_create(self, session_id: str, *, user_id: str | None = None, run_id: str, **fields: Any) -> RunRecord:
+
+class Runs:
+    """A store's run records (``store.runs``): one object per run, in store order (see :class:`RunRecord`)."""
+
+    def __init__(self, objects: ObjectStore, index: ParquetIndex) -> None:
+        self.objects = objects
+        self.index = index
+
+    def create(self, session_id: str, *, user_id: str | None = None, run_id: str,
+               request: dict[str, Any] | None = None, spec_hash: str = "", base_session_id: str | None = None,
+               base_checkpoint_id: str | None = None, replay_from: str | None = None,
+               epoch: int = 0) -> RunRecord:
         """Record a run starting now at the session's next store-sequenced slot (see :class:`RunRecord`).
 
         A run that starts from a checkpoint (``base_checkpoint_id``, in
@@ -90,7 +104,9 @@ class JournalMethods:
         record, or this look sees the deletion, and a run never works from a
         base that prune deletes (its recovery would restart from that base).
         """
-        rec = journal.create_run(self, session_id, user_id, run_id=run_id, **fields)
+        rec = journal.create_run(self, session_id, user_id, run_id=run_id, request=request, spec_hash=spec_hash,
+                                 base_session_id=base_session_id, base_checkpoint_id=base_checkpoint_id,
+                                 replay_from=replay_from, epoch=epoch)
         if rec.base_checkpoint_id is not None:
             source = rec.base_session_id or session_id
             key = layout.checkpoint_key(source, user_id, rec.base_checkpoint_id)
@@ -100,10 +116,10 @@ class JournalMethods:
                                      "the run was recorded; start from another checkpoint")
         return rec
 
-    def last_run(self, session_id: str, *, user_id: str | None = None) -> RunRecord | None:
+    def last(self, session_id: str, *, user_id: str | None = None) -> RunRecord | None:
         """The session's last run by store order; None for a session without run records."""
         return journal.last_run(self, session_id, user_id)
 
-    def list_runs(self, session_id: str, *, user_id: str | None = None) -> list[RunRecord]:
+    def list(self, session_id: str, *, user_id: str | None = None) -> builtins.list[RunRecord]:
         """The session's run records in store order."""
         return journal.list_runs(self, session_id, user_id)

@@ -6,7 +6,7 @@ epoch ``n`` with the create-only marker ``epochs/{n}``, then swaps
 create-only when it read none), so every epoch that ever reached
 ``lease.json`` has its marker and the highest marker is a safe floor when
 ``lease.json`` is missing. The protocol, its costs and its guarantees are
-described on :meth:`storage.store.Store.acquire_lease`.
+described on :meth:`storage.leasing.Leases.acquire`.
 """
 
 from __future__ import annotations
@@ -41,12 +41,12 @@ def parse_epoch(data: bytes, where: str, what: str) -> int:
     try:
         doc = json.loads(data)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        raise LeaseCorruptError(f"{where}: unreadable {what} ({e}); repair it with Store.repair_lease "
+        raise LeaseCorruptError(f"{where}: unreadable {what} ({e}); repair it with store.leases.repair "
                                 "(CLI: loomray lease repair SESSION)") from e
     epoch = doc.get("epoch") if isinstance(doc, dict) else None
     if not layout.is_epoch(epoch):
         raise LeaseCorruptError(f"{where}: {what} epoch must be an integer in [0, 2**53), got {epoch!r:.40}; "
-                                "repair it with Store.repair_lease (CLI: loomray lease repair SESSION)")
+                                "repair it with store.leases.repair (CLI: loomray lease repair SESSION)")
     return epoch
 
 
@@ -77,7 +77,7 @@ class _Read:
     body: bytes | None
 
 
-class Leases:
+class LeaseKeeper:
     """Takes and checks session leases through an :class:`ObjectStore` (one code path for every backend)."""
 
     def __init__(self, objects: ObjectStore, rows: CheckpointRows, snapshot: Callable[[str, str | None], Any]) -> None:
@@ -178,7 +178,7 @@ class Leases:
     # -- taking --------------------------------------------------------------
     def take(self, session_id: str, user_id: str | None, owner: str, timeout: float, *, repair: bool,
              note: LeaseNote | None = None) -> Lease:
-        """Take the session's next epoch (see :meth:`storage.store.Store.acquire_lease`); with ``repair``, also
+        """Take the session's next epoch (see :meth:`storage.leasing.Leases.acquire`); with ``repair``, also
         over a corrupt ``lease.json``."""
         acq = _Acquire(session_id, user_id, owner, backoff.clock() + timeout)
         try:
@@ -303,7 +303,7 @@ class Leases:
 
     # -- checking ------------------------------------------------------------
     def current_epoch(self, session_id: str, user_id: str | None) -> int:
-        """The session's epoch: lease.json's, else the highest marker (see ``Store.current_epoch``)."""
+        """The session's epoch: lease.json's, else the highest marker (see ``store.leases.current_epoch``)."""
         read = self.read(session_id, user_id)
         if read.corrupt is not None:
             raise read.corrupt

@@ -26,7 +26,7 @@ and only then are its recovery needs checked again (with the run records
 then in the store): what a run recorded meanwhile is put back (objects, and
 journal entries its run replays) before the remaining rows are tombstoned. A
 run that records itself after that check finds its base checkpoint gone when
-:meth:`storage.store.Store.run_create` looks for it right after its record,
+:meth:`storage.journaling.Runs.create` looks for it right after its record,
 and stops before its first step; so a run never works from a base that
 prune deletes. Each deleted checkpoint costs one more GET than its DELETE;
 forks started during the prune into other sessions are not looked for.
@@ -212,7 +212,7 @@ class _Planner:
     def plan(self, uid: str | None, sid: str) -> SessionPrunePlan:
         """What prune deletes of session ``sid`` now."""
         store, cutoff = self.store, self.cutoff
-        snap = store.index_snapshot(sid, user_id=uid)
+        snap = store.checkpoints.snapshot(sid, user_id=uid)
         live = tuple(snap.rows.values())  # fenced rows too: prune retires them with the rest
         spared = self.needs.spared(uid, sid, snap.live.values())  # "latest" is what readers see (visibility)
         retired = sorted((r for r in live if (cutoff is None or r.created_at < cutoff)
@@ -297,10 +297,10 @@ def prune(store: Store, *, before: datetime | None, session_id: str | None, user
         plan = planner.plan(uid, sid)
         n_explorations += delete_explorations(store.objects, plan.explorations)
         if planner.cutoff is None:
-            store.retire_checkpoints(sid, list(plan.retired), user_id=uid, collect=False)  # tombstones, view
+            store.checkpoints.retire(sid, list(plan.retired), user_id=uid, collect=False)  # tombstones, view
             if plan.object_keys:
                 store.objects.delete(keys=list(plan.object_keys))
-            store.release_pins(sid, list(plan.retired), user_id=uid)
+            store.checkpoints.release_pins(sid, list(plan.retired), user_id=uid)
             n_ckpt += plan.checkpoints
             _delete(store, plan.journal_keys, plan.run_record_keys)
             n_journal += plan.journal_entries
@@ -364,8 +364,8 @@ def _retire_what_no_run_needs(store: Store, planner: _Planner, plan: SessionPrun
         log.warning("prune of session %r put back %d checkpoint(s) and %d journal entr%s that a run started "
                     "meanwhile needs", sid, len(back), len(restored), "y" if len(restored) == 1 else "ies")
     doomed = [r for r in doomed if r not in back]
-    store.retire_checkpoints(sid, doomed, user_id=uid, collect=False)  # tombstones (and the view); objects gone
-    store.release_pins(sid, doomed, user_id=uid)
+    store.checkpoints.retire(sid, doomed, user_id=uid, collect=False)  # tombstones (and the view); objects gone
+    store.checkpoints.release_pins(sid, doomed, user_id=uid)
     return len(doomed), len(set(keys) - set(restored))
 
 

@@ -49,7 +49,7 @@ ADDED_LATER: dict[str, bool] = {"added_later": True}
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointInfo:
-    """What a caller says about a checkpoint it writes (:meth:`storage.Store.put_checkpoint`).
+    """What a caller says about a checkpoint it writes (:meth:`storage.checkpoint_log.CheckpointLog.put`).
 
     The fields, in order, are the leading columns of the checkpoint index
     (``CHECKPOINT_SCHEMA`` is derived from them), so a new index column is one

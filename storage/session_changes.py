@@ -1,6 +1,6 @@
 """Change markers: which sessions have a status row newer than the compacted session-status table.
 
-``put_session`` writes, *after* each status row, a marker
+``sessions.put`` writes, *after* each status row, a marker
 ``changed/{u}/{s}/{written_ns}-{rand}.json`` holding a copy of that row (JSON,
 never pickled). A compaction lists the markers before it lists the status rows
 it absorbs into the table (:mod:`storage.session_table`), and deletes the
@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, fields
 from datetime import datetime
+from types import EllipsisType
 from typing import Any
 
 from storage.ids import user_from_segment, user_segment, validate_id
@@ -45,9 +46,9 @@ def marker(row: SessionRow) -> tuple[str, bytes]:
     return key, json.dumps(body, separators=(",", ":")).encode()
 
 
-def scope(user_id: Any) -> str:
+def scope(user_id: str | None | EllipsisType) -> str:
     """The markers' prefix for ``user_id`` (``...``: every user)."""
-    return CHANGED if user_id is ... else f"{CHANGED}{user_segment(user_id)}/"
+    return CHANGED if isinstance(user_id, EllipsisType) else f"{CHANGED}{user_segment(user_id)}/"
 
 
 def session_of(key: str) -> tuple[str | None, str] | None:

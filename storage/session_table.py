@@ -18,7 +18,7 @@ every reader of status rows does.
 The file is as of one compaction: two compactions racing may publish in
 either order, and the next compaction corrects whichever lost (its sources
 differ from the listing). What came since is named by the change markers
-``put_session`` leaves (:meth:`storage.store.Store.changed_sessions`): a
+``sessions.put`` leaves (:meth:`storage.sessions.Sessions.changed`): a
 compaction lists them before the status rows and deletes those it listed
 once the user's table is written, so table plus markers name every session
 whose latest row the table may not hold (:func:`read_session_tables` and
@@ -83,7 +83,7 @@ def _own_rows(store: Store, key: str, table: pa.Table) -> list[SessionRow]:
     """The status rows of index file ``key`` that speak for its own session; none from a foreign file (skipped
     with a warning, as every reader of the index skips it; compaction moves it to quarantine)."""
     try:
-        own = conform(store.own_session_rows(key, table), SESSION_SCHEMA)
+        own = conform(store.sessions.own_rows(key, table), SESSION_SCHEMA)
         return session_rows_from_table(own)
     except (KeyError, ValueError, TypeError, pa.ArrowException) as e:
         log.warning("session table: skipping %s, not a session status file (%s: %s)", store.describe(key),
@@ -112,7 +112,7 @@ def publish_session_tables(store: Store, segments: list[str] | None = None) -> i
     # The change markers before the rows: every marker listed here has its row in the LIST below.
     marked: dict[str, list[str]] = defaultdict(list)
     for scope in ([user_from_segment(s) for s in segments] if segments is not None else [...]):
-        for (user, _), keys in store.changed_sessions(scope).items():
+        for (user, _), keys in store.sessions.changed(scope).items():
             marked[user_segment(user)] += keys
     prefixes = [f"{layout.SESSION_INDEX}user={s}/" for s in segments] if segments is not None else [layout.SESSION_INDEX]
     listed: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
@@ -129,7 +129,7 @@ def publish_session_tables(store: Store, segments: list[str] | None = None) -> i
     rows = 0
     for seg in sorted(users):
         rows += _publish_user(store, seg, listed.get(seg, {}))
-        store.forget_changes(marked.get(seg, []))
+        store.sessions.forget_changes(marked.get(seg, []))
     return rows
 
 

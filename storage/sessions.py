@@ -1,4 +1,4 @@
-"""The :class:`~storage.store.Store`'s session index and active-session markers.
+"""``store.sessions`` (the session index) and ``store.active`` (active-session markers).
 
 Session status rows are appended to ``index/sessions/user={u}/session={s}/``
 on every status change; the latest ``updated_at`` wins. An active marker is
@@ -8,10 +8,10 @@ the active sessions, not every session ever run.
 
 Listing by a live status (``pending``, ``running``) must not read every
 session ever run either (a ``loomray supervise`` on a cold store of 2,000
-finished sessions read 2,001 objects). ``put_session`` therefore keeps a live
+finished sessions read 2,001 objects). :meth:`Sessions.put` therefore keeps a live
 marker, an empty object ``live/{u}/{s}``: written *before* a live row, deleted
 *after* a finished one, so a session whose latest row is live always has one.
-``list_sessions(status="running")`` is then one LIST of the markers plus the
+``sessions.list(status="running")`` is then one LIST of the markers plus the
 rows of the marked sessions (a marker is a hint, the row decides). A marker a
 crash left behind costs a read until the session's next finished row removes
 it. Sessions of a store written before markers existed are listed by a
@@ -19,17 +19,19 @@ live status only once they write a row again.
 
 Listing every session must not read every session either: the compacted
 session-status table (:mod:`storage.session_table`) holds each session's
-latest row as of the last compaction, and ``put_session`` leaves a change
+latest row as of the last compaction, and :meth:`Sessions.put` leaves a change
 marker after each row (:mod:`storage.session_changes`), so the table plus
-:meth:`SessionMethods.changed_rows` is every session's latest row, read with
+:meth:`Sessions.changed_rows` is every session's latest row, read with
 work that follows the rows written since the last compaction.
 """
 
 from __future__ import annotations
 
+import builtins
 import logging
 from datetime import datetime
-from typing import Any
+from types import EllipsisType
+from typing import TypeAlias
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -42,7 +44,10 @@ from storage.objects import ObjectStore
 from storage.rows import SESSION_SCHEMA, SessionRow, as_utc, session_rows_from_table, session_rows_table
 
 log = logging.getLogger("storage")
-ANY: Any = ...  # "any user" in queries; None means "no user"
+#: "any user" in queries (``...``); None means "no user".
+ANY: EllipsisType = ...
+#: Whose sessions a query reads: a user id, None (sessions of no user) or :data:`ANY`.
+UserFilter: TypeAlias = "str | None | EllipsisType"
 _ACTIVE = "active/"
 _LIVE = "live/"
 #: Statuses a later row follows (a run under way): listing by them reads only the live markers.
@@ -69,14 +74,15 @@ def latest_sessions(rows: list[SessionRow]) -> list[SessionRow]:
     return sorted(latest.values(), key=lambda r: r.updated_at, reverse=True)
 
 
-class SessionMethods:
-    """Session index and active-marker operations of :class:`~storage.store.Store`."""
+class Sessions:
+    """A store's session index (``store.sessions``): status rows, latest wins; see the module docstring."""
 
-    objects: ObjectStore
-    index: ParquetIndex
-    _changes: session_changes.ChangedRows
+    def __init__(self, objects: ObjectStore, index: ParquetIndex) -> None:
+        self.objects = objects
+        self.index = index
+        self._changes = session_changes.ChangedRows(objects)
 
-    def put_session(self, row: SessionRow) -> None:
+    def put(self, row: SessionRow) -> None:
         """Append a status row for the session (and keep its live marker: see the module docstring)."""
         live = _live_key(row.session_id, row.user_id)
         row = SessionRow(**{**row.__dict__, "updated_at": as_utc(row.updated_at)})
@@ -89,25 +95,25 @@ class SessionMethods:
         if row.status not in LIVE_STATUSES:
             self.objects.delete(keys=[live])
 
-    def changed_sessions(self, user_id: Any = ANY) -> dict[tuple[str | None, str], list[str]]:
+    def changed(self, user_id: UserFilter = ANY) -> dict[tuple[str | None, str], builtins.list[str]]:
         """The sessions (of ``user_id``) with a status row newer than the session-status table, with their change
         markers' keys: one LIST (see :mod:`storage.session_changes`)."""
-        out: dict[tuple[str | None, str], list[str]] = {}
+        out: dict[tuple[str | None, str], builtins.list[str]] = {}
         for info in self.objects.list(prefix=session_changes.scope(user_id)):
             owner = session_changes.session_of(info.key)
             if owner is not None:
                 out.setdefault(owner, []).append(info.key)
         return out
 
-    def changed_rows(self, user_id: Any = ANY, markers: dict[tuple[str | None, str], list[str]] | None = None
-                     ) -> list[SessionRow]:
-        """The latest status row of each session :meth:`changed_sessions` names (or ``markers``, what it
+    def changed_rows(self, user_id: UserFilter = ANY, markers: dict[tuple[str | None, str], builtins.list[str]] | None = None
+                     ) -> builtins.list[SessionRow]:
+        """The latest status row of each session :meth:`changed` names (or ``markers``, what it
         returned): one LIST, then one GET per session whose newest marker this store has not read yet."""
-        markers = self.changed_sessions(user_id) if markers is None else markers
+        markers = self.changed(user_id) if markers is None else markers
         return self._changes.read(markers, self.index.map_io,
-                                  lambda sid, user: self.get_session(sid, user_id=user))
+                                  lambda sid, user: self.get(sid, user_id=user))
 
-    def forget_changes(self, keys: list[str]) -> None:
+    def forget_changes(self, keys: builtins.list[str]) -> None:
         """Delete change markers a compaction listed before the rows it absorbed (absent ones are fine)."""
         if keys:
             self.objects.delete(keys=keys)
@@ -121,15 +127,15 @@ class SessionMethods:
         """
         tables: dict[str, pa.Table] = {}
 
-        def read(keys: list[str], vanished: list[str]) -> None:
+        def read(keys: builtins.list[str], vanished: builtins.list[str]) -> None:
             for key, table in self.index.read_files([k for k in keys if k not in tables], vanished=vanished):
                 tables[key] = table
 
         keys, _ = self.index.read_listed(prefix, read)
-        pairs = [(k, self.own_session_rows(k, tables[k])) for k in keys if k in tables]
+        pairs = [(k, self.own_rows(k, tables[k])) for k in keys if k in tables]
         return self.index.concat(pairs, SESSION_SCHEMA)[1]
 
-    def own_session_rows(self, key: str, table: pa.Table) -> pa.Table:
+    def own_rows(self, key: str, table: pa.Table) -> pa.Table:
         """The rows of index file ``key`` whose (user, session) match the hive partition the file is in."""
         parts = dict(seg.split("=", 1) for seg in key.split("/") if "=" in seg)
         if "session" not in parts or "user" not in parts or not {"session_id", "user_id"} <= set(table.column_names):
@@ -149,13 +155,13 @@ class SessionMethods:
                     table.num_rows - pc.sum(same).as_py(), self.objects.describe(key))
         return table.filter(same)
 
-    def get_session(self, session_id: str, *, user_id: str | None = None) -> SessionRow | None:
+    def get(self, session_id: str, *, user_id: str | None = None) -> SessionRow | None:
         """The session's latest status row, or None."""
         prefix = layout.index_partition(layout.SESSION_INDEX, session_id, user_id)
         rows = session_rows_from_table(self._session_table(prefix))
         return latest_sessions(rows)[0] if rows else None
 
-    def list_sessions(self, *, status: str | None = None, user_id: Any = ANY) -> list[SessionRow]:
+    def list(self, *, status: str | None = None, user_id: UserFilter = ANY) -> builtins.list[SessionRow]:
         """The latest row of every session (of ``user_id``; ``...`` = any user), filtered by status.
 
         A live ``status`` (:data:`LIVE_STATUSES`) reads only the sessions with a
@@ -164,13 +170,14 @@ class SessionMethods:
         if status in LIVE_STATUSES:
             rows = [r for r in map(self._marked_row, self._live_sessions(user_id)) if r is not None]
             return [r for r in sorted(rows, key=lambda r: r.updated_at, reverse=True) if r.status == status]
-        prefix = layout.SESSION_INDEX if user_id is ANY else f"{layout.SESSION_INDEX}user={user_segment(user_id)}/"
+        prefix = layout.SESSION_INDEX if isinstance(user_id, EllipsisType) else \
+            f"{layout.SESSION_INDEX}user={user_segment(user_id)}/"
         rows = latest_sessions(session_rows_from_table(self._session_table(prefix)))
         return [r for r in rows if status is None or r.status == status]
 
-    def _live_sessions(self, user_id: Any) -> list[tuple[str | None, str]]:
+    def _live_sessions(self, user_id: UserFilter) -> builtins.list[tuple[str | None, str]]:
         """``(user_id, session_id)`` of every live marker (of ``user_id``): one LIST."""
-        prefix = _LIVE if user_id is ANY else f"{_LIVE}{user_segment(user_id)}/"
+        prefix = _LIVE if isinstance(user_id, EllipsisType) else f"{_LIVE}{user_segment(user_id)}/"
         out = []
         for info in self.objects.list(prefix=prefix):
             user, _, name = info.key[len(_LIVE):].partition("/")
@@ -182,23 +189,30 @@ class SessionMethods:
         return out
 
     def _marked_row(self, key: tuple[str | None, str]) -> SessionRow | None:
-        return self.get_session(key[1], user_id=key[0])
+        return self.get(key[1], user_id=key[0])
 
-    # -- active-session markers ----------------------------------------------
-    def put_active(self, session_id: str, *, user_id: str | None = None, data: bytes = b"{}") -> None:
+
+class ActiveMarks:
+    """Which sessions a supervisor owns now (``store.active``): one small object each, so "what is active" is
+    one LIST whose size follows the active sessions, not every session ever run."""
+
+    def __init__(self, objects: ObjectStore) -> None:
+        self.objects = objects
+
+    def put(self, session_id: str, *, user_id: str | None = None, data: bytes = b"{}") -> None:
         """Mark the session active (``data``: the caller's small JSON note); overwrites an earlier mark."""
         self.objects.put(key=_active_key(session_id, user_id), data=bytes(data))
 
-    def get_active(self, session_id: str, *, user_id: str | None = None) -> bytes | None:
+    def get(self, session_id: str, *, user_id: str | None = None) -> bytes | None:
         """The session's active mark, or None when it is not marked."""
         obj = self.objects.get(key=_active_key(session_id, user_id))
         return None if obj is None else obj.data
 
-    def delete_active(self, session_id: str, *, user_id: str | None = None) -> None:
+    def delete(self, session_id: str, *, user_id: str | None = None) -> None:
         """Remove the session's active mark (absent is fine)."""
         self.objects.delete(keys=[_active_key(session_id, user_id)])
 
-    def list_active(self) -> list[tuple[str | None, str]]:
+    def list(self) -> builtins.list[tuple[str | None, str]]:
         """``(user_id, session_id)`` of every marked session: one LIST, no GET."""
         out = []
         for info in self.objects.list(prefix=_ACTIVE):

@@ -1,17 +1,21 @@
-"""``Store``: checkpoints, journal, leases, session index and queries over one :class:`ObjectStore`.
+"""``Store``: checkpoints, journal, run records, leases, session index and queries over one :class:`ObjectStore`.
 
 Everything here is backend-neutral; the memory, local-directory and S3
 adapters only move bytes. See the package docstring for the layout and the
-partitioning choice. ``Store`` is a facade: its checkpoint, journal and
-session operations live in :mod:`storage.checkpoints`, :mod:`storage.journaling`
-and :mod:`storage.sessions`; leases in :mod:`storage.leases`; compaction and
-prune in :mod:`storage.maintenance` and :mod:`storage.pruning`.
+partitioning choice. A ``Store`` is its sub-stores, each a small class over
+the state it needs: ``store.checkpoints`` (:mod:`storage.checkpoints`),
+``store.journal`` and ``store.runs`` (:mod:`storage.journaling`),
+``store.leases`` (:mod:`storage.leasing`), ``store.sessions`` and
+``store.active`` (:mod:`storage.sessions`). The store itself answers
+queries across sessions and runs maintenance: compaction and prune
+(:mod:`storage.maintenance`, :mod:`storage.pruning`).
 """
 
 from __future__ import annotations
 
 import logging
 from datetime import datetime, timedelta
+from types import EllipsisType
 from typing import Any
 
 import pyarrow as pa
@@ -19,19 +23,18 @@ import pyarrow.compute as pc
 
 from storage import layout
 from storage.checkpoint_rows import CheckpointRows
-from storage.checkpoint_writes import CheckpointWrites
-from storage.checkpoints import CheckpointMethods
+from storage.checkpoints import Checkpoints
 from storage.errors import StorageError
 from storage.ids import user_from_segment, user_segment, validate_id
 from storage.index import ParquetIndex
-from storage.journaling import JournalMethods
-from storage.leases import LEASE_TIMEOUT, LeaseNote, Leases
+from storage.journaling import Journal, Runs
+from storage.leases import LeaseKeeper
+from storage.leasing import Leases
 from storage.maintenance import IndexCompactReport, compact
 from storage.objects import ObjectStore
 from storage.pruning import Progress, PrunePlan, plan_prune, prune
-from storage.rows import INDEX_BOOKKEEPING, Lease, PruneReport, as_utc
-from storage.session_changes import ChangedRows
-from storage.sessions import ANY, SessionMethods
+from storage.rows import INDEX_BOOKKEEPING, PruneReport, as_utc
+from storage.sessions import ANY, ActiveMarks, Sessions, UserFilter
 from storage.table import TableCache, load_tables, with_staleness
 from storage.table_query import read_for_query
 from storage.tails import TailReader
@@ -39,23 +42,30 @@ from storage.tails import TailReader
 log = logging.getLogger("storage")
 
 
-class Store(CheckpointMethods, CheckpointWrites, JournalMethods, SessionMethods):
-    """The storage API of docs/contracts.md. All methods are synchronous and thread-safe."""
+class Store:
+    """The storage API of docs/contracts.md: its sub-stores, plus queries and maintenance across sessions.
+
+    All methods are synchronous and thread-safe.
+    """
 
     def __init__(self, objects: ObjectStore, url: str, *, serial_reads: bool = False,
                  checkpoint_batch: int | None = None) -> None:
         self.objects = objects
         self.url = url
-        #: Checkpoints a checkpoint log indexes at once (None: ``storage.checkpoint_log.INDEX_BATCH``).
-        self.checkpoint_batch = checkpoint_batch
         #: serial_reads: no reader threads; each storage call runs on the thread that asked (for tests).
         self.index = ParquetIndex(objects, serial_reads=serial_reads)
         #: Parsed compacted-table manifests and partitions (see :mod:`storage.table`).
         self.table_cache = TableCache()
         self._rows = CheckpointRows(objects, self.index)
         self._tails = TailReader(self._rows)
-        self._leases = Leases(objects, self._rows, self._tails.snapshot)
-        self._changes = ChangedRows(objects)
+        self._leases = LeaseKeeper(objects, self._rows, self._tails.snapshot)
+        #: ``checkpoint_batch``: checkpoints a log indexes at once (None: ``storage.checkpoint_log.INDEX_BATCH``).
+        self.checkpoints = Checkpoints(objects, self._rows, self._tails, self._leases, batch=checkpoint_batch)
+        self.journal = Journal(objects, self.index, self._leases)
+        self.runs = Runs(objects, self.index)
+        self.leases = Leases(self._leases)
+        self.sessions = Sessions(objects, self.index)
+        self.active = ActiveMarks(objects)
 
     def describe(self, key: str | None = None) -> str:
         """Backend, root and (optionally) key, for messages and the CLI."""
@@ -83,72 +93,8 @@ class Store(CheckpointMethods, CheckpointWrites, JournalMethods, SessionMethods)
         return f"Store({self.describe()})"
 
     # -- leases ------------------------------------------------------------
-    def acquire_lease(self, session_id: str, *, user_id: str | None = None, owner: str,
-                      timeout: float = LEASE_TIMEOUT, note: LeaseNote | None = None) -> Lease:
-        """Take the session's lease: the next epoch, with a conditional write that fences every older holder.
-
-        Epochs rise strictly for the life of a session, whatever happens to
-        ``lease.json``. An acquire first claims its epoch ``n`` with a
-        create-only marker ``epochs/{n}``, then swaps ``lease.json`` to ``n``
-        (compare-and-swap on the ETag it read, or create-only when it read
-        none). So every epoch that ever reaches ``lease.json`` had its marker
-        first, and markers are claimed in epoch order without gaps: when
-        ``lease.json`` is missing, the highest marker is a floor above every
-        epoch granted so far (see :meth:`Leases.epoch_floor`). A marker that already
-        exists means another acquirer claimed that epoch and is about to swap
-        it in: the acquire backs off and waits for it, up to
-        ``_CLAIM_PATIENCE`` rounds while ``lease.json`` does not move, then
-        goes above every marker (that acquirer died, or lost its swap), so a
-        marker without a lease only pushes later acquirers up, never blocks
-        them. After creating a missing ``lease.json`` the acquire lists the
-        markers once more: one above its own that was not claimed on top of
-        its lease may be an epoch granted before ``lease.json`` was deleted
-        again, so it swaps again, above it. A ``lease.json`` that is unreadable
-        or holds an epoch outside [0, 2**53) raises :class:`LeaseCorruptError`
-        before anything is written (repair: :meth:`repair_lease`). Contention
-        is retried with exponential backoff and full jitter for up to
-        ``timeout`` seconds, then :class:`LeaseLostError`. Right before its
-        swap an acquire lists the session's checkpoint index, and right after
-        it retires the rows a fenced writer landed since (see
-        :mod:`storage.fencing`). Cost: one GET, two PUTs (marker, lease)
-        and three LISTs of the checkpoint index (one reads it ahead, with GETs
-        of the index files this Store has not read yet), plus two LISTs when
-        ``lease.json`` does not exist (a new session).
-
-        ``note`` (the journal's fencing, :mod:`storage.journal`) is called with
-        the lease body being replaced (a dict, or None) right before each swap,
-        and its JSON result is stored in the new body under ``"note"``: written
-        by the very swap that takes the epoch, so it exists exactly when the
-        epoch was taken.
-        """
-        return self._leases.take(session_id, user_id, str(owner), timeout, repair=False, note=note)
-
-    def repair_lease(self, session_id: str, *, user_id: str | None = None, owner: str = "lease repair",
-                     timeout: float = LEASE_TIMEOUT) -> Lease:
-        """Rewrite a corrupt or missing ``lease.json`` above every epoch the session used; returns that new lease.
-
-        The new epoch fences every holder, so a running writer stops at its next
-        lease check and the session's next incarnation takes the epoch after it.
-        On a healthy lease this is :meth:`acquire_lease`.
-        """
-        return self._leases.take(session_id, user_id, str(owner), timeout, repair=True)
-
-    def current_epoch(self, session_id: str, *, user_id: str | None = None) -> int:
-        """The session's lease epoch; 0 when it was never leased.
-
-        When ``lease.json`` is missing, the highest epoch marker (the last
-        epoch claimed: its holder, or an acquire under way, which fences every
-        older holder anyway). :class:`LeaseCorruptError` when ``lease.json`` is
-        unreadable.
-        """
-        return self._leases.current_epoch(session_id, user_id)
-
-    def check_lease(self, lease: Lease) -> None:
-        """Raise :class:`LeaseLostError` if a newer epoch has taken the session."""
-        self._leases.check(lease)
-
     # -- queries -----------------------------------------------------------
-    def query(self, *, user_id: Any = ANY, session_id: str | None = None, status: str | None = None,
+    def query(self, *, user_id: UserFilter = ANY, session_id: str | None = None, status: str | None = None,
               since: datetime | None = None, until: datetime | None = None, min_cost: float | None = None,
               max_cost: float | None = None, columns: list[str] | None = None) -> pa.Table:
         """Live checkpoint rows across sessions as an Arrow table (``user_id=...`` = any user).
@@ -162,7 +108,7 @@ class Store(CheckpointMethods, CheckpointWrites, JournalMethods, SessionMethods)
         The rows are the live ones of :mod:`storage.visibility`: a row a fenced
         writer landed after a takeover is in neither part.
         """
-        segment = None if user_id is ANY else user_segment(user_id)
+        segment = None if isinstance(user_id, EllipsisType) else user_segment(user_id)
         if session_id is not None:
             validate_id(session_id, "session_id")
         # Consistent with one LIST of the per-session files even while a compaction merges them.

@@ -12,12 +12,14 @@ the checkpoints and journal entries the conformance suite
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import subprocess
 import sys
 import threading
 import uuid
+import weakref
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -25,9 +27,9 @@ import boto3
 from botocore.awsrequest import AWSResponse
 from botocore.exceptions import ConnectionClosedError, ReadTimeoutError
 
-from storage import open_store
+from storage import layout, open_store
 from storage.checkpoint_log import CheckpointLog
-from storage.rows import CheckpointInfo, CheckpointRow, JournalEntry
+from storage.rows import CheckpointInfo, CheckpointRow, JournalEntry, Lease, as_utc
 from storage.store import Store
 
 CREDENTIALS = {"key": "testing", "secret": "testing", "region": "us-east-1"}
@@ -177,16 +179,55 @@ class FaultInjector:
 T0 = datetime(2026, 7, 4, 12, 0, tzinfo=timezone.utc)
 
 
+#: The checkpoint log :func:`write_checkpoint` writes through, per store and (session, user, epoch, keep).
+_LOGS: weakref.WeakKeyDictionary[Store, dict[tuple[str, str | None, int, int], CheckpointLog]] = (
+    weakref.WeakKeyDictionary())
+
+
+def write_checkpoint(store: Store, data: bytes, info: CheckpointInfo, *, lease: Lease | None = None,
+                     keep: int = 20) -> CheckpointRow:
+    """Write one checkpoint the way runs do, through ``store.checkpoints.log(lease)``, and acknowledge it at
+    once (a batch of one); returns its row. Successive writes of one lease share a log, as a run's do (so the
+    objects one write's retention retired go with the next write). ``lease`` None: epoch 0, the lease of a
+    session nobody has leased yet (a leased session refuses it with :class:`LeaseLostError`)."""
+    if lease is None:
+        lease = Lease(session_id=info.session_id, user_id=info.user_id, epoch=0, owner="test writer")
+    logs = _LOGS.setdefault(store, {})
+    log = logs.get((lease.session_id, lease.user_id, lease.epoch, keep))
+    if log is None or log.lease != lease:
+        log = logs[(lease.session_id, lease.user_id, lease.epoch, keep)] = store.checkpoints.log(lease, keep=keep,
+                                                                                                  batch=1)
+    rows = log.put(data, info) or log.flush()  # put returns [] when its index write failed: flush retries it
+    for row in rows:
+        if row.checkpoint_id == info.checkpoint_id:
+            return row
+    # Indexed by a flush that failed after its index file (collection): the index has its row.
+    return store.checkpoints.rows(info.session_id, user_id=info.user_id)[info.checkpoint_id]
+
+
+def land_row(store: Store, data: bytes, info: CheckpointInfo, *, epoch: int) -> CheckpointRow:
+    """Land a checkpoint object and its index row at ``epoch`` with no lease check: what a writer that was
+    fenced meanwhile leaves (an older release wrote its rows one by one, after a lease check a takeover could
+    race), so that tests can check that every reader hides such a row. Not a write path."""
+    key = layout.checkpoint_key(info.session_id, info.user_id, info.checkpoint_id)
+    row = CheckpointRow(**{**info.__dict__, "created_at": as_utc(info.created_at)}, epoch=epoch, key=key,
+                        size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    store.objects.put(key=key, data=data)
+    store._rows.write(info.session_id, info.user_id, [row], tombstone=False)
+    return row
+
+
 def put_checkpoint(store: Store, session_id: str, checkpoint_id: str, *, user_id=None, turn=1, keep=20, lease=None,
                    status="active", cost=0.01, created_at=None, payload=None) -> CheckpointRow:
-    """Write a checkpoint whose row fields follow from ``turn`` (created ``turn`` minutes after ``T0``)."""
+    """Write a checkpoint whose row fields follow from ``turn`` (created ``turn`` minutes after ``T0``) with
+    :func:`write_checkpoint`."""
     data = payload if payload is not None else json.dumps({"session_id": session_id, "checkpoint_id": checkpoint_id,
                                                            "turn": turn}).encode()
     info = CheckpointInfo(session_id=session_id, checkpoint_id=checkpoint_id, user_id=user_id, turn=turn,
                           created_at=created_at or T0 + timedelta(minutes=turn), position="after_tools",
                           execution_status=status, message_count=2 * turn, input_tokens=10 * turn,
                           output_tokens=turn, cost_usd=cost)
-    return store.put_checkpoint(data, info, lease=lease, keep=keep)
+    return write_checkpoint(store, data, info, lease=lease, keep=keep)
 
 
 def log_put(log: CheckpointLog, checkpoint_id: str, *, turn: int = 1, chain: tuple[str, ...] = (),

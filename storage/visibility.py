@@ -1,7 +1,7 @@
 """The one visibility rule: which checkpoint rows and objects of a session are live.
 
 Every reader and writer of checkpoints decides with this module, so
-``list_checkpoints``, "latest", ``get_checkpoint(<id>)``, fork,
+``checkpoints.list``, "latest", ``checkpoints.get(<id>)``, fork,
 ``Store.query``, compaction and the table it publishes, retention, delete,
 prune and recovery see one and the same history. For one session:
 
@@ -66,7 +66,7 @@ prune and recovery see one and the same history. For one session:
    made after reading it that shows no claim above its epoch (what compaction
    does before it applies one: :mod:`storage.tombstone_settle`). So retention
    deletes the objects it retired only after such a proof
-   (:mod:`storage.checkpoint_log`, ``put_checkpoint``): a checkpoint an
+   (:mod:`storage.checkpoint_log`): a checkpoint an
    ignored tombstone names keeps its object.
 
 The rule here is pure: it reads nothing, so callers decide what to read

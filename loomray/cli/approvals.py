@@ -69,7 +69,7 @@ def approvals(store_url: str | None, session_id: str | None, user_id: str | None
             raise unknown_session(store, session_id, user_id)
         sessions = [(session_id, user_id)]
     else:
-        rows = store.list_sessions(status="awaiting_approval", user_id=ANY if user_id is None else user_id)
+        rows = store.sessions.list(status="awaiting_approval", user_id=ANY if user_id is None else user_id)
         sessions = [(r.session_id, r.user_id) for r in rows]
     waiting = [row for s, u in sessions for row in _waiting(store, s, u)]
     if as_json:

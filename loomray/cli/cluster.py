@@ -265,7 +265,7 @@ def status(store_url: str | None, address: str | None, user_id: str | None, limi
     check_id(user_id, "user_id")
     url = normalize_store_url(store_url_or_fail(store_url))
     store = open_store_or_fail(url)
-    rows = store.list_sessions(user_id=ANY if user_id is None else user_id)
+    rows = store.sessions.list(user_id=ANY if user_id is None else user_id)
     live: list[dict[str, Any]] | None = None
     source = "no cluster given (--address / RAY_ADDRESS)"
     supervisors: list[dict[str, Any]] = []

@@ -140,8 +140,8 @@ def open_session_store(store_url: str | None, session_id: str, user_id: str | No
 
 def session_exists(store: Store, session_id: str, user_id: str | None) -> bool:
     """True when the store knows the session at all (a status row or a journal)."""
-    return store.get_session(session_id, user_id=user_id) is not None or bool(
-        store.journal_runs(session_id, user_id=user_id))
+    return store.sessions.get(session_id, user_id=user_id) is not None or bool(
+        store.journal.runs(session_id, user_id=user_id))
 
 
 def unknown_session(store: Store, session_id: str, user_id: str | None) -> CliError:

@@ -212,7 +212,7 @@ class _DemoRun:
             info = _actor_info(self.runtime.config.store_url, sid, timeout=2)
             if info is not None and all(i["pid"] != info["pid"] for i in watch.incarnations):
                 watch.incarnations.append(info)
-        if watch.killed_at is not None and watch.recovered_in is None and self.store.current_epoch(sid) >= 2:
+        if watch.killed_at is not None and watch.recovered_in is None and self.store.leases.current_epoch(sid) >= 2:
             watch.recovered_in = time.monotonic() - watch.killed_at
             progress.console.print(f"[green]recovered[/]: a new incarnation took the lease (epoch 2) "
                                    f"{watch.recovered_in:.1f} s after the kill, restored the checkpoint of turn "
@@ -222,7 +222,7 @@ class _DemoRun:
         victim = self.lc.node_of(watch.incarnations[0]["node_id"])
         if victim is None or victim is self.lc.head:
             return
-        rows = self.store.list_checkpoints(sid, limit=1)
+        rows = self.store.checkpoints.list(sid, limit=1)
         watch.kill_turn = rows[0].turn if rows else 0
         progress.console.print(
             f"[bold red]killing {_node_label(self.lc, victim.node_id)}[/] (SIGKILL of its raylet) after "
@@ -238,8 +238,8 @@ class _DemoRun:
             if x[0] == "model":
                 by_pid[int(x[2])] = by_pid.get(int(x[2]), 0) + 1
         journal: dict[int, int] = {}
-        for run in self.store.journal_runs(sid):
-            for e in self.store.journal_list(sid, run):
+        for run in self.store.journal.runs(sid):
+            for e in self.store.journal.list(sid, run):
                 if e.kind == "model":
                     journal[e.epoch] = journal.get(e.epoch, 0) + 1
         table = Table(title="who called the model")
@@ -263,7 +263,7 @@ class _DemoRun:
             raise LoomrayRunError(f"model calls {sorted(indices)} vs journal {journal} vs turns {result.turns}")
 
     def _forks(self, sid: str) -> None:
-        rows = self.store.list_checkpoints(sid, limit=50)
+        rows = self.store.checkpoints.list(sid, limit=50)
         base = rows[1] if len(rows) > 1 else rows[0]  # the last one before the report was written
         _step(4, "fork three ways", f"From checkpoint {base.checkpoint_id} (turn {base.turn}, research done, "
               "report not yet written): one new session per follow-up prompt, one actor each, all at once.")
@@ -312,7 +312,7 @@ class _DemoRun:
                         info = _actor_info(self.runtime.config.store_url, r.session_id, timeout=2)
                         if info is not None:
                             nodes[r.session_id] = _node_label(self.lc, info["node_id"])
-                    got = self.store.list_checkpoints(r.session_id, limit=1)
+                    got = self.store.checkpoints.list(r.session_id, limit=1)
                     done = got[0].turn - base_turn if got else 0
                     progress.update(b, completed=done, info=f"+{done} passes · {nodes.get(r.session_id, '?')}")
             for b in bars:

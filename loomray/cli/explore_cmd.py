@@ -46,6 +46,7 @@ from loomray.cli.runs import agent_for, bind, runtime_for
 from loomray.cli.variant_args import parse_variants
 from loomray.explore import Budget, ModelJudge, find_exploration
 from loomray.explore.record import ExplorationRecord, variant_from_doc
+from storage import Store
 
 
 def load_judge(ref: str) -> Any:
@@ -148,7 +149,7 @@ def _submit(args: dict[str, Any], judge_ref: str, agent_ref: str, user_id: str |
                   f"see it with: loomray query --exploration {xid}", highlight=False)
 
 
-def _stored_args(store: Any, exploration_id: str, user_id: str | None) -> dict[str, Any]:
+def _stored_args(store: Store, exploration_id: str, user_id: str | None) -> dict[str, Any]:
     """``explore``'s arguments as the exploration's stored plan has them."""
     session_id = find_exploration(store.objects, exploration_id, user_id)
     plan = None if session_id is None else ExplorationRecord(store.objects, session_id, user_id, exploration_id).get(

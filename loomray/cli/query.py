@@ -47,7 +47,7 @@ _RIGHT = {"turn", "cost_usd", "tokens", "epoch", "message_count"}
 
 def sessions_table(store: Store, user_id: str | None = None) -> pa.Table:
     """The latest status row of each session (of ``user_id``, or every user) as an Arrow table."""
-    rows = store.list_sessions(user_id=ANY if user_id is None else user_id)
+    rows = store.sessions.list(user_id=ANY if user_id is None else user_id)
     return session_rows_table(rows) if rows else SESSION_SCHEMA.empty_table()
 
 

@@ -85,9 +85,9 @@ def runtime_for(store_url: str, address: str | None, placement: str = "actor") -
 
 def agent_for(session_id: str, user_id: str | None, store: Store, agent_ref: str | None) -> tuple[Agent, str]:
     """The agent that continues ``session_id``: ``--agent``, else the reference stored with the session."""
-    row = store.get_session(session_id, user_id=user_id)
+    row = store.sessions.get(session_id, user_id=user_id)
     if agent_ref is None:
-        if row is None and not store.list_checkpoints(session_id, user_id=user_id, limit=1):
+        if row is None and not store.checkpoints.list(session_id, user_id=user_id, limit=1):
             raise unknown_session(store, session_id, user_id)
         agent_ref = row.agent_ref if row is not None else None
         if not agent_ref:
@@ -178,7 +178,7 @@ def _fork_base(store: Store, session_id: str, user_id: str | None, from_checkpoi
     """The checkpoint to fork from (``latest`` resolved) and its turn, from the session's index rows."""
     if from_checkpoint != "latest":
         check_id(from_checkpoint, "checkpoint_id")
-    rows = store.list_checkpoints(session_id, user_id=user_id, limit=1 if from_checkpoint == "latest" else None)
+    rows = store.checkpoints.list(session_id, user_id=user_id, limit=1 if from_checkpoint == "latest" else None)
     row = next((r for r in rows if from_checkpoint in ("latest", r.checkpoint_id)), None)
     if row is None:
         raise CliError(f"session {session_id!r} has no checkpoint {from_checkpoint!r} to fork from")

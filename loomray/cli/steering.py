@@ -226,9 +226,9 @@ class LogReader:
         self._done: set[str] = set()
 
     def _run_ids(self) -> list[str]:
-        records = self.store.list_runs(self.session_id, user_id=self.user_id)
+        records = self.store.runs.list(self.session_id, user_id=self.user_id)
         ids = [r.run_id for r in records]
-        for run_id in self.store.journal_runs(self.session_id, user_id=self.user_id):  # runs without records
+        for run_id in self.store.journal.runs(self.session_id, user_id=self.user_id):  # runs without records
             if run_id not in ids:
                 ids.append(run_id)
         return ids
@@ -256,7 +256,7 @@ class LogReader:
         """The last run finished, or the session stopped (its status is not an active one)."""
         if self._order and self._order[-1] in self._done:
             return True
-        row = self.store.get_session(self.session_id, user_id=self.user_id)
+        row = self.store.sessions.get(self.session_id, user_id=self.user_id)
         return row is not None and row.status not in ("running", "pending")
 
 
@@ -307,7 +307,7 @@ def logs(session_id: str, store_url: str | None, user_id: str | None, follow: bo
     except KeyboardInterrupt:
         pass
     if not as_json:
-        row = store.get_session(session_id, user_id=user_id)
+        row = store.sessions.get(session_id, user_id=user_id)
         if row is not None:
             err_console.print(f"session {session_id}: {row.status}", highlight=False, soft_wrap=True)
         if row is not None and row.status == "failed":  # the full text: the index holds only its type

@@ -76,7 +76,7 @@ def checkpoints() -> None:
 def checkpoints_list(session_id: str, store_url: str | None, user_id: str | None, limit: int, as_json: bool) -> None:
     """List a session's checkpoints, newest first."""
     store = open_session_store(store_url, session_id, user_id)
-    rows = store.list_checkpoints(session_id, user_id=user_id, limit=limit)
+    rows = store.checkpoints.list(session_id, user_id=user_id, limit=limit)
     if not rows and not session_exists(store, session_id, user_id):
         raise unknown_session(store, session_id, user_id)
     if as_json:
@@ -115,7 +115,7 @@ def checkpoints_quarantine(session_id: str, checkpoint_id: str, store_url: str |
     check_id(user_id, "user_id")
     check_id(checkpoint_id, "checkpoint_id")
     store = open_store_or_fail(store_url)
-    moved = store.quarantine_checkpoint(session_id, checkpoint_id, user_id=user_id)
+    moved = store.checkpoints.quarantine(session_id, checkpoint_id, user_id=user_id)
     if as_json:
         emit_json({"session_id": session_id, "user_id": user_id, "checkpoint_id": checkpoint_id,
                    "quarantine_key": moved})
@@ -145,7 +145,7 @@ def show(session_id: str, checkpoint_id: str, store_url: str | None, user_id: st
     store = open_store_or_fail(store_url)
     if raw_object:
         try:
-            raw = store.get_checkpoint(session_id, checkpoint_id, user_id=user_id)
+            raw = store.checkpoints.get(session_id, checkpoint_id, user_id=user_id)
         except InvalidIdError:
             raise
         except StorageError as e:  # what the API raises for any failed load, with the storage error as its cause
@@ -233,7 +233,7 @@ def lease_repair(session_id: str, store_url: str | None, user_id: str | None, as
     key = lease_key(session_id, user_id)
     epoch: int | None
     try:
-        epoch, state, problem = store.current_epoch(session_id, user_id=user_id), "ok", None
+        epoch, state, problem = store.leases.current_epoch(session_id, user_id=user_id), "ok", None
         if store.objects.get(key=key) is None:
             state = "missing"
     except LeaseCorruptError as e:
@@ -242,7 +242,7 @@ def lease_repair(session_id: str, store_url: str | None, user_id: str | None, as
         raise unknown_session(store, session_id, user_id)
     repaired = state != "ok"
     if repaired:
-        epoch = store.repair_lease(session_id, user_id=user_id, owner="loomray lease repair").epoch
+        epoch = store.leases.repair(session_id, user_id=user_id, owner="loomray lease repair").epoch
     if as_json:
         emit_json({"session_id": session_id, "user_id": user_id, "state": state, "repaired": repaired,
                    "epoch": epoch, "problem": problem})

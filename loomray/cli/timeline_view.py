@@ -148,7 +148,7 @@ class _Timeline:
 
     def read_run_records(self) -> set[tuple[int, str]]:
         """Which run started in which epoch, and from where; returns the ``(epoch, run_id)`` pairs seen."""
-        records = self.store.list_runs(self.session_id, user_id=self.user_id)
+        records = self.store.runs.list(self.session_id, user_id=self.user_id)
         for rec in records:
             i = self.at(rec.epoch)
             if i is not None:
@@ -158,9 +158,9 @@ class _Timeline:
 
     def read_journal(self, recorded: set[tuple[int, str]]) -> None:
         """Steps per epoch, and takeovers (a run continued by a later epoch than the one that started it)."""
-        for run_id in self.store.journal_runs(self.session_id, user_id=self.user_id):
+        for run_id in self.store.journal.runs(self.session_id, user_id=self.user_id):
             first_epoch: int | None = None
-            for entry in self.store.journal_read(self.session_id, run_id, user_id=self.user_id).all:
+            for entry in self.store.journal.read(self.session_id, run_id, user_id=self.user_id).all:
                 i = self.at(entry.epoch)
                 if i is None:
                     continue

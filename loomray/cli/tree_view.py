@@ -130,7 +130,7 @@ def fork_tree(store: Store, session_id: str, user_id: str | None) -> ForkNode:
     rows: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in store.query(user_id=user_id, columns=_CKPT_COLUMNS).to_pylist():
         rows[r["session_id"]].append(r)
-    status_rows = {r.session_id: r for r in store.list_sessions(user_id=user_id)}
+    status_rows = {r.session_id: r for r in store.sessions.list(user_id=user_id)}
     if session_id not in rows and session_id not in status_rows:
         raise unknown_session(store, session_id, user_id)
     parent_of = {sid: _forked_from(mine, sid) for sid, mine in rows.items()}
@@ -193,7 +193,7 @@ def _fork_records(store: Store, user_id: str | None, root: str, children: dict[s
 def run_records(store: Store, session_id: str, user_id: str | None) -> list[Any]:
     """The session's run records, oldest first; none when they cannot be read (a view leaves that part unknown)."""
     try:
-        return list(store.list_runs(session_id, user_id=user_id))
+        return list(store.runs.list(session_id, user_id=user_id))
     except Exception:  # noqa: BLE001 - a view: an unreadable record only leaves the base and variant unknown
         return []
 
@@ -231,7 +231,7 @@ def _fill_base(store: Store, n: ForkNode, parent: str, mine: list[dict[str, Any]
         n.base_turn, n.carried_cost_usd = by_id[base]["turn"], by_id[base]["cost_usd"]
         return
     try:  # the row went (retention), the object may not have
-        raw = store.get_checkpoint(parent, base, user_id=n.user_id)
+        raw = store.checkpoints.get(parent, base, user_id=n.user_id)
     except Exception:  # noqa: BLE001
         raw = None
     if raw is not None:

@@ -131,10 +131,10 @@ def _write_cancel(store: SessionStore, session_id: str, user_id: str | None, sou
 def _fence_and_mark(store: SessionStore, session_id: str, user_id: str | None, source: str) -> int:
     """Fence every writer of the session elsewhere (take its lease, seal its last run) and mark it cancelled."""
     lease = fence_session(store, session_id, user_id, owner=f"loomray cancel ({source})")
-    last = store.last_run(session_id, user_id=user_id)
-    runs = [last.run_id] if last is not None else store.journal_runs(session_id, user_id=user_id)[-1:]
-    previous = store.get_session(session_id, user_id=user_id)
-    store.put_session(SessionRow(session_id=session_id, user_id=user_id, status="cancelled", updated_at=utcnow(),
+    last = store.runs.last(session_id, user_id=user_id)
+    runs = [last.run_id] if last is not None else store.journal.runs(session_id, user_id=user_id)[-1:]
+    previous = store.sessions.get(session_id, user_id=user_id)
+    store.sessions.put(SessionRow(session_id=session_id, user_id=user_id, status="cancelled", updated_at=utcnow(),
                                  run_id=runs[0] if runs else None,
                                  agent_ref=previous.agent_ref if previous is not None else None,
                                  spec_json=None, epoch=lease.epoch, node_id=None, error=None))

@@ -62,7 +62,7 @@ def read_request(store: SessionStore, key: str) -> dict[str, Any] | None:
 
 def session_status(store: SessionStore, session_id: str, user_id: str | None) -> str | None:
     """The session's latest status row's status, or None when it has none."""
-    row = store.get_session(session_id, user_id=user_id)
+    row = store.sessions.get(session_id, user_id=user_id)
     return row.status if row is not None else None
 
 
@@ -73,8 +73,8 @@ def require_session(store: SessionStore, session_id: str, user_id: str | None) -
     no status row or run yet, only its active mark: it is known, and may be cancelled before it starts.
     """
     status = session_status(store, session_id, user_id)
-    if (status is None and not store.journal_runs(session_id, user_id=user_id)
-            and store.get_active(session_id, user_id=user_id) is None):
+    if (status is None and not store.journal.runs(session_id, user_id=user_id)
+            and store.active.get(session_id, user_id=user_id) is None):
         raise LoomrayUserError(f"unknown session {session_id!r}" + (f" of user {user_id!r}" if user_id else "")
                                + f" in {store.describe()}")
     return status

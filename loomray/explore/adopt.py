@@ -24,14 +24,14 @@ from storage import CheckpointInfo
 def adopt_winner(store: SessionStore, session_id: str, user_id: str | None, winner: str, checkpoint_id: str, *,
                  agent_id: str, keep: int, owner: str) -> str:
     """Write checkpoint ``checkpoint_id`` of ``session_id`` from ``winner``'s latest one (once); return its id."""
-    if any(r.checkpoint_id == checkpoint_id for r in store.list_checkpoints(session_id, user_id=user_id, limit=None)):
+    if any(r.checkpoint_id == checkpoint_id for r in store.checkpoints.list(session_id, user_id=user_id, limit=None)):
         return checkpoint_id
-    rows = store.list_checkpoints(winner, user_id=user_id, limit=1)
+    rows = store.checkpoints.list(winner, user_id=user_id, limit=1)
     if not rows:
         raise CheckpointNotFound(f"winning branch {winner!r} has no checkpoint to adopt")
-    base = store.list_checkpoints(session_id, user_id=user_id, limit=1)
+    base = store.checkpoints.list(session_id, user_id=user_id, limit=1)
     lease = fence_session(store, session_id, user_id, owner=owner)
-    store.pin_checkpoint(winner, rows[0].checkpoint_id, user_id=user_id, dependent=session_id)
+    store.checkpoints.pin(winner, rows[0].checkpoint_id, user_id=user_id, dependent=session_id)
     src = load_checkpoint(store, winner, rows[0].checkpoint_id, user_id=user_id, pinned_for=session_id)
     if src is None:
         raise CheckpointNotFound(f"winning branch {winner!r}: checkpoint {rows[0].checkpoint_id!r} is gone")
@@ -48,7 +48,7 @@ def adopt_winner(store: SessionStore, session_id: str, user_id: str | None, winn
                           message_count=len(ckpt.messages), input_tokens=u.input_tokens, output_tokens=u.output_tokens,
                           cost_usd=u.cost_usd, spend_usd=0.0, parent_checkpoint_id=ckpt.parent_checkpoint_id,
                           forked_from=winner, agent_id=agent_id, chain=encoded.chain)
-    log = store.checkpoint_log(lease, keep=keep)
+    log = store.checkpoints.log(lease, keep=keep)
     log.put(encoded.body, info)
     log.flush()
     return checkpoint_id

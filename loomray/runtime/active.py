@@ -3,7 +3,7 @@
 The session index keeps every session's history, so reading it costs one GET
 per session ever run. The supervisor's periodic pass only needs the sessions
 that may still need an owner, so the supervisor marks a session active
-(``Store.put_active``) before it starts it and removes the mark once it has
+(``store.active.put``) before it starts it and removes the mark once it has
 its outcome. A pass is then one LIST of the marks plus, for each marked
 session nobody here watches, a handful of reads (its mark, its session row,
 its lease): O(active sessions), independent of how many sessions ever ran.
@@ -78,7 +78,7 @@ async def mark(store: Store, session_id: str, user_id: str | None, placement: st
     adoptable by a full scan, and an adopter starts its crash attribution afresh)."""
     try:
         data = note(placement, actor_options, host_crashes=host_crashes, quarantined=quarantined, charged=charged)
-        await asyncio.to_thread(store.put_active, session_id, user_id=user_id, data=data)
+        await asyncio.to_thread(store.active.put, session_id, user_id=user_id, data=data)
     except Exception as e:
         log.warning("could not mark session %r active: %s: %s", session_id, type(e).__name__, e)
 
@@ -86,7 +86,7 @@ async def mark(store: Store, session_id: str, user_id: str | None, placement: st
 async def clear(store: Store, session_id: str, user_id: str | None) -> None:
     """Remove the session's mark; a failure is logged (a later pass removes the stale mark)."""
     try:
-        await asyncio.to_thread(store.delete_active, session_id, user_id=user_id)
+        await asyncio.to_thread(store.active.delete, session_id, user_id=user_id)
     except Exception as e:
         log.warning("could not clear the active mark of session %r: %s: %s", session_id, type(e).__name__, e)
 
@@ -100,12 +100,12 @@ async def candidates(store: Store, watched: Callable[[tuple[str | None, str]], b
     active sessions without a mark (a store written before marks existed, a
     lost mark) are found too.
     """
-    keys = [k for k in await asyncio.to_thread(store.list_active) if not watched(k)]
+    keys = [k for k in await asyncio.to_thread(store.active.list) if not watched(k)]
 
     async def one(key: tuple[str | None, str]) -> tuple[SessionRow, dict[str, Any]] | None:
         user_id, session_id = key
-        raw, row = await asyncio.gather(asyncio.to_thread(store.get_active, session_id, user_id=user_id),
-                                        asyncio.to_thread(store.get_session, session_id, user_id=user_id))
+        raw, row = await asyncio.gather(asyncio.to_thread(store.active.get, session_id, user_id=user_id),
+                                        asyncio.to_thread(store.sessions.get, session_id, user_id=user_id))
         info = parse(raw)
         if row is not None and row.status in ACTIVE_STATES:
             return row, info
@@ -117,7 +117,7 @@ async def candidates(store: Store, watched: Callable[[tuple[str | None, str]], b
     if foreign:
         seen = {(r.user_id, r.session_id) for r, _ in found}
         for state in ACTIVE_STATES:
-            for row in await asyncio.to_thread(store.list_sessions, status=state, user_id=...):
+            for row in await asyncio.to_thread(store.sessions.list, status=state, user_id=...):
                 key = (row.user_id, row.session_id)
                 if key not in seen and not watched(key):
                     seen.add(key)

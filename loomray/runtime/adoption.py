@@ -96,7 +96,7 @@ class AdoptionPolicy:
             return None  # we finished this very run; the row is only behind
         # A newer lease than the row's means a live owner elsewhere took over: not ours to restart, unless
         # that owner stays silent (it died between its lease and its first status row).
-        epoch = await asyncio.to_thread(self._store.current_epoch, row.session_id, user_id=row.user_id)
+        epoch = await asyncio.to_thread(self._store.leases.current_epoch, row.session_id, user_id=row.user_id)
         if row.epoch < epoch and not self._owner_silent(row, epoch):
             return None
         refusal = self.refusal(row, request_json)
@@ -170,7 +170,7 @@ class AdoptionPolicy:
         It is the request in the session's last run record when that record is
         the row's run; a session written before run records keeps it in the row.
         """
-        record = self._store.last_run(row.session_id, user_id=row.user_id)
+        record = self._store.runs.last(row.session_id, user_id=row.user_id)
         if record is not None:
             if record.run_id != row.run_id or not record.request:
                 return None  # a newer run started and its row is not written yet, or nothing to re-run
@@ -198,7 +198,7 @@ class AdoptionPolicy:
                             run_id=row.run_id, agent_ref=row.agent_ref, epoch=row.epoch, node_id=row.node_id,
                             error=f"refused by the supervisor: {reason}"[:INDEX_ERROR_MAX])
         try:
-            await asyncio.to_thread(self._store.put_session, failed)
+            await asyncio.to_thread(self._store.sessions.put, failed)
         except Exception as e:
             log.warning("could not mark session %r failed: %s", row.session_id, e)
         await active.clear(self._store, row.session_id, row.user_id)

@@ -103,7 +103,7 @@ class Runtime:
         """Newest first, no payload; ``[]`` for an unknown session or a runtime without a store."""
         if self.store is None:
             return []
-        rows = await asyncio.to_thread(self.store.list_checkpoints, session_id, user_id=user_id, limit=limit)
+        rows = await asyncio.to_thread(self.store.checkpoints.list, session_id, user_id=user_id, limit=limit)
         # Validated as the model's fields say (the index stores statuses and positions as plain strings).
         return [CheckpointMeta.model_validate({
             "session_id": r.session_id, "checkpoint_id": r.checkpoint_id, "turn": r.turn, "created_at": r.created_at,

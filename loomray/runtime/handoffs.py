@@ -45,7 +45,7 @@ async def pinned(store: Store, request: RunRequest, request_json: str) -> str:
     """``request_json``, pinned to the session's last run if this very hand-off (``request_id``) started it."""
     if request.request_id is None or request.run_id is not None:
         return request_json  # no id to look up, or the run is named already (a fork)
-    record = await asyncio.to_thread(store.last_run, request.session_id, user_id=request.user_id)
+    record = await asyncio.to_thread(store.runs.last, request.session_id, user_id=request.user_id)
     if record is None or (record.request or {}).get("request_id") != request.request_id:
         return request_json
     return request.model_copy(update={"run_id": record.run_id}).model_dump_json()

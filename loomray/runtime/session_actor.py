@@ -187,7 +187,7 @@ class SessionActor:
 
     async def _read_epoch(self) -> None:
         try:
-            self._epoch = await asyncio.to_thread(self._store.current_epoch, self._request.session_id,
+            self._epoch = await asyncio.to_thread(self._store.leases.current_epoch, self._request.session_id,
                                                   user_id=self._request.user_id)
         except Exception as e:  # only for status reports
             log.debug("could not read the epoch of %r: %s", self._request.session_id, e)

@@ -267,7 +267,7 @@ class Supervisor:
             await self._adopt()
             w = self._sessions.get((user_id, session_id))
         if w is None:
-            row = await asyncio.to_thread(self._store.get_session, session_id, user_id=user_id)
+            row = await asyncio.to_thread(self._store.sessions.get, session_id, user_id=user_id)
             state = f"its last status in the store is {row.status!r}" if row else "the store does not know it"
             raise LoomrayUserError(
                 f"session {session_id!r} (user {user_id!r}) is not supervised on this cluster; {state}")

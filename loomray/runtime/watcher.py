@@ -268,7 +268,7 @@ class SessionWatcher:
                              agent_ref=w.agent.ref if w.agent else None, node_id=w.last_node,
                              error=index_error(error_type=outcome.error_type), epoch=w.epoch or 0)
             try:
-                await asyncio.to_thread(self._store.put_session, row)
+                await asyncio.to_thread(self._store.sessions.put, row)
             except Exception as e:
                 log.warning("could not mark session %r failed: %s", w.session_id, e)
         if w.handle is not None:

@@ -7,7 +7,7 @@ What one page reads, whatever the store holds:
   compaction (its status, when, its error, the turn and running cost the
   run last checkpointed, its exploration); a file already parsed at the
   ETag listed is not read again;
-- the tail: one LIST of the change markers (:meth:`storage.Store.changed_sessions`)
+- the tail: one LIST of the change markers (:meth:`storage.sessions.Sessions.changed`)
   naming the sessions with a status row newer than the table, and those
   sessions' own status rows (work that follows the rows written since the
   last compaction, not the sessions stored);
@@ -26,6 +26,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from datetime import datetime
+from types import EllipsisType
 from typing import Any
 
 import pyarrow as pa
@@ -35,7 +36,7 @@ from storage import Store
 from storage.ids import user_segment
 from storage.rows import SessionRow
 from storage.session_table import read_session_tables
-from storage.sessions import ANY
+from storage.sessions import ANY, UserFilter
 
 #: The statuses a session's status row says (the status filter's choices).
 STATUSES = ("pending", "running", "completed", "awaiting_approval", "paused", "budget_exceeded", "failed",
@@ -58,7 +59,7 @@ class ListQuery:
     ``exploration_id`` of their run's metadata).
     """
 
-    user: Any = ANY
+    user: UserFilter = ANY
     status: str | None = None
     since: datetime | None = None
     until: datetime | None = None
@@ -113,22 +114,22 @@ class TableCache:
         self._files: dict[str, tuple[str, pa.Table]] = {}
         self._merged: dict[Any, tuple[Any, pa.Table]] = {}
 
-    def current(self, store: Store, user: Any) -> pa.Table:
+    def current(self, store: Store, user: UserFilter) -> pa.Table:
         """Each session's latest status row, of ``user`` (``ANY``: every user)."""
         with self._lock:
             files = dict(self._files)
         seen: list[tuple[str, str]] = []
-        table = read_session_tables(store, None if user is ANY else user_segment(user), files, _COLUMNS, seen)
-        markers = store.changed_sessions(user)
+        table = read_session_tables(store, None if isinstance(user, EllipsisType) else user_segment(user), files, _COLUMNS, seen)
+        markers = store.sessions.changed(user)
         signature = (tuple(sorted(seen)), tuple(sorted((k, max(v)) for k, v in markers.items())))
-        view = "*" if user is ANY else user
+        view = "*" if isinstance(user, EllipsisType) else user
         with self._lock:
             self._files.update(files)
             hit = self._merged.get(view)
         if hit is not None and hit[0] == signature:
             return hit[1]
         # One chunk: a page's rows are taken from it (taking from 50 chunks copies them all first).
-        merged = _with_tail(table, store.changed_rows(user, markers)).combine_chunks()
+        merged = _with_tail(table, store.sessions.changed_rows(user, markers)).combine_chunks()
         with self._lock:
             self._merged[view] = (signature, merged)
         return merged
@@ -155,7 +156,7 @@ def _with_tail(table: pa.Table, rows: list[SessionRow]) -> pa.Table:
     return pa.concat_tables([table, tail]) if table.num_rows else tail
 
 
-def current_rows(store: Store, user: Any, tables: TableCache | None = None) -> pa.Table:
+def current_rows(store: Store, user: UserFilter, tables: TableCache | None = None) -> pa.Table:
     """Each session's latest status row (of ``user``; ``ANY``: every user): the session-status table, with the
     tail's rows in place of the table's for the sessions the change markers name."""
     return (tables or TableCache()).current(store, user)
@@ -179,7 +180,7 @@ def _filtered(table: pa.Table, q: ListQuery) -> pa.Table:
 
 def _with_latest_checkpoint(store: Store, row: SessionSummary) -> None:
     """A running session's (or an old row's) turn and spend from its latest checkpoint, when it has one."""
-    latest = store.list_checkpoints(row.session_id, user_id=row.user_id, limit=1)
+    latest = store.checkpoints.list(row.session_id, user_id=row.user_id, limit=1)
     if latest:
         row.turns, row.spend_usd = latest[0].turn, latest[0].cost_usd
         row.last_activity = max(row.last_activity, latest[0].created_at)

@@ -40,8 +40,8 @@ def after(entries: list[JournalEntry], last_id: str | None) -> list[JournalEntry
 
 def status_of(store: Store, session_id: str, user_id: str | None) -> dict[str, Any]:
     """What a ``status`` event says: the session's status, and its latest checkpoint's id, turn and cost."""
-    row = store.get_session(session_id, user_id=user_id)
-    latest = store.list_checkpoints(session_id, user_id=user_id, limit=1)
+    row = store.sessions.get(session_id, user_id=user_id)
+    latest = store.checkpoints.list(session_id, user_id=user_id, limit=1)
     top = latest[0] if latest else None
     status = row.status if row is not None else (top.execution_status if top is not None else "unknown")
     return {"status": status, "checkpoint_id": top.checkpoint_id if top else None,

@@ -121,8 +121,8 @@ def _incarnations(store: Store, session_id: str, user_id: str | None) -> list[di
 
 def read_session(store: Store, session_id: str, user_id: str | None) -> SessionView | None:
     """The session page's data; None when the store knows nothing of the session."""
-    status = store.get_session(session_id, user_id=user_id)
-    rows = list(reversed(store.list_checkpoints(session_id, user_id=user_id, limit=None)))
+    status = store.sessions.get(session_id, user_id=user_id)
+    rows = list(reversed(store.checkpoints.list(session_id, user_id=user_id, limit=None)))
     entries = LogReader(store, session_id, user_id).new_entries()
     if status is None and not rows and not entries:
         return None

@@ -16,7 +16,7 @@ from loomray.ui.listing import TableCache
 from loomray.ui.security import Guard
 from storage import Store
 from storage.ids import validate_id
-from storage.sessions import ANY
+from storage.sessions import ANY, UserFilter
 
 log = logging.getLogger("loomray.ui")
 
@@ -99,7 +99,7 @@ class UiState:
                 raise HTTPException(400, str(e)) from e
         return given
 
-    def list_user(self, given: str | None) -> Any:
+    def list_user(self, given: str | None) -> UserFilter:
         """The user filter of the list: the scoped user, the one named, else every user."""
         if self.only_user is not None:
             return self.only_user

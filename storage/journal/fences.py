@@ -54,7 +54,7 @@ def list_for_fence(store: JournalStore, session_id: str, user_id: str | None, ru
 
 
 class FenceNote:
-    """What a new owner's lease swap records, so that its fence survives it (``Store.acquire_lease(note=...)``).
+    """What a new owner's lease swap records, so that its fence survives it (``store.leases.acquire(note=...)``).
 
     A new owner seals the runs it listed before taking the lease right after
     taking it; a crash or a failed write in between would leave the old

@@ -39,13 +39,24 @@ class HookedCheckpoints:
 
     def __init__(self, inner, hook):
         self._inner = inner
+        self.checkpoints = _HookedLogs(inner.checkpoints, hook)
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class _HookedLogs:
+    """``store.checkpoints`` whose logs run each ``put`` through the hook."""
+
+    def __init__(self, inner, hook):
+        self._inner = inner
         self._hook = hook
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    def checkpoint_log(self, lease, **kw):
-        log = self._inner.checkpoint_log(lease, **kw)
+    def log(self, lease, **kw):
+        log = self._inner.log(lease, **kw)
         real = log.put
         log.put = lambda data, info: self._hook(real, data, info)
         return log

@@ -54,7 +54,17 @@ def runtime(runtime_factory):
 
 
 class StoreWrapper:
-    """Delegates to a real store; subclasses override one method to count or fail (fault injection)."""
+    """Delegates to a real store; subclasses override one sub-store to count or fail (fault injection)."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+
+class _Delegate:
+    """Delegates to a real sub-store; a subclass overrides what it injects faults into."""
 
     def __init__(self, inner):
         self._inner = inner
@@ -64,13 +74,14 @@ class StoreWrapper:
 
 
 class FailingCheckpoints(StoreWrapper):
-    """Checkpoint writes (``put_checkpoint``, and ``put`` of the checkpoint logs it opens) fail ``failures`` times
+    """Checkpoint writes (``put`` of the checkpoint logs ``store.checkpoints.log`` opens) fail ``failures`` times
     (None = always) with an OSError."""
 
     def __init__(self, inner, failures=None):
         super().__init__(inner)
         self.failures = failures
         self.attempts = 0
+        self.checkpoints = _FailingLogs(inner.checkpoints, self)
 
     def _attempt(self):
         self.attempts += 1
@@ -79,16 +90,18 @@ class FailingCheckpoints(StoreWrapper):
                 self.failures -= 1
             raise OSError("disk full (injected)")
 
-    def put_checkpoint(self, data, info, **kw):
-        self._attempt()
-        return self._inner.put_checkpoint(data, info, **kw)
 
-    def checkpoint_log(self, lease, **kw):
-        log = self._inner.checkpoint_log(lease, **kw)
+class _FailingLogs(_Delegate):
+    def __init__(self, inner, owner):
+        super().__init__(inner)
+        self._owner = owner
+
+    def log(self, lease, **kw):
+        log = self._inner.log(lease, **kw)
         real = log.put
 
         def put(data, info):
-            self._attempt()
+            self._owner._attempt()
             return real(data, info)
 
         log.put = put

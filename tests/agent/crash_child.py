@@ -6,7 +6,7 @@
 
 KILL_SPEC picks a deterministic point (no timing):
   ``event:<type>:<n>``               die when the n-th event of that type is emitted
-  ``store:<method>:<before|after>:<n>``  die just before / just after the n-th call of a store method
+  ``store:<sub>.<method>:<before|after>:<n>``  die just before / just after the n-th call of a store method
   ``tool:<n>``                        die inside the n-th tool execution (its effect half done)
 
 With ``CRASH_TRACE_FILE=PATH`` the child exports its spans to PATH (JSON lines).
@@ -89,18 +89,20 @@ def build(data_dir: str, kill: str | None, position: str = "both"):
                 return out
             return wrapped
 
-        if method == "put_checkpoint":
+        if method == "checkpoints.log.put":
             # A run writes its checkpoints through a checkpoint log (one PUT each): the n-th checkpoint write.
-            real_log = inner.checkpoint_log
+            real_log = inner.checkpoints.log
 
             def checkpoint_log(*a, **kw):
                 log = real_log(*a, **kw)
                 log.put = hooked(log.put)
                 return log
 
-            inner.checkpoint_log = checkpoint_log
+            inner.checkpoints.log = checkpoint_log
         else:
-            setattr(inner, method, hooked(getattr(inner, method)))  # shadows the method for this process only
+            part, name = method.split(".")  # e.g. "journal.append": a sub-store's method
+            sub = getattr(inner, part)
+            setattr(sub, name, hooked(getattr(sub, name)))  # shadows the method for this process only
     position, _, durability = position.partition("/")  # e.g. "after_tools/async"
     agent = Agent("You research.", model=model, tools=[research], runtime=runtime,
                   tuning=Tuning(checkpoint=CheckpointConfig(position=position) if position != "off" else False,

@@ -6,6 +6,7 @@ every call costs something and the same transcript always costs the same.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from datetime import datetime, timezone
 
@@ -20,6 +21,7 @@ from loomray.models.scripted import count_calls
 from loomray.records import Message, Usage
 from storage import CheckpointInfo, layout
 from storage.rows import CHECKPOINT_SCHEMA, CheckpointRow, checkpoint_rows_from_table, checkpoint_rows_table
+from storage.testing import write_checkpoint
 
 PASSES = 4  # tool passes; one more pass gives the final answer
 tool_calls: dict[str, int] = {}
@@ -68,7 +70,7 @@ async def reference_costs(tmp_path, runtime_factory) -> list[float]:
     runtime = runtime_factory()
     agent = agent_for(runtime, model(tmp_path, "reference"))
     result = await agent.run("task", session_id="reference")
-    rows = sorted(runtime.store.list_checkpoints("reference"), key=lambda r: r.turn)
+    rows = sorted(runtime.store.checkpoints.list("reference"), key=lambda r: r.turn)
     costs = [r.cost_usd for r in rows]
     assert result.usage.cost_usd == pytest.approx(costs[-1]) and len(costs) == PASSES + 1
     tool_calls.clear()
@@ -116,13 +118,13 @@ async def test_budget_stop_then_resume_with_a_raised_limit_repeats_no_model_call
     assert latest.checkpoint_id == stopped.checkpoint_id
     assert latest.turn == 3 and latest.execution_status == "active"
     assert latest.cumulative_usage.cost_usd == pytest.approx(costs[2])
-    assert runtime.store.get_session("s").status == "budget_exceeded"  # not active: no supervisor restarts it
+    assert runtime.store.sessions.get("s").status == "budget_exceeded"  # not active: no supervisor restarts it
 
     # The same call again: still over budget, counted from the restored checkpoint. No call, no new checkpoint.
     again = await low.run("task", session_id="s")
     assert again.stop_reason == "budget_exceeded" and again.run_id == stopped.run_id
     assert m.calls == 3 and again.checkpoint_id == stopped.checkpoint_id
-    assert len(runtime.store.list_checkpoints("s")) == 3
+    assert len(runtime.store.checkpoints.list("s")) == 3
 
     raised = agent_for(runtime, m, max_cost_usd=costs[-1] * 2)
     done = await raised.resume(None, session_id="s")
@@ -134,7 +136,7 @@ async def test_budget_stop_then_resume_with_a_raised_limit_repeats_no_model_call
     # The run's spend is what an uninterrupted run costs: nothing billed twice, nothing lost.
     assert done.usage.cost_usd == pytest.approx(costs[-1]) and sum(m.billed) == pytest.approx(costs[-1])
     assert not any(msg.content == "Continue the interrupted task." for msg in done.messages)
-    assert runtime.store.get_session("s").status == "completed"
+    assert runtime.store.sessions.get("s").status == "completed"
 
 
 async def test_max_tokens_stops_before_the_call_that_would_exceed(runtime):
@@ -163,7 +165,7 @@ async def test_budget_stop_without_checkpoints_resumes_from_the_journal(tmp_path
     agent = Agent("You look things up.", model=m, tools=[lookup], runtime=runtime, tuning=tuning)
     stopped = await agent.run("task", session_id="j")
     assert stopped.stop_reason == "budget_exceeded" and stopped.checkpoint_id is None and m.calls == 1
-    assert runtime.store.list_checkpoints("j") == []
+    assert runtime.store.checkpoints.list("j") == []
     free = Agent("You look things up.", model=m, tools=[lookup], runtime=runtime)
     done = await free.resume(None, session_id="j")
     assert done.stop_reason == "completed" and done.replayed_steps >= 1
@@ -202,22 +204,22 @@ async def test_fork_tree_spend_sums_to_what_the_models_billed(tmp_path, runtime)
     agent = agent_for(runtime, m)
     store = runtime.store
     await agent.run("task", session_id="root")
-    root_rows = sorted(store.list_checkpoints("root"), key=lambda r: r.turn)
+    root_rows = sorted(store.checkpoints.list("root"), key=lambda r: r.turn)
     forks = await agent.fork("root", from_checkpoint=root_rows[1].checkpoint_id, prompts=["try A", "try B"])
-    first_of_a = sorted(store.list_checkpoints(forks[0].session_id), key=lambda r: r.turn)[0]
+    first_of_a = sorted(store.checkpoints.list(forks[0].session_id), key=lambda r: r.turn)[0]
     nested = await agent.resume("try A.1", session_id=forks[0].session_id, from_checkpoint=first_of_a.checkpoint_id)
     assert nested.session_id not in {f.session_id for f in forks} and nested.forked_from == forks[0].session_id
 
     sessions = ["root", *(f.session_id for f in forks), nested.session_id]
-    rows = [r for s in sessions for r in store.list_checkpoints(s, limit=None)]
+    rows = [r for s in sessions for r in store.checkpoints.list(s, limit=None)]
     assert all(r.spend_usd is not None and r.spend_usd >= 0 for r in rows)
     assert sum(r.spend_usd for r in rows) == pytest.approx(sum(m.billed))
     # Each session's spend is its own calls; its running total also carries its parent's up to the fork.
-    fork_rows = store.list_checkpoints(forks[1].session_id, limit=None)
+    fork_rows = store.checkpoints.list(forks[1].session_id, limit=None)
     first = min(fork_rows, key=lambda r: r.turn)
     assert first.parent_checkpoint_id == root_rows[1].checkpoint_id
     assert first.cost_usd == pytest.approx(root_rows[1].cost_usd + first.spend_usd)
-    assert sum(r.cost_usd for s in sessions for r in store.list_checkpoints(s, limit=1)) > sum(m.billed) * 1.01
+    assert sum(r.cost_usd for s in sessions for r in store.checkpoints.list(s, limit=1)) > sum(m.billed) * 1.01
 
 
 async def test_spend_after_a_resume_counts_only_new_calls(tmp_path, runtime):
@@ -225,7 +227,7 @@ async def test_spend_after_a_resume_counts_only_new_calls(tmp_path, runtime):
     costs_stopped = await agent_for(runtime, m, max_tokens=1).run("task", session_id="r")
     assert costs_stopped.stop_reason == "budget_exceeded"
     await agent_for(runtime, m).resume(None, session_id="r")
-    rows = runtime.store.list_checkpoints("r", limit=None)
+    rows = runtime.store.checkpoints.list("r", limit=None)
     assert sum(r.spend_usd for r in rows) == pytest.approx(sum(m.billed))
     assert max(rows, key=lambda r: r.turn).cost_usd == pytest.approx(sum(m.billed))
 
@@ -248,12 +250,13 @@ def test_an_old_index_file_still_lists(tmp_path):
     store = open_store(tmp_path / "d")
     try:
         data = b'{"x": 1}'
-        row = store.put_checkpoint(data, CheckpointInfo(session_id="s", checkpoint_id="ckpt-new", turn=2,
+        row = write_checkpoint(store, data, CheckpointInfo(session_id="s", checkpoint_id="ckpt-new", turn=2,
                                                         created_at=datetime.now(timezone.utc), position="after_tools",
                                                         execution_status="active", message_count=1, cost_usd=0.5,
                                                         spend_usd=0.5), keep=0)
-        old_row = CheckpointRow(**{**row.__dict__, "checkpoint_id": "ckpt-old", "turn": 1,
-                                   "key": layout.checkpoint_key("s", None, "ckpt-old")})
+        old_row = CheckpointRow(**{**row.__dict__, "checkpoint_id": "ckpt-old", "turn": 1,  # an old writer's row
+                                   "key": layout.checkpoint_key("s", None, "ckpt-old"), "size": len(data),
+                                   "sha256": hashlib.sha256(data).hexdigest()})
         store.objects.put(key=old_row.key, data=data)
         table = checkpoint_rows_table([old_row], tombstone=False, written_at=datetime.now(timezone.utc))
         old = table.drop_columns(["spend_usd"])
@@ -261,7 +264,7 @@ def test_an_old_index_file_still_lists(tmp_path):
         store.index.write(layout.index_partition(layout.CHECKPOINT_INDEX, "s", None), old, cache=False)
         fresh = open_store(tmp_path / "d")  # no cached rows: reads the files as another process would
         try:
-            listed = {r.checkpoint_id: r.spend_usd for r in fresh.list_checkpoints("s")}
+            listed = {r.checkpoint_id: r.spend_usd for r in fresh.checkpoints.list("s")}
         finally:
             fresh.close()
         assert listed == {"ckpt-new": 0.5, "ckpt-old": None}

@@ -46,7 +46,7 @@ async def test_a_tool_ending_its_process_ends_its_run_only(fn, raised):
                                                                                                       raised)
     # The loop it ran on goes on: another run in this process, and the failed session's status.
     assert (await calm.run("hi", session_id="s-calm")).output == "fine"
-    assert runtime.store.get_session(f"s-{raised}").status == "failed"
+    assert runtime.store.sessions.get(f"s-{raised}").status == "failed"
 
 
 def test_tool_aborted_crosses_processes():

@@ -59,8 +59,8 @@ def control_keys(store, session_id: str, user_id=None) -> list[str]:
 
 def journal(store, session_id: str, user_id=None) -> list:
     """Every replayable entry of the session, oldest run first."""
-    runs = [r.run_id for r in store.list_runs(session_id, user_id=user_id)]
-    return [e for run in runs for e in store.journal_list(session_id, run, user_id=user_id)]
+    runs = [r.run_id for r in store.runs.list(session_id, user_id=user_id)]
+    return [e for run in runs for e in store.journal.list(session_id, run, user_id=user_id)]
 
 
 async def until(predicate, what: str, timeout: float = DEADLINE_S) -> None:
@@ -85,13 +85,13 @@ async def test_approval_waits_durably_and_a_new_runtime_approves_once(tmp_path, 
     ckpt = await first.get_checkpoint("a1")
     assert ckpt.execution_status == "awaiting_approval" and ckpt.position == "after_model"
     assert ckpt.messages[-1].tool_calls[0].id == "s0000_0" and ckpt.checkpoint_id == waiting.checkpoint_id
-    assert store.get_session("a1").status == "awaiting_approval"
-    n_ckpts = len(store.list_checkpoints("a1"))
+    assert store.sessions.get("a1").status == "awaiting_approval"
+    n_ckpts = len(store.checkpoints.list("a1"))
 
     # No decision yet: it waits again; no model call, no tool call, no new checkpoint.
     again = await first.resume(None, session_id="a1")
     assert again.stop_reason == "awaiting_approval" and [c.id for c in again.pending_approvals] == ["s0000_0"]
-    assert count_calls(calls) == [0] and effects == [] and len(store.list_checkpoints("a1")) == n_ckpts
+    assert count_calls(calls) == [0] and effects == [] and len(store.checkpoints.list("a1")) == n_ckpts
 
     # A new runtime and agent over the same store (a new process, as far as state goes) approves.
     second = agent_for(runtime_factory(), ScriptedModel(script, counter_path=calls))
@@ -103,7 +103,7 @@ async def test_approval_waits_durably_and_a_new_runtime_approves_once(tmp_path, 
     approvals = [e for e in journal(store, "a1") if e.kind == "approval"]
     assert [(e.output["call_id"], e.output["approved"]) for e in approvals] == [("s0000_0", True)]
     assert control_keys(store, "a1") == []  # the decision object is gone once its use is durable
-    assert store.get_session("a1").status == "completed"
+    assert store.sessions.get("a1").status == "completed"
     assert (await second.get_checkpoint("a1")).execution_status == "completed"
     with pytest.raises(LoomrayUserError, match="does not wait"):  # nothing waits any more
         await second.resume(None, session_id="a1", approvals={"s0000_0": True})
@@ -294,8 +294,8 @@ async def test_a_consumed_signal_is_replayed_at_the_same_boundary_after_a_crash(
 
 # Appends: run_start, the model answers of passes 0 and 1 (their tool results are in the checkpoints written right
 # after them), the signal's consumption (4), the next model answer (5).
-@pytest.mark.parametrize("kill", ["store:journal_append:before:4", "store:journal_append:after:4",
-                                  "store:journal_append:after:5"])
+@pytest.mark.parametrize("kill", ["store:journal.append:before:4", "store:journal.append:after:4",
+                                  "store:journal.append:after:5"])
 async def test_a_signal_survives_a_killed_process_exactly_once(tmp_path, kill):
     """The research tool of pass 1 stores a signal (as another client would); the process is SIGKILLed around
     the signal's journal entry (append 4) or the model call that follows it; a new process re-issues the run."""
@@ -339,7 +339,7 @@ async def test_pause_then_resume_repeats_no_model_call(tmp_path, runtime_factory
     assert paused.stop_reason == "paused" and count_calls(calls) == [0] and effects == ["slow-a"]
     ckpt = await agent.get_checkpoint("p1")
     assert ckpt.execution_status == "paused" and ckpt.turn == 1 and ckpt.checkpoint_id == paused.checkpoint_id
-    assert rt.store.get_session("p1").status == "paused"
+    assert rt.store.sessions.get("p1").status == "paused"
     assert await agent.pause("p1") is None  # paused already: nothing to ask
 
     other = agent_for(runtime_factory(), ScriptedModel(script, counter_path=calls), tools=tools)
@@ -383,7 +383,7 @@ async def test_a_pause_recorded_before_a_crash_still_stops_the_run(tmp_path, run
     stopped = await agent.run("go", session_id="p2")  # re-issued after the crash: the pause still holds
     assert stopped.stop_reason == "paused" and count_calls(calls) == [0]
     assert (await agent.get_checkpoint("p2")).execution_status == "paused"
-    assert real.get_session("p2").status == "paused"
+    assert real.sessions.get("p2").status == "paused"
     done = await agent.resume(None, session_id="p2")
     assert done.stop_reason == "completed" and count_calls(calls) == [0, 1, 2]
     assert [e.kind for e in journal(real, "p2")].count("pause") == 1 and effects == ["slow-a", "b"]
@@ -432,7 +432,7 @@ async def test_cancel_during_a_long_tool_call_makes_nothing_durable_afterwards(t
     gate.release.set()
     if flavour == "sync":  # the abandoned thread finishes its work; nothing of it may reach the store
         assert await asyncio.to_thread(gate.finished.wait, DEADLINE_S)
-    assert runtime.store.get_session("x1").status == "cancelled"
+    assert runtime.store.sessions.get("x1").status == "cancelled"
     assert writes.late == [], writes.late
     # The session stays cancelled: nothing runs, nothing is written.
     again = await agent.run("go", session_id="x1")
@@ -476,7 +476,7 @@ async def test_cancel_from_another_process_stops_its_run_and_fences_it(tmp_path)
         _, err = await asyncio.to_thread(child.communicate, timeout=120)
         assert child.returncode == 0, err
         assert durable() == snapshot
-        assert store.get_session("sess-ctl").status == "cancelled"
+        assert store.sessions.get("sess-ctl").status == "cancelled"
         # The abandoned tool finished its own work once released (a thread cannot be killed); the run did not
         # go on: no model call after it, nothing of it in the store.
         assert _calls(d) == [0, 1] and _effects(d) == ["ray-0", "ray-1"]

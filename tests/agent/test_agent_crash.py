@@ -29,21 +29,21 @@ TURNS = 6  # 5 tool passes + the final answer
 # result is in the checkpoint written right after it (with async durability, a model answer is journaled only
 # once the checkpoint before it landed). Without checkpoints the journal holds the tool results too.
 POINTS = [
-    *[(f"store:journal_append:after:{n}", "both", 0, 0) for n in range(1, 8)],  # the 8th is run_end
-    ("store:journal_append:before:2", "both", 1, 0),   # model answered, journal write never happened
-    ("store:journal_append:before:3", "both", 1, 0),   # the second answer, likewise
-    ("store:journal_append:before:3", "both/async", 1, 0),  # likewise with async uploads
-    ("store:journal_append:before:3", "off", 0, 1),    # tool ran, journal write never happened (at-least-once)
+    *[(f"store:journal.append:after:{n}", "both", 0, 0) for n in range(1, 8)],  # the 8th is run_end
+    ("store:journal.append:before:2", "both", 1, 0),   # model answered, journal write never happened
+    ("store:journal.append:before:3", "both", 1, 0),   # the second answer, likewise
+    ("store:journal.append:before:3", "both/async", 1, 0),  # likewise with async uploads
+    ("store:journal.append:before:3", "off", 0, 1),    # tool ran, journal write never happened (at-least-once)
     # With "both", odd checkpoint writes follow a model answer, even ones a pass's tool: killed right before the
     # checkpoint that holds its result (the next write after its effect), the tool runs again (at-least-once).
-    *[(f"store:put_checkpoint:{w}:{n}", "both", 0, 0) for n in (1, 2, 5, 6, 11) for w in ("before", "after")
+    *[(f"store:checkpoints.log.put:{w}:{n}", "both", 0, 0) for n in (1, 2, 5, 6, 11) for w in ("before", "after")
       if (w, n) not in (("before", 2), ("before", 6))],
-    ("store:put_checkpoint:before:2", "both", 0, 1),
-    ("store:put_checkpoint:before:6", "both", 0, 1),
-    ("store:acquire_lease:after:1", "both", 0, 0),
-    ("store:put_session:after:1", "both", 0, 0),
-    ("store:put_session:before:2", "both", 0, 0),
-    ("store:put_session:after:2", "both", 0, 0),
+    ("store:checkpoints.log.put:before:2", "both", 0, 1),
+    ("store:checkpoints.log.put:before:6", "both", 0, 1),
+    ("store:leases.acquire:after:1", "both", 0, 0),
+    ("store:sessions.put:after:1", "both", 0, 0),
+    ("store:sessions.put:before:2", "both", 0, 0),
+    ("store:sessions.put:after:2", "both", 0, 0),
     ("event:model_response:1", "both", 0, 0),           # between a model call and its checkpoint
     ("event:model_response:4", "after_tools", 0, 0),
     ("event:model_response:6", "after_tools", 0, 0),
@@ -51,14 +51,14 @@ POINTS = [
     ("event:checkpoint:3", "both", 0, 0),
     ("tool:1", "both", 0, 0),
     ("tool:4", "after_tools", 0, 0),
-    ("store:journal_append:after:3", "off", 0, 0),      # journal only, no checkpoints
-    ("store:journal_append:after:8", "off", 0, 0),
+    ("store:journal.append:after:3", "off", 0, 0),      # journal only, no checkpoints
+    ("store:journal.append:after:8", "off", 0, 0),
     ("event:model_response:5", "off", 0, 0),
     ("tool:3", "off", 0, 0),
     # Async durability overlaps the upload with the next pass, so a kill right after an upload may land
     # anywhere in that pass, including the inherent windows (a model answer or a tool effect made but
     # not yet journaled): at most one extra of each, never more.
-    ("store:put_checkpoint:after:3", "after_tools/async", None, None),
+    ("store:checkpoints.log.put:after:3", "after_tools/async", None, None),
     ("event:model_response:4", "both/async", 0, 0),
 ]
 

@@ -24,6 +24,7 @@ from storage import CheckpointInfo
 from storage.errors import CorruptObjectError, StorageError, TransientStorageError
 from storage.objects import ObjectStore
 from storage.store import Store
+from storage.testing import write_checkpoint
 
 calls: list[str] = []
 #: Tool calls and injected faults in the order they happened (to prove nothing ran after a fault).
@@ -136,7 +137,7 @@ async def test_path6_unreadable_lease_stops_the_run_at_its_next_proof(tmp_path, 
     # is in it) or its tool result (async); the next model call must prove the lease first.
     assert tools_after_the_first_fault() <= allowed_after_fault(durability), timeline
     assert calls == ["k0"]
-    row = rt.store.get_session("s6")
+    row = rt.store.sessions.get("s6")
     assert row.status == "failed" and "DurabilityLost" in row.error
     rt.close()
 
@@ -159,7 +160,7 @@ async def test_path6_unreachable_s3_store_stops_the_run_and_is_never_reported_co
     assert tools_after_the_first_fault() == 0, timeline
     assert injector[0].injected > 0
     injector[0].remove()
-    row = rt.store.get_session("s6")
+    row = rt.store.sessions.get("s6")
     assert row is not None and row.status != "completed"
     assert [m.turn for m in await agent.list_checkpoints("s6")] == [1]
     rt.close()
@@ -179,7 +180,7 @@ async def test_path6_journal_only_run_stops_when_the_store_becomes_unreachable(t
     assert isinstance(info.value.__cause__, TransientStorageError)
     assert calls == ["k0"] and tools_after_the_first_fault() == 0
     objects.should_fail = lambda op, key: False
-    assert rt.store.get_session("s6j").status == "running"  # never "completed"; "failed" could not be written
+    assert rt.store.sessions.get("s6j").status == "running"  # never "completed"; "failed" could not be written
     rt.close()
 
 
@@ -188,7 +189,7 @@ def test_path6_a_failed_lease_reread_of_the_journal_stops_the_run(tmp_path):
     from loomray.run_writes import GuardedJournal, WriteGuard
 
     rt, objects = faulty_runtime(tmp_path)
-    lease = rt.store.acquire_lease("s6r", owner="test")
+    lease = rt.store.leases.acquire("s6r", owner="test")
     guard = WriteGuard(rt.store, lease)
     journal = GuardedJournal(rt.store, guard)
     journal.check_lease(lease)  # readable: fine
@@ -217,7 +218,7 @@ async def test_path6_transient_write_failures_with_a_proven_lease_warn_and_go_on
         result = await agent.run("task", session_id="s6t")
     assert result.output == "done" and calls == ["k0", "k1", "k2", "k3"]
     assert len([r for r in caplog.records if "could not be written" in r.getMessage()]) == 2
-    assert rt.store.get_session("s6t").status == "completed"
+    assert rt.store.sessions.get("s6t").status == "completed"
     rt.close()
 
 
@@ -232,11 +233,11 @@ async def test_path6_a_run_whose_end_is_not_durable_is_never_reported_completed(
     result = await agent.run("task", session_id="s6end")
     assert result.output == "done"
     # The final checkpoint failed (a warning while the lease was provable): nothing durable records the end.
-    assert rt.store.get_session("s6end").status != "completed"
+    assert rt.store.sessions.get("s6end").status != "completed"
     objects.should_fail = lambda op, key: False
     again = await agent.run("task", session_id="s6end")  # re-issued: continues the run, replays the answer
     assert again.output == "done" and again.model_calls == 0 and calls == ["k0", "k1", "k2", "k3"]
-    assert rt.store.get_session("s6end").status == "completed"
+    assert rt.store.sessions.get("s6end").status == "completed"
     rt.close()
 
 
@@ -246,7 +247,7 @@ async def test_path10_resume_from_an_explicit_older_checkpoint_when_the_newest_i
     agent = make_agent(runtime, model=ScriptedModel(
         [{"tool": "lookup", "args": {"key": f"k{i}"}} for i in range(3)] + ["done", "again"]))
     await agent.run("task", session_id="s10")
-    rows = runtime.store.list_checkpoints("s10", limit=None)
+    rows = runtime.store.checkpoints.list("s10", limit=None)
     newest, older = rows[0], rows[1]
     data = runtime.store.objects.get(key=newest.key).data
     runtime.store.objects.put(key=newest.key, data=data[: len(data) // 2])  # truncated in place
@@ -269,7 +270,7 @@ async def test_path11_every_checkpoint_load_failure_is_a_checkpoint_exception(tm
     rt, objects = faulty_runtime(tmp_path)
     agent = make_agent(rt)
     await agent.run("task", session_id="s11")
-    rows = rt.store.list_checkpoints("s11", limit=None)
+    rows = rt.store.checkpoints.list("s11", limit=None)
     bad, good = rows[1], rows[2]
     data = bytearray(objects.get(key=bad.key).data)
     data[len(data) // 2] ^= 0x01  # same size, wrong sha256
@@ -306,9 +307,10 @@ async def test_path11_every_checkpoint_load_failure_is_a_checkpoint_exception(tm
 
     # An unknown schema version.
     raw = b'{"schema_version": "9.9", "session_id": "s11", "turn": 1}'
-    rt.store.put_checkpoint(raw, CheckpointInfo(session_id="s11", checkpoint_id="ckpt-future", turn=1,
+    lease = rt.store.leases.acquire("s11", owner="a writer of a later release")
+    write_checkpoint(rt.store, raw, CheckpointInfo(session_id="s11", checkpoint_id="ckpt-future", turn=1,
                                                 created_at=datetime.now(timezone.utc), position="after_tools",
-                                                execution_status="active", message_count=0), keep=0)
+                                                execution_status="active", message_count=0), lease=lease, keep=0)
     with pytest.raises(CheckpointException, match="9.9"):
         await agent.get_checkpoint("s11", "ckpt-future")
     rt.close()
@@ -334,7 +336,7 @@ async def test_path12_non_transient_checkpoint_write_error_is_fatal_not_a_warnin
             await agent.run("task", session_id="s12")
     assert not [r for r in caplog.records if "could not be written" in r.getMessage()]
     assert len(calls) <= 1 + allowed_after_fault(durability)  # stopped at the first checkpoint write
-    assert runtime.store.get_session("s12").status == "failed"
+    assert runtime.store.sessions.get("s12").status == "failed"
 
 
 # -- path 13: "" is not a session id ---------------------------------------------------------------------------
@@ -355,7 +357,7 @@ async def test_path13_empty_session_id_is_a_value_error(runtime):
         await agent.get_checkpoint("")
     with pytest.raises(ValueError):
         await agent.run("task", session_id="s13", user_id="")
-    assert calls == [] and runtime.store.list_sessions() == []  # nothing ran, nothing was written
+    assert calls == [] and runtime.store.sessions.list() == []  # nothing ran, nothing was written
     result = await agent.run("task", session_id=None)  # None is what means "a new id"
     assert result.session_id.startswith("sess")
 
@@ -369,9 +371,10 @@ async def test_path14_repair_orders_tool_result_before_user_message(runtime):
     messages = [Message(role="system", content="You look things up."), Message(role="user", content="task"),
                 Message(role="assistant", tool_calls=[call]), Message(role="user", content="are you there?")]
     from loomray import Checkpoint
+    from loomray.checkpoint_format import ChainEncoder
 
     ckpt = Checkpoint(session_id="s14", turn=0, position="after_model", messages=messages, message_count=4)
-    runtime.store.put_checkpoint(ckpt.to_json_bytes(), CheckpointInfo(
+    write_checkpoint(runtime.store, ChainEncoder(None).encode(ckpt).body, CheckpointInfo(
         session_id="s14", checkpoint_id=ckpt.checkpoint_id, turn=0, created_at=ckpt.created_at,
         position="after_model", execution_status="active", message_count=4))
 

@@ -65,7 +65,7 @@ async def test_path01_a_zombie_paused_in_a_tool_publishes_no_row(tmp_path):
         await asyncio.wait_for(zombie, 30)
     fresh = open_store(tmp_path / "d")
     assert indexed_ids(fresh) == before  # nothing the zombie wrote after the takeover is indexed
-    assert fresh.list_checkpoints("s")[0].checkpoint_id == latest
+    assert fresh.checkpoints.list("s")[0].checkpoint_id == latest
     rt_a.close()
     rt_b.close()
 
@@ -79,7 +79,7 @@ async def test_path02_a_zombies_retention_retires_no_acknowledged_checkpoint(tmp
 
     monkeypatch.setattr(run_writes, "LEASE_CHECK_S", 3600.0)  # only the batch proof, whatever the machine's speed
     store = open_store(tmp_path / "d")
-    store.checkpoint_batch = 4  # a batch above keep: retention retires rows of the batch being indexed
+    store.checkpoints.batch = 4  # a batch above keep: retention retires rows of the batch being indexed
     runtime = LocalRuntime(store, max_checkpoints_per_session=2)
     agent = Agent("", model=ScriptedModel(passes(12)), tools=[lookup], runtime=runtime,
                   tuning=Tuning(checkpoint=CheckpointConfig(position="after_tools")))
@@ -90,13 +90,13 @@ async def test_path02_a_zombies_retention_retires_no_acknowledged_checkpoint(tmp
         if event.type == "checkpoint" and event.ok:
             acked.append(event.checkpoint_id)
             if len(acked) == 4:  # the first batch is acknowledged: a takeover now
-                taker.acquire_lease("s", owner="taker")
+                taker.leases.acquire("s", owner="taker")
 
     with pytest.raises(LeaseLostError):
         await agent.run("task", session_id="s", emit=take_over)
     assert len(acked) == 4 and tool_calls["k7"] == 1  # A went on to its next batch before it learned
     fresh = open_store(tmp_path / "d")
-    assert [r.checkpoint_id for r in fresh.list_checkpoints("s")] == acked[:1:-1]  # c4, c3: none retired
+    assert [r.checkpoint_id for r in fresh.checkpoints.list("s")] == acked[:1:-1]  # c4, c3: none retired
     assert indexed_ids(fresh) == set(acked[2:])  # and none of c5..c8 published
     runtime.close()
 
@@ -129,9 +129,9 @@ async def test_path06_a_lease_that_became_unreadable_stops_the_run(tmp_path, mon
 
     with pytest.raises(DurabilityLost):
         await agent.run("task", session_id="s", emit=spoil_the_lease)
-    row = runtime.store.get_session("s")
+    row = runtime.store.sessions.get("s")
     assert row is not None and row.status != "completed"
-    entries = [e for run in [row.run_id] for e in runtime.store.journal_list("s", run)]
+    entries = [e for run in [row.run_id] for e in runtime.store.journal.list("s", run)]
     assert entries and all(e.kind != "run_end" for e in entries)
     runtime.close()
 
@@ -146,7 +146,7 @@ class TakeoverInCall(ScriptedModel):
 
     async def complete(self, request):
         if self.calls == self.at:
-            await asyncio.to_thread(self.taker.acquire_lease, "s", owner="taker")
+            await asyncio.to_thread(self.taker.leases.acquire, "s", owner="taker")
             await asyncio.sleep(self.seconds)  # the rest of the model call
         return await super().complete(request)
 
@@ -169,5 +169,5 @@ async def test_path07_a_zombie_whose_model_call_spans_the_takeover_runs_none_of_
     with pytest.raises(LeaseLostError):
         await agent.run("task", session_id="s")
     assert model.calls == 3 and tool_calls == {"k0": 1, "k1": 1}  # pass 2 was answered; none of its tools ran
-    assert runtime.store.get_session("s").status == "running"  # never reported as anything else
+    assert runtime.store.sessions.get("s").status == "running"  # never reported as anything else
     runtime.close()

@@ -44,7 +44,7 @@ async def test_a_run_crashed_under_format_1_0_continues_without_repeating_a_mode
     assert [m.content for m in result.messages if m.role == "tool"] == [f"value of k{i}" for i in range(4)]
     latest = load_checkpoint(agent.runtime.store, "v1-session")
     assert latest.schema_version == "2.0" and latest.messages == result.messages
-    raw = json.loads(agent.runtime.store.get_checkpoint("v1-session"))
+    raw = json.loads(agent.runtime.store.checkpoints.get("v1-session"))
     assert raw["index"]["chain"][0] == old[0].checkpoint_id  # the new chain builds on the 1.0 checkpoint
     assert [m.turn for m in await agent.list_checkpoints("v1-session")] == [5, 4, 3, 2, 1]
     agent.runtime.close()

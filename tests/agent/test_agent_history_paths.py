@@ -112,8 +112,8 @@ async def test_prune_keeps_no_request_of_a_finished_last_run(runtime, checkpoint
     held = {o.key: store.objects.get(key=o.key).data for o in store.objects.list(prefix=layout.session_prefix("s", None))}
     assert not [k for k, data in held.items() if b"SECRET" in data]
     # What decides the last run stays, content-free: its record (no request) and its run_end.
-    assert [(r.run_id, r.request, r.spec_hash) for r in store.list_runs("s")] == [
+    assert [(r.run_id, r.request, r.spec_hash) for r in store.runs.list("s")] == [
         (first.run_id, None, ""), (second.run_id, None, "")]
-    assert [e.kind for e in store.journal_list("s", second.run_id)] == ["run_end"]
+    assert [e.kind for e in store.journal.list("s", second.run_id)] == ["run_end"]
     again = await agent.run("more", session_id="s", **secrets)  # the same request: finished, so a new run
     assert again.run_id not in (first.run_id, second.run_id) and again.stop_reason == "completed"

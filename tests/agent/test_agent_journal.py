@@ -53,7 +53,7 @@ async def test_a_fenced_run_stops_on_lease_loss(tmp_path):
 
     def usurp(key: str) -> str:
         """Another incarnation takes the session mid-run."""
-        taken.append(runtime.store.acquire_lease("s", owner="newer-incarnation"))
+        taken.append(runtime.store.leases.acquire("s", owner="newer-incarnation"))
         return "ok"
 
     model = ScriptedModel([{"tool": "usurp", "args": {"key": "x"}}, "done"])
@@ -64,7 +64,7 @@ async def test_a_fenced_run_stops_on_lease_loss(tmp_path):
     # here its end, after the final answer), and reports nothing.
     assert model.calls == 2 and taken[0].epoch == 2
     assert await agent.list_checkpoints("s") == []  # nothing written after losing the lease
-    row = runtime.store.get_session("s")
+    row = runtime.store.sessions.get("s")
     assert row.status == "running"  # the fenced incarnation does not mark the session failed
 
 
@@ -72,17 +72,17 @@ async def test_session_rows_track_the_run(tmp_path):
     runtime = LocalRuntime(tmp_path / "d")
     agent = Agent("", model=ScriptedModel(["done"]), runtime=runtime)
     result = await agent.run("task", session_id="s", user_id="u1", metadata={"ticket": 7})
-    row = runtime.store.get_session("s", user_id="u1")
+    row = runtime.store.sessions.get("s", user_id="u1")
     assert row.status == "completed" and row.run_id == result.run_id and row.epoch == 1
     assert row.spec_json is None  # the request is kept out of the index (it may hold secrets) ...
-    record = runtime.store.last_run("s", user_id="u1")  # ... in the run's record beside the session's objects
+    record = runtime.store.runs.last("s", user_id="u1")  # ... in the run's record beside the session's objects
     spec = RunRequest.model_validate(record.request)
     assert record.run_id == result.run_id and spec.prompt == "task" and spec.metadata == {"ticket": 7}
 
     failing = Agent("", model=ScriptedModel([]), runtime=runtime)
     with pytest.raises(Exception, match="ScriptedModel has 0 replies"):
         await failing.run("task", session_id="f")
-    failed = runtime.store.get_session("f")
+    failed = runtime.store.sessions.get("f")
     assert failed.status == "failed" and "ModelError" in failed.error
 
 
@@ -99,13 +99,13 @@ async def test_execute_request_is_the_actor_entry_point(tmp_path):
     result = await execute_request(agent, RunRequest.model_validate_json(wire), store,
                                    max_checkpoints_per_session=2, emit=seen.append)
     assert result.output == "done" and result.user_id == "bob"
-    assert len(store.list_checkpoints("s", user_id="bob")) == 2
-    assert store.current_epoch("s", user_id="bob") == 1
+    assert len(store.checkpoints.list("s", user_id="bob")) == 2
+    assert store.leases.current_epoch("s", user_id="bob") == 1
     assert seen[0].type == "run_start" and seen[-1].type == "run_end"
     # The same request again (a restarted actor) finds the run finished and starts a new one, which continues
     # the session's conversation.
     again = await execute_request(agent, request, store)
-    assert again.run_id != result.run_id and store.current_epoch("s", user_id="bob") == 2
+    assert again.run_id != result.run_id and store.leases.current_epoch("s", user_id="bob") == 2
     assert again.output == "done again"
     store.close()
 
@@ -126,7 +126,7 @@ async def test_live_context_objects_reach_tools_in_process_and_are_named_in_the_
                   runtime=runtime)
     result = await agent.run("go", session_id="ctx", context=Db())
     assert result.messages[-2].content == "db[a]"
-    assert runtime.store.last_run("ctx").request["context"] == "<unserializable Db>"
+    assert runtime.store.runs.last("ctx").request["context"] == "<unserializable Db>"
 
 
 def test_tool_step_keys_are_valid_ids_and_stay_distinct():

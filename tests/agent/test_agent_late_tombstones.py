@@ -37,7 +37,7 @@ async def test_late_retention_tombstones_of_a_fenced_writer_are_ignored_by_every
     monkeypatch.setattr(run_writes, "LEASE_CHECK_S", 3600.0)  # only the batch proofs, whatever the machine's speed
     root = tmp_path / "d"
     store = open_store(root)
-    store.checkpoint_batch = 4  # one batch of 4, and retention keeps 2: the batch file retires 2 of them
+    store.checkpoints.batch = 4  # one batch of 4, and retention keeps 2: the batch file retires 2 of them
     runtime = LocalRuntime(store, max_checkpoints_per_session=2)
     tuning = Tuning(checkpoint=CheckpointConfig(position="after_tools"))
     agent = Agent("", model=ScriptedModel(script(12)), tools=[lookup], runtime=runtime, tuning=tuning)
@@ -49,7 +49,7 @@ async def test_late_retention_tombstones_of_a_fenced_writer_are_ignored_by_every
         if key.startswith(partition) and not taken:
             # The writer's first batch proof passed; its index file (rows and retention's tombstones) is about
             # to land. A takeover claims the session and lists it first.
-            taken.append(open_store(root).acquire_lease("s", owner="taker"))
+            taken.append(open_store(root).leases.acquire("s", owner="taker"))
         return real_put(key=key, data=data, **kw)
 
     monkeypatch.setattr(store.objects, "put", put)
@@ -67,13 +67,13 @@ async def test_late_retention_tombstones_of_a_fenced_writer_are_ignored_by_every
     reader = Agent("", model=ScriptedModel(script(0)), tools=[lookup], runtime=LocalRuntime(root), tuning=tuning)
     fresh = open_store(root)
     newest_first = acked[::-1]
-    assert [r.checkpoint_id for r in fresh.list_checkpoints("s")] == newest_first
+    assert [r.checkpoint_id for r in fresh.checkpoints.list("s")] == newest_first
     assert [m.checkpoint_id for m in await reader.list_checkpoints("s")] == newest_first
     assert (await reader.get_checkpoint("s")).checkpoint_id == acked[-1]
     for cid in acked:
         ckpt = await reader.get_checkpoint("s", cid)
         assert ckpt is not None and ckpt.checkpoint_id == cid
-        assert fresh.get_checkpoint("s", cid) is not None  # the object is there and verifies
+        assert fresh.checkpoints.get("s", cid) is not None  # the object is there and verifies
     assert set(fresh.query(session_id="s")["checkpoint_id"].to_pylist()) == set(acked)
 
     fresh.compact(tombstone_grace=__import__("datetime").timedelta(0))
@@ -84,7 +84,7 @@ async def test_late_retention_tombstones_of_a_fenced_writer_are_ignored_by_every
     by_duck = duckdb.sql(f"select checkpoint_id from read_parquet('{table_dir}/**/*.parquet') "
                          "where session_id = 's'").fetchall()
     assert {r[0] for r in by_duck} == set(acked)
-    assert [r.checkpoint_id for r in open_store(root).list_checkpoints("s")] == newest_first
+    assert [r.checkpoint_id for r in open_store(root).checkpoints.list("s")] == newest_first
 
     for cid in acked:  # a fork from each listed checkpoint starts from it
         [forked] = await reader.fork("s", from_checkpoint=cid, prompts=[f"from {cid}"])

@@ -135,7 +135,7 @@ async def test_a_fork_resumes_after_the_parents_owner_deleted_its_fork_point(tmp
                            emit=crash_at("model_call", 1))
     pins = [o.key for o in runtime.store.objects.list(prefix=layout.pin_prefix("orig", None))]
     fork_id = pins[0].rsplit("/", 1)[1].removesuffix(".json")
-    assert open_store(root).delete_checkpoint("orig", point.checkpoint_id)
+    assert open_store(root).checkpoints.delete("orig", point.checkpoint_id)
     rest = [m.checkpoint_id for m in metas if m.checkpoint_id != point.checkpoint_id]
     assert await views(agent, root, "orig") == same(rest, metas[0].checkpoint_id)
     with pytest.raises(CheckpointNotFound):
@@ -154,7 +154,7 @@ async def test_a_fork_from_every_listed_checkpoint_restores_that_checkpoint(tmp_
     await agent.run("task", session_id="s")
     metas = await agent.list_checkpoints("s")
     assert len(metas) == 3
-    assert runtime.store.delete_checkpoint("s", metas[1].checkpoint_id)
+    assert runtime.store.checkpoints.delete("s", metas[1].checkpoint_id)
     left = [m.checkpoint_id for m in metas if m.checkpoint_id != metas[1].checkpoint_id]
     assert await views(agent, root, "s") == same(left, left[0])
     for cid in left[1:]:  # the newest continues in place; the others fork
@@ -201,8 +201,8 @@ async def test_delete_of_a_running_sessions_checkpoint_leaves_its_later_checkpoi
     deleted: list[str] = []
 
     def delete_newest(store):
-        newest = store.list_checkpoints("s")[0].checkpoint_id
-        assert store.delete_checkpoint("s", newest)
+        newest = store.checkpoints.list("s")[0].checkpoint_id
+        assert store.checkpoints.delete("s", newest)
         deleted.append(newest)
 
     agent, runtime = await paused_run(root, delete_newest)
@@ -257,10 +257,10 @@ async def test_maintenance_after_a_sigkill_then_recovery_agree(tmp_path, op):
     assert first.returncode == -signal.SIGKILL, first.stderr
     root = d / "store"
     store = open_store(root)
-    listed = [r.checkpoint_id for r in store.list_checkpoints("sess-crash")]
+    listed = [r.checkpoint_id for r in store.checkpoints.list("sess-crash")]
     assert len(listed) == 3 and len(store.query(user_id=None, session_id="sess-crash")) < 3  # a tail
     if op == "delete-newest":
-        assert store.delete_checkpoint("sess-crash", listed[0])
+        assert store.checkpoints.delete("sess-crash", listed[0])
     else:
         store.prune(before=datetime.now(UTC) + timedelta(days=1), session_id="sess-crash")
     store.close()
@@ -363,7 +363,7 @@ async def test_a_fork_from_a_dead_writers_tail_resumes_after_a_takeover(tmp_path
     pins = [o.key for o in runtime.store.objects.list(prefix=layout.pin_prefix("sess-crash", None))]
     fork_id = pins[0].rsplit("/", 1)[1].removesuffix(".json")
     if then == "bare-takeover":
-        open_store(root).acquire_lease("sess-crash", owner="operator")
+        open_store(root).leases.acquire("sess-crash", owner="operator")
     else:
         assert _child(d, "").returncode == 0
     result = await agent.resume(session_id=fork_id)
@@ -383,10 +383,10 @@ async def test_a_dead_writers_tail_survives_a_bare_takeover_before_recovery(tmp_
     assert _child(d, "tool:4").returncode == -signal.SIGKILL
     root = d / "store"
     store = open_store(root)
-    tail = [r.checkpoint_id for r in store.list_checkpoints("sess-crash")]
+    tail = [r.checkpoint_id for r in store.checkpoints.list("sess-crash")]
     assert len(tail) == 3
     if then == "bare-takeover":
-        store.acquire_lease("sess-crash", owner="operator")
+        store.leases.acquire("sess-crash", owner="operator")
     store.close()
     assert _child(d, "").returncode == 0
     effects = (d / "effects").read_text().split()

@@ -168,8 +168,8 @@ async def test_prune_deletes_only_matching_sessions(runtime):
     report = runtime.store.prune(session_id="p1")
     assert report.checkpoints == 5 and report.journal_entries > 0
     assert await agent.list_checkpoints("p1") == []
-    assert runtime.store.journal_runs("p1") == [] or all(
-        not runtime.store.journal_list("p1", r) for r in runtime.store.journal_runs("p1"))
+    assert runtime.store.journal.runs("p1") == [] or all(
+        not runtime.store.journal.list("p1", r) for r in runtime.store.journal.runs("p1"))
     assert len(await agent.list_checkpoints("p2")) == 5
 
 

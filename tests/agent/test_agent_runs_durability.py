@@ -56,8 +56,8 @@ async def test_path02_prune_before_never_breaks_recovery_of_an_unfinished_run(ru
     with pytest.raises(Crash):  # three passes done and checkpointed, then the process "dies"
         await agent.run("task", session_id="s", emit=crash_at("model_call", 4))
     store = runtime.store
-    run_id = store.get_session("s").run_id
-    assert model.calls == 3 and len(store.list_checkpoints("s")) == 3
+    run_id = store.sessions.get("s").run_id
+    assert model.calls == 3 and len(store.checkpoints.list("s")) == 3
 
     report = store.prune(before=datetime.now(timezone.utc) + timedelta(hours=1), session_id="s")  # all is older
     result = await agent.run("task", session_id="s")  # what every restart does: re-issue the run
@@ -73,14 +73,14 @@ async def test_path02_prune_before_still_deletes_a_finished_run(runtime):
     await agent.run("again", session_id="s")  # continues the conversation: answered from the script's end
     store = runtime.store
     report = store.prune(before=datetime.now(timezone.utc) + timedelta(hours=1), session_id="s")
-    assert store.list_checkpoints("s") == [] and report.checkpoints > 0
+    assert store.checkpoints.list("s") == [] and report.checkpoints > 0
     # Every journal entry goes but the last run's run_end: without it the finished run would read as
     # unfinished, and a restart would run it again.
-    last = store.last_run("s").run_id
-    assert [(r, e.kind) for r in store.journal_runs("s") for e in store.journal_list("s", r)] == [(last, "run_end")]
+    last = store.runs.last("s").run_id
+    assert [(r, e.kind) for r in store.journal.runs("s") for e in store.journal.list("s", r)] == [(last, "run_end")]
     # The records the last run is chosen among stay (so prune never changes which run is last; the newest also
     # anchors the store's run order): here both.
-    assert report.run_records == 0 and [r.n for r in store.list_runs("s")] == [0, 1]
+    assert report.run_records == 0 and [r.n for r in store.runs.list("s")] == [0, 1]
 
 
 # -- path 5: journal fencing -------------------------------------------------------------------
@@ -94,17 +94,17 @@ async def test_path05_fenced_journal_entry_never_replayed(runtime, when):
     with pytest.raises(Crash):  # epoch 1 journals the model answer of turn 2, then "freezes"
         await agent.run("task", session_id="s", emit=crash_at("model_response", 3))
     store = runtime.store
-    run_id = store.get_session("s").run_id
-    late = next(e for e in store.journal_list("s", run_id) if e.step_key == "t0002-model")
+    run_id = store.sessions.get("s").run_id
+    late = next(e for e in store.journal.list("s", run_id) if e.step_key == "t0002-model")
     key = f"sessions/_/s/journal/{run_id}/{late.seq:08d}-{late.step_key}.json"
     store.objects.delete(keys=[key])  # ... so its write lands only later (same inputs, same hash)
     response = json.loads(json.dumps(late.output["response"]))
     response["message"].update(content="ZOMBIE ANSWER", tool_calls=[])
     zombie = late.model_copy(update={"output": {"response": response}, "epoch": 1})
-    assert zombie.epoch < store.current_epoch("s") + 1
+    assert zombie.epoch < store.leases.current_epoch("s") + 1
 
     def zombie_append():
-        store.journal_append(zombie)  # no lease given: the check-then-put race, already lost
+        store.journal.append(zombie)  # no lease given: the check-then-put race, already lost
 
     if when == "during_the_takeover":
         real_put = store.objects.put
@@ -137,7 +137,7 @@ async def test_path05_fenced_journal_entry_never_replayed(runtime, when):
                 await agent.run("task", session_id="s")
         finally:
             del store.objects.put
-        assert store.current_epoch("s") == 2
+        assert store.leases.current_epoch("s") == 2
         zombie_append()  # epoch 3 must fence it on epoch 2's behalf: the lease swap recorded the listing
     else:
         with pytest.raises(Crash):
@@ -151,7 +151,7 @@ async def test_path05_fenced_journal_entry_never_replayed(runtime, when):
     assert all("ZOMBIE" not in (m.content or "") for m in result.messages)
     assert result.output == "report: done"
     assert model.calls == calls_before + PASSES + 1 - 2  # turns 2..4 asked again, 0..1 replayed
-    assert all(e.step_key != "t0002-model" or e.epoch == 3 for e in store.journal_list("s", run_id))
+    assert all(e.step_key != "t0002-model" or e.epoch == 3 for e in store.journal.list("s", run_id))
 
 
 def test_path05_journal_appends_do_not_read_the_lease(tmp_path):
@@ -185,19 +185,19 @@ def test_path05_seal_fences_later_and_racing_entries(store):
     def entry(seq, step, epoch):
         return JournalEntry(session_id="s", run_id="r", seq=seq, step_key=step, kind="model", epoch=epoch)
 
-    assert store.acquire_lease("s", owner="old").epoch == 1
-    store.journal_append(entry(0, "a", 1))
-    seen = store.journal_keys("s", "r")  # the new owner lists before taking the lease ...
-    store.journal_append(entry(1, "b", 1))  # ... the old writer appends during the takeover ...
-    lease = store.acquire_lease("s", owner="new")
+    assert store.leases.acquire("s", owner="old").epoch == 1
+    store.journal.append(entry(0, "a", 1))
+    seen = store.journal.keys("s", "r")  # the new owner lists before taking the lease ...
+    store.journal.append(entry(1, "b", 1))  # ... the old writer appends during the takeover ...
+    lease = store.leases.acquire("s", owner="new")
     assert lease.epoch == 2
-    run = store.journal_seal("s", "r", lease=lease, seen_before=seen)  # ... and the seal names it
+    run = store.journal.seal("s", "r", lease=lease, seen_before=seen)  # ... and the seal names it
     seal = [e for e in run.all if e.kind == "seal"][0]
     assert seal.seq == 2 and seal.output["excluded"] == ["00000001-b"]
-    store.journal_append(entry(2, "c", 1))  # after the seal, same seq: fenced
-    store.journal_append(entry(3, "d", 2))  # the new owner's own entry
-    assert [e.step_key for e in store.journal_list("s", "r") if e.kind != "seal"] == ["a", "d"]
-    assert [e.step_key for e in store.journal_list("s", "r", include_fenced=True)] == ["a", "b", "c", "seal-e2", "d"]
+    store.journal.append(entry(2, "c", 1))  # after the seal, same seq: fenced
+    store.journal.append(entry(3, "d", 2))  # the new owner's own entry
+    assert [e.step_key for e in store.journal.list("s", "r") if e.kind != "seal"] == ["a", "d"]
+    assert [e.step_key for e in store.journal.list("s", "r", include_fenced=True)] == ["a", "b", "c", "seal-e2", "d"]
 
 
 # -- path 7: run requests stay out of the index; SSE ------------------------------------------
@@ -213,12 +213,12 @@ async def test_path07_run_request_secrets_never_reach_the_index(tmp_path):
         if "spec_json" in table.column_names:
             assert table["spec_json"].null_count == table.num_rows
     # The request lives beside the session's own objects, in the run's record ...
-    record = runtime.store.last_run("s")
+    record = runtime.store.runs.last("s")
     assert record.run_id == result.run_id and record.request["context"] == {"api_key": "sk-SECRET-ctx"}
     assert list((tmp_path / "d" / "sessions" / "_" / "s" / "runs").iterdir())
     # ... and prune removes it with the rest of the session.
     runtime.store.prune(session_id="s")
-    assert runtime.store.last_run("s") is None
+    assert runtime.store.runs.last("s") is None
     assert not any(b"SECRET" in p.read_bytes() for p in (tmp_path / "d").rglob("*") if p.is_file())
     runtime.close()
 
@@ -256,14 +256,14 @@ def test_path08_session_rows_that_name_another_partition_are_ignored(tmp_path):
     from storage.rows import session_rows_table
 
     store = open_store(tmp_path / "d")
-    store.put_session(SessionRow("s-b", None, "completed", datetime.now(timezone.utc)))
+    store.sessions.put(SessionRow("s-b", None, "completed", datetime.now(timezone.utc)))
     forged = session_rows_table([SessionRow("s-b", None, "running", datetime.now(timezone.utc) + timedelta(hours=1),
                                             run_id="r", agent_ref="evil:agent", node_id="n1")])
     sink = io.BytesIO()
     pq.write_table(forged, sink)
     store.objects.put(key="index/sessions/user=_/session=s-a/0000000000000000001-forged.parquet", data=sink.getvalue())
-    assert store.get_session("s-b").status == "completed"
-    assert [(r.session_id, r.status) for r in store.list_sessions()] == [("s-b", "completed")]
+    assert store.sessions.get("s-b").status == "completed"
+    assert [(r.session_id, r.status) for r in store.sessions.list()] == [("s-b", "completed")]
     store.close()
 
 
@@ -273,7 +273,7 @@ async def test_path15_resume_none_continues_the_unfinished_run_billing_each_turn
     agent = agent_for(runtime, model)
     with pytest.raises(Crash):  # the model answered turn 2 (journaled) and the process died mid-pass
         await agent.run("task", session_id="s", emit=crash_at("model_response", 3))
-    run_id = runtime.store.get_session("s").run_id
+    run_id = runtime.store.sessions.get("s").run_id
     assert model.calls == 3 and (await agent.get_checkpoint("s")).turn == 2
 
     result = await agent.resume(session_id="s")  # prompt=None
@@ -319,11 +319,11 @@ async def test_path18_last_run_is_the_one_the_store_sequenced_last(runtime, monk
     agent = agent_for(runtime, model)
     with pytest.raises(Crash):
         await agent.run("second task", session_id="s", emit=crash_at("model_call", 3))
-    assert runtime.store.get_session("s").run_id == "run-a-node-with-slow-clock"
+    assert runtime.store.sessions.get("s").run_id == "run-a-node-with-slow-clock"
     result = await agent.run("second task", session_id="s")
     assert result.run_id == "run-a-node-with-slow-clock"
     assert model.calls == PASSES + 1 and tool_calls == each_once()
-    assert [r.run_id for r in runtime.store.list_runs("s")] == ["run-z-node-with-fast-clock",
+    assert [r.run_id for r in runtime.store.runs.list("s")] == ["run-z-node-with-fast-clock",
                                                                 "run-a-node-with-slow-clock"]
 
 
@@ -334,13 +334,13 @@ async def test_path18_sessions_without_run_records_fall_back_to_journal_order(ru
     with pytest.raises(Crash):
         await agent.run("task", session_id="s", emit=crash_at("model_call", 3))
     store = runtime.store
-    run_id = store.get_session("s").run_id
+    run_id = store.sessions.get("s").run_id
     store.objects.delete(keys=[o.key for o in store.objects.list(prefix="sessions/_/s/runs/")])
-    assert store.last_run("s") is None
+    assert store.runs.last("s") is None
     result = await agent.run("task", session_id="s")
     assert result.run_id == run_id and model.calls == PASSES + 1 and tool_calls == each_once()
     # It is sequenced from now on.
-    assert [r.run_id for r in store.list_runs("s")] == [run_id]
+    assert [r.run_id for r in store.runs.list("s")] == [run_id]
 
 
 async def test_old_session_rows_with_the_request_still_load(tmp_path):
@@ -350,8 +350,8 @@ async def test_old_session_rows_with_the_request_still_load(tmp_path):
     store = open_store(tmp_path / "d")
     old = SessionRow("s", None, "running", datetime.now(timezone.utc), run_id="r1", agent_ref="m:a",
                      spec_json='{"kind": "run", "prompt": "x", "session_id": "s"}', epoch=1, node_id="n1")
-    store.put_session(old)
-    row = store.get_session("s")
+    store.sessions.put(old)
+    row = store.sessions.get("s")
     assert row.spec_json == old.spec_json and row.status == "running"
     assert pa.__version__  # pyarrow reads the same files (hive partitions) as before
     store.close()
@@ -369,31 +369,31 @@ def test_review_r1_seal_fences_a_late_entry_below_the_listed_max(store, how):
     def entry(seq, step, kind="tool", epoch=1):
         return JournalEntry(session_id="s", run_id="r", seq=seq, step_key=step, kind=kind, epoch=epoch)
 
-    old = store.acquire_lease("s", owner="old")
-    store.run_create("s", run_id="r", epoch=old.epoch)
+    old = store.leases.acquire("s", owner="old")
+    store.runs.create("s", run_id="r", epoch=old.epoch)
     for e in (entry(0, "run-start", "run_start"), entry(1, "t0001-model", "model"), entry(3, "t0001-tool-b")):
-        store.journal_append(e)
+        store.journal.append(e)
     if how == "sealed_above_the_listing":  # what execute_request does: list in the swap, seal right after
-        fence = FenceNote(lambda: store.journal_listing("s", run_id="r"))
-        new = store.acquire_lease("s", owner="new", note=fence)
+        fence = FenceNote(lambda: store.journal.listing("s", run_id="r"))
+        new = store.leases.acquire("s", owner="new", note=fence)
         for run_id, keys in fence.listing.runs.items():
-            store.journal_seal_listed("s", run_id, lease=new, listed=keys)
+            store.journal.seal_listed("s", run_id, lease=new, listed=keys)
     elif how == "fence_completed_from_the_lease_note":  # the new owner dies before its seal ...
-        store.acquire_lease("s", owner="dies", note=FenceNote(lambda: store.journal_listing("s", run_id="r")))
+        store.leases.acquire("s", owner="dies", note=FenceNote(lambda: store.journal.listing("s", run_id="r")))
     else:
-        seen = store.journal_keys("s", "r")
-        new = store.acquire_lease("s", owner="new")
-        store.journal_seal("s", "r", lease=new, seen_before=seen)
-    store.journal_append(entry(2, "t0001-tool-a"))  # the fenced writer's in-flight PUT lands now
+        seen = store.journal.keys("s", "r")
+        new = store.leases.acquire("s", owner="new")
+        store.journal.seal("s", "r", lease=new, seen_before=seen)
+    store.journal.append(entry(2, "t0001-tool-a"))  # the fenced writer's in-flight PUT lands now
     if how == "fence_completed_from_the_lease_note":  # ... and the next one writes its seal for it
-        fence = FenceNote(lambda: store.journal_listing("s", run_id="r"))
-        newer = store.acquire_lease("s", owner="newer", note=fence)
-        store.journal_complete_fences("s", chain=fence.chain, listed=dict(fence.listing.runs))
+        fence = FenceNote(lambda: store.journal.listing("s", run_id="r"))
+        newer = store.leases.acquire("s", owner="newer", note=fence)
+        store.journal.complete_fences("s", chain=fence.chain, listed=dict(fence.listing.runs))
         for run_id, keys in fence.listing.runs.items():
-            store.journal_seal_listed("s", run_id, lease=newer, listed=keys)
-    used = [(e.seq, e.step_key) for e in store.journal_list("s", "r") if e.kind != "seal"]
+            store.journal.seal_listed("s", run_id, lease=newer, listed=keys)
+    used = [(e.seq, e.step_key) for e in store.journal.list("s", "r") if e.kind != "seal"]
     assert used == [(0, "run-start"), (1, "t0001-model"), (3, "t0001-tool-b")]
-    seal = next(e for e in store.journal_list("s", "r", include_fenced=True) if e.kind == "seal" and e.epoch == 2)
+    seal = next(e for e in store.journal.list("s", "r", include_fenced=True) if e.kind == "seal" and e.epoch == 2)
     assert seal.seq == 4 and seal.output["missing"] == [[2, 2]]
 
 
@@ -424,10 +424,10 @@ async def test_review_r1_concurrent_tool_appends_a_late_one_is_never_replayed(tm
         out = real_put(key=key, data=data, **kw)
         if "/journal/" in key and name.startswith("00000003-"):  # the second landed: take over (as a new
             run_id = key.split("/")[-2]  # incarnation's execute_request does: list in the swap, then seal)
-            fence = FenceNote(lambda: store.journal_listing("s", run_id=run_id))
-            lease = store.acquire_lease("s", owner="taker", note=fence)
+            fence = FenceNote(lambda: store.journal.listing("s", run_id=run_id))
+            lease = store.leases.acquire("s", owner="taker", note=fence)
             for rid, keys in fence.listing.runs.items():
-                store.journal_seal_listed("s", rid, lease=lease, listed=keys)
+                store.journal.seal_listed("s", rid, lease=lease, listed=keys)
             sealed.set()
         return out
 
@@ -438,10 +438,10 @@ async def test_review_r1_concurrent_tool_appends_a_late_one_is_never_replayed(tm
     finally:
         del store.objects.put
     assert late and tool_calls == {"a": 1, "b": 1}
-    run_id = store.get_session("s").run_id
-    zombie = next(e for e in store.journal_list("s", run_id, include_fenced=True) if e.seq == 2)
+    run_id = store.sessions.get("s").run_id
+    zombie = next(e for e in store.journal.list("s", run_id, include_fenced=True) if e.seq == 2)
     rerun = zombie.output["message"]["content"].removeprefix("value of ")
-    assert zombie.epoch == 1 and zombie.step_key not in {e.step_key for e in store.journal_list("s", run_id)}
+    assert zombie.epoch == 1 and zombie.step_key not in {e.step_key for e in store.journal.list("s", run_id)}
 
     result = await agent.run("task", session_id="s")  # epoch 3 continues the run
     assert result.run_id == run_id and result.output == "done"
@@ -469,12 +469,12 @@ async def test_review_r2_a_fenced_zombie_stops_within_its_lease_check_bound(tmp_
 
     def take_over(event):
         if event.type == "tool_result" and not taken:  # pass 0's tool ran and was journaled: a takeover now
-            taken.append(runtime.store.acquire_lease("s", owner="taker"))
+            taken.append(runtime.store.leases.acquire("s", owner="taker"))
 
     with pytest.raises(LeaseLostError):
         await agent.run("task", session_id="s", emit=take_over)
     assert taken and model.calls == calls  # then its count of writes reached the bound
-    assert runtime.store.get_session("s").status == "running"  # never reported as anything else
+    assert runtime.store.sessions.get("s").status == "running"  # never reported as anything else
     runtime.close()
 
 
@@ -531,29 +531,29 @@ def test_a_fence_a_dead_taker_recorded_survives_a_deleted_lease_json(store, leas
     def entry(seq, step, kind="model", epoch=1):
         return JournalEntry(session_id="s", run_id="r", seq=seq, step_key=step, kind=kind, epoch=epoch)
 
-    store.acquire_lease("s", owner="zombie")
+    store.leases.acquire("s", owner="zombie")
 
     def listing_then_the_zombie_records_its_run():
-        listing = store.journal_listing("s")
-        store.run_create("s", run_id="r", epoch=1)  # after the listing, before the swap
+        listing = store.journal.listing("s")
+        store.runs.create("s", run_id="r", epoch=1)  # after the listing, before the swap
         return listing
 
-    store.acquire_lease("s", owner="dies before sealing", note=FenceNote(listing_then_the_zombie_records_its_run))
+    store.leases.acquire("s", owner="dies before sealing", note=FenceNote(listing_then_the_zombie_records_its_run))
     for e in (entry(0, "run-start", "run_start"), entry(1, "t0000-model"), entry(2, "t0001-model")):
-        store.journal_append(e)  # after epoch 2 was taken
+        store.journal.append(e)  # after epoch 2 was taken
     if lease_json == "deleted":
         store.objects.delete(keys=["sessions/_/s/lease.json"])
     elif lease_json == "corrupt":
         store.objects.put(key="sessions/_/s/lease.json", data=b"{not json")
-    fence = FenceNote(lambda: store.journal_listing("s", run_id="r"))
+    fence = FenceNote(lambda: store.journal.listing("s", run_id="r"))
     if lease_json == "corrupt":
-        newer = store.repair_lease("s", owner="next")
+        newer = store.leases.repair("s", owner="next")
         fence.chain = []  # a repair takes no note; the next acquire completes the fences
-        newer = store.acquire_lease("s", owner="next", note=fence)
+        newer = store.leases.acquire("s", owner="next", note=fence)
     else:
-        newer = store.acquire_lease("s", owner="next", note=fence)
+        newer = store.leases.acquire("s", owner="next", note=fence)
     assert any(item["epoch"] == 2 for item in fence.chain), fence.chain
-    store.journal_complete_fences("s", chain=fence.chain, listed=dict(fence.listing.runs))
+    store.journal.complete_fences("s", chain=fence.chain, listed=dict(fence.listing.runs))
     for run_id, keys in fence.listing.runs.items():
-        store.journal_seal_listed("s", run_id, lease=newer, listed=keys)
-    assert [e for e in store.journal_list("s", "r") if e.kind != "seal"] == []  # nothing the zombie wrote
+        store.journal.seal_listed("s", run_id, lease=newer, listed=keys)
+    assert [e for e in store.journal.list("s", "r") if e.kind != "seal"] == []  # nothing the zombie wrote

@@ -18,7 +18,7 @@ def _run(runtime, sid="s"):
 def test_inproc_runtimes_do_not_share_state():
     a, b = InProcRuntime(), InProcRuntime()
     _run(a)
-    assert len(a.store.list_checkpoints("s")) == 1 and b.store.list_checkpoints("s") == []
+    assert len(a.store.checkpoints.list("s")) == 1 and b.store.checkpoints.list("s") == []
     assert a.store.url.startswith("memory://")
 
 
@@ -26,7 +26,7 @@ def test_local_runtime_accepts_path_file_url_or_store(tmp_path):
     by_path = LocalRuntime(tmp_path / "d")
     _run(by_path)
     by_url = LocalRuntime(f"file://{tmp_path / 'd'}")
-    assert len(by_url.store.list_checkpoints("s")) == 1  # same directory, same state
+    assert len(by_url.store.checkpoints.list("s")) == 1  # same directory, same state
     assert LocalRuntime(by_path.store).store is by_path.store
     with pytest.raises(TypeError):
         LocalRuntime(by_path.store, endpoint_url="http://127.0.0.1:1")

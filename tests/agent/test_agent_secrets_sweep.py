@@ -193,10 +193,10 @@ def test_the_index_table_and_marks_hold_no_marker(swept):
 
 def test_failed_runs_leave_only_their_type_in_the_index(swept):
     root, runtime, *_ = swept
-    row = runtime.store.get_session("s-validation_error", user_id=USER)
+    row = runtime.store.sessions.get("s-validation_error", user_id=USER)
     assert row.status == "failed"
     assert row.error.startswith("OutputValidationError: ") and len(row.error) <= 160
-    assert runtime.store.get_session("s-model_error", user_id=USER).error.startswith("ModelError: ")
+    assert runtime.store.sessions.get("s-model_error", user_id=USER).error.startswith("ModelError: ")
     # The full text stays under the session's prefix, and its owner's `loomray logs` prints it.
     logs = _cli(root, "logs", "s-validation_error", "--user", USER)
     assert marker("validation_error") in logs

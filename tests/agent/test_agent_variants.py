@@ -118,7 +118,7 @@ async def test_edits_apply_at_the_fork_point_and_leave_the_base_untouched(source
 
 async def test_bad_variants_fail_typed_before_anything_runs(source):
     agent, first = source
-    sessions = {r.session_id for r in agent.runtime.store.list_sessions()}
+    sessions = {r.session_id for r in agent.runtime.store.sessions.list()}
     fork = agent.fork
     with pytest.raises(TypeError, match="exactly one"):
         await fork("src", from_checkpoint="latest", prompts=["a"], variants=[Variant()])
@@ -139,7 +139,7 @@ async def test_bad_variants_fail_typed_before_anything_runs(source):
     with pytest.raises(ValueError):  # VariantError is a user error, a ValueError
         await fork("src", from_checkpoint="latest", variants=[Variant(edits=[Edit.drop(9)])])
     # Nothing started: no fork session exists.
-    assert {r.session_id for r in agent.runtime.store.list_sessions()} == sessions
+    assert {r.session_id for r in agent.runtime.store.sessions.list()} == sessions
     with pytest.raises(TypeError):
         Edit.replace(0, "not a message")
     with pytest.raises(TypeError):
@@ -179,7 +179,7 @@ async def test_a_fork_continued_from_the_store_runs_the_same_variant(tmp_path):
     variant = Variant(instructions="Ask twice.", tools=["transfer"], tuning=Tuning(checkpoint=True, max_turns=7))
     [waiting] = await make().fork("src", from_checkpoint=first.checkpoint_id, variants=[variant])
     assert waiting.stop_reason == "awaiting_approval"
-    [record] = make().runtime.store.list_runs(waiting.session_id)
+    [record] = make().runtime.store.runs.list(waiting.session_id)
     assert record.request["variant"] == variant.to_json()  # stored with the fork, as JSON
 
     done = await make().resume(None, session_id=waiting.session_id,
@@ -211,7 +211,7 @@ async def test_prompts_still_fork_as_before():
     first = await agent.run("start", session_id="src")
     forks = await agent.fork("src", from_checkpoint=first.checkpoint_id, prompts=["a", "b"])
     assert [f.messages[-2].content for f in forks] == ["a", "b"]
-    assert all(r.request.get("variant") is None for f in forks for r in agent.runtime.store.list_runs(f.session_id))
+    assert all(r.request.get("variant") is None for f in forks for r in agent.runtime.store.runs.list(f.session_id))
 
 
 async def test_tree_and_show_say_what_each_variant_changed(tmp_path):
@@ -288,7 +288,7 @@ async def test_the_fork_command_takes_variants_as_json(tmp_path):
     assert second.messages[1].content == "Context: costs." and second.messages[base.message_count + 1].content \
         == "Mind the costs."
     # Mistakes are one line each, exit 2, and start nothing.
-    before = {r.session_id for r in agent.runtime.store.list_sessions()}
+    before = {r.session_id for r in agent.runtime.store.sessions.list()}
     for args, said in [(["--variant", '{"colour": 1}'], "unknown field"),
                        (["--variant", "{not json"], "not JSON"),
                        (["--variant", "@/nonexistent/v.json"], "cannot read variant file"),
@@ -297,7 +297,7 @@ async def test_the_fork_command_takes_variants_as_json(tmp_path):
                        (["--variant", '{"edits": [{"op": "drop", "index": 99}]}'], "outside a transcript")]:
         out = cli(*args, code=2)
         assert said in out.stderr and "Traceback" not in out.stderr, out.stderr
-    assert {r.session_id for r in agent.runtime.store.list_sessions()} == before
+    assert {r.session_id for r in agent.runtime.store.sessions.list()} == before
 
 
 def copy_with_runtime(agent: Agent, runtime) -> Agent:

@@ -59,8 +59,8 @@ async def test_path05_delete_through_the_store_the_run_wrote_with(runtime):
     await agent.run("task", session_id="s5")
     metas = await agent.list_checkpoints("s5")
     assert len(metas) == 5
-    assert runtime.store.delete_checkpoint("s5", metas[0].checkpoint_id)
-    assert runtime.store.delete_checkpoint("s5", metas[2].checkpoint_id)
+    assert runtime.store.checkpoints.delete("s5", metas[0].checkpoint_id)
+    assert runtime.store.checkpoints.delete("s5", metas[2].checkpoint_id)
     left = [m.checkpoint_id for m in await agent.list_checkpoints("s5")]
     assert left == [metas[1].checkpoint_id, metas[3].checkpoint_id, metas[4].checkpoint_id]
     for cid in left:

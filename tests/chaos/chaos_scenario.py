@@ -277,7 +277,7 @@ async def _kill_process(run: Run, sid: str, wait_s: float = 25.0) -> None:
 
 
 def _row_status(store: Any, sid: str) -> str | None:
-    row = store.get_session(sid)
+    row = store.sessions.get(sid)
     return None if row is None else row.status
 
 
@@ -358,7 +358,7 @@ async def verdict(run: Run, rows: dict[str, str | None], bound_s: float) -> list
         if status not in RESTING:
             out.append(f"{sid}: still {status!r} {bound_s:.0f} s after the faults")
         elif status not in _allowed(kind, touched):
-            row = run.runtime.store.get_session(sid)
+            row = run.runtime.store.sessions.get(sid)
             out.append(f"{sid}: ended {status!r} ({row.error if row else ''}); a {kind} session after "
                        f"{sorted(touched) or 'no fault'} may end {sorted(_allowed(kind, touched))}")
         task = run.tasks[sid]

@@ -73,7 +73,7 @@ def store(tmp_path_factory):
     agent.run_sync("Durable agents", session_id="s-one")
     agent.run_sync("Parquet indexes", session_id="s-two")
     agent.run_sync("Leases", session_id="s-one", user_id="alice")
-    base = next(r for r in agent.runtime.store.list_checkpoints("s-one", limit=50) if r.turn == 5)
+    base = next(r for r in agent.runtime.store.checkpoints.list("s-one", limit=50) if r.turn == 5)
     agent.fork_sync("s-one", from_checkpoint=base.checkpoint_id, prompts=["Costs?", "Risks?"])
     agent.runtime.close()
     return root

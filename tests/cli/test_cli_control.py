@@ -147,7 +147,7 @@ async def test_cancel_from_the_cli_stops_a_running_session(store_dir, tmp_path):
     result = task.result()
     assert result.stop_reason == "cancelled" and count_calls(calls) == [0] and effects == []
     store = agent.runtime.store
-    assert store.get_session("c6").status == "cancelled"
+    assert store.sessions.get("c6").status == "cancelled"
     assert store.objects.get(key=layout.control_key("c6", None, "cancel")) is not None
     assert (await agent.run("go", session_id="c6")).stop_reason == "cancelled" and count_calls(calls) == [0]
     gate.release.set()

@@ -39,15 +39,15 @@ def test_demo_fast_kills_a_node_recovers_forks_and_queries(tmp_path):
     from storage import open_store
 
     st = open_store(store)
-    sessions = st.list_sessions()
+    sessions = st.sessions.list()
     main = [s for s in sessions if s.epoch == 2 and s.agent_ref == RESEARCH_AGENT_REF]
     assert len(main) == 1 and main[0].status == "completed"  # the killed session, continued by a 2nd incarnation
     sid = main[0].session_id
-    assert st.list_checkpoints(sid, limit=1)[0].turn == 10  # 9 passes + report, --fast
+    assert st.checkpoints.list(sid, limit=1)[0].turn == 10  # 9 passes + report, --fast
     # Step 5, the steering round: the signal reached the model once; the approved call ran once.
     assert "awaiting_approval" in text and "published once" in text
     others = [s for s in sessions if s.session_id != sid]
-    [publisher] = [s for s in others if st.list_checkpoints(s.session_id, limit=1)[0].forked_from is None]
+    [publisher] = [s for s in others if st.checkpoints.list(s.session_id, limit=1)[0].forked_from is None]
     assert publisher.status == "completed" and publisher.epoch == 2  # stopped to wait, then a new incarnation
     messages = load_checkpoint(st, publisher.session_id).messages
     assert [m.content for m in messages if m.role == "user"].count(SIGNAL) == 1
@@ -55,4 +55,4 @@ def test_demo_fast_kills_a_node_recovers_forks_and_queries(tmp_path):
         "published as 'Durable agents on Ray'"]
     forks = [s for s in others if s.session_id != publisher.session_id]
     assert len(forks) == 3 and {s.status for s in forks} == {"completed"}
-    assert {st.list_checkpoints(s.session_id, limit=1)[0].forked_from for s in forks} == {sid}
+    assert {st.checkpoints.list(s.session_id, limit=1)[0].forked_from for s in forks} == {sid}

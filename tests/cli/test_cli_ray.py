@@ -79,14 +79,14 @@ def test_submit_returns_at_once_and_the_run_goes_on_without_it(cluster):
     exited_at = datetime.now(timezone.utc)
     assert info["session_id"] == "s-sub" and info["agent_ref"] == REF
     store = store_of(cluster)
-    wait_for(lambda: (store.get_session("s-sub") or None) and store.get_session("s-sub").status == "completed",
+    wait_for(lambda: (store.sessions.get("s-sub") or None) and store.sessions.get("s-sub").status == "completed",
              timeout=90, interval=0.2, what="the submitted run to complete")
-    rows = store.list_checkpoints("s-sub", limit=50)
+    rows = store.checkpoints.list("s-sub", limit=50)
     assert rows[0].turn == TURNS and rows[0].execution_status == "completed"
     # The run (9 model calls x 0.8 s) finished after the submitting process had exited: nobody waited for it.
     assert rows[0].created_at > exited_at, (rows[0].created_at, exited_at)
     assert any(r.created_at > exited_at for r in rows[1:])  # and it was still mid-run then
-    row = store.get_session("s-sub")
+    row = store.sessions.get("s-sub")
     assert row.agent_ref == REF and row.node_id  # run by a Ray actor, restartable by reference
 
 
@@ -129,7 +129,7 @@ def test_status_from_the_supervisor_and_from_the_index(cluster):
 
 def test_fork_on_the_cluster_shows_progress(cluster):
     store = store_of(cluster)
-    base = next(r for r in store.list_checkpoints("s-sub", limit=50) if r.turn == 3)
+    base = next(r for r in store.checkpoints.list("s-sub", limit=50) if r.turn == 3)
     out = cli(cluster, "fork", "s-sub", "--from", base.checkpoint_id, "--prompt", "Costs?", "--prompt", "Risks?",
               "--json")
     forks = ok_json(out)
@@ -137,20 +137,20 @@ def test_fork_on_the_cluster_shows_progress(cluster):
     assert [f["prompt"] for f in forks] == ["Costs?", "Risks?"]
     for f in forks:
         assert f["model_calls"] == TURNS - 3  # only what comes after the fork point
-        row = store.get_session(f["session_id"])
+        row = store.sessions.get(f["session_id"])
         assert row.node_id and row.agent_ref == REF  # ran in a Ray actor, by the stored reference
-        assert store.list_checkpoints(f["session_id"], limit=1)[0].forked_from == "s-sub"
+        assert store.checkpoints.list(f["session_id"], limit=1)[0].forked_from == "s-sub"
 
 
 def test_dense_placement_from_the_cli_and_status_shows_the_host(cluster):
     store = store_of(cluster)
-    base = next(r for r in store.list_checkpoints("s-sub", limit=50) if r.turn == 6)
+    base = next(r for r in store.checkpoints.list("s-sub", limit=50) if r.turn == 6)
     forks = ok_json(cli(cluster, "fork", "s-sub", "--from", base.checkpoint_id, "--prompt", "Dense?",
                         "--placement", "dense", "--json"))
     sid = forks[0]["session_id"]
     live = {s["session_id"]: s for s in ok_json(cli(cluster, "status", "--json"))["sessions"]}
     assert live[sid]["placement"] == "dense" and live[sid]["host"].startswith("loomray/host/")
-    assert live[sid]["node_id"] == store.get_session(sid).node_id
+    assert live[sid]["node_id"] == store.sessions.get(sid).node_id
     assert live["s-sub"]["placement"] == "actor"
     assert live["s-sub"]["host"] == session_actor_name(normalize_store_url(str(cluster[1])), "s-sub")
     table = cli(cluster, "status")
@@ -161,7 +161,7 @@ def test_resume_on_the_cluster_continues_in_place(cluster):
     res = ok_json(cli(cluster, "resume", "s-sub", "Add a section on costs.", "--json"))
     assert res["session_id"] == "s-sub" and res["resumed_from_checkpoint"] is True
     assert res["turns"] == TURNS + 4 and res["model_calls"] == 4
-    row = store_of(cluster).get_session("s-sub")
+    row = store_of(cluster).sessions.get("s-sub")
     assert row.status == "completed" and row.node_id
 
 
@@ -231,7 +231,7 @@ def test_two_stores_get_two_supervisors_and_stored_resources_survive_node_loss_a
 
     def placed(name: str, epoch: int) -> str | None:
         """The node of the session's incarnation ``epoch`` once it holds in its first step, else None."""
-        row = opened[name].get_session(f"s-{name}")
+        row = opened[name].sessions.get(f"s-{name}")
         holding = list((agents / name).glob("holding-*"))
         return row.node_id if row is not None and row.epoch == epoch and len(holding) == epoch else None
 
@@ -262,7 +262,7 @@ def test_two_stores_get_two_supervisors_and_stored_resources_survive_node_loss_a
         for name in stores:
             (agents / name / "hold").unlink()
         for name in stores:
-            wait_for(lambda n=name: opened[n].get_session(f"s-{n}").status == "completed", timeout=90,
+            wait_for(lambda n=name: opened[n].sessions.get(f"s-{n}").status == "completed", timeout=90,
                      what=f"{name} to complete")
             calls = [int(x) for x in (agents / name / "model-calls").read_text().split()]
             assert sorted(calls) == list(range(9))  # every model reply served once across all incarnations

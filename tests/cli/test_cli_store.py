@@ -335,7 +335,7 @@ def test_s3_refused_credentials_surface_at_once_unretried(s3_server, status, cod
     store.objects.client.meta.events.register("before-send.s3", refuse)
     try:
         with pytest.raises(S3CredentialsError) as info:
-            store.list_checkpoints("s-one")
+            store.checkpoints.list("s-one")
         assert len(sent) == 1  # not retried: botocore sent it once, and nothing above tried again
         text = str(info.value)
         assert f"LIST refused ({code})" in text and words in text and "retries" not in text

@@ -68,7 +68,7 @@ def world(tmp_path_factory):
     agent.runtime = runtime
 
     def at_turn(session_id: str, turn: int):
-        return next(r for r in runtime.store.list_checkpoints(session_id, limit=50) if r.turn == turn)
+        return next(r for r in runtime.store.checkpoints.list(session_id, limit=50) if r.turn == turn)
 
     agent.run_sync("Durable agents", session_id="t-root")
     base = at_turn("t-root", 5)

@@ -88,18 +88,18 @@ def reader(world: World, name: str, rounds: int = 2):
             obs = ReaderObs(name, start=world.faulty.call_count)
             store = world.new_store()
             try:
-                rows = store.list_checkpoints(sid, user_id=uid, limit=None)
+                rows = store.checkpoints.list(sid, user_id=uid, limit=None)
                 obs.listed = [r.checkpoint_id for r in rows]
                 obs.head_id = rows[0].checkpoint_id if rows else None
                 ckpt = load_checkpoint(store, sid, "latest", user_id=uid)  # read back whole: the chain too
                 if ckpt is not None:
                     obs.latest_id, obs.latest_epoch = ckpt.checkpoint_id, ckpt.epoch
                 if rows:
-                    obs.explicit_ok = store.get_checkpoint(sid, rows[0].checkpoint_id, user_id=uid) is not None
+                    obs.explicit_ok = store.checkpoints.get(sid, rows[0].checkpoint_id, user_id=uid) is not None
                 # Planning a resume also reads the journal of the last run.
-                runs = store.journal_runs(sid, user_id=uid)
+                runs = store.journal.runs(sid, user_id=uid)
                 if runs:
-                    store.journal_list(sid, runs[-1], user_id=uid)
+                    store.journal.list(sid, runs[-1], user_id=uid)
             except TransientStorageError as e:
                 obs.transient, obs.error = True, str(e)
             except ActorCrashed:

@@ -68,7 +68,7 @@ def _chains(world, h: History, final) -> list[Violation]:
     compaction never deleted an object a kept checkpoint needs)."""
     out: list[Violation] = []
     spec = world.spec
-    for row in final.list_checkpoints(spec.session_id, user_id=spec.user_id, limit=None):
+    for row in final.checkpoints.list(spec.session_id, user_id=spec.user_id, limit=None):
         try:
             load_checkpoint(final, spec.session_id, row.checkpoint_id, user_id=spec.user_id)
         except CheckpointException as e:
@@ -109,9 +109,9 @@ def _acked(world, h: History, final) -> list[Violation]:
     if not holders:
         return out
     pruners = _removers(world)
-    rows = final.list_checkpoints(spec.session_id, user_id=spec.user_id, limit=None)
+    rows = final.checkpoints.list(spec.session_id, user_id=spec.user_id, limit=None)
     listed = {r.checkpoint_id for r in rows}
-    latest_raw = final.get_checkpoint(spec.session_id, "latest", user_id=spec.user_id)
+    latest_raw = final.checkpoints.get(spec.session_id, "latest", user_id=spec.user_id)
     latest_order = None
     if latest_raw is not None:
         latest_id, latest_epoch = _identity(latest_raw)
@@ -221,7 +221,7 @@ def _latest(world, h: History, final) -> list[Violation]:
                                         f"by call {a.end}) to {b.latest_id} (epoch {rb.epoch}, read by {b.actor} "
                                         f"from call {b.start})")
     spec = world.spec
-    raw = final.get_checkpoint(spec.session_id, "latest", user_id=spec.user_id)
+    raw = final.checkpoints.get(spec.session_id, "latest", user_id=spec.user_id)
     if raw is not None:
         cid = _identity(raw)[0]
         row = h.rows.get(cid)

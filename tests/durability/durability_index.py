@@ -67,7 +67,7 @@ def _live(rows: list[dict]) -> set[str]:
 def _needed_objects(world, final) -> set[str]:
     """Checkpoint ids (of the scenario's session) a live row's chain names: their objects stay, rows or not."""
     spec = world.spec
-    rows = final.list_checkpoints(spec.session_id, user_id=spec.user_id, limit=None)
+    rows = final.checkpoints.list(spec.session_id, user_id=spec.user_id, limit=None)
     return {cid for r in rows for sid, cid in chains.expand(r.chain, spec.session_id) if sid == spec.session_id}
 
 

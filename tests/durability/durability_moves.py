@@ -56,7 +56,7 @@ def forker(world: World, name: str, pick: str = "oldest", crash: bool = True):
         rec: dict[str, Any] = {"actor": name, "crash": crash, "cid": None, "outcome": None, "resumed": None}
         world.forks.append(rec)
         try:
-            rows = store.list_checkpoints(spec.session_id, user_id=spec.user_id, limit=None)
+            rows = store.checkpoints.list(spec.session_id, user_id=spec.user_id, limit=None)
             if not rows:
                 rec["outcome"] = "nothing to fork"
                 return
@@ -113,7 +113,7 @@ def deleter(world: World, name: str, pick: str = "newest", own: str | None = "ho
         if not incs:
             world.stores.append(store)
         try:
-            rows = store.list_checkpoints(spec.session_id, user_id=spec.user_id, limit=None)
+            rows = store.checkpoints.list(spec.session_id, user_id=spec.user_id, limit=None)
         except StorageError as e:
             world.deletes.append((name, "", f"list failed: {e}"))
             return
@@ -124,7 +124,7 @@ def deleter(world: World, name: str, pick: str = "newest", own: str | None = "ho
         cid = forked[0] if pick == "forked" and forked else cid
         world.deletes.append((name, cid, "started"))
         try:
-            outcome = f"ok {store.delete_checkpoint(spec.session_id, cid, user_id=spec.user_id)}"
+            outcome = f"ok {store.checkpoints.delete(spec.session_id, cid, user_id=spec.user_id)}"
         except StorageError as e:
             outcome = f"{type(e).__name__}: {e}"
         except Exception as e:

@@ -107,9 +107,9 @@ def collect_views(world: Any, store: Any, out: list[Violation]) -> dict[str, Any
     """Every reader's view of the session's live checkpoints (ids), plus "latest" and the loaded checkpoints."""
     spec = world.spec
     sid, uid = spec.session_id, spec.user_id
-    listed = [r.checkpoint_id for r in store.list_checkpoints(sid, user_id=uid, limit=None)]
+    listed = [r.checkpoint_id for r in store.checkpoints.list(sid, user_id=uid, limit=None)]
     views: dict[str, Any] = {"list": set(listed), "order": listed}
-    raw = store.get_checkpoint(sid, "latest", user_id=uid)
+    raw = store.checkpoints.get(sid, "latest", user_id=uid)
     views["latest"] = load_checkpoint(store, sid, "latest", user_id=uid).checkpoint_id if raw is not None else None
     loaded, unequal = {}, []
     for cid in listed:
@@ -140,7 +140,7 @@ def probe_unlisted(world: Any, store: Any, h: History, listed: set[str]) -> dict
     found = {}
     for cid in sorted(set(h.rows) - listed):
         try:
-            raw = store.get_checkpoint(spec.session_id, cid, user_id=spec.user_id)
+            raw = store.checkpoints.get(spec.session_id, cid, user_id=spec.user_id)
         except (CheckpointException, StorageError) as e:
             raw, found[cid] = None, f"raises {type(e).__name__}"
         if raw is not None:

@@ -44,7 +44,7 @@ def main(data_dir: str, exploration_id: str, out: str, kill: bool, kill_judge: b
         if kill and len(longs) == 2 and after == 2:  # round 2's long branch, about to make its second call
             siblings = [f"{exploration_id}-r2-000", f"{exploration_id}-r2-001"]
             deadline = time.monotonic() + 60
-            while not all((rows := store.list_checkpoints(s, limit=1)) and rows[0].execution_status == "completed"
+            while not all((rows := store.checkpoints.list(s, limit=1)) and rows[0].execution_status == "completed"
                           for s in siblings):
                 if time.monotonic() > deadline:
                     raise TimeoutError("the siblings never finished")
@@ -62,7 +62,7 @@ def main(data_dir: str, exploration_id: str, out: str, kill: bool, kill_judge: b
 
     judge_model = ScriptedModel([verdict] * 2, counter_path=Path(data_dir) / "judge_calls")
     agent = Agent("You explore.", model=model, tools=[step], runtime=runtime, tuning=Tuning(checkpoint=True))
-    if not store.list_checkpoints("base", limit=1):
+    if not store.checkpoints.list("base", limit=1):
         agent.run_sync("task", session_id="base")
     result = agent.explore_sync("base", variants=VARIANTS, judge=ModelJudge(judge_model, "Score by quality."),
                                 rounds=3, keep=1, exploration_id=exploration_id)

@@ -54,7 +54,7 @@ def test_prune_removes_finished_explorations_and_never_a_running_one(tmp_path):
     assert _keys(store, mine + "xpl-running/") == running_keys
     assert _keys(store, "explorations/_/xpl-running") == {"explorations/_/xpl-running.json"}
     # Its branches are sessions of their own, not in this prune's scope.
-    assert store.list_checkpoints(finished.winner, limit=1)
+    assert store.checkpoints.list(finished.winner, limit=1)
 
     # Continued to its end, it is over: a prune before it finished keeps it, one after removes it.
     agent.run_sync("task", session_id="base")  # the pruned session again, to explore from

@@ -41,7 +41,7 @@ def test_a_function_judge_picks_the_winner_and_the_base_adopts_it(base):
     assert adopted.checkpoint_id == result.adopted_checkpoint_id
     assert adopted.messages == winner.messages and adopted.forked_from == result.winner
     assert adopted.cumulative_usage == winner.cumulative_usage
-    assert base.runtime.store.list_checkpoints("base", limit=1)[0].chain, "built on the winner's chain"
+    assert base.runtime.store.checkpoints.list("base", limit=1)[0].chain, "built on the winner's chain"
     more = base.run_sync("task", session_id="base")
     assert more.messages[:len(winner.messages)] == winner.messages
 
@@ -187,5 +187,5 @@ def test_a_branch_runs_its_variants_instructions_and_stores_its_variant(base):
     branch = result.branches[0].session_id
     assert base.get_checkpoint_sync(branch).messages[0].content == "Be brief."
     assert base.get_checkpoint_sync("base").messages[0].content != "Be brief."
-    runs = base.runtime.store.list_runs(branch)
+    runs = base.runtime.store.runs.list(branch)
     assert runs[0].request["variant"]["instructions"] == "Be brief."

@@ -158,24 +158,24 @@ COSTLY = ("active marks", "compact", "resume")
 def reads(store: Store, checkpoint_ids: list[str]) -> list[tuple[str, bool, Callable[[], Any]]]:
     """``(name, scoped to alice's session, call)`` of every read; the ones that write come last."""
     out: list[tuple[str, bool, Callable[[], Any]]] = [
-        ("list checkpoints", True, lambda: store.list_checkpoints(SESSION, user_id=USER, limit=None)),
+        ("list checkpoints", True, lambda: store.checkpoints.list(SESSION, user_id=USER, limit=None)),
         ("load latest", True, lambda: load_checkpoint(store, SESSION, "latest", user_id=USER)),
-        ("get latest bytes", True, lambda: store.get_checkpoint(SESSION, user_id=USER)),
+        ("get latest bytes", True, lambda: store.checkpoints.get(SESSION, user_id=USER)),
     ]
     for cid in checkpoint_ids:
         out.append((f"load {cid}", True, lambda cid=cid: load_checkpoint(store, SESSION, cid, user_id=USER)))
     out += [
-        ("journal replay", True, lambda: [journal_records(store.journal_read(SESSION, run, user_id=USER).entries)
-                                          for run in store.journal_runs(SESSION, user_id=USER)]),
-        ("run records", True, lambda: (store.list_runs(SESSION, user_id=USER), store.last_run(SESSION, user_id=USER))),
+        ("journal replay", True, lambda: [journal_records(store.journal.read(SESSION, run, user_id=USER).entries)
+                                          for run in store.journal.runs(SESSION, user_id=USER)]),
+        ("run records", True, lambda: (store.runs.list(SESSION, user_id=USER), store.runs.last(SESSION, user_id=USER))),
         ("control consume", True, lambda: asyncio.run(SessionControls(store, SESSION, USER).poll())),
         ("control list", True, lambda: list_requests(store, SESSION, USER)),
         ("pins", True, lambda: Pins(store.objects).pinned(SESSION, USER)),
         ("query", True, lambda: store.query(user_id=USER)),
-        ("list_sessions", True, lambda: store.list_sessions(user_id=USER)),
-        ("list_sessions running", False, lambda: store.list_sessions(status="running")),
+        ("list_sessions", True, lambda: store.sessions.list(user_id=USER)),
+        ("list_sessions running", False, lambda: store.sessions.list(status="running")),
         ("active marks", False, lambda: asyncio.run(candidates(store, lambda key: False, foreign=True))),
-        ("lease take", True, lambda: store.acquire_lease(SESSION, user_id=USER, owner="fuzz", timeout=5.0)),
+        ("lease take", True, lambda: store.leases.acquire(SESSION, user_id=USER, owner="fuzz", timeout=5.0)),
         ("compact", False, lambda: store.compact()),
         ("resume", True, lambda: _resume(store)),
     ]

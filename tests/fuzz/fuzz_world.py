@@ -59,7 +59,7 @@ async def _populate(root: Path) -> None:
     for name, kind, fields in (("00000001-sig", "signal", {"text": "hello"}), ("00000002-pause", "pause", {})):
         create_request(store, SESSION, USER, name, request_body(kind, name, SESSION, USER, "api", **fields))
     for user, session in ((USER, SESSION), ("bob", "s-b")):
-        store.put_active(session, user_id=user, data=note("local"))
+        store.active.put(session, user_id=user, data=note("local"))
     runtime.close()
 
 

@@ -17,6 +17,7 @@ import pytest
 from loomray import CheckpointConfig, CheckpointException
 from loomray.checkpoint_format import ChainEncoder, load_checkpoint
 from storage import CheckpointInfo, chains, envelope, layout, open_store
+from storage.testing import land_row
 
 ROOT = Path(__file__).resolve().parents[2]
 SEGMENT = "ckpt" + "0" * 19 + "1"
@@ -126,8 +127,8 @@ def test_a_checkpoint_of_another_session_copied_under_this_one_is_refused():
     body = {"schema_version": "1.0", "session_id": "other", "checkpoint_id": "c1", "turn": 0,
             "created_at": "2026-07-04T00:00:00+00:00", "position": "after_tools", "execution_status": "active",
             "messages": [{"role": "user", "content": "the other session's words"}]}
-    store.put_checkpoint(json.dumps(body).encode(), CheckpointInfo(
+    land_row(store, json.dumps(body).encode(), CheckpointInfo(  # a format 1.0 object, as an older writer stored it
         session_id="s", checkpoint_id="c1", turn=0, position="after_tools", created_at=datetime.now(timezone.utc),
-        execution_status="active", message_count=1))
+        execution_status="active", message_count=1), epoch=0)
     with pytest.raises(CheckpointException, match="holds session 'other'"):
         load_checkpoint(store, "s", "c1")

@@ -44,7 +44,7 @@ def test_json_nested_too_deep_is_a_skip_not_a_recursion_error(objects):
                 _key(objects, f"{SESSION}/control/"), f"active/{USER}/{SESSION}.json"):
         objects[key] = DEEP
     store = _open("memory", 0, objects, None)
-    assert store.list_checkpoints(SESSION, user_id=USER)  # lease.json unreadable: its fences are not applied
+    assert store.checkpoints.list(SESSION, user_id=USER)  # lease.json unreadable: its fences are not applied
     assert load_checkpoint(store, SESSION, user_id=USER) is not None
     assert Pins(store.objects).pinned(SESSION, USER) is None  # an unreadable pin protects everything
     assert len(list_requests(store, SESSION, USER)) == 1  # the other request
@@ -78,9 +78,9 @@ def test_an_index_file_of_another_users_rows_in_this_partition_is_not_read_as_th
     part = _key(objects, "index/table/user=bob/day=")
     objects[part.replace("user=bob/", f"user={USER}/")] = objects[part]
     store = _open("memory", 0, objects, None)
-    assert {r.user_id for r in store.list_checkpoints(SESSION, user_id=USER, limit=None)} == {USER}
+    assert {r.user_id for r in store.checkpoints.list(SESSION, user_id=USER, limit=None)} == {USER}
     assert set(store.query(user_id=USER)["user_id"].to_pylist()) == {USER}
-    assert {r.user_id for r in store.list_sessions(user_id=USER)} == {USER}
+    assert {r.user_id for r in store.sessions.list(user_id=USER)} == {USER}
     assert OTHER_USER_MARK not in repr(load_checkpoint(store, SESSION, user_id=USER))
 
 
@@ -93,7 +93,7 @@ def test_a_checkpoint_row_whose_key_is_another_users_object_is_not_fetched(objec
     fetched = []
     get = store.objects.get
     store.objects.get = lambda *, key: fetched.append(key) or get(key=key)
-    assert OTHER_USER_MARK.encode() not in (store.get_checkpoint(SESSION, user_id=USER) or b"")
+    assert OTHER_USER_MARK.encode() not in (store.checkpoints.get(SESSION, user_id=USER) or b"")
     assert not [k for k in fetched if k.startswith("sessions/bob/")]
 
 
@@ -105,7 +105,7 @@ def test_an_index_file_with_a_column_of_the_wrong_type_is_skipped(objects):
         objects[_key(objects, "index/sessions/user=alice/session=s-c/")], lambda t: t.set_column(
             t.column_names.index("status"), "status", pa.array([[1]] * t.num_rows, pa.list_(pa.int64()))))
     store = _open("memory", 0, objects, None)
-    assert "s-c" not in {r.session_id for r in store.list_sessions(user_id=USER)}  # its only file is skipped
+    assert "s-c" not in {r.session_id for r in store.sessions.list(user_id=USER)}  # its only file is skipped
 
 
 @pytest.mark.parametrize("checkpoints", ["y" * 3 * 2**20, ["ckpt1"] * 100_000])
@@ -125,16 +125,16 @@ def test_session_rows_without_a_time_are_ignored_not_compared(objects):
     objects[key] = _rewrite(objects[key], lambda t: t.set_column(
         t.column_names.index("updated_at"), "updated_at", pa.nulls(t.num_rows, t.schema.field("updated_at").type)))
     store = _open("memory", 0, objects, None)
-    assert {r.session_id for r in store.list_sessions(user_id=USER)} >= {SESSION, "s-c"}  # its later rows
+    assert {r.session_id for r in store.sessions.list(user_id=USER)} >= {SESSION, "s-c"}  # its later rows
     store.compact()
-    assert store.get_session(SESSION, user_id=USER) is not None
+    assert store.sessions.get(SESSION, user_id=USER) is not None
 
 
 @pytest.mark.parametrize("how", ["column dropped", "nulls"])
 def test_an_index_row_without_a_key_still_reads_its_own_checkpoint(objects, how):
     """Seed 934: an index file without ``key`` made a read ask the store for key ``None`` and miss a checkpoint
     whose object is there; the key is its id's object (still checked against the row's size and sha256)."""
-    intact = _open("memory", 0, objects, None).list_checkpoints(SESSION, user_id=USER, limit=None)
+    intact = _open("memory", 0, objects, None).checkpoints.list(SESSION, user_id=USER, limit=None)
     for key in [k for k in objects if k.startswith(f"index/checkpoints/user={USER}/session={SESSION}/")]:
         objects[key] = _rewrite(objects[key], lambda t: t.drop_columns(["key"]) if how == "column dropped" else
                                 t.set_column(t.column_names.index("key"), "key", pa.nulls(t.num_rows, pa.string())))
@@ -142,7 +142,7 @@ def test_an_index_row_without_a_key_still_reads_its_own_checkpoint(objects, how)
     fetched = []
     get = store.objects.get
     store.objects.get = lambda *, key: fetched.append(key) or get(key=key)
-    rows = store.list_checkpoints(SESSION, user_id=USER, limit=None)
+    rows = store.checkpoints.list(SESSION, user_id=USER, limit=None)
     assert rows == intact
     for row in rows:
         assert load_checkpoint(store, SESSION, row.checkpoint_id, user_id=USER) is not None
@@ -155,7 +155,7 @@ def test_index_rows_without_an_epoch_are_dropped_not_compared(objects, caplog):
     objects[first] = _rewrite(objects[first], lambda t: t.set_column(
         t.column_names.index("epoch"), "epoch", pa.nulls(t.num_rows, pa.int64())))
     store = _open("memory", 0, objects, None)
-    rows = store.list_checkpoints(SESSION, user_id=USER, limit=None)
+    rows = store.checkpoints.list(SESSION, user_id=USER, limit=None)
     assert rows and all(r.epoch is not None for r in rows) and "without an epoch" in caplog.text
     assert load_checkpoint(store, SESSION, user_id=USER) is not None
 
@@ -192,7 +192,7 @@ def test_a_fence_with_an_epoch_no_writer_writes_is_ignored(objects, where):
     store = _open("memory", 0, objects, None)
     assert SESSION in set(store.query(user_id=USER)["session_id"].to_pylist())
     store.compact()
-    assert store.list_checkpoints(SESSION, user_id=USER)
+    assert store.checkpoints.list(SESSION, user_id=USER)
 
 
 @pytest.mark.parametrize("kind, column", [("checkpoints", "created_at"), ("checkpoints", "written_at"),
@@ -204,7 +204,7 @@ def test_an_index_file_with_a_time_past_year_9999_is_skipped(objects, kind, colu
     objects[key] = _rewrite(objects[key], lambda t: t.set_column(
         t.column_names.index(column), column, pa.array([2**62] * t.num_rows, t.schema.field(column).type)))
     store = _open("memory", 0, objects, None)
-    store.list_checkpoints(SESSION, user_id=USER, limit=None)
+    store.checkpoints.list(SESSION, user_id=USER, limit=None)
     store.query(user_id=USER).to_pylist()
-    assert {r.session_id for r in store.list_sessions(user_id=USER)} >= {"s-c"}
+    assert {r.session_id for r in store.sessions.list(user_id=USER)} >= {"s-c"}
     store.compact()

@@ -63,9 +63,9 @@ async def test_path08_a_reference_nobody_allowed_is_never_imported(supervisor):
     sup = supervisor()  # the operator allowed nothing, and nothing was submitted here
     store = sup._store
     spec = RunRequest(prompt="go", session_id="s-evil").model_dump_json()
-    store.put_session(_running_row("s-evil", "evil_mod_path08:agent", spec_json=spec))  # as rows were written
+    store.sessions.put(_running_row("s-evil", "evil_mod_path08:agent", spec_json=spec))  # as rows were written
     assert await _adopt(sup) == [] and sup.watched == []
-    refused = store.get_session("s-evil")
+    refused = store.sessions.get("s-evil")
     assert refused.status == "failed" and "evil_mod_path08:agent" in refused.error and "not allowed" in refused.error
     assert "evil_mod_path08" not in sys.modules
     assert await _adopt(sup) == []  # refused once, not again every pass
@@ -76,35 +76,35 @@ async def test_path08_adoption_imports_only_allowed_agent_references(supervisor)
     store = sup._store
     for sid, ref in (("s-ok", "okpkg.agents:agent"), ("s-evil", "evil_mod_path08:agent")):
         spec = RunRequest(prompt="go", session_id=sid).model_dump_json()
-        store.put_session(_running_row(sid, ref, spec_json=spec))
+        store.sessions.put(_running_row(sid, ref, spec_json=spec))
     assert await _adopt(sup) == ["s-ok"]
     assert [w.agent.ref for w in sup.watched] == ["okpkg.agents:agent"]
-    assert store.get_session("s-evil").status == "failed"
+    assert store.sessions.get("s-evil").status == "failed"
 
 
 async def test_path08_request_for_another_session_is_refused(supervisor):
     sup = supervisor()
     store = sup._store
     forged = RunRequest(prompt="transfer everything", session_id="s-other", user_id="bob").model_dump_json()
-    store.put_session(_running_row("s-victim", None, spec_json=forged))
+    store.sessions.put(_running_row("s-victim", None, spec_json=forged))
     assert await _adopt(sup) == [] and sup.watched == []
-    row = store.get_session("s-victim")
+    row = store.sessions.get("s-victim")
     assert row.status == "failed" and "'s-other'" in row.error
-    assert store.get_session("s-other", user_id="bob") is None
+    assert store.sessions.get("s-other", user_id="bob") is None
 
 
 async def test_path08_adoption_reads_the_request_from_the_run_record(supervisor):
     sup = supervisor("okpkg.*:agent")
     store = sup._store
     good = RunRequest(prompt="go", session_id="s-rec", metadata={"token": "t"})
-    store.run_create("s-rec", run_id="r1", request=json.loads(good.model_dump_json()))
-    store.put_session(_running_row("s-rec", "okpkg.agents:agent"))  # no request in the index row
+    store.runs.create("s-rec", run_id="r1", request=json.loads(good.model_dump_json()))
+    store.sessions.put(_running_row("s-rec", "okpkg.agents:agent"))  # no request in the index row
     other = RunRequest(prompt="go", session_id="s-elsewhere")
-    store.run_create("s-bad", run_id="r1", request=json.loads(other.model_dump_json()))
-    store.put_session(_running_row("s-bad", "okpkg.agents:agent"))
+    store.runs.create("s-bad", run_id="r1", request=json.loads(other.model_dump_json()))
+    store.sessions.put(_running_row("s-bad", "okpkg.agents:agent"))
     assert await _adopt(sup) == ["s-rec"]
     assert RunRequest.model_validate_json(sup.watched[0].request_json) == good
-    assert store.get_session("s-bad").status == "failed"
+    assert store.sessions.get("s-bad").status == "failed"
 
 
 async def test_path08_submitted_and_operator_allowed_references(tmp_path):

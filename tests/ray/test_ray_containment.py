@@ -86,7 +86,7 @@ async def test_a_tool_raising_system_exit_fails_its_own_run_only(env, placement)
     assert all(agents.neighbour_calls_ok(i) for i in neighbours)
     statuses = await rt.status()
     assert _status(statuses, f"s-{name}")["status"] == "failed"
-    assert rt.store.get_session(f"s-{name}").status == "failed"
+    assert rt.store.sessions.get(f"s-{name}").status == "failed"
     if neighbours:  # the same host ran them all, and never restarted: the process went on
         hosts = {_status(statuses, sid)["host"] for sid in [f"s-{name}"] + [f"s-nb{i}" for i in neighbours]}
         assert len(hosts) == 1
@@ -148,7 +148,7 @@ async def test_a_session_that_keeps_crashing_its_host_fails_alone(env):
     statuses = await rt.status()
     crasher = _status(statuses, "s-crasher")
     assert crasher["status"] == "failed" and crasher["quarantined"] and crasher["charged_restarts"] == 2
-    assert rt.store.get_session("s-crasher").status == "failed"
+    assert rt.store.sessions.get("s-crasher").status == "failed"
     for i in neighbours:
         assert _status(statuses, f"s-nb{i}")["charged_restarts"] == 0
     rt.close()
@@ -260,7 +260,7 @@ async def test_every_view_agrees_on_how_a_session_ended(env):
     for sid, state in (("s-held", "cancelled"), ("s-approval", "awaiting_approval")):
         assert _status(statuses, sid)["status"] == state
         assert (await rt.session(sid))["status"] == state
-        assert rt.store.get_session(sid).status == state
+        assert rt.store.sessions.get(sid).status == state
     (here / "hold").unlink()
     rt.close()
 
@@ -286,5 +286,5 @@ async def test_fan_out_progress_counts_a_cancelled_fork_as_cancelled(env):
     assert [f.stop_reason for f in forks] == ["cancelled", "completed"]
     last = progress[-1]
     assert (last["completed"], last["cancelled"], last["failed"], last["done"]) == (1, 1, 0, True), last
-    assert (await rt.session(first))["status"] == "cancelled" == rt.store.get_session(first).status
+    assert (await rt.session(first))["status"] == "cancelled" == rt.store.sessions.get(first).status
     rt.close()

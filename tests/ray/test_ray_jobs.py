@@ -118,7 +118,7 @@ def _last_json_object(text: str) -> dict:
 
 
 def _latest_turn(store, session_id):
-    rows = store.list_checkpoints(session_id, limit=1)
+    rows = store.checkpoints.list(session_id, limit=1)
     return rows[0].turn if rows else -1
 
 
@@ -188,10 +188,10 @@ def test_job_run_survives_losing_its_sessions_node(jobs, tmp_path):
     assert report["address"] == lc.address  # no --address given: the entrypoint found the cluster in RAY_ADDRESS
 
     # Restarted once, elsewhere, from the store: a second lease epoch, its checkpoints the newest.
-    row = store.get_session(sid)
+    row = store.sessions.get(sid)
     assert (row.status, row.epoch) == ("completed", 2), row
     assert row.node_id != victim.node_id
-    rows = store.list_checkpoints(sid, limit=None)
+    rows = store.checkpoints.list(sid, limit=None)
     assert rows[0].epoch == 2 and rows[0].turn == TURNS + 1, rows[0]
     assert {r.epoch for r in rows} == {1, 2}  # the first incarnation's checkpoints, then the second's
     assert max(r.turn for r in rows if r.epoch == 1) >= 2

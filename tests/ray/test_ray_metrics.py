@@ -79,7 +79,7 @@ def intrude(store: str, session: str) -> str:
     """Take the session's lease from the run that called this tool, as a second incarnation would."""
     from storage import open_store
 
-    open_store(store).acquire_lease(session, owner="intruder")
+    open_store(store).leases.acquire(session, owner="intruder")
     return "taken"
 
 

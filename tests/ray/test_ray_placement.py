@@ -135,19 +135,19 @@ async def test_periodic_pass_reads_only_active_sessions(tmp_path, monkeypatch):
     store = Store(objects, f"file://{objects.inner.root}")
     now = datetime.now(timezone.utc)
     for i in range(10_000):
-        store.put_session(SessionRow(f"done-{i:05d}", None, "completed", now, run_id="r1", agent_ref="m.agents:a",
+        store.sessions.put(SessionRow(f"done-{i:05d}", None, "completed", now, run_id="r1", agent_ref="m.agents:a",
                                      epoch=1, node_id="node-1"))
     active = [f"live-{i}" for i in range(10)]
     for sid in active:
         # What a supervisor's submit and the session's actor write: a mark, then a running row.
-        store.put_active(sid, data=json.dumps({"placement": "dense",
+        store.active.put(sid, data=json.dumps({"placement": "dense",
                                                "since": (now - timedelta(seconds=5)).isoformat()}).encode())
         spec = RunRequest(prompt="go", session_id=sid).model_dump_json()
-        store.put_session(SessionRow(sid, None, "running", now, run_id="r1", agent_ref="m.agents:a", spec_json=spec,
+        store.sessions.put(SessionRow(sid, None, "running", now, run_id="r1", agent_ref="m.agents:a", spec_json=spec,
                                      epoch=1, node_id="node-1"))
-        store.acquire_lease(sid, owner="test")
+        store.leases.acquire(sid, owner="test")
     # A stale mark: its session finished after it was marked (a supervisor died before clearing it).
-    store.put_active("done-00001", data=json.dumps({"since": (now - timedelta(hours=1)).isoformat()}).encode())
+    store.active.put("done-00001", data=json.dumps({"since": (now - timedelta(hours=1)).isoformat()}).encode())
 
     monkeypatch.setattr(RuntimeConfig, "open_store", lambda self: store)
     sup = Supervisor(RuntimeConfig(store_url=str(root), allowed_agents=("m.agents:*",)))
@@ -172,7 +172,7 @@ async def test_periodic_pass_reads_only_active_sessions(tmp_path, monkeypatch):
     assert len(objects.lists) < 100
     assert not any(k.startswith("index/sessions/user=_/session=done-") and "done-00001" not in k
                    for k in objects.gets + objects.lists)
-    assert (None, "done-00001") not in store.list_active()  # the stale mark is gone
+    assert (None, "done-00001") not in store.active.list()  # the stale mark is gone
 
     # The next pass: every active session is watched here, so it is one LIST and nothing else.
     objects.reset()
@@ -262,14 +262,14 @@ async def test_a_lease_newer_than_its_row_is_adopted_once_its_owner_stays_silent
     store = open_store(str(tmp_path / "store"))
     now = datetime.now(timezone.utc)
     spec = RunRequest(prompt="go", session_id="s-silent").model_dump_json()
-    store.put_session(SessionRow("s-silent", None, "running", now, run_id="r1", agent_ref="m.agents:a",
+    store.sessions.put(SessionRow("s-silent", None, "running", now, run_id="r1", agent_ref="m.agents:a",
                                  spec_json=spec, epoch=1, node_id="node-1"))
-    store.acquire_lease("s-silent", owner="first")
-    store.acquire_lease("s-silent", owner="second, died before its row")
-    assert store.current_epoch("s-silent") == 2
+    store.leases.acquire("s-silent", owner="first")
+    store.leases.acquire("s-silent", owner="second, died before its row")
+    assert store.leases.current_epoch("s-silent") == 2
     policy = adoption.AdoptionPolicy(RuntimeConfig(store_url=str(tmp_path / "store"),
                                                    allowed_agents=("m.agents:*",)), store)
-    row = store.get_session("s-silent")
+    row = store.sessions.get("s-silent")
 
     assert await policy.review(row, {}, None, None) is None  # its owner may be about to write its row
     monkeypatch.setattr(adoption, "OWNER_SILENT_S", 0.0)

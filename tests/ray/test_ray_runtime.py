@@ -88,7 +88,7 @@ async def _until(predicate, timeout, what):
 
 
 def _checkpoint_turn(store, session_id):
-    rows = store.list_checkpoints(session_id, limit=1)
+    rows = store.checkpoints.list(session_id, limit=1)
     return rows[0].turn if rows else -1
 
 
@@ -142,7 +142,7 @@ async def test_node_death_mid_run_continues_on_another_node(placed):
     assert sorted(agents.model_calls(name)) == list(range(agents.TURNS + 1))
     # The transcript is the one an uninterrupted run produces.
     assert _transcript(result.messages) == await _reference(agents, name, sid)
-    row = store.get_session(sid)
+    row = store.sessions.get(sid)
     assert row.status == "completed"
     assert row.epoch == 2  # a second incarnation took the lease
     assert row.node_id != victim.node_id
@@ -180,7 +180,7 @@ async def test_supervisor_killed_mid_run_new_one_adopts_the_session(placed):
     new = ray.get_actor(supervisor_name(runtime.config.store_url), namespace=NAMESPACE)
     assert new._actor_id.hex() != old_id
     # The detached session actor (or host) was never interrupted: one lease, each reply once, nothing lost.
-    assert runtime.store.get_session(sid).epoch == 1
+    assert runtime.store.sessions.get(sid).epoch == 1
     assert sorted(agents.model_calls(name)) == list(range(agents.TURNS + 1))
     assert _transcript(result.messages) == await _reference(agents, name, sid)
     sessions = {s["session_id"]: s for s in await runtime.status()}
@@ -205,7 +205,7 @@ async def test_supervisor_and_actor_both_killed_new_supervisor_restarts_by_refer
 
     result = await asyncio.wait_for(run, 90)
     assert result.output == f"{name} finished"
-    row = runtime.store.get_session(sid)
+    row = runtime.store.sessions.get(sid)
     assert row.status == "completed" and row.epoch == 2 and row.agent_ref == f"ray_agents:{name}"
     assert sorted(agents.model_calls(name)) == list(range(agents.TURNS + 1))
     s = {x["session_id"]: x for x in await runtime.status()}[sid]
@@ -234,7 +234,7 @@ async def test_zombie_incarnation_is_fenced_and_never_latest(placed):
     os.kill(raylet.pid, signal.SIGSTOP)
     try:
         # Ray declares the frozen node dead; the supervisor restarts the session on another node.
-        await _until(lambda: store.current_epoch(sid) >= 2, 60, "a new incarnation's lease")
+        await _until(lambda: store.leases.current_epoch(sid) >= 2, 60, "a new incarnation's lease")
         takeover_turn = _checkpoint_turn(store, sid)
         await _until(lambda: agents.pids_with(name, "holding") - {zombie_pid}, 60, "the new incarnation's step")
         assert pid_alive(zombie_pid)  # the old incarnation still runs: a zombie
@@ -249,13 +249,13 @@ async def test_zombie_incarnation_is_fenced_and_never_latest(placed):
     assert _transcript(result.messages) == await _reference(agents, name, sid)
     assert sorted(agents.model_calls(name)) == list(range(agents.TURNS + 1))
     # Its writes were refused: every checkpoint after the takeover, and the latest, carry epoch 2 ...
-    rows = store.list_checkpoints(sid, limit=None)
+    rows = store.checkpoints.list(sid, limit=None)
     assert rows[0].epoch == 2 and rows[0].execution_status == "completed"
     assert all(r.epoch == 2 for r in rows if r.turn > takeover_turn)
     # ... and the journal holds no entry of epoch 1 for any step after the one the zombie was in (a
     # pass's last tool result may have no entry at all: the pass's checkpoint holds it).
-    run_id = store.get_session(sid).run_id
-    late = [e for e in store.journal_list(sid, run_id) if e.kind == "tool" and e.step_key >= f"t{takeover_turn:04d}"]
+    run_id = store.sessions.get(sid).run_id
+    late = [e for e in store.journal.list(sid, run_id) if e.kind == "tool" and e.step_key >= f"t{takeover_turn:04d}"]
     assert [e.step_key for e in late if e.epoch != 2] == []
     wait_for(lambda: not pid_alive(zombie_pid), timeout=30, what="the zombie process to exit")
     lc.add_node()
@@ -277,7 +277,7 @@ async def test_fan_out_eight_forks_one_actor_each(placed):
                     for n in names}
 
         wait_for(lambda: {n.node_id for n in lc.workers} <= warm_nodes(), timeout=60, what="a warm host per worker")
-    before = [r.checkpoint_id for r in runtime.store.list_checkpoints(src)]
+    before = [r.checkpoint_id for r in runtime.store.checkpoints.list(src)]
 
     forks = await agent.fork(src, from_checkpoint=source.checkpoint_id, prompts=[f"p{i}" for i in range(8)])
 
@@ -292,7 +292,7 @@ async def test_fan_out_eight_forks_one_actor_each(placed):
         assert ckpt.forked_from == src and ckpt.session_id == f.session_id
         assert f.messages[-2].content == f"p{i}"  # results in prompt order
     # The source session is untouched.
-    assert [r.checkpoint_id for r in runtime.store.list_checkpoints(src)] == before
+    assert [r.checkpoint_id for r in runtime.store.checkpoints.list(src)] == before
     supervised = {s["session_id"]: s for s in await runtime.status()}
     assert all(supervised[f.session_id]["status"] == "completed" for f in forks)
     nodes = {supervised[f.session_id]["node_id"] for f in forks}
@@ -369,7 +369,7 @@ async def test_submit_by_reference_errors_and_status(placed):
     s = {x["session_id"]: x for x in await runtime.status()}[sid]
     assert s["status"] == "completed" and s["epoch"] == 1 and s["turn"] == 1
     # Nothing of it is left marked active: the supervisor's periodic pass will not look at it again.
-    assert (None, sid) not in runtime.store.list_active()
+    assert (None, sid) not in runtime.store.active.list()
     # The supervisor's index compaction (it also runs in the background) merges the small files.
     store = runtime.store
 
@@ -393,7 +393,7 @@ async def test_fenced_actor_stops_and_reports_lease_lost(placed):
     await _until(lambda: agents.steps_started(agent_name) >= 2, 60, "two tool steps")
     info = await _session_info(runtime, sid)
 
-    intruder = runtime.store.acquire_lease(sid, owner="intruder")  # takes over: epoch 2
+    intruder = runtime.store.leases.acquire(sid, owner="intruder")  # takes over: epoch 2
 
     with pytest.raises(LeaseLostError):
         await asyncio.wait_for(run, 60)
@@ -416,7 +416,7 @@ async def test_fenced_actor_stops_and_reports_lease_lost(placed):
         host = ray.get_actor(info["host"], namespace=NAMESPACE)
         hosted = await host.sessions.remote()
         assert sid not in {h["session_id"] for h in hosted} and pid_alive(info["pid"])
-    assert runtime.store.current_epoch(sid) == 2
+    assert runtime.store.leases.current_epoch(sid) == 2
     # It stopped mid-run: the script was not played to the end.
     assert len(agents.model_calls(agent_name)) < agents.TURNS + 1
     status = {s["session_id"]: s for s in await runtime.status()}
@@ -518,7 +518,7 @@ async def test_whole_cluster_lost_new_cluster_resumes_via_supervise(placed):
         await _until(lambda: _checkpoint_turn(store, sid) >= 2, 60, "cluster A to checkpoint turn 2")
         (agents.ROOT / name / "hold").write_text("")
         await _until(lambda: agents.pids_with(name, "holding"), 30, "a tool step to hold in cluster A")
-        assert store.get_session(sid).status == "running"
+        assert store.sessions.get(sid).status == "running"
         assert time.monotonic() - t0 < 120
     finally:
         daemon.send_signal(signal.SIGTERM)
@@ -526,7 +526,7 @@ async def test_whole_cluster_lost_new_cluster_resumes_via_supervise(placed):
         (agents.ROOT / name / "hold").unlink(missing_ok=True)  # cluster B's incarnation runs straight through
     assert "processes killed after the grace period: []" in out.decode(), out.decode()[-2000:]
     interrupted_at = _checkpoint_turn(store, sid)
-    assert interrupted_at < agents.TURNS + 1 and store.get_session(sid).status == "running"
+    assert interrupted_at < agents.TURNS + 1 and store.sessions.get(sid).status == "running"
 
     stop, reports = threading.Event(), []
     # The session's agent was submitted to cluster A's supervisor: here the operator allows it.
@@ -535,11 +535,11 @@ async def test_whole_cluster_lost_new_cluster_resumes_via_supervise(placed):
                                       "allowed_agents": (f"ray_agents:{name}",)})
     keeper.start()
     try:
-        await _until(lambda: store.get_session(sid).status == "completed", 90, "cluster B to finish the session")
+        await _until(lambda: store.sessions.get(sid).status == "completed", 90, "cluster B to finish the session")
     finally:
         stop.set()
         keeper.join(timeout=30)
-    row = store.get_session(sid)
+    row = store.sessions.get(sid)
     assert row.epoch == 2 and row.node_id in lc.alive_node_ids()
     assert sorted(agents.model_calls(name)) == list(range(agents.TURNS + 1))
     from loomray.checkpoint_format import load_checkpoint
@@ -550,7 +550,7 @@ async def test_whole_cluster_lost_new_cluster_resumes_via_supervise(placed):
     # Restarted the way it ran (the active mark carries the placement), and its mark is gone.
     s = await runtime.session(sid)
     assert s is not None and s["placement"] == runtime.config.placement
-    assert (None, sid) not in store.list_active()
+    assert (None, sid) not in store.active.list()
 
 
 def test_supervise_keeper_recreates_a_killed_supervisor(env):

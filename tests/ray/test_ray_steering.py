@@ -78,7 +78,7 @@ async def test_a_session_waiting_for_approval_holds_no_process_and_completes_aft
     waiting = await agent.run("pay the bill", session_id=sid)
     assert waiting.stop_reason == "awaiting_approval" and agents.files(name, "transfer") == 0
     [call] = waiting.pending_approvals
-    row = store.get_session(sid)
+    row = store.sessions.get(sid)
     assert row.status == "awaiting_approval" and row.node_id
     # While it waits nothing of the session runs: its actor is gone, no process of its own.
     info = await runtime.session(sid)
@@ -91,7 +91,7 @@ async def test_a_session_waiting_for_approval_holds_no_process_and_completes_aft
     assert done.stop_reason == "completed" and done.output == "transfer settled"
     assert agents.files(name, "transfer") == 1  # the approved call ran once
     assert sorted(agents.model_calls(name)) == [0, 1]  # and no model call was repeated
-    final = store.get_session(sid)
+    final = store.sessions.get(sid)
     assert final.status == "completed" and final.node_id != victim.node_id
     lc.add_node()  # give later tests two session nodes again
 
@@ -137,17 +137,17 @@ async def test_a_cancel_during_a_long_tool_call_on_the_cluster_makes_nothing_dur
     try:
         await _until(lambda: agents.files(name, "held") == 1, 60, "the held tool call")
         await agent.cancel(sid)
-        acked = [r.checkpoint_id for r in store.list_checkpoints(sid, limit=None)]
+        acked = [r.checkpoint_id for r in store.checkpoints.list(sid, limit=None)]
         # The run stops at once, its tool call still held (the actors' own look at the store is 60 s away).
         result = await asyncio.wait_for(run, 20)
     finally:
         hold.unlink()
     assert result.stop_reason == "cancelled"
-    assert store.get_session(sid).status == "cancelled"
+    assert store.sessions.get(sid).status == "cancelled"
     # The session's actor is gone and wrote nothing after the cancel was acknowledged.
     info = await runtime.session(sid)
     assert info is None or info.get("pid") is None, info
-    assert [r.checkpoint_id for r in store.list_checkpoints(sid, limit=None)] == acked
+    assert [r.checkpoint_id for r in store.checkpoints.list(sid, limit=None)] == acked
     assert agents.files(name, "done") == 0 and sorted(agents.model_calls(name)) == [0]
     again = await agent.resume(None, session_id=sid)
     assert again.stop_reason == "cancelled" and sorted(agents.model_calls(name)) == [0]
@@ -158,7 +158,7 @@ async def test_a_budget_stop_on_the_cluster_resumes_with_a_raised_limit_without_
     low = _driver_agent(agents.budget_low, "ray_agents:budget_low", runtime)
     stopped = await low.run("task", session_id="s-budget")
     assert stopped.stop_reason == "budget_exceeded" and agents.model_calls("budget") == [0]
-    assert runtime.store.get_session("s-budget").status == "budget_exceeded"
+    assert runtime.store.sessions.get("s-budget").status == "budget_exceeded"
     high = _driver_agent(agents.budget_high, "ray_agents:budget_high", runtime)
     done = await high.resume(None, session_id="s-budget")
     assert done.stop_reason == "completed" and done.output == "report: done" and done.run_id == stopped.run_id
@@ -171,10 +171,10 @@ async def test_a_fork_tree_on_the_cluster_counts_every_billed_call_once(actor_en
     store = runtime.store
     agent = _driver_agent(agents.spend, "ray_agents:spend", runtime)
     source = await agent.run("task", session_id="s-spend")
-    base = sorted(store.list_checkpoints("s-spend", limit=None), key=lambda r: r.turn)[1]  # after the 2nd pass
+    base = sorted(store.checkpoints.list("s-spend", limit=None), key=lambda r: r.turn)[1]  # after the 2nd pass
     forks = await agent.fork("s-spend", from_checkpoint=base.checkpoint_id, prompts=["again", "once more"])
     assert [f.stop_reason for f in forks] == ["completed", "completed"]
-    tree = [r for sid in ["s-spend", *(f.session_id for f in forks)] for r in store.list_checkpoints(sid, limit=None)]
+    tree = [r for sid in ["s-spend", *(f.session_id for f in forks)] for r in store.checkpoints.list(sid, limit=None)]
     assert all(r.spend_usd is not None and r.spend_usd >= 0 for r in tree)
     # What the calls were billed: the source's whole run, plus what each fork spent past its base checkpoint.
     billed = source.usage.cost_usd + sum(f.usage.cost_usd - base.cost_usd for f in forks)

@@ -79,7 +79,7 @@ async def test_submit_returns_at_once_whatever_is_free_and_the_session_runs_once
     await _submit(runtime, _agent(["again done"]), "s-again")
     await _submit(other, _agent(["other done"]), "s-other")
     store = runtime.store
-    assert store.list_checkpoints("s-again") == [] and store.list_checkpoints("s-other") == []
+    assert store.checkpoints.list("s-again") == [] and store.checkpoints.list("s-other") == []
     # A session still waiting for the unit is known, and a cancel of it returns at once too.
     await _submit(runtime, _agent(["never said"]), "s-cancelled")
     await asyncio.wait_for(runtime.cancel("s-cancelled"), SUBMIT_S)
@@ -89,10 +89,10 @@ async def test_submit_returns_at_once_whatever_is_free_and_the_session_runs_once
                                                     other.wait("s-other")), 120)
     assert [r.output for r in results] == ["held done", "again done", "other done"]
     assert (await asyncio.wait_for(runtime.wait("s-cancelled"), 120)).stop_reason == "cancelled"
-    assert store.list_checkpoints("s-cancelled") == [] and store.get_session("s-cancelled").status == "cancelled"
+    assert store.checkpoints.list("s-cancelled") == [] and store.sessions.get("s-cancelled").status == "cancelled"
     # Each ran only once the one before it let the unit go: their checkpoints do not interleave.
     spans = sorted((min(c.created_at for c in cs), max(c.created_at for c in cs)) for cs in (
-        store.list_checkpoints(s, limit=50) for s in ("s-held", "s-again", "s-other")))
+        store.checkpoints.list(s, limit=50) for s in ("s-held", "s-again", "s-other")))
     assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:], strict=False)), spans
     other.close()
 

@@ -101,7 +101,7 @@ async def test_users_whose_ids_join_alike_get_their_own_actors(runtime):
     for ((user, session), name), result in zip(tenants.items(), results, strict=True):
         assert (result.session_id, result.output) == (session, f"{name} finished")
         assert ray_agents.model_calls(name) == list(range(ray_agents.TURNS + 1))  # one incarnation, no restart
-        assert runtime.store.get_session(session, user_id=user).status == "completed"
+        assert runtime.store.sessions.get(session, user_id=user).status == "completed"
 
 
 async def test_secrets_in_runtime_env_and_actor_options_never_reach_the_store(runtime, tmp_path):
@@ -131,7 +131,7 @@ async def test_secrets_in_runtime_env_and_actor_options_never_reach_the_store(ru
                       runtime=secret_rt)
         run = asyncio.create_task(agent.run("go", session_id="s-env", user_id="tenant"))
         deadline = asyncio.get_running_loop().time() + 60
-        while (mark := secret_rt.store.get_active("s-env", user_id="tenant")) is None:
+        while (mark := secret_rt.store.active.get("s-env", user_id="tenant")) is None:
             assert asyncio.get_running_loop().time() < deadline and not run.done(), "the session was never marked"
             await asyncio.sleep(0.05)
         stored = json.loads(mark)

@@ -48,7 +48,7 @@ async def _until(predicate, timeout, what):
 
 
 def _turn(store, session_id):
-    rows = store.list_checkpoints(session_id, limit=1)
+    rows = store.checkpoints.list(session_id, limit=1)
     return rows[0].turn if rows else -1
 
 
@@ -71,12 +71,12 @@ async def test_a_variant_fork_whose_node_dies_continues_with_the_same_agent(plac
     assert source.output == "source ready"
     variant = Variant(model=getattr(agents, f"{name}_model"), instructions="variant rules")
 
-    before = {r.session_id for r in store.list_sessions()}
+    before = {r.session_id for r in store.sessions.list()}
     fork = asyncio.create_task(base.fork(source.session_id, from_checkpoint=source.checkpoint_id,
                                          variants=[variant]))
     # The fork's session, found by its row in the store, mid-run by its own checkpoints (turn 1 is the source's).
     forks: list[str] = []
-    await _until(lambda: forks.extend({r.session_id for r in store.list_sessions()} - before) or forks, 60,
+    await _until(lambda: forks.extend({r.session_id for r in store.sessions.list()} - before) or forks, 60,
                  "the fork's session row")
     fork_sid = forks[0]
     await _until(lambda: _turn(store, fork_sid) >= 3, 60, "the fork's checkpoint of turn 3")
@@ -90,12 +90,12 @@ async def test_a_variant_fork_whose_node_dies_continues_with_the_same_agent(plac
     assert result.session_id == fork_sid and result.output == "finished under: variant rules"
     assert result.messages[0].content == "variant rules"
     assert result.turns == 1 + agents.TURNS + 1
-    row = store.get_session(fork_sid)
+    row = store.sessions.get(fork_sid)
     assert row.status == "completed" and row.epoch == 2 and row.node_id != victim.node_id  # restarted elsewhere
     # Every reply of the variant's model served once across both incarnations; the base model only for the source.
     assert _calls(agents, f"{name}-variant") == list(range(1, agents.TURNS + 2))
     assert _calls(agents, name) == [0]
-    [record] = store.list_runs(fork_sid)
+    [record] = store.runs.list(fork_sid)
     assert record.request["variant"] == {"model": "variant-model", "instructions": "variant rules"}
     status = {s["session_id"]: s for s in await runtime.status()}[fork_sid]
     assert (status["incarnation"], status["restarts"]) == (2, 1)
@@ -119,7 +119,7 @@ async def test_variants_fan_out_each_with_its_own_agent(placed):
     assert [f.output for f in forks] == ["model 0 answers", "model 1 answers", "model 2 answers",
                                         "finished under: Be thorough.", "finished under: Edited rules."]
     assert forks[-1].messages[-2].content == "again"
-    stored = [store_run.request["variant"] for f in forks for store_run in runtime.store.list_runs(f.session_id)]
+    stored = [store_run.request["variant"] for f in forks for store_run in runtime.store.runs.list(f.session_id)]
     assert stored == [v.to_json() for v in variants]
     # The source is untouched: one checkpoint per pass it ran, its transcript as it was.
     assert (await base.get_checkpoint(source.session_id)).messages == source.messages
@@ -141,11 +141,11 @@ async def test_a_variant_fork_adopted_by_reference_rebuilds_its_variant_from_the
     source = await base.run("start", session_id=f"src-{name}")
     variant = Variant(instructions="adopted rules", tools=["slow_step"],
                       tuning=Tuning(checkpoint=CheckpointConfig(position="both")))
-    before = {r.session_id for r in store.list_sessions()}
+    before = {r.session_id for r in store.sessions.list()}
     fork = asyncio.create_task(base.fork(source.session_id, from_checkpoint=source.checkpoint_id,
                                          variants=[variant]))
     forks: list[str] = []
-    await _until(lambda: forks.extend({r.session_id for r in store.list_sessions()} - before) or forks, 60,
+    await _until(lambda: forks.extend({r.session_id for r in store.sessions.list()} - before) or forks, 60,
                  "the fork's session row")
     fork_sid = forks[0]
     await _until(lambda: _turn(store, fork_sid) >= 3, 60, "the fork's checkpoint of turn 3")
@@ -155,9 +155,9 @@ async def test_a_variant_fork_adopted_by_reference_rebuilds_its_variant_from_the
 
     [result] = await asyncio.wait_for(fork, 120)
     assert result.output == "finished under: adopted rules; tools: slow_step"
-    row = store.get_session(fork_sid)
+    row = store.sessions.get(fork_sid)
     assert row.status == "completed" and row.epoch == 2 and row.agent_ref == f"ray_agents:{name}"
     assert _calls(agents, name) == list(range(agents.TURNS + 2))  # each reply once, the source's included
     # The second incarnation checkpoints as the variant's tuning says: after the model call too.
-    late = [r for r in store.list_checkpoints(fork_sid, limit=None) if r.epoch == 2]
+    late = [r for r in store.checkpoints.list(fork_sid, limit=None) if r.epoch == 2]
     assert {r.position for r in late} == {"after_model", "after_tools"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from datetime import datetime, timezone
 
@@ -9,6 +10,7 @@ import pytest
 
 from storage import CheckpointInfo, InvalidStoreUrl, JournalEntry, SessionRow, open_store
 from storage.errors import InvalidIdError
+from storage.testing import write_checkpoint
 
 BAD_IDS = ["a/b", "../x", "..", "a\\b", "x\x00y", "tab\there", "new\nline", "\x7f", "", "x" * 129, "a..b", "/abs"]
 NOW = datetime(2026, 7, 4, tzinfo=timezone.utc)
@@ -16,7 +18,7 @@ NOW = datetime(2026, 7, 4, tzinfo=timezone.utc)
 
 def _put(store, **ids):
     args = {"session_id": "s1", "checkpoint_id": "c1", "user_id": None, **ids}
-    return store.put_checkpoint(b"{}", CheckpointInfo(turn=0, created_at=NOW, position="after_tools",
+    return write_checkpoint(store, b"{}", CheckpointInfo(turn=0, created_at=NOW, position="after_tools",
                                                       execution_status="active", message_count=0, **args))
 
 
@@ -32,17 +34,17 @@ def test_bad_ids_on_put_write_nothing(store, field, bad):
 @pytest.mark.parametrize("bad", BAD_IDS)
 def test_bad_ids_everywhere(store, bad):
     calls = [
-        lambda: store.get_checkpoint(bad),
-        lambda: store.get_checkpoint("s1", bad),
-        lambda: store.get_checkpoint("s1", user_id=bad),
-        lambda: store.list_checkpoints(bad),
-        lambda: store.delete_checkpoint("s1", bad),
-        lambda: store.acquire_lease(bad, owner="x"),
-        lambda: store.current_epoch("s1", user_id=bad),
-        lambda: store.journal_append(JournalEntry(session_id="s1", run_id=bad, seq=0, step_key="k", kind="model")),
-        lambda: store.journal_append(JournalEntry(session_id="s1", run_id="r", seq=0, step_key=bad, kind="model")),
-        lambda: store.journal_list("s1", bad),
-        lambda: store.put_session(SessionRow(bad, None, "running", NOW)),
+        lambda: store.checkpoints.get(bad),
+        lambda: store.checkpoints.get("s1", bad),
+        lambda: store.checkpoints.get("s1", user_id=bad),
+        lambda: store.checkpoints.list(bad),
+        lambda: store.checkpoints.delete("s1", bad),
+        lambda: store.leases.acquire(bad, owner="x"),
+        lambda: store.leases.current_epoch("s1", user_id=bad),
+        lambda: store.journal.append(JournalEntry(session_id="s1", run_id=bad, seq=0, step_key="k", kind="model")),
+        lambda: store.journal.append(JournalEntry(session_id="s1", run_id="r", seq=0, step_key=bad, kind="model")),
+        lambda: store.journal.list("s1", bad),
+        lambda: store.sessions.put(SessionRow(bad, None, "running", NOW)),
         lambda: store.query(user_id=bad),
         lambda: store.prune(session_id=bad),
     ]
@@ -60,7 +62,7 @@ def test_underscore_user_is_reserved(store):
 def test_max_length_id_is_fine(store):
     long_id = "s" * 128
     _put(store, session_id=long_id, checkpoint_id="c" * 128, user_id="u" * 128)
-    assert store.get_checkpoint(long_id, user_id="u" * 128) == b"{}"
+    assert json.loads(store.checkpoints.get(long_id, user_id="u" * 128))["index"]["checkpoint_id"] == "c" * 128
 
 
 def test_nothing_written_outside_the_local_root(tmp_path):
@@ -89,14 +91,14 @@ def test_file_url_and_path_are_the_same_store(tmp_path):
     a = open_store(tmp_path / "d")
     _put(a)
     b = open_store(f"file://{tmp_path / 'd'}")
-    assert b.get_checkpoint("s1") == b"{}" and a.url == b.url
+    assert b.checkpoints.get("s1") == a.checkpoints.get("s1") is not None and a.url == b.url
 
 
 def test_s3_from_environment(s3_store_url):
     """No options: endpoint and credentials come from the usual AWS environment variables."""
     store = open_store(s3_store_url)
     _put(store)
-    assert store.get_checkpoint("s1") == b"{}"
+    assert json.loads(store.checkpoints.get("s1"))["index"]["session_id"] == "s1"
     assert "s3://" in store.describe()
 
 

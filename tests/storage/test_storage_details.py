@@ -6,8 +6,9 @@ from datetime import datetime, timezone
 
 import pytest
 
-from storage import CheckpointInfo, JournalEntry, Store, open_store
+from storage import CheckpointInfo, JournalEntry, Store
 from storage.errors import CorruptObjectError
+from storage.testing import write_checkpoint
 
 NOW = datetime(2026, 7, 4, tzinfo=timezone.utc)
 
@@ -15,22 +16,14 @@ NOW = datetime(2026, 7, 4, tzinfo=timezone.utc)
 def _put(store, cid, data=b'{"x": 1}', keep=20, session_id="s1"):
     info = CheckpointInfo(session_id=session_id, checkpoint_id=cid, turn=1, created_at=NOW,
                           position="after_tools", execution_status="active", message_count=1)
-    return store.put_checkpoint(data, info, keep=keep)
-
-
-def test_payload_bytes_are_stored_without_a_copy():
-    store = open_store("memory://")
-    data = b'{"messages": "' + b"x" * 100_000 + b'"}'
-    row = _put(store, "c1", data)
-    assert store.objects._objects[row.key][0] is data  # the caller's buffer, not a copy
-    assert store.get_checkpoint("s1") is data
+    return write_checkpoint(store, data, info, keep=keep)
 
 
 def test_corrupt_lease_is_a_typed_error(store):
-    store.acquire_lease("s1", owner="a")
+    store.leases.acquire("s1", owner="a")
     store.objects.put(key="sessions/_/s1/lease.json", data=b'{"epo')
     with pytest.raises(CorruptObjectError, match="lease.json"):
-        store.current_epoch("s1")
+        store.leases.current_epoch("s1")
 
 
 def test_naive_journal_time_is_refused():
@@ -43,14 +36,14 @@ def test_retention_with_two_store_instances_never_drops_below_keep(store):
     other = Store(store.objects, store.url)
     for i in range(12):
         _put(store if i % 2 else other, f"c{i:02d}", keep=3)
-        live = store.list_checkpoints("s1", limit=None)
+        live = store.checkpoints.list("s1", limit=None)
         assert len(live) >= min(3, i + 1)
         assert live[0].checkpoint_id == f"c{i:02d}"
     # A fresh view (full LIST) trims to exactly keep on the next write.
     fresh = Store(store.objects, store.url)
     _put(fresh, "c99", keep=3)
-    assert [r.checkpoint_id for r in store.list_checkpoints("s1")][:1] == ["c99"]
-    assert len(store.list_checkpoints("s1")) == 3
+    assert [r.checkpoint_id for r in store.checkpoints.list("s1")][:1] == ["c99"]
+    assert len(store.checkpoints.list("s1")) == 3
 
 
 def test_prune_keeps_retention_view_consistent(store):
@@ -59,4 +52,4 @@ def test_prune_keeps_retention_view_consistent(store):
     store.prune(session_id="s1")
     for i in range(3, 6):
         _put(store, f"c{i}", keep=3)
-    assert [r.checkpoint_id for r in store.list_checkpoints("s1")] == ["c5", "c4", "c3"]
+    assert [r.checkpoint_id for r in store.checkpoints.list("s1")] == ["c5", "c4", "c3"]

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timezone
 
 import pytest
 
 from storage import CheckpointInfo
 from storage.errors import StorageError, TransientStorageError
-from storage.testing import FaultInjector
+from storage.testing import FaultInjector, write_checkpoint
 
 NOW = datetime(2026, 7, 4, tzinfo=timezone.utc)
 
@@ -21,7 +22,7 @@ def s3(s3_server):
 
 
 def _put(store, cid="c1"):
-    return store.put_checkpoint(b'{"ok": true}', CheckpointInfo(session_id="s1", checkpoint_id=cid, turn=1,
+    return write_checkpoint(store, b'{"ok": true}', CheckpointInfo(session_id="s1", checkpoint_id=cid, turn=1,
                                                                 created_at=NOW, position="after_tools",
                                                                 execution_status="active", message_count=1))
 
@@ -32,14 +33,15 @@ def test_transient_failures_are_retried(s3, kind, failures):
     row = _put(s3)
     assert faults.injected == failures
     faults.remove()
-    assert s3.get_checkpoint("s1") == b'{"ok": true}' and row.size == 12
+    stored = s3.checkpoints.get("s1")
+    assert json.loads(stored)["ok"] is True and row.size == len(stored)
 
 
 def test_reads_and_lists_are_retried(s3):
     _put(s3)
     faults = FaultInjector(s3.objects.client, failures=2, kind="reset", operations={"GetObject", "ListObjectsV2"})
-    assert [r.checkpoint_id for r in s3.list_checkpoints("s1")] == ["c1"]
-    assert s3.get_checkpoint("s1") == b'{"ok": true}'
+    assert [r.checkpoint_id for r in s3.checkpoints.list("s1")] == ["c1"]
+    assert json.loads(s3.checkpoints.get("s1"))["ok"] is True
     assert faults.injected == 2
 
 
@@ -51,7 +53,7 @@ def test_permanent_transient_failure_surfaces_typed(s3_server):
     assert faults.injected == 3  # max_attempts counts every try, all of them botocore's
     assert "s3://" in str(info.value)
     faults.remove()
-    assert s3.list_checkpoints("s1") == []
+    assert s3.checkpoints.list("s1") == []
 
 
 def test_access_denied_is_not_retried(s3):
@@ -68,4 +70,4 @@ def test_unreachable_endpoint_is_transient():
     store = open_store("s3://nobucket/x", endpoint_url="http://127.0.0.1:9", key="k", secret="s",
                        max_attempts=2, connect_timeout=0.5)
     with pytest.raises(TransientStorageError, match="127.0.0.1:9"):
-        store.get_checkpoint("s1")
+        store.checkpoints.get("s1")

@@ -21,8 +21,8 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 import storage.backoff as backoff_module
+import storage.checkpoint_reads as checkpoints_module
 import storage.checkpoint_rows as checkpoint_rows_module
-import storage.checkpoints as checkpoints_module
 import storage.index as index_module
 import storage.maintenance as maintenance_module
 import storage.pruning as pruning_module
@@ -31,6 +31,7 @@ from storage.errors import CorruptObjectError, InvalidIdError, LeaseLostError, P
 from storage.faults import ActorCrashed, Fault, FaultPlan, FaultyObjectStore, Rule, current_actor
 from storage.ids import validate_id
 from storage.rows import CHECKPOINT_SCHEMA
+from storage.testing import land_row, write_checkpoint
 
 T0 = datetime(2026, 7, 4, 12, 0, tzinfo=timezone.utc)
 LEASE = "sessions/_/s1/lease.json"
@@ -42,7 +43,16 @@ def put(store: Store, session_id: str, checkpoint_id: str, *, turn: int = 1, kee
     info = CheckpointInfo(session_id=session_id, checkpoint_id=checkpoint_id, user_id=user_id, turn=turn,
                           created_at=T0 + timedelta(minutes=turn), position="after_tools",
                           execution_status="active", message_count=turn)
-    return store.put_checkpoint(data, info, lease=lease, keep=keep)
+    return write_checkpoint(store, data, info, lease=lease, keep=keep)
+
+
+def land(store: Store, checkpoint_id: str, *, turn: int, epoch: int):
+    """A fenced writer's checkpoint: object and row land at ``epoch``, no lease check (:func:`land_row`)."""
+    data = json.dumps({"checkpoint_id": checkpoint_id, "turn": turn}).encode()
+    info = CheckpointInfo(session_id="s1", checkpoint_id=checkpoint_id, turn=turn,
+                          created_at=T0 + timedelta(minutes=turn), position="after_tools",
+                          execution_status="active", message_count=turn)
+    return land_row(store, data, info, epoch=epoch)
 
 
 def snapshot(store: Store) -> dict[str, str]:
@@ -61,9 +71,9 @@ def test_path01_cold_reader_racing_a_compaction_never_sees_an_empty_session(stor
     """A fresh process LISTs the index; a compaction merges and deletes exactly those files before its GETs."""
     for i in range(3):
         put(store, "s1", f"c{i}", turn=i)
-    store.put_session(SessionRow("s1", None, "running", T0))
-    store.put_session(SessionRow("s1", None, "completed", T0 + timedelta(seconds=1)))
-    newest = store.get_checkpoint("s1", "c2")
+    store.sessions.put(SessionRow("s1", None, "running", T0))
+    store.sessions.put(SessionRow("s1", None, "completed", T0 + timedelta(seconds=1)))
+    newest = store.checkpoints.get("s1", "c2")
     reader = Store(store.objects, store.url)  # nothing cached: a restarted runtime, `loomray resume`, a new actor
     real_list = reader.index.list_files
     compactions = []
@@ -76,11 +86,11 @@ def test_path01_cold_reader_racing_a_compaction_never_sees_an_empty_session(stor
 
     reader.index.list_files = list_then_compact  # type: ignore[method-assign]
     if read == "latest":
-        assert reader.get_checkpoint("s1") == newest
+        assert reader.checkpoints.get("s1") == newest
     elif read == "list":
-        assert ids(reader.list_checkpoints("s1")) == ["c2", "c1", "c0"]
+        assert ids(reader.checkpoints.list("s1")) == ["c2", "c1", "c0"]
     elif read == "session":
-        assert reader.get_session("s1").status == "completed"
+        assert reader.sessions.get("s1").status == "completed"
     else:
         assert sorted(reader.query(session_id="s1")["checkpoint_id"].to_pylist()) == ["c0", "c1", "c2"]
     assert compactions and compactions[0].files_after < compactions[0].files_before  # the race really happened
@@ -89,7 +99,8 @@ def test_path01_cold_reader_racing_a_compaction_never_sees_an_empty_session(stor
 @pytest.mark.parametrize("read", ["latest", "list"])
 def test_path01_retention_racing_a_cold_reader_never_hides_the_successor(store, read):
     """Between the reader's index LIST and its object reads the holder writes c1 and retention (keep=1) retires c0."""
-    put(store, "s1", "c0", turn=0, keep=1)
+    lease = store.leases.acquire("s1", owner="holder")
+    put(store, "s1", "c0", turn=0, keep=1, lease=lease)
     reader = Store(store.objects, store.url)
     real_list = reader.index.list_files
     raced = []
@@ -97,28 +108,33 @@ def test_path01_retention_racing_a_cold_reader_never_hides_the_successor(store, 
     def list_then_write(prefix):
         keys = real_list(prefix)
         if not raced:
-            raced.append(put(store, "s1", "c1", turn=1, keep=1))
+            raced.append(put(store, "s1", "c1", turn=1, keep=1, lease=lease))
         return keys
 
     reader.index.list_files = list_then_write  # type: ignore[method-assign]
     if read == "latest":
-        assert hashlib.sha256(reader.get_checkpoint("s1")).hexdigest() == raced[0].sha256
-    else:
-        assert ids(reader.list_checkpoints("s1")) == ["c1"]
-    assert store.get_checkpoint("s1", "c0") is None  # c0 really was retired under the reader
+        assert hashlib.sha256(reader.checkpoints.get("s1")).hexdigest() == raced[0].sha256
+    else:  # c0's object goes with the writer's next flush: the list may still show it, after c1
+        assert ids(reader.checkpoints.list("s1"))[:1] == ["c1"]
+    assert store.checkpoints.get("s1", "c0") is None  # c0 really was retired under the reader
 
 
 def _reader_behind_a_writer(store: Store, rounds: int | None) -> tuple[Store, list]:
     """A cold reader of s1 and the checkpoints the holder writes (keep=1) right before each of the reader's
-    object reads: after its index LIST, every time, ``rounds`` times (None: for ever)."""
+    object reads: after its index LIST, every time, ``rounds`` times (None: for ever). Two a round: a log deletes
+    the objects one flush's retention retired at its next flush, so the second write deletes what the reader saw."""
     written = []
+    lease = store.leases.acquire("s1", owner="holder")
+    one_writer = threading.Lock()  # the reader reads objects on several threads; the holder is one writer
 
     def writer_moves_on(call, hold):
         listing = call.op == "list" and call.key == "sessions/_/s1/checkpoints/"
         reading = call.op == "get" and call.key.startswith("sessions/_/s1/checkpoints/")
-        if (listing or reading) and (rounds is None or len(written) < rounds):
-            n = len(written) + 1
-            written.append(put(store, "s1", f"c{n:04d}", turn=n, keep=1))
+        with one_writer:
+            if (listing or reading) and (rounds is None or len(written) < 2 * rounds):
+                for _ in range(2):
+                    n = len(written) + 1
+                    written.append(put(store, "s1", f"c{n:04d}", turn=n, keep=1, lease=lease))
 
     return Store(FaultyObjectStore(store.objects, gate=writer_moves_on), store.url), written
 
@@ -134,11 +150,11 @@ def test_path01_a_writer_outpacing_a_cold_reader_never_makes_the_session_read_as
     put(store, "s1", "c0000", turn=0, keep=1)
     reader, written = _reader_behind_a_writer(store, rounds=5)
     if read == "list":
-        assert ids(reader.list_checkpoints("s1")) == ["c0005"]
+        assert ids(reader.checkpoints.list("s1")) == ["c0010"]
     else:
-        raw = reader.get_checkpoint("s1")
+        raw = reader.checkpoints.get("s1")
         assert raw is not None and hashlib.sha256(raw).hexdigest() == written[-1].sha256
-    assert len(written) == 5 and ids(store.list_checkpoints("s1")) == ["c0005"]  # every round really raced
+    assert len(written) == 10 and ids(store.checkpoints.list("s1")) == ["c0010"]  # every round really raced
     # It listed again after a jittered backoff, at most once per round (a round may also be spent on reading an
     # object the index did not name yet: the holder moved on twice then).
     assert 1 <= len(delays) <= 5 and all(0 <= d <= backoff_module.CAP for d in delays)
@@ -159,7 +175,7 @@ def test_path01_a_reader_that_never_catches_up_raises_a_typed_error(store, read,
     put(store, "s1", "c0000", turn=0, keep=1)
     reader, written = _reader_behind_a_writer(store, rounds=None)
     with pytest.raises(errors.IndexChangedError, match="s1") as info:
-        reader.list_checkpoints("s1") if read == "list" else reader.get_checkpoint("s1")
+        reader.checkpoints.list("s1") if read == "list" else reader.checkpoints.get("s1")
     assert isinstance(info.value, errors.TransientStorageError)
     assert len(written) >= 5 and checkpoints_module.READ_TIMEOUT - backoff_module.CAP <= now[0]
     assert now[0] <= checkpoints_module.READ_TIMEOUT  # it gave up within its budget
@@ -167,7 +183,7 @@ def test_path01_a_reader_that_never_catches_up_raises_a_typed_error(store, read,
 
 def test_path01_index_files_that_keep_vanishing_raise_instead_of_reading_as_empty(store, monkeypatch):
     put(store, "s1", "c1")
-    store.put_session(SessionRow("s1", None, "running", T0))
+    store.sessions.put(SessionRow("s1", None, "running", T0))
     reader = Store(store.objects, store.url)
     delays = []
     monkeypatch.setattr(index_module, "_sleep", delays.append, raising=False)
@@ -177,37 +193,37 @@ def test_path01_index_files_that_keep_vanishing_raise_instead_of_reading_as_empt
         return None if key.startswith("index/") else real_get(key=key)
 
     monkeypatch.setattr(store.objects, "get", get_no_index)
-    for call in (lambda: reader.get_checkpoint("s1"), lambda: reader.list_checkpoints("s1"),
-                 lambda: reader.get_session("s1"), lambda: reader.query()):
+    for call in (lambda: reader.checkpoints.get("s1"), lambda: reader.checkpoints.list("s1"),
+                 lambda: reader.sessions.get("s1"), lambda: reader.query()):
         with pytest.raises(errors.IndexChangedError, match="index/"):
             call()
     assert delays and all(0 <= d <= 0.5 for d in delays)  # it re-listed with a (jittered) backoff in between
     monkeypatch.undo()
-    assert Store(store.objects, store.url).get_checkpoint("s1") is not None
+    assert Store(store.objects, store.url).checkpoints.get("s1") is not None
 
 
 # -- path 3: a deleted lease.json --------------------------------------------------------------------------------
 
 def test_path03_deleted_lease_epochs_keep_rising(store):
     for _ in range(3):
-        old = store.acquire_lease("s1", owner="old")
+        old = store.leases.acquire("s1", owner="old")
     assert old.epoch == 3
     for i in range(3):
         put(store, "s1", f"z-old-{i}", turn=i, lease=old, keep=3)
     store.objects.delete(keys=[LEASE])  # a bucket lifecycle rule, an operator's cleanup
-    assert store.current_epoch("s1") == 3  # the last acquire, from its epoch marker
-    store.check_lease(old)  # nobody took over yet: the holder still owns the session
-    new = store.acquire_lease("s1", owner="new")
+    assert store.leases.current_epoch("s1") == 3  # the last acquire, from its epoch marker
+    store.leases.check(old)  # nobody took over yet: the holder still owns the session
+    new = store.leases.acquire("s1", owner="new")
     assert new.epoch == 4
     with pytest.raises(LeaseLostError):
-        store.check_lease(old)
+        store.leases.check(old)
     with pytest.raises(LeaseLostError):
         put(store, "s1", "z-old-9", turn=9, lease=old)  # the zombie is fenced
     # The new owner's id sorts below the old ones, yet its checkpoint is latest and retention keeps it.
     put(store, "s1", "a-new-1", turn=10, lease=new, keep=3)
-    assert store.get_checkpoint("s1") == store.get_checkpoint("s1", "a-new-1")
-    assert ids(store.list_checkpoints("s1")) == ["a-new-1", "z-old-2", "z-old-1"]
-    assert store.acquire_lease("s1", owner="next").epoch == 5
+    assert store.checkpoints.get("s1") == store.checkpoints.get("s1", "a-new-1")
+    assert ids(store.checkpoints.list("s1")) == ["a-new-1", "z-old-2", "z-old-1"]
+    assert store.leases.acquire("s1", owner="next").epoch == 5
 
 
 class Interleaving:
@@ -310,7 +326,7 @@ def _race_for_the_lease(inner, seed: int, script=(), *, dies: bool = True) -> tu
     world = Interleaving(inner, seed, FaultPlan(seed=seed, rules=[crash]))
 
     def acquirer(name):
-        return lambda: Store(world.faulty, "x", serial_reads=True).acquire_lease("s1", owner=name)
+        return lambda: Store(world.faulty, "x", serial_reads=True).leases.acquire("s1", owner=name)
 
     def vandal():
         for _ in range(2):  # a lifecycle rule, an operator's cleanup; twice, at two points of the race
@@ -336,7 +352,7 @@ def _race_for_the_lease(inner, seed: int, script=(), *, dies: bool = True) -> tu
         earlier = [(m, actor, e) for m, actor, e in writes if m < n and e >= epoch]
         assert not earlier, f"{where}: {name} was granted epoch {epoch} at call {n} after lease.json held {earlier}"
     markers = [int(o.key.rsplit("/", 1)[1]) for o in inner.list(prefix=layout.epoch_prefix("s1", None))]
-    after = Store(inner, "x").acquire_lease("s1", owner="after")
+    after = Store(inner, "x").leases.acquire("s1", owner="after")
     assert after.epoch > max(markers + [e for _, _, e in writes]), where
     return grants, "dies" in raised
 
@@ -367,37 +383,37 @@ def test_path03_epochs_are_granted_strictly_rising_in_every_interleaving(backend
     for seed in range(150 if backend == "memory" else 40):
         inner = _inner(backend, tmp_path, f"{seed}-{start}")
         if start == "held":
-            Store(inner, "x").acquire_lease("s1", owner="before")  # epoch 1, outside the log
+            Store(inner, "x").leases.acquire("s1", owner="before")  # epoch 1, outside the log
         died += _race_for_the_lease(inner, seed)[1]
     assert died >= 10  # the claim-then-die interleavings really ran
 
 
 def test_path03_an_epoch_taken_behind_the_lease_is_never_handed_out_twice(store):
-    store.acquire_lease("s1", owner="a")
+    store.leases.acquire("s1", owner="a")
     # lease.json says 1, yet epochs 2 and 3 were taken (it was deleted and re-created, or restored from a backup).
     for n in (2, 3):
         store.objects.put(key=layout.epoch_marker_key("s1", None, n), data=b"{}", if_none_match=True)
-    lease = store.acquire_lease("s1", owner="b")
-    assert lease.epoch == 4 and store.current_epoch("s1") == 4
-    store.check_lease(lease)
-    assert store.acquire_lease("s1", owner="c").epoch == 5
+    lease = store.leases.acquire("s1", owner="b")
+    assert lease.epoch == 4 and store.leases.current_epoch("s1") == 4
+    store.leases.check(lease)
+    assert store.leases.acquire("s1", owner="c").epoch == 5
 
 
 def test_path03_session_from_before_epoch_markers_takes_its_floor_from_what_it_wrote(store):
     """No markers (an older loomray wrote the session) and no lease.json: the epochs its data carries are the floor."""
     for _ in range(5):
-        lease = store.acquire_lease("s1", owner="w")
+        lease = store.leases.acquire("s1", owner="w")
     put(store, "s1", "c1", lease=lease)
-    store.journal_append(JournalEntry(session_id="s2", run_id="r1", seq=0, step_key="t0001-model", kind="model",
+    store.journal.append(JournalEntry(session_id="s2", run_id="r1", seq=0, step_key="t0001-model", kind="model",
                                       epoch=7))
-    store.put_session(SessionRow("s3", None, "running", T0, epoch=4))
+    store.sessions.put(SessionRow("s3", None, "running", T0, epoch=4))
     store.objects.put(key="sessions/_/s3/journal/r1/00000000-t0000-run_start.json", data=b'{"epoch": 2}')
     legacy = [k for k in snapshot(store) if "/epochs/" in k or k.endswith("/lease.json")]
     store.objects.delete(keys=legacy)
-    assert store.acquire_lease("s1", owner="new").epoch == 6  # checkpoint index rows
-    assert store.acquire_lease("s2", owner="new").epoch == 8  # the run's last journal entry
-    assert store.acquire_lease("s3", owner="new").epoch == 5  # the session index
-    assert store.acquire_lease("fresh", owner="new").epoch == 1
+    assert store.leases.acquire("s1", owner="new").epoch == 6  # checkpoint index rows
+    assert store.leases.acquire("s2", owner="new").epoch == 8  # the run's last journal entry
+    assert store.leases.acquire("s3", owner="new").epoch == 5  # the session index
+    assert store.leases.acquire("fresh", owner="new").epoch == 1
 
 
 # -- path 4: a corrupt lease.json ------------------------------------------------------------------------------------
@@ -409,33 +425,35 @@ CORRUPT_LEASES = [b'{"epo', b'{"epoch": 1e300}', b'{"epoch": 1e999}', b'{"epoch"
 
 @pytest.mark.parametrize("body", CORRUPT_LEASES, ids=lambda b: b[:24].decode("latin-1"))
 def test_path04_corrupt_lease_is_a_typed_error_before_any_write(store, body):
-    lease = store.acquire_lease("s1", owner="a")
+    lease = store.leases.acquire("s1", owner="a")
     put(store, "s1", "c1", lease=lease)
     store.objects.put(key=LEASE, data=body)
     before = snapshot(store)
     with pytest.raises(errors.LeaseCorruptError, match="lease.json") as info:
-        store.acquire_lease("s1", owner="b")
+        store.leases.acquire("s1", owner="b")
     assert isinstance(info.value, CorruptObjectError) and "lease repair" in str(info.value)
     with pytest.raises(errors.LeaseCorruptError, match="lease.json"):
-        put(store, "s1", "c2", turn=2, lease=lease)  # refused before its PUT: no orphan object
+        put(store, "s1", "c2", turn=2, lease=lease)  # its object lands (one PUT, no lease read); its proof fails
     with pytest.raises(errors.LeaseCorruptError):
-        store.current_epoch("s1")
-    assert snapshot(store) == before  # nothing written, nothing deleted
+        store.leases.current_epoch("s1")
+    after = snapshot(store)
+    after.pop(layout.checkpoint_key("s1", None, "c2"))
+    assert after == before  # nothing indexed, nothing else written, nothing deleted
 
 
 def test_path04_repair_rewrites_the_lease_above_every_epoch_used(store):
     for _ in range(3):
-        old = store.acquire_lease("s1", owner="w")
+        old = store.leases.acquire("s1", owner="w")
     put(store, "s1", "c1", lease=old)
     store.objects.put(key=LEASE, data=b'{"epoch": 1e300}')
-    repaired = store.repair_lease("s1")
-    assert repaired.epoch == 4 and store.current_epoch("s1") == 4
+    repaired = store.leases.repair("s1")
+    assert repaired.epoch == 4 and store.leases.current_epoch("s1") == 4
     assert json.loads(store.objects.get(key=LEASE).data)["epoch"] == 4
     with pytest.raises(LeaseLostError):
-        store.check_lease(old)  # a writer still holding the old epoch stops at its next check
-    assert store.acquire_lease("s1", owner="next").epoch == 5
+        store.leases.check(old)  # a writer still holding the old epoch stops at its next check
+    assert store.leases.acquire("s1", owner="next").epoch == 5
     store.objects.delete(keys=[LEASE])
-    assert store.repair_lease("s1").epoch == 6  # a missing lease.json is repaired the same way
+    assert store.leases.repair("s1").epoch == 6  # a missing lease.json is repaired the same way
 
 
 # -- path 9: two compactors ------------------------------------------------------------------------------------------
@@ -457,7 +475,7 @@ def test_path09_two_compactors_never_resurrect_a_retired_row(store):
         out = real(keys, **kw)
         if not raced:
             # A holds c1's row; meanwhile c1 is deleted and B compacts the same partition to the end.
-            assert store.delete_checkpoint("s1", "c1")
+            assert store.checkpoints.delete("s1", "c1")
             raced.append(b.compact())
         return out
 
@@ -465,7 +483,7 @@ def test_path09_two_compactors_never_resurrect_a_retired_row(store):
     a.compact()  # A writes its merged file (c1 included) after B is done
     assert raced and raced[0].tombstones_dropped == 1
     assert sorted(store.query()["checkpoint_id"].to_pylist()) == ["c2"]
-    assert ids(store.list_checkpoints("s1")) == ["c2"] and store.get_checkpoint("s1", "c1") is None
+    assert ids(store.checkpoints.list("s1")) == ["c2"] and store.checkpoints.get("s1", "c1") is None
     # Once the tombstone is past the grace period, compaction drops it together with every copy of its row.
     report = Store(store.objects, store.url).compact(tombstone_grace=timedelta(0))
     assert report.rows == 1
@@ -482,7 +500,7 @@ def test_path09_young_tombstones_survive_compaction_old_ones_go(store):
     assert store.compact().files_after == 1  # already compact: the young tombstones stay put
     assert store.compact(tombstone_grace=timedelta(0)).files_after == 1
     assert _index_rows(store) == [("c2", False), ("c3", False)]
-    assert ids(store.list_checkpoints("s1")) == ["c3", "c2"]
+    assert ids(store.checkpoints.list("s1")) == ["c3", "c2"]
 
 
 def test_path09_a_compactor_whose_listed_files_vanished_abandons_the_partition(store):
@@ -536,38 +554,38 @@ def test_path10_latest_skips_a_truncated_checkpoint_with_a_warning(store, caplog
     bad = put(store, "s1", "c2", turn=2, payload=b'{"messages": ["a long transcript"]}')
     store.objects.put(key=bad.key, data=b'{"messages": ["a lo')  # truncated in place
     with caplog.at_level("WARNING", logger="storage"):
-        data = store.get_checkpoint("s1")
+        data = store.checkpoints.get("s1")
     assert hashlib.sha256(data).hexdigest() == good.sha256  # the newest readable one
     assert "c2.json" in caplog.text  # never silently
     with pytest.raises(CorruptObjectError, match="c2.json"):
-        store.get_checkpoint("s1", "c2")  # an explicit id is never substituted
-    assert hashlib.sha256(store.get_checkpoint("s1", "c1")).hexdigest() == good.sha256
+        store.checkpoints.get("s1", "c2")  # an explicit id is never substituted
+    assert hashlib.sha256(store.checkpoints.get("s1", "c1")).hexdigest() == good.sha256
 
 
 def test_path10_a_session_whose_checkpoints_are_all_unreadable_never_reads_as_empty(store):
     bad = put(store, "s1", "c1", payload=b'{"a": 1}')
     store.objects.put(key=bad.key, data=b'{"a": 2}')  # same size, other bytes
     with pytest.raises(CorruptObjectError, match="c1.json"):
-        store.get_checkpoint("s1")
+        store.checkpoints.get("s1")
 
 
 def test_path10_quarantine_moves_the_object_aside_and_retires_its_row(store, caplog):
     good = put(store, "s1", "c1", turn=1)
     bad = put(store, "s1", "c2", turn=2, payload=b'{"messages": ["a long transcript"]}')
     store.objects.put(key=bad.key, data=b'{"messages": ["a lo')
-    moved = store.quarantine_checkpoint("s1", "c2")
+    moved = store.checkpoints.quarantine("s1", "c2")
     assert moved == "sessions/_/s1/quarantine/c2.json" == layout.quarantine_key("s1", None, "c2")
     assert store.objects.get(key=moved).data == b'{"messages": ["a lo'  # kept for inspection
     assert store.objects.get(key=bad.key) is None
-    assert ids(store.list_checkpoints("s1")) == ["c1"]
+    assert ids(store.checkpoints.list("s1")) == ["c1"]
     assert sorted(store.query()["checkpoint_id"].to_pylist()) == ["c1"]
     caplog.clear()
     with caplog.at_level("WARNING", logger="storage"):
-        assert hashlib.sha256(store.get_checkpoint("s1")).hexdigest() == good.sha256
+        assert hashlib.sha256(store.checkpoints.get("s1")).hexdigest() == good.sha256
     assert "c2" not in caplog.text  # "latest" no longer trips over it
-    assert store.get_checkpoint("s1", "c2") is None
+    assert store.checkpoints.get("s1", "c2") is None
     with pytest.raises(errors.ObjectNotFound, match="nope"):
-        store.quarantine_checkpoint("s1", "nope")
+        store.checkpoints.quarantine("s1", "nope")
 
 
 # -- path 16: ids --------------------------------------------------------------------------------------------------
@@ -581,12 +599,12 @@ def test_path16_unsafe_ids_are_refused_and_nothing_is_written(store, bad):
     for field in ("session_id", "checkpoint_id", "user_id"):
         args = {"session_id": "s1", "checkpoint_id": "c1", "user_id": None, field: bad}
         with pytest.raises(InvalidIdError) as info:
-            store.put_checkpoint(b"{}", CheckpointInfo(turn=0, created_at=T0, position="after_tools",
+            write_checkpoint(store, b"{}", CheckpointInfo(turn=0, created_at=T0, position="after_tools",
                                                        execution_status="active", message_count=0, **args))
         assert isinstance(info.value, ValueError)
-    for call in (lambda: store.acquire_lease(bad, owner="x"), lambda: store.get_checkpoint(bad),
-                 lambda: store.put_session(SessionRow(bad, None, "running", T0)),
-                 lambda: store.journal_append(JournalEntry(session_id="s1", run_id=bad, seq=0, step_key="k",
+    for call in (lambda: store.leases.acquire(bad, owner="x"), lambda: store.checkpoints.get(bad),
+                 lambda: store.sessions.put(SessionRow(bad, None, "running", T0)),
+                 lambda: store.journal.append(JournalEntry(session_id="s1", run_id=bad, seq=0, step_key="k",
                                                            kind="model"))):
         with pytest.raises(InvalidIdError):
             call()
@@ -597,7 +615,7 @@ def test_path16_id_length_is_counted_in_utf8_bytes(tmp_path):
     store = open_store(tmp_path / "root")
     longest = "€" * 42 + "ab"  # 128 bytes in UTF-8, 44 characters
     put(store, longest, "é" * 64, user_id="ü" * 64)
-    assert store.get_checkpoint(longest, "é" * 64, user_id="ü" * 64) is not None
+    assert store.checkpoints.get(longest, "é" * 64, user_id="ü" * 64) is not None
     with pytest.raises(InvalidIdError, match="129 bytes"):
         put(store, "€" * 43, "c1")  # 43 characters, but 129 bytes
     with pytest.raises(InvalidIdError, match="384 bytes"):
@@ -621,8 +639,8 @@ def test_path17_if_match_on_a_deleted_object_is_a_lost_swap(store):
 
 
 def test_path17_lease_deleted_between_read_and_swap(store):
-    store.acquire_lease("s1", owner="a")
-    store.acquire_lease("s1", owner="b")
+    store.leases.acquire("s1", owner="a")
+    store.leases.acquire("s1", owner="b")
     real_put = store.objects.put
     deleted = []
 
@@ -634,10 +652,10 @@ def test_path17_lease_deleted_between_read_and_swap(store):
 
     store.objects.put = put_after_delete  # type: ignore[method-assign]
     try:
-        lease = store.acquire_lease("s1", owner="c")
+        lease = store.leases.acquire("s1", owner="c")
     finally:
         store.objects.put = real_put  # type: ignore[method-assign]
-    assert deleted and lease.epoch == 3 and store.current_epoch("s1") == 3
+    assert deleted and lease.epoch == 3 and store.leases.current_epoch("s1") == 3
 
 
 def test_path17_contended_acquire_backs_off_with_full_jitter_until_it_wins(store, monkeypatch):
@@ -651,13 +669,13 @@ def test_path17_contended_acquire_backs_off_with_full_jitter_until_it_wins(store
         if "/epochs/" in key and not busy and len(rivals) < 20:  # more rounds than 16 fixed attempts allow
             busy.append(1)
             try:
-                rivals.append(store.acquire_lease("s1", owner=f"rival-{len(rivals)}"))
+                rivals.append(store.leases.acquire("s1", owner=f"rival-{len(rivals)}"))
             finally:
                 busy.pop()
         return real_put(key=key, data=data, **kw)
 
     monkeypatch.setattr(store.objects, "put", rival_swaps_first)
-    lease = store.acquire_lease("s1", owner="me")
+    lease = store.leases.acquire("s1", owner="me")
     assert [r.epoch for r in rivals] == list(range(1, 21)) and lease.epoch == 21
     assert len(delays) == 20
     caps = [min(backoff_module.CAP, backoff_module.BASE * 2 ** (i + 1)) for i in range(20)]
@@ -673,7 +691,7 @@ def test_path17_acquire_gives_up_after_its_time_budget(store, monkeypatch):
         if key == LEASE and not busy:
             busy.append(1)
             try:
-                store.acquire_lease("s1", owner="rival")
+                store.leases.acquire("s1", owner="rival")
             finally:
                 busy.pop()
         return real_put(key=key, data=data, **kw)
@@ -681,7 +699,7 @@ def test_path17_acquire_gives_up_after_its_time_budget(store, monkeypatch):
     monkeypatch.setattr(store.objects, "put", always_beaten)
     started = time.monotonic()
     with pytest.raises(LeaseLostError, match="contended"):
-        store.acquire_lease("s1", owner="me", timeout=0.3)
+        store.leases.acquire("s1", owner="me", timeout=0.3)
     assert time.monotonic() - started < 10  # bounded by time, whatever the backend's latency
 
 
@@ -692,7 +710,7 @@ def test_path17_eight_concurrent_acquirers_all_succeed_with_distinct_rising_epoc
 
         def grab(i, barrier=barrier, round_=round_):
             barrier.wait()
-            return store.acquire_lease("s1", owner=f"w{round_}-{i}")
+            return store.leases.acquire("s1", owner=f"w{round_}-{i}")
 
         with ThreadPoolExecutor(8) as pool:
             leases = list(pool.map(grab, range(8)))
@@ -702,49 +720,19 @@ def test_path17_eight_concurrent_acquirers_all_succeed_with_distinct_rising_epoc
         assert len(set(epochs)) == 8 and epochs[0] > floor, (floor, epochs)
         floor = epochs[-1]
         granted += epochs
-        assert store.current_epoch("s1") == epochs[-1]
+        assert store.leases.current_epoch("s1") == epochs[-1]
         newest = max(leases, key=lambda lease: lease.epoch)
-        store.check_lease(newest)
+        store.leases.check(newest)
         for lease in leases:
             if lease is not newest:
                 with pytest.raises(LeaseLostError):
-                    store.check_lease(lease)
+                    store.leases.check(lease)
     markers = {k for k in snapshot(store) if "/epochs/" in k}
     assert {layout.epoch_marker_key("s1", None, n) for n in granted} <= markers  # every granted epoch was claimed
     assert all(int(k.rsplit("/", 1)[1]) <= floor for k in markers)  # nothing claimed above the holder's
 
 
 # -- review: a fenced writer's checkpoint row --------------------------------------------------------------------------
-
-def test_review_r4_a_fenced_row_whose_put_reply_was_lost_is_retired(store):
-    """A takeover lands between the holder's object PUT and its row PUT; the row lands but its reply is lost.
-
-    The holder cannot tell whether its row exists, so it checks the lease and, finding it lost, retires the row:
-    a write that landed after the takeover is never "latest" (nor what the new owner resumes from).
-    """
-    holder_lease = store.acquire_lease("s1", owner="holder")
-    put(store, "s1", "c1", turn=1, lease=holder_lease)
-    taker = Store(store.objects, "taker")  # another process on the same store
-    relay = FaultyObjectStore(store.objects)
-    real_put = relay.put
-    took = []
-
-    def put_then_lose_the_reply(*, key, data, **kw):
-        if key.startswith("index/checkpoints/") and not took:
-            took.append(taker.acquire_lease("s1", owner="taker"))  # the takeover races the holder's write
-            real_put(key=key, data=data, **kw)
-            raise errors.TransientStorageError(f"{key}: connection reset after the PUT landed")
-        return real_put(key=key, data=data, **kw)
-
-    relay.put = put_then_lose_the_reply
-    holder = Store(relay, "holder")
-    with pytest.raises(errors.TransientStorageError, match="after the PUT landed"):
-        put(holder, "s1", "c2", turn=2, lease=holder_lease)
-    assert took and took[0].epoch == holder_lease.epoch + 1
-    assert json.loads(store.get_checkpoint("s1"))["checkpoint_id"] == "c1"
-    assert ids(store.list_checkpoints("s1")) == ["c1"]
-    assert store.objects.get(key=layout.checkpoint_key("s1", None, "c2")) is None
-
 
 @pytest.mark.parametrize("taker_dies", [False, True])
 def test_review_r4_a_fenced_row_whose_writer_died_before_its_recheck_is_retired_by_the_takeover(store, taker_dies):
@@ -755,7 +743,7 @@ def test_review_r4_a_fenced_row_whose_writer_died_before_its_recheck_is_retired_
     older epochs that appeared in between. When the taker dies right after its swap too, its lease records what it
     listed, and the next owner retires the row.
     """
-    holder_lease = store.acquire_lease("s1", owner="holder")
+    holder_lease = store.leases.acquire("s1", owner="holder")
     put(store, "s1", "c1", turn=1, lease=holder_lease)
     checked, swapped, landed = threading.Event(), threading.Event(), threading.Event()
     taker_calls: list[str] = []
@@ -789,11 +777,11 @@ def test_review_r4_a_fenced_row_whose_writer_died_before_its_recheck_is_retired_
 
     holder = Store(world, "holder", serial_reads=True)
     taker = Store(world, "taker", serial_reads=True)
-    threads = [threading.Thread(target=actor, args=("holder", lambda: put(holder, "s1", "c2", turn=2,
-                                                                         lease=holder_lease), landed))]
+    threads = [threading.Thread(target=actor, args=("holder", lambda: land(holder, "c2", turn=2,
+                                                                          epoch=holder_lease.epoch), landed))]
     threads[0].start()
     assert checked.wait(30)
-    threads.append(threading.Thread(target=actor, args=("taker", lambda: taker.acquire_lease("s1", owner="taker"),
+    threads.append(threading.Thread(target=actor, args=("taker", lambda: taker.leases.acquire("s1", owner="taker"),
                                                         swapped)))
     threads[1].start()
     for t in threads:
@@ -803,9 +791,9 @@ def test_review_r4_a_fenced_row_whose_writer_died_before_its_recheck_is_retired_
     row_puts = [c for c in world.calls if c.actor == "holder" and c.op == "put" and c.key.startswith("index/")]
     assert row_puts and row_puts[0].applied  # the fenced row did land
     if taker_dies:
-        assert store.acquire_lease("s1", owner="next").epoch == holder_lease.epoch + 2
-    assert json.loads(store.get_checkpoint("s1"))["checkpoint_id"] == "c1"
-    assert ids(store.list_checkpoints("s1")) == ["c1"]
+        assert store.leases.acquire("s1", owner="next").epoch == holder_lease.epoch + 2
+    assert json.loads(store.checkpoints.get("s1"))["checkpoint_id"] == "c1"
+    assert ids(store.checkpoints.list("s1")) == ["c1"]
     assert store.objects.get(key=layout.checkpoint_key("s1", None, "c2")) is None
 
 
@@ -813,7 +801,7 @@ def test_review_r4_a_fenced_row_landing_after_the_takeover_is_never_read_as_late
     """The whole takeover (LIST, swap, LIST) runs between the holder's object PUT and its row PUT; then the row lands
     and the holder dies before its re-check, so nobody has retired it yet. Readers judge rows by the fence the swap
     recorded in lease.json: "latest" and the list skip it; the next owner retires it."""
-    holder_lease = store.acquire_lease("s1", owner="holder")
+    holder_lease = store.leases.acquire("s1", owner="holder")
     put(store, "s1", "c1", turn=1, lease=holder_lease)
     taker = Store(store.objects, "taker")
     crash = Rule(Fault("crash", applied=True), ops=frozenset({"put"}), key_contains="index/checkpoints/")
@@ -823,30 +811,30 @@ def test_review_r4_a_fenced_row_landing_after_the_takeover_is_never_read_as_late
     def takeover_after_the_object(*, key, data, **kw):
         etag = real_put(key=key, data=data, **kw)
         if key.endswith("/checkpoints/c2.json"):
-            taker.acquire_lease("s1", owner="taker")
+            taker.leases.acquire("s1", owner="taker")
         return etag
 
     relay.put = takeover_after_the_object
     with pytest.raises(ActorCrashed):
-        put(Store(relay, "holder"), "s1", "c2", turn=2, lease=holder_lease)
+        land(Store(relay, "holder"), "c2", turn=2, epoch=holder_lease.epoch)
     assert ("c2", False) in _index_rows(store)  # landed, and not retired: its writer died
     reader = Store(store.objects, "reader")
-    assert json.loads(reader.get_checkpoint("s1"))["checkpoint_id"] == "c1"
-    assert ids(reader.list_checkpoints("s1")) == ["c1"]
-    store.acquire_lease("s1", owner="next")
+    assert json.loads(reader.checkpoints.get("s1"))["checkpoint_id"] == "c1"
+    assert ids(reader.checkpoints.list("s1")) == ["c1"]
+    store.leases.acquire("s1", owner="next")
     assert ("c2", True) in _index_rows(store)  # retired by the next takeover
     assert store.objects.get(key=layout.checkpoint_key("s1", None, "c2")) is None
 
 
 def test_review_r4_a_takeover_spares_rows_written_without_a_lease_and_rows_it_listed(store):
     """Only rows of an older, leased epoch that appeared after the pre-swap LIST are retired."""
-    first = store.acquire_lease("s1", owner="first")
+    first = store.leases.acquire("s1", owner="first")
     put(store, "s1", "c1", turn=1, lease=first)
-    put(store, "s1", "c2", turn=2)  # no lease: epoch 0, fenced by nothing
-    second = store.acquire_lease("s1", owner="second")
+    land(store, "c2", turn=2, epoch=0)  # no lease: epoch 0, fenced by nothing
+    second = store.leases.acquire("s1", owner="second")
     put(store, "s1", "c3", turn=3, lease=second)
-    store.acquire_lease("s1", owner="third")
-    assert ids(store.list_checkpoints("s1")) == ["c3", "c1", "c2"]
+    store.leases.acquire("s1", owner="third")
+    assert ids(store.checkpoints.list("s1")) == ["c3", "c1", "c2"]
     body = json.loads(store.objects.get(key=LEASE).data)
     assert body["checkpoints"]["top"] == [second.epoch, "c3"]
     assert [c["epoch"] for c in body["checkpoints"]["prev"]] == [second.epoch, first.epoch]
@@ -886,8 +874,9 @@ def test_review_r3_a_tombstone_stamped_by_a_slow_clock_survives_a_concurrent_com
     assert raced
     assert ("c1", True) in _index_rows(store)  # the tombstone outlived B's compaction
     assert sorted(store.query()["checkpoint_id"].to_pylist()) == ["c2", "c3"]
+    put(store, "s1", "c4", turn=4, keep=2)  # the writer's next flush deletes what its last retention retired
     objects = sorted(o.key.rsplit("/", 1)[1][:-5] for o in store.objects.list(prefix="sessions/_/s1/checkpoints/"))
-    assert objects == ["c2", "c3"]
+    assert objects == ["c2", "c3", "c4"]
 
 
 def test_review_r3_tombstones_old_by_the_store_and_the_writer_go(store, monkeypatch):
@@ -938,7 +927,7 @@ def test_review_r3_a_merge_that_lands_past_the_lag_limit_is_taken_back(store, mo
 def _journal(store: Store, run_id: str, kinds, *, epoch: int = 1, created_at=None, output=None) -> None:
     for seq, kind in enumerate(kinds):
         extra = {"created_at": created_at} if created_at is not None else {}
-        store.journal_append(JournalEntry(session_id="s1", run_id=run_id, seq=seq, step_key=kind.replace("_", "-"),
+        store.journal.append(JournalEntry(session_id="s1", run_id=run_id, seq=seq, step_key=kind.replace("_", "-"),
                                           kind=kind, epoch=epoch, output=(output or {}) if seq == 0 else {}, **extra))
 
 
@@ -948,28 +937,28 @@ def test_review_r5_prune_never_changes_which_run_is_last(store):
     and the finished last run's run_end (else that run reads as unfinished)."""
     from storage.journal import unfinished_last_run
 
-    zombie = store.acquire_lease("s1", owner="zombie")
-    taker = store.acquire_lease("s1", owner="taker")
-    store.run_create("s1", run_id="run-t", epoch=taker.epoch, request={"kind": "run", "prompt": "p"})
+    zombie = store.leases.acquire("s1", owner="zombie")
+    taker = store.leases.acquire("s1", owner="taker")
+    store.runs.create("s1", run_id="run-t", epoch=taker.epoch, request={"kind": "run", "prompt": "p"})
     _journal(store, "run-t", ("run_start", "run_end"), epoch=taker.epoch)
-    store.run_create("s1", run_id="run-z", epoch=zombie.epoch, request={"kind": "run", "prompt": "p"})
-    assert store.last_run("s1").run_id == "run-t" and unfinished_last_run(store, "s1", None) is None
+    store.runs.create("s1", run_id="run-z", epoch=zombie.epoch, request={"kind": "run", "prompt": "p"})
+    assert store.runs.last("s1").run_id == "run-t" and unfinished_last_run(store, "s1", None) is None
     report = store.prune(before=datetime.now(timezone.utc) + timedelta(seconds=5), session_id="s1")
     assert report.run_records == 0
-    assert store.last_run("s1").run_id == "run-t"
+    assert store.runs.last("s1").run_id == "run-t"
     assert unfinished_last_run(store, "s1", None) is None  # still finished: nothing to run again
 
 
 def test_review_r5_prune_still_deletes_records_older_than_the_last_runs_window(store):
     for i in range(7):
-        store.run_create("s1", run_id=f"run-{i}", epoch=1)
+        store.runs.create("s1", run_id=f"run-{i}", epoch=1)
         _journal(store, f"run-{i}", ("run_start", "run_end"))
     report = store.prune(before=datetime.now(timezone.utc) + timedelta(seconds=5), session_id="s1")
     assert report.run_records == 3  # the 4 newest are the last run's window
-    assert [r.run_id for r in store.list_runs("s1")] == ["run-3", "run-4", "run-5", "run-6"]
-    assert store.last_run("s1").run_id == "run-6"
+    assert [r.run_id for r in store.runs.list("s1")] == ["run-3", "run-4", "run-5", "run-6"]
+    assert store.runs.last("s1").run_id == "run-6"
     # The last run keeps its run_end (it finished); everything else of the journal went.
-    assert [(e.run_id, e.kind) for r in ("run-5", "run-6") for e in store.journal_list("s1", r)] == [
+    assert [(e.run_id, e.kind) for r in ("run-5", "run-6") for e in store.journal.list("s1", r)] == [
         ("run-6", "run_end")]
 
 
@@ -977,18 +966,18 @@ OLD = datetime.now(timezone.utc) - timedelta(days=2)
 
 
 def _old_session(store: Store) -> None:
-    store.put_checkpoint(b"c-old", CheckpointInfo(session_id="s1", checkpoint_id="c-old", turn=1, created_at=OLD,
+    write_checkpoint(store, b'{"c": "old"}', CheckpointInfo(session_id="s1", checkpoint_id="c-old", turn=1, created_at=OLD,
                                                   position="after_tools", execution_status="completed",
                                                   message_count=1))
-    store.run_create("s1", run_id="run-1", epoch=1)
+    store.runs.create("s1", run_id="run-1", epoch=1)
     _journal(store, "run-1", ("run_start", "model", "run_end"), created_at=OLD)
 
 
 def _resume_from_old(store: Store) -> None:
     """What resume(from_checkpoint="c-old") records when it starts: the run record, then its run_start."""
-    store.run_create("s1", run_id="run-2", epoch=2, base_session_id="s1", base_checkpoint_id="c-old",
+    store.runs.create("s1", run_id="run-2", epoch=2, base_session_id="s1", base_checkpoint_id="c-old",
                      replay_from="run-1")
-    store.journal_append(JournalEntry(session_id="s1", run_id="run-2", seq=0, step_key="run-start", kind="run_start",
+    store.journal.append(JournalEntry(session_id="s1", run_id="run-2", seq=0, step_key="run-start", kind="run_start",
                                       epoch=2, output={"kind": "resume", "base_checkpoint_id": "c-old"}))
 
 
@@ -1013,16 +1002,16 @@ def test_review_r6_a_run_recorded_while_prune_works_keeps_its_base_checkpoint(st
     assert raced and report.checkpoints == 0
     need = unfinished_last_run(store, "s1", None)
     assert (need.run_id, need.base_checkpoint_id, need.replay_from) == ("run-2", "c-old", "run-1")
-    assert store.get_checkpoint("s1", "c-old") == b"c-old"
-    assert ids(store.list_checkpoints("s1")) == ["c-old"]
-    assert [e.kind for e in store.journal_list("s1", "run-1")] == ["run_start", "model", "run_end"]
+    assert json.loads(store.checkpoints.get("s1", "c-old"))["c"] == "old"
+    assert ids(store.checkpoints.list("s1")) == ["c-old"]
+    assert [e.kind for e in store.journal.list("s1", "run-1")] == ["run_start", "model", "run_end"]
 
 
 def test_review_r6_a_run_recorded_after_prune_checked_again_stops_before_its_first_step(store, monkeypatch):
     """The resume read its base before prune deleted it, but records itself only after prune's second look: it
     finds its base gone right after its record and raises, so it never works from a checkpoint that is gone."""
     _old_session(store)
-    assert store.get_checkpoint("s1", "c-old") == b"c-old"  # the resume loaded its base
+    assert store.checkpoints.get("s1", "c-old") is not None  # the resume loaded its base
     report = store.prune(before=datetime.now(timezone.utc) - timedelta(days=1), session_id="s1")
     assert report.checkpoints == 1
     with pytest.raises(errors.ObjectNotFound, match="c-old"):
@@ -1037,7 +1026,7 @@ def test_review_r7_a_checkpoint_acknowledged_inside_a_takeovers_listing_window_i
     epoch and refuses c2 (retiring it), or c2 was listed and is spared. Before the re-check looked at the epoch
     claims, c2 was acknowledged and then retired by the takeover.
     """
-    holder_lease = store.acquire_lease("s1", owner="holder")
+    holder_lease = store.leases.acquire("s1", owner="holder")
     put(store, "s1", "c1", turn=1, lease=holder_lease)
     holder = Store(store.objects, "holder")
     relay = FaultyObjectStore(store.objects)
@@ -1055,11 +1044,11 @@ def test_review_r7_a_checkpoint_acknowledged_inside_a_takeovers_listing_window_i
         return iter(listed)
 
     relay.list = list_then_let_the_holder_write
-    taker = Store(relay, "taker").acquire_lease("s1", owner="taker")
+    taker = Store(relay, "taker").leases.acquire("s1", owner="taker")
     assert taker.epoch == holder_lease.epoch + 1 and outcome
-    latest = json.loads(store.get_checkpoint("s1"))["checkpoint_id"]
+    latest = json.loads(store.checkpoints.get("s1"))["checkpoint_id"]
     if "row" in outcome:  # acknowledged: it must survive the takeover
-        assert "c2" in ids(store.list_checkpoints("s1")) and latest == "c2"
-    else:  # refused: it is never "latest" nor listed
-        assert ids(store.list_checkpoints("s1")) == ["c1"] and latest == "c1"
+        assert "c2" in ids(store.checkpoints.list("s1")) and latest == "c2"
+    else:  # refused: acknowledged nothing; its object stays as the takeover found it (readable if it listed it)
+        assert ids(store.checkpoints.list("s1"))[-1] == "c1" and latest in ("c1", "c2")
     assert "lost" in outcome  # this interleaving is decided by the claim: the holder learns it was fenced

@@ -52,14 +52,14 @@ def take_over_after_the_next_proof(store: Store, monkeypatch, when: int = 1) -> 
         real(lease, **kw)
         seen.append(1)
         if len(seen) == when:
-            taken.append(Store(store.objects, "taker").acquire_lease(lease.session_id, owner="taker"))
+            taken.append(Store(store.objects, "taker").leases.acquire(lease.session_id, owner="taker"))
 
     monkeypatch.setattr(store._leases, "confirm", confirm)
     return taken
 
 
 def test_a_logs_tombstones_landing_after_a_takeovers_listing_are_ignored_by_every_view(store, monkeypatch):
-    log = store.checkpoint_log(store.acquire_lease("s1", owner="holder"), batch=4, keep=2)
+    log = store.checkpoints.log(store.leases.acquire("s1", owner="holder"), batch=4, keep=2)
     taken = take_over_after_the_next_proof(store, monkeypatch)
     for i in range(1, 5):
         log_put(log, f"c{i}", turn=i)  # the 4th put proves the lease, the takeover comes, then the batch lands
@@ -69,8 +69,8 @@ def test_a_logs_tombstones_landing_after_a_takeovers_listing_are_ignored_by_ever
         log_put(log, "c5", turn=5)
         log.flush()
     cold = Store(store.objects, "reader")
-    assert ids(cold.list_checkpoints("s1")) == ["c4", "c3", "c2", "c1"]
-    assert all(cold.get_checkpoint("s1", f"c{i}") is not None for i in range(1, 5))
+    assert ids(cold.checkpoints.list("s1")) == ["c4", "c3", "c2", "c1"]
+    assert all(cold.checkpoints.get("s1", f"c{i}") is not None for i in range(1, 5))
     assert sorted(cold.query(session_id="s1")["checkpoint_id"].to_pylist()) == ["c1", "c2", "c3", "c4"]
     assert {"c1", "c2", "c3", "c4"} <= objects(store)
     cold.compact(tombstone_grace=timedelta(0))
@@ -79,34 +79,34 @@ def test_a_logs_tombstones_landing_after_a_takeovers_listing_are_ignored_by_ever
     _, index = cold.index.read_prefix(layout.index_partition(layout.CHECKPOINT_INDEX, "s1", None),
                                       CHECKPOINT_SCHEMA, cache=False)
     assert not any(index["tombstone"].to_pylist())
-    assert ids(Store(store.objects, "again").list_checkpoints("s1")) == ["c4", "c3", "c2", "c1"]
+    assert ids(Store(store.objects, "again").checkpoints.list("s1")) == ["c4", "c3", "c2", "c1"]
 
 
 def test_put_checkpoints_retention_racing_a_takeover_retires_nothing(store, monkeypatch):
-    lease = store.acquire_lease("s1", owner="holder")
+    lease = store.leases.acquire("s1", owner="holder")
     put_checkpoint(store, "s1", "c1", turn=1, lease=lease, keep=1)
     taken = take_over_after_the_next_proof(store, monkeypatch)  # c2's re-check passes, then the takeover
     put_checkpoint(store, "s1", "c2", turn=2, lease=lease, keep=1)  # its retention's tombstone for c1 lands late
     assert taken
     cold = Store(store.objects, "reader")
-    assert ids(cold.list_checkpoints("s1")) == ["c2", "c1"]
-    assert cold.get_checkpoint("s1", "c1") is not None and "c1" in objects(store)
+    assert ids(cold.checkpoints.list("s1")) == ["c2", "c1"]
+    assert cold.checkpoints.get("s1", "c1") is not None and "c1" in objects(store)
 
 
 def test_a_proven_writers_retention_retires_and_collects_one_batch_later(store):
-    log = store.checkpoint_log(store.acquire_lease("s1", owner="w"), batch=2, keep=2)
+    log = store.checkpoints.log(store.leases.acquire("s1", owner="w"), batch=2, keep=2)
     for i in range(1, 5):
         log_put(log, f"c{i}", turn=i)  # the second batch retires c1, c2: their objects wait for the next proof
-    assert ids(Store(store.objects, "r").list_checkpoints("s1")) == ["c4", "c3"]
+    assert ids(Store(store.objects, "r").checkpoints.list("s1")) == ["c4", "c3"]
     assert objects(store) == {"c1", "c2", "c3", "c4"}
     log_put(log, "c5", turn=5)
     log_put(log, "c6", turn=6)  # its proof settles them
     assert objects(store) == {"c3", "c4", "c5", "c6"}
-    assert ids(Store(store.objects, "r").list_checkpoints("s1")) == ["c6", "c5"]
+    assert ids(Store(store.objects, "r").checkpoints.list("s1")) == ["c6", "c5"]
 
 
 def test_compaction_leaves_tombstones_a_takeover_under_way_may_yet_ignore(store):
-    log = store.checkpoint_log(store.acquire_lease("s1", owner="w"), batch=4, keep=2)
+    log = store.checkpoints.log(store.leases.acquire("s1", owner="w"), batch=4, keep=2)
     for i in range(1, 5):
         log_put(log, f"c{i}", turn=i)
     store.objects.put(key=layout.epoch_marker_key("s1", None, 2), data=b'{"epoch": 2}')  # claimed, not swapped
@@ -116,7 +116,7 @@ def test_compaction_leaves_tombstones_a_takeover_under_way_may_yet_ignore(store)
     assert table_ids(store) == ["c3", "c4"]  # the table has the rule's view of now (no fence: honoured)
     cold = Store(store.objects, "reader")
     assert sorted(cold.query(session_id="s1")["checkpoint_id"].to_pylist()) == ["c3", "c4"]
-    assert ids(cold.list_checkpoints("s1")) == ["c4", "c3"]
+    assert ids(cold.checkpoints.list("s1")) == ["c4", "c3"]
 
 
 def test_old_files_and_old_fences_honour_tombstones_as_before():

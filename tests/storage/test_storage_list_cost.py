@@ -19,6 +19,7 @@ from storage import CheckpointInfo, index_guard, open_store
 from storage.index_guard import checked, own_rows
 from storage.layout import lease_key
 from storage.rows import CheckpointRow, checkpoint_rows_table
+from storage.testing import write_checkpoint
 
 T0 = datetime(2026, 7, 1, tzinfo=timezone.utc)
 #: Column-wide calls the per-file checks used to make.
@@ -61,13 +62,13 @@ class _Counted:
 def test_a_cold_listing_makes_one_list_per_prefix_and_no_column_wide_call_per_small_file(tmp_path, monkeypatch,
                                                                                         leased):
     store = open_store(tmp_path / "store")
-    lease = store.acquire_lease("s", owner="o") if leased else None
+    lease = store.leases.acquire("s", owner="o") if leased else None
     for j in range(4):  # four index files of one row each
-        store.put_checkpoint(b'{"x": 1}', _info("s", j), lease=lease, keep=0)
+        write_checkpoint(store, b'{"x": 1}', _info("s", j), lease=lease, keep=0)
     counted = _Counted(store, monkeypatch)
     store.drop_caches()
     counted.reset()
-    rows = store.list_checkpoints("s")
+    rows = store.checkpoints.list("s")
     assert [r.checkpoint_id for r in rows] == ["c0003", "c0002", "c0001", "c0000"]
     # LIST of the index partition and of checkpoints/; GET of each index file and of lease.json.
     assert counted.requests == {"list": 2, "get": 5}
@@ -76,14 +77,14 @@ def test_a_cold_listing_makes_one_list_per_prefix_and_no_column_wide_call_per_sm
 
 def test_a_leased_session_without_lease_json_also_lists_the_kept_copies(tmp_path, monkeypatch):
     store = open_store(tmp_path / "store")
-    lease = store.acquire_lease("s", owner="o")
+    lease = store.leases.acquire("s", owner="o")
     for j in range(2):
-        store.put_checkpoint(b'{"x": 1}', _info("s", j), lease=lease, keep=0)
+        write_checkpoint(store, b'{"x": 1}', _info("s", j), lease=lease, keep=0)
     store.objects.delete(keys=[lease_key("s", None)])
     counted = _Counted(store, monkeypatch)
     store.drop_caches()
     counted.reset()
-    assert len(store.list_checkpoints("s")) == 2
+    assert len(store.checkpoints.list("s")) == 2
     # The rule's fences live on in the copy the last swap kept: one LIST and one GET more, only here.
     assert counted.requests == {"list": 3, "get": 4}
 

@@ -17,7 +17,7 @@ def _history(store: Store) -> None:
             for i in range(4):
                 put_checkpoint(store, s, f"c{i}", user_id=u, turn=i, keep=0)
             for seq, minutes in enumerate((0, 90)):
-                store.journal_append(JournalEntry(session_id=s, user_id=u, run_id="r", seq=seq, step_key=f"k{seq}",
+                store.journal.append(JournalEntry(session_id=s, user_id=u, run_id="r", seq=seq, step_key=f"k{seq}",
                                                   kind="model", created_at=T0 + timedelta(minutes=minutes)))
     store.objects.put(key="sessions/_/s1/checkpoints/orphan.json", data=b"{}")  # its index row was lost
 
@@ -46,8 +46,8 @@ def test_a_dry_run_lists_exactly_what_prune_then_deletes(store):
 def test_the_plan_summary_names_sessions_checkpoints_and_what_recovery_keeps(store):
     for i in range(3):
         put_checkpoint(store, "s1", f"c{i}", turn=i)
-    store.run_create("s1", run_id="run-1", epoch=0)
-    store.journal_append(JournalEntry(session_id="s1", run_id="run-1", seq=0, step_key="start", kind="run_start",
+    store.runs.create("s1", run_id="run-1", epoch=0)
+    store.journal.append(JournalEntry(session_id="s1", run_id="run-1", seq=0, step_key="start", kind="run_start",
                                       created_at=T0))
     seen = []
     plan = store.plan_prune(T0 + timedelta(hours=1), progress=lambda items, label: seen.append(label) or items)

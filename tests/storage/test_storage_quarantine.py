@@ -52,7 +52,7 @@ def test_compact_moves_a_foreign_file_aside_and_brings_every_table_up_to_date(st
     put_checkpoint(store, "s1", "c2", turn=2)
     store.compact()
     assert _table_rows(store) == {(None, "s1", "c1"), (None, "s1", "c2"), ("bob", "s2", "c1")}
-    assert [r.checkpoint_id for r in store.list_checkpoints("s1")] == ["c2", "c1"]  # newest first
+    assert [r.checkpoint_id for r in store.checkpoints.list("s1")] == ["c2", "c1"]  # newest first
     assert store.compact().table_partitions == 0  # the partition is compact now: nothing left to rewrite
 
 
@@ -73,12 +73,12 @@ def test_prune_completes_its_table_update_past_a_foreign_file(store):
     report = store.prune(before=T0 + timedelta(minutes=2, seconds=30))  # c1 and c2 are older
     assert report.checkpoints == 2
     assert _table_rows(store) == {(None, "s1", "c3")}
-    assert [r.checkpoint_id for r in store.list_checkpoints("s1")] == ["c3"]
+    assert [r.checkpoint_id for r in store.checkpoints.list("s1")] == ["c3"]
 
 
 def test_a_foreign_file_among_session_status_rows(store, caplog):
     for minutes, status in ((1, "running"), (2, "completed")):
-        store.put_session(SessionRow(session_id="s1", user_id=None, status=status,
+        store.sessions.put(SessionRow(session_id="s1", user_id=None, status=status,
                                      updated_at=T0 + timedelta(minutes=minutes)))
     key = "index/sessions/user=_/session=s1/0000000000000000009-cafebabe.parquet"
     store.objects.put(key=key, data=_foreign_parquet())
@@ -87,4 +87,4 @@ def test_a_foreign_file_among_session_status_rows(store, caplog):
     assert layout.index_quarantine_key(key) in caplog.text
     assert store.objects.get(key=layout.index_quarantine_key(key)) is not None
     assert len(list(store.objects.list(prefix="index/sessions/user=_/session=s1/"))) == 1  # merged
-    assert store.get_session("s1").status == "completed"
+    assert store.sessions.get("s1").status == "completed"

@@ -8,6 +8,7 @@ import pyarrow.dataset as ds
 import pytest
 
 from storage import CheckpointInfo, open_store
+from storage.testing import write_checkpoint
 
 NOW = datetime(2026, 7, 4, tzinfo=timezone.utc)
 
@@ -15,7 +16,7 @@ NOW = datetime(2026, 7, 4, tzinfo=timezone.utc)
 def _fill(store):
     for user in (None, "alice"):
         for i in range(3):
-            store.put_checkpoint(b"{}", CheckpointInfo(session_id="sess-a", checkpoint_id=f"c{i}", user_id=user,
+            write_checkpoint(store, b"{}", CheckpointInfo(session_id="sess-a", checkpoint_id=f"c{i}", user_id=user,
                                                        turn=i, created_at=NOW, position="after_tools",
                                                        execution_status="active", message_count=i,
                                                        cost_usd=0.25 * i), keep=2)
@@ -57,7 +58,8 @@ def test_pyarrow_reads_the_index_straight_from_the_bucket(s3_server):
     data = ds.dataset(f"{root}/index/checkpoints", filesystem=fs, format="parquet", partitioning="hive").to_table()
     assert data.num_rows == 4 and not any(data["tombstone"].to_pylist())
     assert sorted(data.filter(ds.field("user") == "alice")["checkpoint_id"].to_pylist()) == ["c1", "c2"]
-    assert fs.cat(f"{root}/sessions/alice/sess-a/checkpoints/c2.json") == b"{}"
+    assert fs.cat(f"{root}/sessions/alice/sess-a/checkpoints/c2.json") == store.checkpoints.get("sess-a", "c2",
+                                                                                              user_id="alice")
 
 
 def test_polars_reads_the_index_straight_from_the_bucket(s3_server):

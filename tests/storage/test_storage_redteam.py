@@ -17,10 +17,10 @@ from pathlib import Path
 import pyarrow.dataset as ds
 import pytest
 
-from storage import Store, layout, open_store
+from storage import CheckpointInfo, Store, layout, open_store
 from storage.errors import CorruptObjectError
-from storage.faults import ActorCrashed, Fault, FaultPlan, FaultyObjectStore, Rule
-from storage.testing import log_put, put_checkpoint
+from storage.faults import FaultPlan, FaultyObjectStore
+from storage.testing import T0, land_row, log_put, put_checkpoint
 
 
 def ids(rows) -> list[str]:
@@ -51,9 +51,9 @@ def views(root: Path, session_id: str = "s1") -> dict[str, list[str]]:
     """Every reader's view of ``session_id`` from a cold store on ``root``, after a compaction."""
     reader = open_store(root)
     reader.compact(tombstone_grace=timedelta(0))
-    listed = sorted(ids(reader.list_checkpoints(session_id, limit=0)))
-    got = sorted(c for c in listed if reader.get_checkpoint(session_id, c) is not None)
-    latest = reader.get_checkpoint(session_id)
+    listed = sorted(ids(reader.checkpoints.list(session_id, limit=0)))
+    got = sorted(c for c in listed if reader.checkpoints.get(session_id, c) is not None)
+    latest = reader.checkpoints.get(session_id)
     out = {"list": listed, "get": got, "query": query_ids(reader, session_id), **table_ids(root, session_id)}
     objects = (root / layout.session_prefix(session_id, None) / "checkpoints").glob("*.json")
     out["latest"] = sorted(p.stem for p in objects if p.read_bytes() == latest) if latest is not None else []
@@ -68,25 +68,16 @@ def every(ids: list[str], latest: str | None) -> dict[str, list[str]]:
 
 
 def fenced_row_lands(root: Path) -> None:
-    """Holder (epoch 1) writes c1; a takeover runs between its c2 object and c2's index row; the row lands and the
-    holder dies before its re-check, so only the takeover's fence hides c2 (the race a proof cannot close)."""
+    """Holder (epoch 1) writes c1; a takeover; then the holder's c2 object and index row land at epoch 1 (a writer
+    that checked its lease before the takeover and wrote after it: :func:`storage.testing.land_row`), so only
+    the takeover's fence hides c2."""
     store = open_store(root)
-    holder = store.acquire_lease("s1", owner="holder")
+    holder = store.leases.acquire("s1", owner="holder")
     put_checkpoint(store, "s1", "c1", turn=1, lease=holder)
-    taker = Store(store.objects, "taker")
-    crash = Rule(Fault("crash", applied=True), ops=frozenset({"put"}), key_contains="index/checkpoints/")
-    relay = FaultyObjectStore(store.objects, FaultPlan(rules=[crash]))
-    real_put = relay.put
-
-    def takeover_after_the_object(*, key, data, **kw):
-        etag = real_put(key=key, data=data, **kw)
-        if key.endswith("/checkpoints/c2.json"):
-            taker.acquire_lease("s1", owner="taker")
-        return etag
-
-    relay.put = takeover_after_the_object  # type: ignore[method-assign]
-    with pytest.raises(ActorCrashed):
-        put_checkpoint(Store(relay, "holder"), "s1", "c2", turn=2, lease=holder)
+    Store(store.objects, "taker").leases.acquire("s1", owner="taker")
+    land_row(store, json.dumps({"session_id": "s1", "checkpoint_id": "c2", "turn": 2}).encode(),
+             CheckpointInfo(session_id="s1", checkpoint_id="c2", turn=2, created_at=T0, position="after_tools",
+                            execution_status="active", message_count=4), epoch=holder.epoch)
     store.close()
 
 
@@ -105,7 +96,7 @@ def test_a_fenced_row_stays_hidden_after_ten_more_takeovers(tmp_path):
     fenced_row_lands(tmp_path / "d")
     store = open_store(tmp_path / "d")
     for i in range(10):
-        store.acquire_lease("s1", owner=f"owner{i}")
+        store.leases.acquire("s1", owner=f"owner{i}")
     store.compact(tombstone_grace=timedelta(0))
     assert views(tmp_path / "d") == every(["c1"], "c1")
 
@@ -145,7 +136,7 @@ def test_an_older_lease_body_restored_by_hand_shows_no_fenced_row(tmp_path):
     session = root / layout.session_prefix("s1", None)
     (session / "lease.json").write_bytes((session / "leases" / f"{1:020d}.json").read_bytes())
     store = open_store(root)
-    assert store.acquire_lease("s1", owner="next").epoch == 3
+    assert store.leases.acquire("s1", owner="next").epoch == 3
     store.close()
     assert views(root) == every(["c1"], "c1")
 
@@ -161,7 +152,7 @@ def test_repair_of_a_damaged_lease_keeps_the_fence(tmp_path, damage):
     else:
         lease.write_bytes(b'{"epoch": 2, "owner": ')
     store = open_store(tmp_path / "d")
-    assert store.repair_lease("s1").epoch >= 3
+    assert store.leases.repair("s1").epoch >= 3
     store.close()
     assert views(tmp_path / "d") == every(["c1"], "c1")
 
@@ -171,8 +162,8 @@ def test_repair_of_a_damaged_lease_keeps_the_fence(tmp_path, damage):
 
 def written(root: Path, n: int = 3) -> Store:
     store = open_store(root)
-    lease = store.acquire_lease("s1", owner="w")
-    log = store.checkpoint_log(lease, keep=20, batch=1)
+    lease = store.leases.acquire("s1", owner="w")
+    log = store.checkpoints.log(lease, keep=20, batch=1)
     for i in range(1, n + 1):
         log_put(log, f"c{i}", turn=i)
     log.flush()
@@ -191,10 +182,10 @@ def test_a_same_size_overwrite_of_the_newest_object_is_skipped_by_every_view(tmp
     path = root / layout.checkpoint_key("s1", None, "c3")
     path.write_bytes(b"x" * path.stat().st_size)
     reader = open_store(root)
-    assert reader.get_checkpoint("s1") == reader.get_checkpoint("s1", "c2")
+    assert reader.checkpoints.get("s1") == reader.checkpoints.get("s1", "c2")
     with pytest.raises(CorruptObjectError):
-        reader.get_checkpoint("s1", "c3")
-    assert ids(reader.list_checkpoints("s1")) == ["c2", "c1"]
+        reader.checkpoints.get("s1", "c3")
+    assert ids(reader.checkpoints.list("s1")) == ["c2", "c1"]
 
 
 @pytest.mark.xfail(strict=True, reason="red team: a checkpoint object removed or truncated behind the index's back "
@@ -212,8 +203,8 @@ def test_an_object_removed_or_truncated_by_hand_leaves_every_view(tmp_path, dama
     else:
         path.write_bytes(path.read_bytes()[:10])
     reader = open_store(root)
-    assert ids(reader.list_checkpoints("s1")) == ["c2", "c1"]
-    assert reader.get_checkpoint("s1") == reader.get_checkpoint("s1", "c2")
+    assert ids(reader.checkpoints.list("s1")) == ["c2", "c1"]
+    assert reader.checkpoints.get("s1") == reader.checkpoints.get("s1", "c2")
     reader.close()
     got = views(root)
     assert got["list"] == got["query"] == got["pyarrow"] == got["duckdb"] == ["c1", "c2"]
@@ -252,8 +243,8 @@ def test_a_tail_object_that_names_another_session_is_not_adopted(tmp_path):
     root = tmp_path / "d"
     written(root).close()
     store = open_store(root)
-    lease = store.acquire_lease("s2", owner="w2")
-    log = store.checkpoint_log(lease, keep=20, batch=1)
+    lease = store.leases.acquire("s2", owner="w2")
+    log = store.checkpoints.log(lease, keep=20, batch=1)
     log_put(log, "zz9", turn=9)
     log.flush()
     store.close()
@@ -313,18 +304,18 @@ def test_delete_racing_a_tail_that_chains_on_the_deleted_object(tmp_path):
     The delete's snapshot saw the tail, so c1's object stays: c3 remains readable once indexed."""
     root = tmp_path / "d"
     store = open_store(root)
-    lease = store.acquire_lease("s1", owner="w")
-    log = store.checkpoint_log(lease, keep=20, batch=16)
+    lease = store.leases.acquire("s1", owner="w")
+    log = store.checkpoints.log(lease, keep=20, batch=16)
     log_put(log, "c1", turn=1)
     log.flush()
     log_put(log, "c2", turn=2, chain=("c1",))
     log_put(log, "c3", turn=3, chain=("c1", "c2"))
     deleter = open_store(root)
-    assert deleter.delete_checkpoint("s1", "c1")
+    assert deleter.checkpoints.delete("s1", "c1")
     log.flush()
     reader = open_store(root)
-    assert ids(reader.list_checkpoints("s1")) == ["c3", "c2"]
-    assert reader.get_checkpoint_chain("s1", "c3") is not None
+    assert ids(reader.checkpoints.list("s1")) == ["c3", "c2"]
+    assert reader.checkpoints.get_chain("s1", "c3") is not None
     assert views(root) == every(["c2", "c3"], "c3")
 
 
@@ -335,8 +326,8 @@ def test_delete_landing_between_a_writers_put_and_its_collect(tmp_path):
     on the tails of its snapshot (``also_needed``), so c2's chain is broken and no view can read it."""
     root = tmp_path / "d"
     store = open_store(root)
-    lease = store.acquire_lease("s1", owner="w")
-    log = store.checkpoint_log(lease, keep=20, batch=16)
+    lease = store.leases.acquire("s1", owner="w")
+    log = store.checkpoints.log(lease, keep=20, batch=16)
     log_put(log, "c1", turn=1)
     log.flush()
     base = open_store(root)
@@ -352,12 +343,12 @@ def test_delete_landing_between_a_writers_put_and_its_collect(tmp_path):
         return etag
 
     relay.put = put_then_the_writer  # type: ignore[method-assign]
-    assert Store(relay, "deleter").delete_checkpoint("s1", "c1")
+    assert Store(relay, "deleter").checkpoints.delete("s1", "c1")
     assert fired.is_set()
     log.flush()
     reader = open_store(root)
-    assert ids(reader.list_checkpoints("s1")) == ["c2"]
-    assert reader.get_checkpoint_chain("s1", "c2") is not None
+    assert ids(reader.checkpoints.list("s1")) == ["c2"]
+    assert reader.checkpoints.get_chain("s1", "c2") is not None
 
 
 def test_a_deleted_head_kept_for_its_writer_never_reads_as_live_and_goes_once_the_writer_moved_on(tmp_path):
@@ -366,19 +357,19 @@ def test_a_deleted_head_kept_for_its_writer_never_reads_as_live_and_goes_once_th
     c3 on it reads back; once the writer starts a full snapshot c4, deleting c3 collects c2's and c3's objects."""
     root = tmp_path / "d"
     store = open_store(root)
-    log = store.checkpoint_log(store.acquire_lease("s1", owner="w"), keep=20, batch=1)
+    log = store.checkpoints.log(store.leases.acquire("s1", owner="w"), keep=20, batch=1)
     log_put(log, "c1", turn=1)
     log_put(log, "c2", turn=2, chain=("c1",))
-    assert open_store(root).delete_checkpoint("s1", "c2")
+    assert open_store(root).checkpoints.delete("s1", "c2")
     c2 = root / layout.checkpoint_key("s1", None, "c2")
     assert c2.exists()
     assert views(root) == every(["c1"], "c1")  # views() compacts with no grace: the tombstone is dropped
     assert views(root) == every(["c1"], "c1")
     log_put(log, "c3", turn=3, chain=("c1", "c2"))
     assert views(root) == every(["c1", "c3"], "c3")
-    assert open_store(root).get_checkpoint_chain("s1", "c3") is not None
+    assert open_store(root).checkpoints.get_chain("s1", "c3") is not None
     log_put(log, "c4", turn=4)  # a full snapshot: nothing builds on c2 any more
-    assert open_store(root).delete_checkpoint("s1", "c3")
+    assert open_store(root).checkpoints.delete("s1", "c3")
     assert not c2.exists() and not (root / layout.checkpoint_key("s1", None, "c3")).exists()
     assert views(root) == every(["c1", "c4"], "c4")
 
@@ -389,7 +380,7 @@ def test_two_concurrent_prunes_with_a_fork_pin_agree(tmp_path):
     root = tmp_path / "d"
     written(root, 4).close()
     store = open_store(root)
-    store.pin_checkpoint("s1", "c2", dependent="f1")
+    store.checkpoints.pin("s1", "c2", dependent="f1")
     errors: list[BaseException] = []
     go = threading.Barrier(2)
 
@@ -408,7 +399,7 @@ def test_two_concurrent_prunes_with_a_fork_pin_agree(tmp_path):
     assert not errors, errors
     assert (root / layout.checkpoint_key("s1", None, "c2")).exists()
     assert views(root) == every([], None)
-    assert open_store(root).get_checkpoint_chain("s1", "c2", pinned_for="f1") is not None
+    assert open_store(root).checkpoints.get_chain("s1", "c2", pinned_for="f1") is not None
 
 
 def test_a_file_that_is_not_parquet_in_a_partition_is_skipped(tmp_path):

@@ -14,12 +14,13 @@ import pytest
 from storage import CheckpointInfo, SessionRow, open_store
 from storage.rows import session_rows_table
 from storage.session_table import read_session_table, read_session_tables, session_table_key
+from storage.testing import write_checkpoint
 
 T0 = datetime(2026, 12, 1, tzinfo=timezone.utc)
 
 
 def _status(store, sid, user, status, minute, error=None, **kw):
-    store.put_session(SessionRow(session_id=sid, user_id=user, status=status, updated_at=T0 + timedelta(minutes=minute),
+    store.sessions.put(SessionRow(session_id=sid, user_id=user, status=status, updated_at=T0 + timedelta(minutes=minute),
                                  run_id="r1", agent_ref=None, spec_json=None, epoch=1, node_id=None, error=error, **kw))
 
 
@@ -29,7 +30,7 @@ def _table_view(store) -> set[tuple]:
 
 
 def _listing(store) -> set[tuple]:
-    return {(r.user_id, r.session_id, r.status) for r in store.list_sessions()}
+    return {(r.user_id, r.session_id, r.status) for r in store.sessions.list()}
 
 
 @pytest.fixture
@@ -56,7 +57,7 @@ def test_exact_after_retention_prune_and_more_status_changes(store):
     for i in range(3):
         _status(store, f"s{i}", "bob", "running", i)
         for n in range(3):
-            store.put_checkpoint(b"{}", CheckpointInfo(session_id=f"s{i}", checkpoint_id=f"c{n}", user_id="bob",
+            write_checkpoint(store, b"{}", CheckpointInfo(session_id=f"s{i}", checkpoint_id=f"c{n}", user_id="bob",
                                                        turn=n, created_at=T0, position="after_tools",
                                                        execution_status="active", message_count=n), keep=2)
     store.compact()
@@ -106,24 +107,24 @@ def test_an_unreadable_table_file_is_rebuilt(store):
 def test_change_markers_name_what_the_table_is_behind_on_and_compaction_clears_only_what_it_absorbed(store):
     _status(store, "s0", "fay", "running", 0)
     _status(store, "s1", None, "running", 1)
-    assert set(store.changed_sessions()) == {("fay", "s0"), (None, "s1")}
-    assert set(store.changed_sessions("fay")) == {("fay", "s0")}
-    real = store.changed_sessions
+    assert set(store.sessions.changed()) == {("fay", "s0"), (None, "s1")}
+    assert set(store.sessions.changed("fay")) == {("fay", "s0")}
+    real = store.sessions.changed
 
     def listed_then_written(user_id=...):
         out = real(user_id)
         _status(store, "s2", "fay", "running", 2)  # after the compaction's marker LIST, before its row LIST
         return out
 
-    store.changed_sessions = listed_then_written
+    store.sessions.changed = listed_then_written
     store.compact()
-    del store.changed_sessions
-    assert set(store.changed_sessions()) == {("fay", "s2")}  # its marker was not listed: it stays
+    del store.sessions.changed
+    assert set(store.sessions.changed()) == {("fay", "s2")}  # its marker was not listed: it stays
     assert _table_view(store) == {("fay", "s0", "running"), (None, "s1", "running"), ("fay", "s2", "running")}
     _status(store, "s0", "fay", "completed", 3)
-    assert set(store.changed_sessions()) == {("fay", "s2"), ("fay", "s0")}
+    assert set(store.sessions.changed()) == {("fay", "s2"), ("fay", "s0")}
     store.compact()
-    assert store.changed_sessions() == {}
+    assert store.sessions.changed() == {}
     assert ("fay", "s0", "completed") in _table_view(store)
 
 
@@ -148,7 +149,7 @@ def test_a_change_marker_that_names_another_session_is_not_believed(store):
                          "updated_at": (T0 + timedelta(days=1)).isoformat()}).encode()
     store.objects.put(key="changed/hal/mallory/0000000000000000001-aaaa.json", data=forged)
     store.objects.put(key="changed/hal/victim/0000000000000000001-bbbb.json", data=b"not json")
-    rows = {(r.session_id, r.status) for r in store.changed_rows("hal")}
+    rows = {(r.session_id, r.status) for r in store.sessions.changed_rows("hal")}
     assert rows == {("victim", "running")}  # mallory's marker is skipped, victim's row comes from the index
 
 

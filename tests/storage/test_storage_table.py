@@ -13,6 +13,7 @@ import pytest
 import storage.table as table_module
 from storage import CheckpointInfo, Store, layout, open_store
 from storage.table import Manifest, staleness
+from storage.testing import write_checkpoint
 
 T0 = datetime(2026, 7, 4, 22, 0, tzinfo=timezone.utc)  # rows of a session cross midnight: two day partitions
 #: Ids a hive path treats specially, or that a glob or a URL would: spaces, non-ASCII, glob and quote characters.
@@ -28,7 +29,7 @@ def put(store: Store, session_id: str, checkpoint_id: str, *, user_id=None, turn
                           created_at=T0 + timedelta(minutes=30 * turn if minutes is None else minutes),
                           position="after_tools", execution_status="completed" if turn % 2 else "active",
                           message_count=turn, cost_usd=0.1 * turn if cost is None else cost)
-    return store.put_checkpoint(data, info, keep=keep)
+    return write_checkpoint(store, data, info, keep=keep)
 
 
 def fill(store: Store, *, turns: int = 5, keep: int = 3) -> None:
@@ -96,7 +97,7 @@ def bucket_store(request, tmp_path):
 def test_outside_readers_get_exactly_the_live_rows_after_retention_delete_and_prune(bucket_store):
     store = bucket_store
     fill(store)  # keep=3: retention retires two of five rows per session
-    store.delete_checkpoint(SESSIONS[0], "c4 ü", user_id=USERS[1])
+    store.checkpoints.delete(SESSIONS[0], "c4 ü", user_id=USERS[1])
     store.compact()
     expected = live(store)
     assert len(expected) == len(USERS) * len(SESSIONS) * 3 - 1
@@ -166,7 +167,7 @@ def test_incremental_compaction_rewrites_only_the_days_of_changed_sessions(store
                if etags.get(k) != e}
     assert changed == {layout.table_partition_key("u0", "2026-07-07"), layout.table_manifest_key("u0")}
     assert store.query(user_id="u0", session_id="s2").num_rows == 5
-    store.delete_checkpoint("s4", "c0", user_id="u0")
+    store.checkpoints.delete("s4", "c0", user_id="u0")
     assert store.compact().table_partitions == 1  # the day of the retired row
     assert store.query(user_id="u0", session_id="s4").num_rows == 3
     assert_outside_readers_see(store, live(store)) if store.objects.backend != "memory" else None
@@ -206,7 +207,7 @@ def test_a_concurrent_compactor_never_resurrects_a_row_in_the_table(store):
     def read_then_race(keys, **kw):
         out = real(keys, **kw)
         if not raced:
-            assert store.delete_checkpoint("s1", "c1")  # A holds c1 as live; B applies its retirement
+            assert store.checkpoints.delete("s1", "c1")  # A holds c1 as live; B applies its retirement
             raced.append(b.compact())
         return out
 
@@ -239,7 +240,7 @@ def test_a_stalled_write_phase_is_taken_over_and_its_late_writes_fail(store, mon
         if key.endswith("part-0.parquet") and not stalled:
             stalled.append(key)
             later[0] = timedelta(minutes=11)  # A's intent (10 min) expires while A is paused here
-            assert store.delete_checkpoint("s1", "c0")
+            assert store.checkpoints.delete("s1", "c0")
             assert b.compact().table_users == 1  # takes the expired intent over and rebuilds
             later[0] = timedelta(0)
         return real_put(key=key, data=data, **kw)
@@ -351,13 +352,13 @@ def test_appends_are_merged_without_rereading_the_sessions_compacted_file(store)
     store.compact(tombstone_grace=timedelta(0))  # tombstones may go: everything is merged again
     assert len(store.index_files()) == 1
     assert sorted(store.query()["checkpoint_id"].to_pylist()) == rows
-    assert [r.checkpoint_id for r in store.list_checkpoints("s1", limit=3)] == ["c40", "c39", "c38"]
+    assert [r.checkpoint_id for r in store.checkpoints.list("s1", limit=3)] == ["c40", "c39", "c38"]
 
 
 def test_a_row_a_tombstone_in_the_unread_compacted_file_retires_stays_out_of_the_table(store):
     for t in range(40):
         put(store, "s1", f"c{t:02d}", turn=t, minutes=t, keep=1000)
-    assert store.delete_checkpoint("s1", "c05")
+    assert store.checkpoints.delete("s1", "c05")
     store.compact()  # the young tombstone of c05 stays in the compacted file
     put(store, "s1", "c05", turn=5, minutes=5, keep=1000)  # the id again: its tombstone retires this row too
     expected = sorted(store.query()["checkpoint_id"].to_pylist())

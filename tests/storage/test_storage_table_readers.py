@@ -10,6 +10,7 @@ import pytest
 from pyarrow import fs as pafs
 
 from storage import CheckpointInfo
+from storage.testing import write_checkpoint
 
 DAYS = (1, 2, 3)
 CUTOFF = "2026-12-02"
@@ -20,7 +21,7 @@ def _fill(store) -> None:
     for user in (None, "alice"):
         for day in DAYS:
             for n in (1, 2):
-                store.put_checkpoint(b"{}", CheckpointInfo(
+                write_checkpoint(store, b"{}", CheckpointInfo(
                     session_id=f"s{day}", checkpoint_id=f"c{day}-{n}", user_id=user, turn=n,
                     created_at=datetime(2026, 12, day, 12, tzinfo=timezone.utc), position="after_tools",
                     execution_status="active", message_count=n, cost_usd=0.25 * n))
@@ -67,7 +68,7 @@ def test_pyarrow_dataset_filters_on_partition_keys(bucket, s3_server):
     table = dataset.to_table(filter=(ds.field("day") >= CUTOFF) & (ds.field("user") == "alice"))
     assert sorted(table["checkpoint_id"].to_pylist()) == ["c2-1", "c2-2", "c3-1", "c3-2"]
     # Retention, deletes and prune reach the table at the next compaction (prune: at once).
-    store.delete_checkpoint("s3", "c3-2", user_id="alice")
+    store.checkpoints.delete("s3", "c3-2", user_id="alice")
     store.prune(session_id="s2", user_id="alice")
     store.compact(tombstone_grace=timedelta(0))
     again = ds.dataset(f"{root}/index/table", filesystem=s3, format="parquet", partitioning="hive")

@@ -19,10 +19,9 @@ from datetime import timedelta
 import pyarrow.parquet as pq
 import pytest
 
-from storage import Store, layout
+from storage import CheckpointInfo, Store, layout
 from storage.errors import ObjectNotFound
-from storage.faults import ActorCrashed, Fault, FaultPlan, FaultyObjectStore, Rule
-from storage.testing import log_put, put_checkpoint
+from storage.testing import T0, land_row, log_put, put_checkpoint
 
 
 def ids(rows) -> list[str]:
@@ -44,24 +43,14 @@ def table_ids(store: Store) -> list[str]:
 
 
 def _fenced_row_lands(store: Store) -> None:
-    """Holder (epoch 1) writes c1; a takeover runs between its c2 object and c2's row; the row lands and the
-    holder dies before its re-check, so nothing retires the row (see test_review_r4 in test_storage_integrity)."""
-    holder_lease = store.acquire_lease("s1", owner="holder")
+    """Holder (epoch 1) writes c1; a takeover; then the holder's c2 object and row land at epoch 1 (a writer
+    that checked its lease before the takeover and wrote after it: :func:`storage.testing.land_row`)."""
+    holder_lease = store.leases.acquire("s1", owner="holder")
     put_checkpoint(store, "s1", "c1", turn=1, lease=holder_lease)
-    taker = Store(store.objects, "taker")
-    crash = Rule(Fault("crash", applied=True), ops=frozenset({"put"}), key_contains="index/checkpoints/")
-    relay = FaultyObjectStore(store.objects, FaultPlan(rules=[crash]))
-    real_put = relay.put
-
-    def takeover_after_the_object(*, key, data, **kw):
-        etag = real_put(key=key, data=data, **kw)
-        if key.endswith("/checkpoints/c2.json"):
-            taker.acquire_lease("s1", owner="taker")
-        return etag
-
-    relay.put = takeover_after_the_object  # type: ignore[method-assign]
-    with pytest.raises(ActorCrashed):
-        put_checkpoint(Store(relay, "holder"), "s1", "c2", turn=2, lease=holder_lease)
+    Store(store.objects, "taker").leases.acquire("s1", owner="taker")
+    land_row(store, json.dumps({"checkpoint_id": "c2", "turn": 2}).encode(),
+             CheckpointInfo(session_id="s1", checkpoint_id="c2", turn=2, created_at=T0, position="after_tools",
+                            execution_status="active", message_count=4), epoch=holder_lease.epoch)
 
 
 def test_path01_a_fenced_row_is_in_no_view(store):
@@ -69,21 +58,21 @@ def test_path01_a_fenced_row_is_in_no_view(store):
     after compaction) and the compacted table's files: every view shows c1 alone."""
     _fenced_row_lands(store)
     reader = Store(store.objects, "reader")
-    assert ids(reader.list_checkpoints("s1")) == ["c1"]
-    assert reader.get_checkpoint("s1", "c2") is None
-    assert reader.get_checkpoint_chain("s1", "c2") is None
-    assert json.loads(reader.get_checkpoint("s1", "c1"))["checkpoint_id"] == "c1"
+    assert ids(reader.checkpoints.list("s1")) == ["c1"]
+    assert reader.checkpoints.get("s1", "c2") is None
+    assert reader.checkpoints.get_chain("s1", "c2") is None
+    assert json.loads(reader.checkpoints.get("s1", "c1"))["checkpoint_id"] == "c1"
     assert query_ids(reader, "s1") == ["c1"]
     with pytest.raises(ObjectNotFound):  # no fork from a fenced write
-        reader.pin_checkpoint("s1", "c2", dependent="f1")
+        reader.checkpoints.pin("s1", "c2", dependent="f1")
     reader.compact(tombstone_grace=timedelta(0))
     assert table_ids(reader) == ["c1"]
     assert query_ids(Store(store.objects, "cold"), "s1") == ["c1"]
 
 
 def _logged(store: Store, n: int, *, keep: int = 20, batch: int = 1):
-    lease = store.acquire_lease("s1", owner="w")
-    log = store.checkpoint_log(lease, keep=keep, batch=batch)
+    lease = store.leases.acquire("s1", owner="w")
+    log = store.checkpoints.log(lease, keep=keep, batch=batch)
     for i in range(1, n + 1):
         log_put(log, f"c{i}", turn=i)
     log.flush()
@@ -92,65 +81,65 @@ def _logged(store: Store, n: int, *, keep: int = 20, batch: int = 1):
 
 def test_path03_a_pruned_checkpoint_a_pin_keeps_never_comes_back_after_compaction(store):
     _logged(store, 4)
-    store.pin_checkpoint("s1", "c4", dependent="f1")  # a fork of c4 keeps its object
+    store.checkpoints.pin("s1", "c4", dependent="f1")  # a fork of c4 keeps its object
     store.prune(session_id="s1")
     assert store.objects.get(key=layout.checkpoint_key("s1", None, "c4")) is not None  # the pin keeps it
-    assert store.list_checkpoints("s1") == []
+    assert store.checkpoints.list("s1") == []
     store.compact(tombstone_grace=timedelta(0))  # the tombstones go
     for reader in (store, Store(store.objects, "cold")):
-        assert reader.list_checkpoints("s1") == []
-        assert reader.get_checkpoint("s1") is None
-        assert reader.get_checkpoint("s1", "c4") is None
+        assert reader.checkpoints.list("s1") == []
+        assert reader.checkpoints.get("s1") is None
+        assert reader.checkpoints.get("s1", "c4") is None
 
 
 def test_path03_a_deleted_newest_checkpoint_a_pin_keeps_stays_deleted_after_compaction(store):
     _logged(store, 4)
-    store.pin_checkpoint("s1", "c4", dependent="f1")
-    assert store.delete_checkpoint("s1", "c4")
+    store.checkpoints.pin("s1", "c4", dependent="f1")
+    assert store.checkpoints.delete("s1", "c4")
     store.compact(tombstone_grace=timedelta(0))
     store.compact(tombstone_grace=timedelta(0))  # a second merge carries the watermark on
     for reader in (store, Store(store.objects, "cold")):
-        assert ids(reader.list_checkpoints("s1")) == ["c3", "c2", "c1"]
-        assert json.loads(reader.get_checkpoint("s1"))["turn"] == 3
+        assert ids(reader.checkpoints.list("s1")) == ["c3", "c2", "c1"]
+        assert json.loads(reader.checkpoints.get("s1"))["turn"] == 3
 
 
 def test_path04_a_fork_resumes_from_a_fork_point_the_parents_retention_retired(store):
-    lease = store.acquire_lease("s1", owner="w")
-    log = store.checkpoint_log(lease, keep=2, batch=1)
+    lease = store.leases.acquire("s1", owner="w")
+    log = store.checkpoints.log(lease, keep=2, batch=1)
     for i in (1, 2):
         log_put(log, f"c{i}", turn=i)
     # The fork pins c2 and crashes before its first checkpoint; the parent goes on and retention retires c2.
-    chain = store.pin_checkpoint("s1", "c2", dependent="f1")
+    chain = store.checkpoints.pin("s1", "c2", dependent="f1")
     for i in (3, 4, 5):
         log_put(log, f"c{i}", turn=i)
-    assert ids(store.list_checkpoints("s1")) == ["c5", "c4"]
+    assert ids(store.checkpoints.list("s1")) == ["c5", "c4"]
     assert store.objects.get(key=layout.checkpoint_key("s1", None, "c2")) is not None  # pinned
     # The fork's next attempt pins and reads its fork point again.
-    assert store.pin_checkpoint("s1", "c2", dependent="f1") == chain
-    got = store.get_checkpoint_chain("s1", "c2", pinned_for="f1")
+    assert store.checkpoints.pin("s1", "c2", dependent="f1") == chain
+    got = store.checkpoints.get_chain("s1", "c2", pinned_for="f1")
     assert got == [store.objects.get(key=layout.checkpoint_key("s1", None, "c2")).data]
     # Nobody else sees it: not listed, not found by id, not pinnable by another fork.
-    assert store.get_checkpoint("s1", "c2") is None
-    assert store.get_checkpoint_chain("s1", "c2", pinned_for="f2") is None
+    assert store.checkpoints.get("s1", "c2") is None
+    assert store.checkpoints.get_chain("s1", "c2", pinned_for="f2") is None
     with pytest.raises(ObjectNotFound):
-        store.pin_checkpoint("s1", "c2", dependent="f2")
+        store.checkpoints.pin("s1", "c2", dependent="f2")
 
 
 def test_path05_delete_through_the_store_the_run_wrote_with(store):
     """Five checkpoints, each building on the ones before (an incremental chain), written through a log of the
     very store that then deletes: deleting the newest and then a middle one leaves the others readable."""
-    lease = store.acquire_lease("s1", owner="w")
-    log = store.checkpoint_log(lease, keep=20, batch=1)
+    lease = store.leases.acquire("s1", owner="w")
+    log = store.checkpoints.log(lease, keep=20, batch=1)
     for i in range(1, 6):
         log_put(log, f"c{i}", turn=i, chain=tuple(f"c{j}" for j in range(1, i)))
-    assert store.delete_checkpoint("s1", "c5")
-    assert ids(store.list_checkpoints("s1")) == ["c4", "c3", "c2", "c1"]
-    assert store.delete_checkpoint("s1", "c3")
-    assert ids(store.list_checkpoints("s1")) == ["c4", "c2", "c1"]
+    assert store.checkpoints.delete("s1", "c5")
+    assert ids(store.checkpoints.list("s1")) == ["c4", "c3", "c2", "c1"]
+    assert store.checkpoints.delete("s1", "c3")
+    assert ids(store.checkpoints.list("s1")) == ["c4", "c2", "c1"]
     for cid in ("c4", "c2", "c1"):
-        chain = store.get_checkpoint_chain("s1", cid)
+        chain = store.checkpoints.get_chain("s1", cid)
         assert chain is not None and len(chain) == int(cid[1:])
-    assert store.get_checkpoint("s1") is not None
+    assert store.checkpoints.get("s1") is not None
 
 
 def _lease_deleted(store: Store, session_id: str = "s1") -> None:
@@ -161,18 +150,18 @@ def test_lease_deleted_a_zombies_late_checkpoint_stays_hidden_after_lease_json_i
     """Holder (epoch 1) acknowledges c1; a taker takes epoch 2 and dies before its first checkpoint; the holder,
     a zombie now, lands c2 (its log has not re-checked its lease yet); then ``lease.json`` is deleted. No reader
     may show c2: it was written after the takeover, and its writer is told it was fenced."""
-    holder = store.checkpoint_log(store.acquire_lease("s1", owner="holder"), batch=1)
+    holder = store.checkpoints.log(store.leases.acquire("s1", owner="holder"), batch=1)
     log_put(holder, "c1", turn=1)
-    Store(store.objects, "taker").acquire_lease("s1", owner="taker")  # epoch 2; then the taker dies
+    Store(store.objects, "taker").leases.acquire("s1", owner="taker")  # epoch 2; then the taker dies
     holder.batch = 8  # c2 is one put, no proof yet: an unindexed object of epoch 1
     log_put(holder, "c2", turn=2)
     for reader in (store, Store(store.objects, "before")):
-        assert ids(reader.list_checkpoints("s1")) == ["c1"]
+        assert ids(reader.checkpoints.list("s1")) == ["c1"]
     _lease_deleted(store)
     for reader in (store, Store(store.objects, "cold")):
-        assert ids(reader.list_checkpoints("s1")) == ["c1"]
-        assert json.loads(reader.get_checkpoint("s1"))["turn"] == 1
-        assert reader.get_checkpoint("s1", "c2") is None
+        assert ids(reader.checkpoints.list("s1")) == ["c1"]
+        assert json.loads(reader.checkpoints.get("s1"))["turn"] == 1
+        assert reader.checkpoints.get("s1", "c2") is None
 
 
 def test_lease_deleted_a_fenced_row_stays_hidden_after_lease_json_is_deleted(store):
@@ -181,8 +170,8 @@ def test_lease_deleted_a_fenced_row_stays_hidden_after_lease_json_is_deleted(sto
     _fenced_row_lands(store)
     _lease_deleted(store)
     reader = Store(store.objects, "cold")
-    assert ids(reader.list_checkpoints("s1")) == ["c1"]
-    assert reader.get_checkpoint("s1", "c2") is None
+    assert ids(reader.checkpoints.list("s1")) == ["c1"]
+    assert reader.checkpoints.get("s1", "c2") is None
     assert query_ids(reader, "s1") == ["c1"]
     reader.compact(tombstone_grace=timedelta(0))
     assert table_ids(reader) == ["c1"]
@@ -192,7 +181,7 @@ def test_lease_deleted_a_fenced_row_stays_hidden_when_lease_json_is_unreadable(s
     _fenced_row_lands(store)
     store.objects.put(key=layout.lease_key("s1", None), data=b"\x00 not json")
     reader = Store(store.objects, "cold")
-    assert ids(reader.list_checkpoints("s1")) == ["c1"]
+    assert ids(reader.checkpoints.list("s1")) == ["c1"]
     assert query_ids(reader, "s1") == ["c1"]
 
 
@@ -208,7 +197,7 @@ def test_lease_deleted_no_lease_copy_is_read_for_a_session_written_without_a_lea
 
     store.objects.list = counting_list  # type: ignore[method-assign]
     try:
-        assert ids(Store(store.objects, "cold").list_checkpoints("s1")) == ["c1"]
+        assert ids(Store(store.objects, "cold").checkpoints.list("s1")) == ["c1"]
     finally:
         del store.objects.list
     assert listed and not any(p.endswith("/leases/") for p in listed)

@@ -61,7 +61,7 @@ def test_a_running_sessions_new_turn_appears_live(page, servers, seeded):
                               kwargs={"session_id": "s-live", "user_id": "alice"}, daemon=True)
     runner.start()
     store = open_store(seeded.url)
-    wait_for(lambda: store.journal_runs("s-live", user_id="alice"), "the run to start")
+    wait_for(lambda: store.journal.runs("s-live", user_id="alice"), "the run to start")
     page.goto(servers["open"].base + "/session/s-live?user=alice")
     events = page.locator("#events")
     expect(events).to_contain_text("calls step")

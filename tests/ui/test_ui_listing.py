@@ -10,12 +10,13 @@ from ui_harness import bound
 
 from loomray.ui.listing import ListQuery, TableCache, list_sessions
 from storage import CheckpointInfo, SessionRow, open_store
+from storage.testing import write_checkpoint
 
 T0 = datetime(2026, 7, 1, tzinfo=timezone.utc)
 
 
 def _status(store, s: int, status: str, **kw) -> None:
-    store.put_session(SessionRow(session_id=f"s{s:03d}", user_id="bob" if s % 3 == 0 else "alice", status=status,
+    store.sessions.put(SessionRow(session_id=f"s{s:03d}", user_id="bob" if s % 3 == 0 else "alice", status=status,
                                  updated_at=T0 + timedelta(minutes=s), run_id="r1", **kw))
 
 
@@ -38,7 +39,7 @@ def store():
 
 
 def test_one_row_per_session_newest_first_in_pages_table_and_tail(store):
-    assert len(store.changed_sessions()) == 4  # the tail: what the table does not hold yet
+    assert len(store.sessions.changed()) == 4  # the tail: what the table does not hold yet
     first = list_sessions(store, ListQuery())
     assert first.total == 120 and len(first.rows) == 50
     assert [r.session_id for r in first.rows[:4]] == ["s119", "s118", "s117", "s116"]  # tail, then table
@@ -86,12 +87,12 @@ def test_a_page_reads_the_table_and_the_tail_not_every_session(store, monkeypatc
 def test_a_kept_view_is_current_after_a_status_change_and_a_compaction(store):
     tables = TableCache()
     assert list_sessions(store, ListQuery(), tables).rows[0].session_id == "s119"
-    store.put_session(SessionRow(session_id="s050", user_id="alice", status="paused", run_id="r2",
+    store.sessions.put(SessionRow(session_id="s050", user_id="alice", status="paused", run_id="r2",
                                  updated_at=T0 + timedelta(hours=9), turn=3, cost_usd=1.0))
     top = list_sessions(store, ListQuery(), tables).rows[0]
     assert (top.session_id, top.status, top.turns) == ("s050", "paused", 3)
     store.compact()
-    assert store.changed_sessions() == {}
+    assert store.sessions.changed() == {}
     after = list_sessions(store, ListQuery(), tables)
     assert (after.total, after.rows[0].session_id, after.rows[0].status) == (120, "s050", "paused")
     assert next(r for r in list_sessions(store, ListQuery(offset=100), tables).rows
@@ -100,10 +101,10 @@ def test_a_kept_view_is_current_after_a_status_change_and_a_compaction(store):
 
 def test_a_running_sessions_turns_and_spend_come_from_its_latest_checkpoint():
     store = open_store(f"memory://{uuid.uuid4().hex}")
-    store.put_session(SessionRow(session_id="live", user_id="alice", status="running", updated_at=T0 + timedelta(
+    store.sessions.put(SessionRow(session_id="live", user_id="alice", status="running", updated_at=T0 + timedelta(
         hours=5), run_id="r2", turn=0, cost_usd=0.0))
     for turn in (1, 2, 3):
-        store.put_checkpoint(b"{}", CheckpointInfo(
+        write_checkpoint(store, b"{}", CheckpointInfo(
             session_id="live", user_id="alice", checkpoint_id=f"c{turn}", turn=turn,
             created_at=T0 + timedelta(hours=5, minutes=turn), position="after_tools", execution_status="active",
             message_count=2 * turn, cost_usd=0.5 * turn))
@@ -120,8 +121,8 @@ def test_a_runs_status_rows_carry_its_turns_spend_and_exploration(tmp_path):
                              metadata={"exploration_id": "x-7"})
     chatty.run_sync("Another one.", session_id="s-plain", user_id="alice", metadata={"exploration_id": "../bad"})
     store = open_store(url)
-    row = store.get_session("s-branch", user_id="alice")
+    row = store.sessions.get("s-branch", user_id="alice")
     assert (row.status, row.turn, row.exploration_id) == ("completed", result.turns, "x-7")
-    assert store.get_session("s-plain", user_id="alice").exploration_id is None  # not an id: not carried
+    assert store.sessions.get("s-plain", user_id="alice").exploration_id is None  # not an id: not carried
     page = list_sessions(store, ListQuery(exploration="x-7"))
     assert [(r.session_id, r.turns, r.spend_usd) for r in page.rows] == [("s-branch", result.turns, row.cost_usd)]
