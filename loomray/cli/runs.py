@@ -13,7 +13,7 @@ import copy
 import os
 import sys
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import click
 from rich.progress import Progress, TaskID
@@ -45,8 +45,6 @@ from loomray.runtime import LocalRuntime, Runtime
 from loomray.runtime.connection import normalize_store_url
 from loomray.variants import describe_variant
 from storage import Store
-
-T = TypeVar("T")
 
 
 def load_agent(ref: str) -> Agent:
@@ -114,30 +112,43 @@ def result_dict(r: RunResult) -> dict[str, Any]:
 
 
 class _Bars:
-    """Progress bars fed by the runs' own events: a bar per session from its ``run_start``, its turn from each
-    checkpoint. ``labels``: the label of each run in the order given (a run is matched to it by its prompt)."""
+    """Progress bars fed by the runs' own events: a bar per session from its first event, its turn from each
+    checkpoint. ``labels``: the label of each run in the order given (a run is matched to it by its prompt);
+    :meth:`finish` gives every run the work returned a bar, whatever events reached this process."""
 
     def __init__(self, progress: Progress, labels: Sequence[tuple[str | None, str]]) -> None:
-        self._progress, self._free = progress, list(labels)
+        self._progress, self._labels, self._free = progress, list(labels), list(labels)
         self._bars: dict[str, tuple[TaskID, int]] = {}
 
-    def __call__(self, event: Event) -> None:
-        sid = event.session_id
-        if isinstance(event, RunStart) and sid not in self._bars:
-            hit = next((i for i, (p, _) in enumerate(self._free) if p == event.prompt), 0 if self._free else None)
+    def _bar(self, sid: str, prompt: str | None, turn: int) -> tuple[TaskID, int]:
+        if sid not in self._bars:
+            hit = next((i for i, (p, _) in enumerate(self._free) if p == prompt), 0 if self._free else None)
             label = self._free.pop(hit)[1] if hit is not None else sid
-            self._bars[sid] = (self._progress.add_task(label, total=None, info="starting"), event.turn)
-        elif sid in self._bars and isinstance(event, CheckpointEvent) and event.ok:
-            bar, base = self._bars[sid]
+            self._bars[sid] = (self._progress.add_task(label, total=None, info="starting"), turn)
+        return self._bars[sid]
+
+    def __call__(self, event: Event) -> None:
+        bar, base = self._bar(event.session_id, event.prompt if isinstance(event, RunStart) else None, event.turn)
+        if isinstance(event, CheckpointEvent) and event.ok:
             self._progress.update(bar, info=f"turn {event.turn} (+{max(event.turn - base, 0)})")
-        elif sid in self._bars and event.type in ("run_end", "run_error"):
-            self._progress.update(self._bars[sid][0], total=1, completed=1)
+
+    def finish(self, results: Sequence[RunResult]) -> None:
+        """Every run done: each result's bar (made now, with its label in order, if no event came) completed."""
+        for r, (_, label) in zip(results, self._labels, strict=False):
+            if r.session_id not in self._bars:
+                self._bars[r.session_id] = (self._progress.add_task(label, total=None), 0)
+                self._free = [f for f in self._free if f[1] != label]
+            self._progress.update(self._bars[r.session_id][0], total=1, completed=1, info=f"turn {r.turns}")
 
 
-async def with_progress(work: Callable[[EmitFn], Awaitable[T]], labels: Sequence[tuple[str | None, str]]) -> T:
-    """``work(emit)``, showing a bar per run it starts (see :class:`_Bars`) until it is done."""
+async def with_progress(work: Callable[[EmitFn], Awaitable[list[RunResult]]],
+                        labels: Sequence[tuple[str | None, str]]) -> list[RunResult]:
+    """``work(emit)``, showing a bar per run (see :class:`_Bars`) until it is done."""
     with run_progress() as progress:
-        return await work(_Bars(progress, labels))
+        bars = _Bars(progress, labels)
+        results = await work(bars)
+        bars.finish(results)
+        return results
 
 
 @click.command()
@@ -162,9 +173,12 @@ def resume(session_id: str, prompt: str | None, from_checkpoint: str, agent_ref:
     store = open_store_or_fail(store_url)
     agent, ref = agent_for(session_id, user_id, store, agent_ref)
     bound = bind(agent, ref, runtime_for(store_url_or_fail(store_url), address))
-    result = asyncio.run(with_progress(lambda emit: bound.resume(
-        prompt, session_id=session_id, from_checkpoint=from_checkpoint, user_id=user_id, emit=emit),
-        [(prompt, f"resume {session_id}")]))
+
+    async def work(emit: EmitFn) -> list[RunResult]:
+        return [await bound.resume(prompt, session_id=session_id, from_checkpoint=from_checkpoint, user_id=user_id,
+                                   emit=emit)]
+
+    result = asyncio.run(with_progress(work, [(prompt, f"resume {session_id}")]))[0]
     if as_json:
         emit_json(result_dict(result))
         return
