@@ -104,6 +104,8 @@ orphaned = make("orphaned")
 adopted = make("adopted")
 #: Ends while no supervisor lives (its supervisor killed mid-run, the replacement held back).
 unwatched = make("unwatched", 0.2)
+#: Waited on for longer than the driver waits for a re-adoption, then its supervisor is killed.
+outwaited = make("outwaited", 0.3)
 #: Loses its lease to an intruder mid-run.
 fenced = make("fenced")
 #: Its node is frozen (raylet SIGSTOP) mid-step: the frozen incarnation becomes a zombie.

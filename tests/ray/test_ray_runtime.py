@@ -213,6 +213,29 @@ async def test_run_that_ends_while_no_supervisor_lives_is_collected_from_its_act
     assert (s["status"], s["host"], s["incarnation"], s["epoch"]) == ("completed", host, 1, 1)
 
 
+async def test_a_wait_longer_than_the_readoption_timeout_survives_its_supervisor(env, monkeypatch):
+    """The driver waits for a replacement to adopt its session ``_READOPT_TIMEOUT_S``, counted from the
+    supervisor's loss: a run waited on for longer than that (shortened here to 1 s) is adopted as any other,
+    not given up the moment its supervisor dies."""
+    from loomray.runtime import ray_runtime
+    from loomray.runtime.actors import NAMESPACE, supervisor_name
+
+    lc, runtime, agents = env
+    monkeypatch.setattr(ray_runtime, "_READOPT_TIMEOUT_S", 1.0)
+    name, sid = "outwaited", "s-outwaited"
+    agent = _driver_agent(agents.outwaited, f"ray_agents:{name}", runtime)
+    started = time.monotonic()
+    run = asyncio.create_task(agent.run("go", session_id=sid))
+    await _until(lambda: _checkpoint_turn(runtime.store, sid) >= 2 and time.monotonic() - started > 1.5, 60,
+                 "the checkpoint of turn 2, the driver's wait older than the timeout")
+    ray.kill(ray.get_actor(supervisor_name(runtime.config.store_url), namespace=NAMESPACE))
+
+    result = await asyncio.wait_for(run, 90)
+    assert result.output == f"{name} finished"
+    assert runtime.store.get_session(sid).epoch == 1
+    assert sorted(agents.model_calls(name)) == list(range(agents.TURNS + 1))
+
+
 async def test_supervisor_and_actor_both_killed_new_supervisor_restarts_by_reference(placed):
     lc, runtime, agents, suffix = placed
     from loomray.runtime.actors import NAMESPACE, supervisor_name
