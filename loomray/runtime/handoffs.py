@@ -11,10 +11,15 @@ with the original outcome and start nothing that already started:
   forks are new sessions, so the id names exactly one run;
 - the replacement adopts the runs under way from the store; a resent request
   of a session it watches joins that run (``same_request``);
-- a resent request whose ``request_id`` started the session's last run is
+- a resent request of a session it does not watch goes first to the actor
+  (or activation) that runs or ran this very hand-off (:func:`same_handoff`),
+  if one is still there: its run may have gone on, or ended unwatched while
+  no supervisor lived (its actor lingers with the outcome), and collecting
+  it there keeps the run's one lease;
+- else a resent request whose ``request_id`` started the session's last run is
   pinned to that run's id (:func:`pinned`): it continues the run, replaying
-  its journal, or (finished) returns its result from its final checkpoint.
-  A fork's run id does the same.
+  its journal, or (finished) returns its result from its final checkpoint
+  (a new incarnation: a new lease). A fork's run id does the same.
 
 Cancel and approve need nothing more: a cancel is a durable request in the
 store (applied once, whoever reads it), and an approval travels in a resume
@@ -24,6 +29,7 @@ request, which is a hand-off like any other.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 from loomray.ids import new_id
@@ -49,3 +55,20 @@ async def pinned(store: Store, request: RunRequest, request_json: str) -> str:
     if record is None or (record.request or {}).get("request_id") != request.request_id:
         return request_json
     return request.model_copy(update={"run_id": record.run_id}).model_dump_json()
+
+
+def same_handoff(ran: Any, resent: str) -> bool:
+    """Whether ``resent`` (a request as JSON, maybe :func:`pinned`) is the hand-off an actor runs as ``ran``.
+
+    The same ``request_id`` (chosen per hand-off by the driver) and otherwise the same request; a pinned
+    resend names the run id that hand-off's run got, which the actor's own request may leave unset.
+    """
+    try:
+        theirs, ours = json.loads(ran), json.loads(resent)
+    except (TypeError, ValueError):
+        return False
+    if not isinstance(theirs, dict) or not isinstance(ours, dict) or not theirs.get("request_id"):
+        return False
+    if theirs.get("run_id") is None:
+        ours = {**ours, "run_id": None}
+    return bool(theirs == ours)

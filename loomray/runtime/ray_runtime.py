@@ -178,23 +178,26 @@ class RayRuntime(Runtime):
                 handle = self._supervisor
         return handle
 
-    async def _call(self, method: str, *args: Any, resendable: bool = False) -> Any:
-        """Call a supervisor method, or its replacement's (told of a ``resendable`` call's resend: handoffs)."""
-        deadline = time.monotonic() + _READOPT_TIMEOUT_S
-        replaced = False
+    async def _call(self, method: str, *args: Any, resendable: bool = False, await_adoption: bool = True) -> Any:
+        """Call a supervisor method, or its replacement's (told of a ``resendable`` call's resend: handoffs).
+
+        A replacement may briefly not know a session we started (its row may lag): with ``await_adoption``
+        the call is repeated until it does, for ``_READOPT_TIMEOUT_S`` from the loss (not from the call's
+        start: a ``result`` call waits as long as its run lasts)."""
+        deadline = None
         while True:
             try:
                 handle = await asyncio.to_thread(self.supervisor)
-                if replaced and resendable:
+                if deadline is not None and resendable:
                     return await getattr(handle, method).remote(*args, resend=True)
                 return await getattr(handle, method).remote(*args)
             except ray.exceptions.RayActorError:
                 # Killed or its node died: the next handle is a replacement that re-adopts from the index.
                 self._supervisor = None
-                replaced = True
+                deadline = deadline or time.monotonic() + _READOPT_TIMEOUT_S
             except LoomrayUserError as e:
-                # Only a replacement may briefly not know a session we started (its row may lag).
-                if not replaced or "not supervised" not in str(e) or time.monotonic() > deadline:
+                if deadline is None or not await_adoption or "not supervised" not in str(e) \
+                        or time.monotonic() > deadline:
                     raise
             if time.monotonic() > deadline:
                 raise LoomrayRunError(f"the loomray supervisor kept failing while calling {method}")
@@ -214,7 +217,8 @@ class RayRuntime(Runtime):
         request = handed_off(request)
         await self._call("submit", spec, request.model_dump_json(), emit is not None, self.config, resendable=True)
         try:
-            return await self._wait(request.session_id, request.user_id, emit)
+            # Not waiting for an adoption that may never come: a resend is answered in any case.
+            return await self._wait(request.session_id, request.user_id, emit, await_adoption=False)
         except LoomrayUserError as e:
             if "not supervised" not in str(e):
                 raise
@@ -222,12 +226,14 @@ class RayRuntime(Runtime):
             await self._call("submit", spec, request.model_dump_json(), emit is not None, self.config, True)
             return await self._wait(request.session_id, request.user_id, emit)
 
-    async def _wait(self, session_id: str, user_id: str | None, emit: EmitFn | None) -> RunResult:
+    async def _wait(self, session_id: str, user_id: str | None, emit: EmitFn | None,
+                    await_adoption: bool = True) -> RunResult:
         if emit is None:
-            return run_result(await self._call("result", session_id, user_id), session_id)
+            return run_result(await self._call("result", session_id, user_id, await_adoption=await_adoption),
+                              session_id)
         pump = asyncio.create_task(self._pump_events(session_id, user_id, emit))
         try:
-            outcome = await self._call("result", session_id, user_id)
+            outcome = await self._call("result", session_id, user_id, await_adoption=await_adoption)
         except BaseException:
             pump.cancel()
             raise

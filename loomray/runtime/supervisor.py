@@ -199,7 +199,7 @@ class Supervisor:
         submitting runtime's (its retention and actor options apply to this
         session); it must name this supervisor's store. A session adopted
         later from the index gets the supervisor's own config. A driver's ``resend`` (it lost the supervisor
-        it sent this to) starts no run twice (:mod:`loomray.runtime.handoffs`).
+        it sent this to) starts no run twice, and joins the run's actor if it is there (:mod:`~.handoffs`).
         """
         if config is not None and config.store_url != self._config.store_url:
             raise LoomrayUserError(f"this supervisor serves store {self._config.store_url!r}, not {config.store_url!r}")
@@ -223,7 +223,7 @@ class Supervisor:
         self._track(w)
         if stream_events:
             self._events.open(key)
-        await self._start_watched(w)
+        await self._start_watched(w, rejoin=resend)
         return self._submitted(w)
 
     async def explore(self, request: dict[str, Any], config: RuntimeConfig | None = None) -> str:
@@ -235,13 +235,15 @@ class Supervisor:
         actor = session_actor_name(self._config.store_url, w.session_id, w.user_id)
         return {"session_id": w.session_id, "user_id": w.user_id, "actor": actor, "node_id": w.last_node}
 
-    async def _start_watched(self, w: WatchedSession) -> None:
-        """Mark the session active, start its first incarnation and its watcher; learn its node once it runs."""
+    async def _start_watched(self, w: WatchedSession, rejoin: bool = False) -> None:
+        """Mark the session active, start its first incarnation (``rejoin``: or join the one of its hand-off,
+        :meth:`SessionWatcher.rejoin`) and its watcher; learn its node once it runs."""
         # Marked before it starts, so a supervisor that dies in between still leaves it findable.
         config = self._watcher.config_of(w)
         await active.mark(self._store, w.session_id, w.user_id, config.placement, config.actor_options)
         try:
-            w.handle = await self._watcher.start(w, avoid_node=None)
+            handle = await self._watcher.rejoin(w) if rejoin else None
+            w.handle = handle if handle is not None else await self._watcher.start(w, avoid_node=None)
         except BaseException:
             del self._sessions[(w.user_id, w.session_id)]
             w.done.cancel()  # it never ran: no longer counted as active

@@ -32,6 +32,7 @@ from loomray.run_errors import index_error, record_error
 from loomray.runtime import active
 from loomray.runtime.actors import AgentSpec, Outcome, RuntimeConfig, session_actor_name, session_actor_options
 from loomray.runtime.connection import NAMESPACE
+from loomray.runtime.handoffs import same_handoff
 from loomray.runtime.placement import HostPool
 from loomray.runtime.placement_rules import demand_of
 from loomray.runtime.session_actor import session_actor_class
@@ -187,6 +188,24 @@ class SessionWatcher:
         if activation is not None:
             w.host = activation.host_name
         return activation
+
+    async def rejoin(self, w: WatchedSession) -> Any | None:
+        """The actor or activation that runs, or ran, ``w``'s very hand-off (a driver's resend), or None.
+
+        Finished or not: a run that ended while no supervisor watched it waits in its lingering actor for
+        someone to collect its outcome, and a new incarnation would take a second lease to answer it.
+        """
+        handle = await self.attach(w)
+        if handle is None:
+            return None
+        try:
+            info = await handle.info.remote()
+        except Exception:  # gone meanwhile (or its host no longer holds it): start it instead
+            return None
+        if not same_handoff(info.get("request_json"), w.request_json):
+            return None  # an earlier request's leftover: starting this one stops it
+        w.incarnation += 1
+        return handle
 
     # -- watching ----------------------------------------------------------------
     async def watch(self, w: WatchedSession) -> None:

@@ -102,6 +102,10 @@ nodekill = make("nodekill")
 orphaned = make("orphaned")
 #: Loses its actor and its supervisor at once; a new supervisor restarts it by reference.
 adopted = make("adopted")
+#: Ends while no supervisor lives (its supervisor killed mid-run, the replacement held back).
+unwatched = make("unwatched", 0.2)
+#: Waited on for longer than the driver waits for a re-adoption, then its supervisor is killed.
+outwaited = make("outwaited", 0.3)
 #: Loses its lease to an intruder mid-run.
 fenced = make("fenced")
 #: Its node is frozen (raylet SIGSTOP) mid-step: the frozen incarnation becomes a zombie.
@@ -123,6 +127,7 @@ bounded = fork_agent("bounded", 1.5)
 nodekill_dense = make("nodekill_dense")
 orphaned_dense = make("orphaned_dense")
 adopted_dense = make("adopted_dense")
+unwatched_dense = make("unwatched_dense", 0.2)
 fenced_dense = make("fenced_dense")
 zombie_dense = make("zombie_dense", 0.2)
 restart_dense = make("restart_dense", 0.5)
