@@ -43,9 +43,11 @@ def _seen_keys(seen: Seen, run_id: str) -> frozenset[str]:
 
 
 def read_last_run(store: SessionStore, sid: str, uid: str | None, lease: Lease, seen: Seen,
-                  sealed: set[str]) -> LastRun:
-    """The session's last run as replay will see it once this incarnation sealed it."""
+                  sealed: set[str]) -> tuple[LastRun, Sequence[str] | None]:
+    """The session's last run as replay will see it once this incarnation sealed it, and the session's
+    journal runs when they had to be listed to find it (None: the run record named it)."""
     record = store.runs.last(sid, user_id=uid)
+    runs: Sequence[str] | None = None
     if record is not None:
         run_id: str | None = record.run_id
     else:
@@ -54,7 +56,7 @@ def read_last_run(store: SessionStore, sid: str, uid: str | None, lease: Lease, 
     journal = store.journal.read(sid, run_id, user_id=uid) if run_id is not None else None
     unsealed = run_id is not None and run_id not in sealed  # not sealed yet: judge it as its seal will make it
     return last_run_of(record, journal, lease=lease if unsealed else None,
-                       seen_before=_seen_keys(seen, run_id) if run_id is not None else ())
+                       seen_before=_seen_keys(seen, run_id) if run_id is not None else ()), runs
 
 
 def plan_takeover(store: SessionStore, request: RunRequest, lease: Lease, fence: FenceNote,
@@ -63,10 +65,12 @@ def plan_takeover(store: SessionStore, request: RunRequest, lease: Lease, fence:
     sid, uid = request.session_id, request.user_id
     seen = dict(fence.listing.runs)
     sealed = seal_listed(store, sid, uid, lease, fence)
-    last = read_last_run(store, sid, uid, lease, seen, sealed)
+    last, listed = read_last_run(store, sid, uid, lease, seen, sealed)
     known: Sequence[str] = ()
     if request.run_id is not None and request.run_id != last.run_id:
-        known = store.journal.runs(sid, user_id=uid)
+        # A listing read_last_run just made is as good as a second one: nothing was written in between
+        # (a fresh fork, no run record yet, names its run: listing twice was one store call per branch).
+        known = listed if listed is not None else store.journal.runs(sid, user_id=uid)
     run_id, request = run_to_continue(request, last, known)
     journal = _seal_runs(store, request, lease, seen, sealed, last, run_id)
     reads = SessionReads(request, run_id or request.run_id or new_run_id(), last, journal)

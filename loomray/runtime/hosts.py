@@ -134,6 +134,7 @@ class SessionHost:
         self._activating = 0
         self._last_busy = time.monotonic()
         self._activated_total = 0
+        self._activation_calls = 0
 
     def _start(self) -> None:
         # Async actors cannot touch their event loop in __init__; the first call does it.
@@ -150,10 +151,12 @@ class SessionHost:
             loop.create_task(self._idle_watch())
 
     async def ready(self) -> dict[str, Any]:
-        """Where this host runs and how loaded it is: name, pool, node_id, pid, sessions."""
+        """Where this host runs and how loaded it is: name, pool, node_id, pid, sessions, activated (sessions
+        ever activated here), activation_calls (the ``activate_many`` calls they came in)."""
         self._start()
         return {"name": self.name, "pool": self._pool_key, "node_id": self._node_id, "pid": self._pid,
-                "sessions": len(self._activations), "activated": self._activated_total}
+                "sessions": len(self._activations), "activated": self._activated_total,
+                "activation_calls": self._activation_calls}
 
     # -- activations -------------------------------------------------------------
     def _store_for(self, config: RuntimeConfig) -> Any:
@@ -204,6 +207,24 @@ class SessionHost:
         # Start at once (a fork's clock runs from here); run() joins the task.
         act._task = asyncio.get_running_loop().create_task(act._execute())
         return await self._info(act)
+
+    async def activate_many(self, config: RuntimeConfig, agent: AgentSpec, request_jsons: list[str],
+                            events_to: Any = None) -> list[dict[str, Any]]:
+        """:meth:`activate` for each request, in order (one call for the sessions a fan-out placed here).
+
+        One answer per request, in order: ``{"info": ...}``, or ``{"error": message}`` for a session that
+        could not start (the others start regardless).
+        """
+        self._activation_calls += 1
+
+        async def one(request_json: str) -> dict[str, Any]:
+            try:
+                return {"info": await self.activate(config, agent, request_json, events_to)}
+            except Exception as e:
+                return {"error": str(e) if isinstance(e, SessionStartError) else f"{type(e).__name__}: {e}"}
+        # One after another, each run's task started as soon as it is built (as separate calls arrive): built
+        # all at once, the first session would wait for the last one's build.
+        return [await one(r) for r in request_jsons]
 
     def _get(self, session_id: str, user_id: str | None) -> Activation:
         act = self._activations.get((user_id, session_id))

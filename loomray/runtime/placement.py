@@ -44,6 +44,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from loomray.errors import SessionStartError
+from loomray.runtime.activation_batch import ActivationBatcher
 from loomray.runtime.actors import RuntimeConfig
 from loomray.runtime.connection import NAMESPACE
 from loomray.runtime.hosts import (
@@ -88,6 +89,7 @@ class HostPool:
         self._directory: dict[tuple[str | None, str], tuple[HostRecord, dict[str, Any]]] = {}
         self._directory_at = 0.0
         self.created = 0
+        self._batcher = ActivationBatcher()
 
     # -- views -------------------------------------------------------------------
     def hosts(self, pool_key: str | None = None) -> list[HostRecord]:
@@ -129,7 +131,7 @@ class HostPool:
             try:
                 if host.ready is not None:  # set when the pool made or found the host
                     await asyncio.wait_for(asyncio.shield(host.ready), max(0.1, deadline - time.monotonic()))
-                await host.handle.activate.remote(config, agent, request_json, events_to)
+                await self._batcher.activate(host.name, host.handle, config, agent, request_json, events_to)
             except (ray.exceptions.RayActorError, asyncio.TimeoutError) as e:
                 # The host died, never came up, or is unreachable right now: place elsewhere.
                 if isinstance(e, ray.exceptions.ActorUnavailableError):

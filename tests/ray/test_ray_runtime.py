@@ -202,11 +202,11 @@ async def test_run_that_ends_while_no_supervisor_lives_is_collected_from_its_act
     # Held, the runtime's lock keeps its driver from creating a replacement until the run is over.
     with runtime._supervisor_lock:
         ray.kill(ray.get_actor(supervisor_name(runtime.config.store_url), namespace=NAMESPACE))
-        await _until(lambda: runtime.store.get_session(sid).status == "completed", 60, "the run's end")
+        await _until(lambda: runtime.store.sessions.get(sid).status == "completed", 60, "the run's end")
 
     result = await asyncio.wait_for(run, 90)
     assert result.output == f"{name} finished"
-    assert runtime.store.get_session(sid).epoch == 1  # one lease: answered by the run that ended
+    assert runtime.store.sessions.get(sid).epoch == 1  # one lease: answered by the run that ended
     assert sorted(agents.model_calls(name)) == list(range(agents.TURNS + 1))
     assert _transcript(result.messages) == await _reference(agents, name, sid)
     s = {x["session_id"]: x for x in await runtime.status()}[sid]
@@ -232,7 +232,7 @@ async def test_a_wait_longer_than_the_readoption_timeout_survives_its_supervisor
 
     result = await asyncio.wait_for(run, 90)
     assert result.output == f"{name} finished"
-    assert runtime.store.get_session(sid).epoch == 1
+    assert runtime.store.sessions.get(sid).epoch == 1
     assert sorted(agents.model_calls(name)) == list(range(agents.TURNS + 1))
 
 
@@ -627,3 +627,36 @@ def test_supervise_keeper_recreates_a_killed_supervisor(env):
         stop.set()
         keeper.join(timeout=30)
     assert not keeper.is_alive()
+
+
+async def test_activations_placed_together_reach_their_host_in_one_call(env, dense_runtime):
+    """Three sessions placed on one host at once travel as one host call; each still gets its own answer,
+    and a request the host cannot start fails alone while the others run to their end."""
+    lc, runtime, agents = env
+    from loomray.errors import SessionStartError
+    from loomray.runtime.activation_batch import ActivationBatcher
+    from loomray.runtime.actors import AgentSpec
+    from loomray.runtime.hosts import host_prefix
+    from loomray.session import RunRequest
+
+    agent = _driver_agent(agents.make("batched", 0.0), None, dense_runtime)
+    await agent.run("warm", session_id="s-batch-warm")  # the pool has a host now
+    name = next(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["name"].startswith(host_prefix(dense_runtime.config.store_url)))
+    host = ray.get_actor(name, namespace="loomray")
+    calls_before = (await host.ready.remote())["activation_calls"]
+    spec, config = AgentSpec.of(agent), dense_runtime.config
+    requests = [RunRequest(prompt="go", session_id=f"s-batch-{i}").model_dump_json() for i in range(2)]
+    batcher = ActivationBatcher()
+
+    answers = await asyncio.gather(
+        *(batcher.activate(name, host, config, spec, r, None) for r in [requests[0], "{not json", requests[1]]),
+        return_exceptions=True)
+
+    assert [a["session_id"] for a in (answers[0], answers[2])] == ["s-batch-0", "s-batch-1"]
+    assert isinstance(answers[1], SessionStartError)
+    assert (await host.ready.remote())["activation_calls"] == calls_before + 1
+    outcomes = [await host.run.remote(f"s-batch-{i}", None) for i in range(2)]
+    assert [o.status for o in outcomes] == ["completed", "completed"]
+    for i in range(2):
+        await host.deactivate.remote(f"s-batch-{i}", None)
