@@ -68,10 +68,10 @@ async def test_late_retention_tombstones_of_a_fenced_writer_are_ignored_by_every
     fresh = open_store(root)
     newest_first = acked[::-1]
     assert [r.checkpoint_id for r in fresh.checkpoints.list("s")] == newest_first
-    assert [m.checkpoint_id for m in await reader.checkpoints.list("s")] == newest_first
-    assert (await reader.checkpoints.get("s")).checkpoint_id == acked[-1]
+    assert [m.checkpoint_id for m in await reader.list_checkpoints("s")] == newest_first
+    assert (await reader.get_checkpoint("s")).checkpoint_id == acked[-1]
     for cid in acked:
-        ckpt = await reader.checkpoints.get("s", cid)
+        ckpt = await reader.get_checkpoint("s", cid)
         assert ckpt is not None and ckpt.checkpoint_id == cid
         assert fresh.checkpoints.get("s", cid) is not None  # the object is there and verifies
     assert set(fresh.query(session_id="s")["checkpoint_id"].to_pylist()) == set(acked)
