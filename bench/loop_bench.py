@@ -59,8 +59,8 @@ from loomray import Agent, Tuning  # noqa: E402
 from loomray.checkpoint_format import load_checkpoint  # noqa: E402
 from loomray.models import ScriptedModel  # noqa: E402
 from loomray.runtime import LocalRuntime  # noqa: E402
-from storage import Store  # noqa: E402
-from storage.objects import ObjectStore  # noqa: E402
+from loomray.storage import Store  # noqa: E402
+from loomray.storage.objects import ObjectStore  # noqa: E402
 
 PAYLOAD = 2048
 
@@ -270,7 +270,7 @@ def main() -> None:
         args.latency_ms = 0.0 if args.quick else 20.0
     modes = ["bare", "off", "sync", "async"]
 
-    from storage.testing import MotoS3Server
+    from loomray.storage.testing import MotoS3Server
 
     server = MotoS3Server(own_process=not args.s3_in_process).start() if "s3" in backends else None
     rows: list[dict] = []

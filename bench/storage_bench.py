@@ -52,11 +52,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pyarrow as pa  # noqa: E402
 
-from storage import CheckpointInfo, Store, open_store  # noqa: E402
-from storage.layout import CHECKPOINT_INDEX, checkpoint_key, index_partition  # noqa: E402
-from storage.rows import CHECKPOINT_SCHEMA, CheckpointRow, checkpoint_rows_table  # noqa: E402
-from storage.table import staleness  # noqa: E402
-from storage.testing import MotoS3Server, write_checkpoint  # noqa: E402
+from loomray.storage import CheckpointInfo, Store, open_store  # noqa: E402
+from loomray.storage.layout import CHECKPOINT_INDEX, checkpoint_key, index_partition  # noqa: E402
+from loomray.storage.rows import CHECKPOINT_SCHEMA, CheckpointRow, checkpoint_rows_table  # noqa: E402
+from loomray.storage.table import staleness  # noqa: E402
+from loomray.storage.testing import MotoS3Server, write_checkpoint  # noqa: E402
 
 T0 = datetime(2026, 7, 1, tzinfo=timezone.utc)
 

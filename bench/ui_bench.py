@@ -32,10 +32,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from storage import CheckpointInfo, SessionRow, open_store  # noqa: E402
-from storage.layout import SESSION_INDEX, index_partition  # noqa: E402
-from storage.rows import session_rows_table  # noqa: E402
-from storage.testing import write_checkpoint
+from loomray.storage import CheckpointInfo, SessionRow, open_store  # noqa: E402
+from loomray.storage.layout import SESSION_INDEX, index_partition  # noqa: E402
+from loomray.storage.rows import session_rows_table  # noqa: E402
+from loomray.storage.testing import write_checkpoint
 
 GOAL_MS = 300.0
 PAGES = {"first page": "/", "second page": "/?page=2", "filtered": "/?status=completed&min_spend=1.5",

@@ -9,8 +9,8 @@ from pydantic import BaseModel
 
 from loomray.errors import InvalidIdError, LoomrayUserError
 from loomray.events import EmitFn
-from storage.errors import InvalidIdError as StorageInvalidIdError
-from storage.ids import user_segment, validate_id
+from loomray.storage.errors import InvalidIdError as StorageInvalidIdError
+from loomray.storage.ids import user_segment, validate_id
 
 
 def check_id(value: Any, what: str) -> str:

@@ -34,8 +34,8 @@ from pydantic import ValidationError
 from loomray.errors import CheckpointException
 from loomray.records import Checkpoint, Message, Usage
 from loomray.session_store import SessionStore
-from storage.chains import MAX_LINKS, compress, expand, extend, ref_of
-from storage.errors import InvalidIdError, StorageError
+from loomray.storage.chains import MAX_LINKS, compress, expand, extend, ref_of
+from loomray.storage.errors import InvalidIdError, StorageError
 
 SCHEMA_VERSION_V2 = "2.0"
 #: Links a chain may reach before a full snapshot starts a new one (``CheckpointConfig.full_every``).

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from storage.errors import InvalidIdError as _StorageInvalidIdError
+from loomray.storage.errors import InvalidIdError as _StorageInvalidIdError
 
 
 class LoomrayError(Exception):

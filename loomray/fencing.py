@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from loomray.run_request import RunRequest
 from loomray.session_store import SessionStore
-from storage.journal import FenceNote, Listing
-from storage.rows import Lease
+from loomray.storage.journal import FenceNote, Listing
+from loomray.storage.rows import Lease
 
 
 def pre_lease_listing(store: SessionStore, request: RunRequest) -> Listing:

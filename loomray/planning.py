@@ -35,8 +35,8 @@ from loomray.recovery import (
     written_by,
 )
 from loomray.run_request import RunRequest
-from storage.journal import JournalRun
-from storage.rows import JournalEntry
+from loomray.storage.journal import JournalRun
+from loomray.storage.rows import JournalEntry
 
 
 class JournalRef(NamedTuple):

@@ -35,8 +35,8 @@ from loomray.journal import STEP_KINDS, JournalRecord, approval_step_key, tool_s
 from loomray.loop import CONTINUE_NUDGE, dangling_tool_calls, run_of_cursor
 from loomray.records import Checkpoint, Usage
 from loomray.run_request import RunRequest
-from storage.journal import JournalRun
-from storage.rows import JournalEntry, Lease, RunRecord
+from loomray.storage.journal import JournalRun
+from loomray.storage.rows import JournalEntry, Lease, RunRecord
 
 #: The session's logger: a run's warnings keep one name, whichever module logs them.
 log = logging.getLogger("loomray.session")

@@ -31,9 +31,9 @@ from loomray.errors import (
     SessionStartError,
 )
 from loomray.session_store import SessionStore
-from storage import layout
-from storage.errors import LeaseLostError
-from storage.ids import validate_id
+from loomray.storage import layout
+from loomray.storage.errors import LeaseLostError
+from loomray.storage.ids import validate_id
 
 log = logging.getLogger("loomray.run_errors")
 

@@ -8,8 +8,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from loomray.journal import input_hash
+from loomray.storage.ids import validate_id
 from loomray.telemetry.context import current_traceparent
-from storage.ids import validate_id
 
 
 class RunRequest(BaseModel):

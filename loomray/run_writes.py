@@ -22,8 +22,8 @@ from loomray.errors import DurabilityLost
 from loomray.journal import JournalRecord
 from loomray.run_request import RunRequest
 from loomray.session_store import SessionStore
-from storage.errors import CorruptObjectError, LeaseLostError
-from storage.rows import JournalEntry, Lease
+from loomray.storage.errors import CorruptObjectError, LeaseLostError
+from loomray.storage.rows import JournalEntry, Lease
 
 #: The session's logger: a run's warnings keep one name, whichever module logs them.
 log = logging.getLogger("loomray.session")

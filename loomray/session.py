@@ -72,12 +72,12 @@ from loomray.run_errors import index_error, record_error
 from loomray.run_request import RunRequest
 from loomray.run_writes import GuardedJournal, InflightWrites, StoreJournalSink, WriteGuard
 from loomray.session_store import SessionStore
+from loomray.storage import CheckpointInfo
+from loomray.storage.errors import LeaseLostError
+from loomray.storage.rows import CheckpointRow, Lease, SessionRow
 from loomray.takeover import plan_takeover
 from loomray.tools import as_tools
 from loomray.variants import agent_for, fork_transcript
-from storage import CheckpointInfo
-from storage.errors import LeaseLostError
-from storage.rows import CheckpointRow, Lease, SessionRow
 
 if TYPE_CHECKING:  # the Agent module imports this one
     from loomray.agent import Agent

@@ -15,11 +15,11 @@ import builtins
 from collections.abc import Collection
 from typing import Any, Protocol
 
-from storage.checkpoint_log import CheckpointLog
-from storage.journal import JournalRun, Listing
-from storage.leases import LeaseNote
-from storage.objects import ObjectStore
-from storage.rows import CheckpointRow, JournalEntry, Lease, RunRecord, SessionRow
+from loomray.storage.checkpoint_log import CheckpointLog
+from loomray.storage.journal import JournalRun, Listing
+from loomray.storage.leases import LeaseNote
+from loomray.storage.objects import ObjectStore
+from loomray.storage.rows import CheckpointRow, JournalEntry, Lease, RunRecord, SessionRow
 
 
 class CheckpointStore(Protocol):

@@ -25,9 +25,9 @@ from loomray.records import Checkpoint
 from loomray.recovery import CheckpointRef, LastRun, last_run_of, run_to_continue
 from loomray.run_request import RunRequest
 from loomray.session_store import SessionStore
-from storage.errors import ObjectNotFound, StorageError
-from storage.journal import FenceNote, JournalRun
-from storage.rows import JournalEntry, Lease
+from loomray.storage.errors import ObjectNotFound, StorageError
+from loomray.storage.journal import FenceNote, JournalRun
+from loomray.storage.rows import JournalEntry, Lease
 
 #: The session's logger: a run's warnings keep one name, whichever module logs them.
 log = logging.getLogger("loomray.session")

@@ -108,12 +108,12 @@ from __future__ import annotations
 import os
 from urllib.parse import unquote, urlparse
 
-from storage.errors import StorageError
-from storage.localdir import LocalObjectStore
-from storage.memory import MemoryObjectStore
-from storage.objects import ObjectInfo, ObjectStore, StoredObject
-from storage.pruning import PrunePlan, SessionPrunePlan
-from storage.rows import (
+from .errors import StorageError
+from .localdir import LocalObjectStore
+from .memory import MemoryObjectStore
+from .objects import ObjectInfo, ObjectStore, StoredObject
+from .pruning import PrunePlan, SessionPrunePlan
+from .rows import (
     CheckpointInfo,
     CheckpointRow,
     CompactReport,
@@ -123,7 +123,7 @@ from storage.rows import (
     RunRecord,
     SessionRow,
 )
-from storage.store import ANY, Store
+from .store import ANY, Store
 
 
 class InvalidStoreUrl(StorageError, ValueError):
@@ -139,7 +139,7 @@ def open_store(url: str | os.PathLike, **options) -> Store:
         _no_options("memory", options)
         return Store(MemoryObjectStore(url[len("memory://"):]), url)
     if url.startswith("s3://"):
-        from storage.s3 import S3ObjectStore  # boto3 (slow to import) loads only for an s3:// store
+        from .s3 import S3ObjectStore  # boto3 (slow to import) loads only for an s3:// store
 
         parsed = urlparse(url)
         if len(parsed.netloc) < 3:

@@ -46,14 +46,14 @@ import re
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
-from storage import layout
-from storage.errors import StorageError
-from storage.ids import validate_id
-from storage.objects import ObjectStore
-from storage.rows import CheckpointRow
+from . import layout
+from .errors import StorageError
+from .ids import validate_id
+from .objects import ObjectStore
+from .rows import CheckpointRow
 
 if TYPE_CHECKING:
-    from storage.checkpoint_rows import CheckpointRows
+    from .checkpoint_rows import CheckpointRows
 
 log = logging.getLogger("storage")
 

@@ -41,13 +41,13 @@ import hashlib
 import logging
 from dataclasses import replace
 
-from storage import envelope, layout
-from storage.checkpoint_rows import CheckpointRows, over_keep
-from storage.envelope import header_of_row
-from storage.errors import LeaseCorruptError, LeaseLostError, StorageError
-from storage.ids import validate_id
-from storage.leases import LeaseKeeper
-from storage.rows import CheckpointInfo, CheckpointRow, Lease, as_utc
+from . import envelope, layout
+from .checkpoint_rows import CheckpointRows, over_keep
+from .envelope import header_of_row
+from .errors import LeaseCorruptError, LeaseLostError, StorageError
+from .ids import validate_id
+from .leases import LeaseKeeper
+from .rows import CheckpointInfo, CheckpointRow, Lease, as_utc
 
 log = logging.getLogger("storage")
 #: Checkpoints a log writes before it indexes them and re-checks its lease.

@@ -15,12 +15,12 @@ import hashlib
 import logging
 from dataclasses import dataclass, field
 
-from storage import backoff, chains, envelope, layout
-from storage.checkpoint_rows import CheckpointRows
-from storage.errors import CorruptObjectError, IndexChangedError
-from storage.objects import ObjectStore
-from storage.rows import CheckpointRow
-from storage.tails import Snapshot, TailReader
+from . import backoff, chains, envelope, layout
+from .checkpoint_rows import CheckpointRows
+from .errors import CorruptObjectError, IndexChangedError
+from .objects import ObjectStore
+from .rows import CheckpointRow
+from .tails import Snapshot, TailReader
 
 log = logging.getLogger("storage")
 #: Seconds a reader keeps listing again while writers keep changing what it lists (then IndexChangedError).

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from storage import chains, layout
-from storage.errors import IndexChangedError
-from storage.index import ParquetIndex, conform
-from storage.objects import ObjectStore
-from storage.rows import CHECKPOINT_SCHEMA, CheckpointRow, checkpoint_rows_from_table, checkpoint_rows_table, utcnow
-from storage.visibility import FileRows, Tops, Visibility, live_of, merge_tops, retired_tops
+from . import chains, layout
+from .errors import IndexChangedError
+from .index import ParquetIndex, conform
+from .objects import ObjectStore
+from .rows import CHECKPOINT_SCHEMA, CheckpointRow, checkpoint_rows_from_table, checkpoint_rows_table, utcnow
+from .visibility import FileRows, Tops, Visibility, live_of, merge_tops, retired_tops
 
 log = logging.getLogger("storage")
 _ROW_CACHE_FILES = 16384

@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import logging
 
-from storage import chains, layout
-from storage.checkpoint_log import INDEX_BATCH, CheckpointLog
-from storage.checkpoint_reads import CheckpointReads
-from storage.checkpoint_rows import CheckpointRows
-from storage.errors import ObjectNotFound
-from storage.ids import validate_id
-from storage.leases import LeaseKeeper
-from storage.objects import ObjectStore
-from storage.rows import CheckpointRow, Lease
-from storage.tails import Snapshot, TailReader
+from . import chains, layout
+from .checkpoint_log import INDEX_BATCH, CheckpointLog
+from .checkpoint_reads import CheckpointReads
+from .checkpoint_rows import CheckpointRows
+from .errors import ObjectNotFound
+from .ids import validate_id
+from .leases import LeaseKeeper
+from .objects import ObjectStore
+from .rows import CheckpointRow, Lease
+from .tails import Snapshot, TailReader
 
 log = logging.getLogger("storage")
 

@@ -6,8 +6,8 @@ handling) is one code path for every backend, so a backend conforms when
 these tests pass on it. A new backend registers in a few lines, in any
 pytest module (the class name must start with ``Test``)::
 
-    from storage import Store
-    from storage.conformance import ObjectStoreConformance
+    from . import Store
+    from .conformance import ObjectStoreConformance
 
     class TestMyBackend(ObjectStoreConformance):
         def make_store(self, tmp_path):
@@ -40,11 +40,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from storage.conformance_log import CheckpointLogConformance
-from storage.errors import CorruptObjectError, LeaseLostError, PreconditionFailed
-from storage.rows import CheckpointRow, JournalEntry, Lease, SessionRow
-from storage.store import Store
-from storage.testing import T0, all_keys, fill_sessions, journal_entry, put_checkpoint
+from .conformance_log import CheckpointLogConformance
+from .errors import CorruptObjectError, LeaseLostError, PreconditionFailed
+from .rows import CheckpointRow, JournalEntry, Lease, SessionRow
+from .store import Store
+from .testing import T0, all_keys, fill_sessions, journal_entry, put_checkpoint
 
 
 class ObjectStoreConformance(CheckpointLogConformance):

@@ -9,10 +9,10 @@ import json
 
 import pytest
 
-from storage import envelope
-from storage.errors import CorruptObjectError, LeaseLostError, ObjectNotFound
-from storage.store import Store
-from storage.testing import all_keys, log_put
+from . import envelope
+from .errors import CorruptObjectError, LeaseLostError, ObjectNotFound
+from .store import Store
+from .testing import all_keys, log_put
 
 
 def _ids(rows) -> list[str]:

@@ -28,8 +28,8 @@ from dataclasses import fields
 from datetime import datetime
 from typing import Any
 
-from storage import layout
-from storage.rows import CheckpointInfo, CheckpointRow, as_utc
+from . import layout
+from .rows import CheckpointInfo, CheckpointRow, as_utc
 
 HEADER = "index"
 _OPEN = b'{"' + HEADER.encode() + b'":'

@@ -37,8 +37,8 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
-from storage.errors import PreconditionFailed, TransientStorageError
-from storage.objects import ObjectInfo, ObjectStore, StoredObject
+from .errors import PreconditionFailed, TransientStorageError
+from .objects import ObjectInfo, ObjectStore, StoredObject
 
 #: Call kinds, in the order of the :class:`ObjectStore` interface.
 OPS = ("put", "get", "list", "list_dirs", "delete")

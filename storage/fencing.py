@@ -22,12 +22,12 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from storage import envelope, layout
-from storage.checkpoint_rows import CheckpointRows
-from storage.errors import StorageError
-from storage.objects import ObjectStore
-from storage.rows import CheckpointRow, Lease
-from storage.visibility import Visibility, fenced_by, parse_fences
+from . import envelope, layout
+from .checkpoint_rows import CheckpointRows
+from .errors import StorageError
+from .objects import ObjectStore
+from .rows import CheckpointRow, Lease
+from .visibility import Visibility, fenced_by, parse_fences
 
 log = logging.getLogger("storage")
 #: Earlier owners' checkpoint fences a lease body carries.

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import unicodedata
 
-from storage.errors import InvalidIdError
+from .errors import InvalidIdError
 
 #: The limit is in UTF-8 bytes.
 MAX_ID_LENGTH = 128

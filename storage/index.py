@@ -27,9 +27,9 @@ from typing import TypeVar
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage.errors import CorruptObjectError, IndexChangedError
-from storage.index_guard import checked, own_rows
-from storage.objects import ObjectInfo, ObjectStore
+from .errors import CorruptObjectError, IndexChangedError
+from .index_guard import checked, own_rows
+from .objects import ObjectInfo, ObjectStore
 
 log = logging.getLogger("storage.index")
 T = TypeVar("T")

@@ -18,8 +18,8 @@ import re
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from storage.errors import InvalidIdError
-from storage.ids import user_from_segment, validate_id
+from .errors import InvalidIdError
+from .ids import user_from_segment, validate_id
 
 log = logging.getLogger("storage.index")
 

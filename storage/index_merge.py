@@ -12,7 +12,7 @@ from datetime import datetime
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from storage.visibility import Tops, with_retired_tops
+from .visibility import Tops, with_retired_tops
 
 
 def _keyed(table: pa.Table) -> pa.Table:

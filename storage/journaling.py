@@ -6,12 +6,12 @@ import builtins
 from collections.abc import Collection
 from typing import Any
 
-from storage import journal, layout
-from storage.errors import ObjectNotFound
-from storage.index import ParquetIndex
-from storage.leases import LeaseKeeper
-from storage.objects import ObjectStore
-from storage.rows import JournalEntry, Lease, RunRecord
+from . import journal, layout
+from .errors import ObjectNotFound
+from .index import ParquetIndex
+from .leases import LeaseKeeper
+from .objects import ObjectStore
+from .rows import JournalEntry, Lease, RunRecord
 
 
 class Journal:

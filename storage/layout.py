@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TypeGuard
 
-from storage.ids import user_segment, validate_id
+from .ids import user_segment, validate_id
 
 CHECKPOINT_INDEX = "index/checkpoints/"
 SESSION_INDEX = "index/sessions/"

@@ -17,13 +17,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from storage import backoff, layout
-from storage.checkpoint_rows import CheckpointRows
-from storage.errors import LeaseCorruptError, LeaseLostError, PreconditionFailed, StorageError
-from storage.fencing import CheckpointFences, kept_lease_body, lease_body
-from storage.journal.fences import carried_note
-from storage.objects import ObjectStore
-from storage.rows import SESSION_SCHEMA, Lease, utcnow
+from . import backoff, layout
+from .checkpoint_rows import CheckpointRows
+from .errors import LeaseCorruptError, LeaseLostError, PreconditionFailed, StorageError
+from .fencing import CheckpointFences, kept_lease_body, lease_body
+from .journal.fences import carried_note
+from .objects import ObjectStore
+from .rows import SESSION_SCHEMA, Lease, utcnow
 
 log = logging.getLogger("storage")
 #: Seconds an acquire keeps retrying a contended lease (backoff: :mod:`storage.backoff`).

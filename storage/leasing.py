@@ -7,8 +7,8 @@ this is the part callers use.
 
 from __future__ import annotations
 
-from storage.leases import LEASE_TIMEOUT, LeaseKeeper, LeaseNote
-from storage.rows import Lease
+from .leases import LEASE_TIMEOUT, LeaseKeeper, LeaseNote
+from .rows import Lease
 
 
 class Leases:

@@ -28,8 +28,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from storage.errors import PreconditionFailed, StorageError
-from storage.objects import ObjectInfo, ObjectStore, StoredObject
+from .errors import PreconditionFailed, StorageError
+from .objects import ObjectInfo, ObjectStore, StoredObject
 
 #: Where older versions kept every temporary; still never listed.
 _TMP = ".tmp"

@@ -48,17 +48,17 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, TypeVar
 
-from storage import layout
-from storage.ids import user_segment
-from storage.index import serial_backend
-from storage.partition_merge import MergeItem, MergeResult, PartitionMerger, base_file, listing_now
-from storage.rows import CHECKPOINT_SCHEMA, SESSION_SCHEMA, CompactReport, as_utc, utcnow
-from storage.session_table import publish_session_tables
-from storage.table import UserTable, load_tables, table_clock
-from storage.table_publish import Published, SessionRead, publish
+from . import layout
+from .ids import user_segment
+from .index import serial_backend
+from .partition_merge import MergeItem, MergeResult, PartitionMerger, base_file, listing_now
+from .rows import CHECKPOINT_SCHEMA, SESSION_SCHEMA, CompactReport, as_utc, utcnow
+from .session_table import publish_session_tables
+from .table import UserTable, load_tables, table_clock
+from .table_publish import Published, SessionRead, publish
 
 if TYPE_CHECKING:
-    from storage.store import Store
+    from .store import Store
 
 log = logging.getLogger("storage")
 T = TypeVar("T")

@@ -12,8 +12,8 @@ import threading
 from collections.abc import Iterator
 from datetime import datetime, timezone
 
-from storage.errors import PreconditionFailed
-from storage.objects import ObjectInfo, ObjectStore, StoredObject
+from .errors import PreconditionFailed
+from .objects import ObjectInfo, ObjectStore, StoredObject
 
 
 class MemoryObjectStore(ObjectStore):

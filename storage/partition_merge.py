@@ -21,18 +21,18 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from storage import layout
-from storage.errors import IndexChangedError, PreconditionFailed
-from storage.index import conform
-from storage.index_merge import compact_checkpoint_partition, live_checkpoints
-from storage.rows import CHECKPOINT_SCHEMA, as_utc, utcnow
-from storage.table import SessionState, days_of, table_rows
-from storage.table_publish import SessionRead
-from storage.tombstone_settle import settled_files
-from storage.visibility import merge_tops, retired_tops
+from . import layout
+from .errors import IndexChangedError, PreconditionFailed
+from .index import conform
+from .index_merge import compact_checkpoint_partition, live_checkpoints
+from .rows import CHECKPOINT_SCHEMA, as_utc, utcnow
+from .table import SessionState, days_of, table_rows
+from .table_publish import SessionRead
+from .tombstone_settle import settled_files
+from .visibility import merge_tops, retired_tops
 
 if TYPE_CHECKING:
-    from storage.store import Store
+    from .store import Store
 
 log = logging.getLogger("storage")
 #: One partition's work: ``(partition, keys listed, for the table, what the table holds of it, base file)``.

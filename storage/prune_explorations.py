@@ -30,10 +30,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime
 
-from storage import layout
-from storage.ids import validate_id
-from storage.objects import ObjectStore
-from storage.rows import as_utc
+from . import layout
+from .ids import validate_id
+from .objects import ObjectStore
+from .rows import as_utc
 
 #: The object whose presence says an exploration is over.
 RESULT = "result.json"

@@ -13,12 +13,12 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from storage import backoff
-from storage.errors import PreconditionFailed
-from storage.rows import JournalEntry
+from . import backoff
+from .errors import PreconditionFailed
+from .rows import JournalEntry
 
 if TYPE_CHECKING:
-    from storage.store import Store
+    from .store import Store
 
 log = logging.getLogger("storage")
 

@@ -41,17 +41,17 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from storage import chains, layout
-from storage.ids import user_from_segment, user_segment, validate_id
-from storage.journal import RUN_END, last_run_window, load_entries, unfinished_last_run
-from storage.journal.runs import drop_request, requests_held
-from storage.prune_explorations import ExplorationsPlan, delete_explorations, plan_explorations
-from storage.prune_objects import put_back, read_objects, restore_entry
-from storage.rows import CheckpointRow, JournalEntry, PruneReport, RunRecord, as_utc
+from . import chains, layout
+from .ids import user_from_segment, user_segment, validate_id
+from .journal import RUN_END, last_run_window, load_entries, unfinished_last_run
+from .journal.runs import drop_request, requests_held
+from .prune_explorations import ExplorationsPlan, delete_explorations, plan_explorations
+from .prune_objects import put_back, read_objects, restore_entry
+from .rows import CheckpointRow, JournalEntry, PruneReport, RunRecord, as_utc
 
 if TYPE_CHECKING:
-    from storage.store import Store
-    from storage.tails import Snapshot
+    from .store import Store
+    from .tails import Snapshot
 
 log = logging.getLogger("storage")
 #: ``(user_id, session_id)``.

@@ -28,8 +28,8 @@ from botocore import exceptions as bx
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, ProfileNotFound
 
-from storage.errors import PreconditionFailed, StorageConfigError, StorageError, TransientStorageError
-from storage.objects import ObjectInfo, ObjectStore, StoredObject
+from .errors import PreconditionFailed, StorageConfigError, StorageError, TransientStorageError
+from .objects import ObjectInfo, ObjectStore, StoredObject
 
 _TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling",
                     "ThrottlingException", "RequestTimeTooSkewed", "503", "500", "502", "504"}

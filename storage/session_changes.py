@@ -29,9 +29,9 @@ from datetime import datetime
 from types import EllipsisType
 from typing import Any
 
-from storage.ids import user_from_segment, user_segment, validate_id
-from storage.objects import ObjectStore
-from storage.rows import SessionRow, as_utc
+from .ids import user_from_segment, user_segment, validate_id
+from .objects import ObjectStore
+from .rows import SessionRow, as_utc
 
 log = logging.getLogger("storage")
 CHANGED = "changed/"

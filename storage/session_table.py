@@ -35,15 +35,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from storage import layout
-from storage.ids import user_from_segment, user_segment
-from storage.index import checked, conform
-from storage.objects import ObjectInfo
-from storage.rows import SESSION_SCHEMA, SessionRow, session_rows_from_table, session_rows_table
-from storage.sessions import latest_sessions
+from . import layout
+from .ids import user_from_segment, user_segment
+from .index import checked, conform
+from .objects import ObjectInfo
+from .rows import SESSION_SCHEMA, SessionRow, session_rows_from_table, session_rows_table
+from .sessions import latest_sessions
 
 if TYPE_CHECKING:
-    from storage.store import Store
+    from .store import Store
 
 log = logging.getLogger("storage")
 

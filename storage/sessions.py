@@ -36,12 +36,12 @@ from typing import TypeAlias
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from storage import layout, session_changes
-from storage.ids import user_from_segment, user_segment, validate_id
-from storage.index import ParquetIndex
-from storage.index_guard import text_column
-from storage.objects import ObjectStore
-from storage.rows import SESSION_SCHEMA, SessionRow, as_utc, session_rows_from_table, session_rows_table
+from . import layout, session_changes
+from .ids import user_from_segment, user_segment, validate_id
+from .index import ParquetIndex
+from .index_guard import text_column
+from .objects import ObjectStore
+from .rows import SESSION_SCHEMA, SessionRow, as_utc, session_rows_from_table, session_rows_table
 
 log = logging.getLogger("storage")
 #: "any user" in queries (``...``); None means "no user".

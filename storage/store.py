@@ -21,23 +21,23 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from storage import layout
-from storage.checkpoint_rows import CheckpointRows
-from storage.checkpoints import Checkpoints
-from storage.errors import StorageError
-from storage.ids import user_from_segment, user_segment, validate_id
-from storage.index import ParquetIndex
-from storage.journaling import Journal, Runs
-from storage.leases import LeaseKeeper
-from storage.leasing import Leases
-from storage.maintenance import IndexCompactReport, compact
-from storage.objects import ObjectStore
-from storage.pruning import Progress, PrunePlan, plan_prune, prune
-from storage.rows import INDEX_BOOKKEEPING, PruneReport, as_utc
-from storage.sessions import ANY, ActiveMarks, Sessions, UserFilter
-from storage.table import TableCache, load_tables, with_staleness
-from storage.table_query import read_for_query
-from storage.tails import TailReader
+from . import layout
+from .checkpoint_rows import CheckpointRows
+from .checkpoints import Checkpoints
+from .errors import StorageError
+from .ids import user_from_segment, user_segment, validate_id
+from .index import ParquetIndex
+from .journaling import Journal, Runs
+from .leases import LeaseKeeper
+from .leasing import Leases
+from .maintenance import IndexCompactReport, compact
+from .objects import ObjectStore
+from .pruning import Progress, PrunePlan, plan_prune, prune
+from .rows import INDEX_BOOKKEEPING, PruneReport, as_utc
+from .sessions import ANY, ActiveMarks, Sessions, UserFilter
+from .table import TableCache, load_tables, with_staleness
+from .table_query import read_for_query
+from .tails import TailReader
 
 log = logging.getLogger("storage")
 

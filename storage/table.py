@@ -81,14 +81,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from storage import layout
-from storage.errors import StorageError
-from storage.ids import user_from_segment
-from storage.index import DICTIONARY_COLUMNS, conform, parquet_table, serial_backend
-from storage.rows import CHECKPOINT_SCHEMA, INDEX_BOOKKEEPING, as_utc, strings, utcnow
+from . import layout
+from .errors import StorageError
+from .ids import user_from_segment
+from .index import DICTIONARY_COLUMNS, conform, parquet_table, serial_backend
+from .rows import CHECKPOINT_SCHEMA, INDEX_BOOKKEEPING, as_utc, strings, utcnow
 
 if TYPE_CHECKING:
-    from storage.store import Store
+    from .store import Store
 
 log = logging.getLogger("storage.table")
 T = TypeVar("T")

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from storage import layout
-from storage.errors import PreconditionFailed, StorageError
-from storage.table import (
+from . import layout
+from .errors import PreconditionFailed, StorageError
+from .table import (
     INTENT_TTL,
     TABLE_SCHEMA,
     Manifest,
@@ -33,7 +33,7 @@ from storage.table import (
 )
 
 if TYPE_CHECKING:
-    from storage.store import Store
+    from .store import Store
 
 log = logging.getLogger("storage.table")
 

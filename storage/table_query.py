@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from storage import layout
-from storage.errors import StorageError
-from storage.ids import user_from_segment
-from storage.index_guard import own_rows
-from storage.rows import CHECKPOINT_SCHEMA, as_utc
-from storage.table import TABLE_SCHEMA, Staleness, UserTable, decode_partition, for_each, load_tables
+from . import layout
+from .errors import StorageError
+from .ids import user_from_segment
+from .index_guard import own_rows
+from .rows import CHECKPOINT_SCHEMA, as_utc
+from .table import TABLE_SCHEMA, Staleness, UserTable, decode_partition, for_each, load_tables
 
 if TYPE_CHECKING:
-    from storage.store import Store
+    from .store import Store
 
 
 def _session_of(key: str) -> tuple[str, str] | None:

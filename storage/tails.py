@@ -29,14 +29,14 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from storage import envelope, layout
-from storage.chains import Pins
-from storage.checkpoint_rows import CheckpointRows
-from storage.envelope import row_of_header
-from storage.fencing import kept_lease_body, lease_body
-from storage.index_merge import live_checkpoints
-from storage.rows import CheckpointRow
-from storage.visibility import (
+from . import envelope, layout
+from .chains import Pins
+from .checkpoint_rows import CheckpointRows
+from .envelope import row_of_header
+from .fencing import kept_lease_body, lease_body
+from .index_merge import live_checkpoints
+from .rows import CheckpointRow
+from .visibility import (
     FileRows,
     Tops,
     Visibility,

@@ -27,10 +27,10 @@ import boto3
 from botocore.awsrequest import AWSResponse
 from botocore.exceptions import ConnectionClosedError, ReadTimeoutError
 
-from storage import layout, open_store
-from storage.checkpoint_log import CheckpointLog
-from storage.rows import CheckpointInfo, CheckpointRow, JournalEntry, Lease, as_utc
-from storage.store import Store
+from . import layout, open_store
+from .checkpoint_log import CheckpointLog
+from .rows import CheckpointInfo, CheckpointRow, JournalEntry, Lease, as_utc
+from .store import Store
 
 CREDENTIALS = {"key": "testing", "secret": "testing", "region": "us-east-1"}
 

@@ -28,7 +28,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 if TYPE_CHECKING:
-    from storage.store import Store
+    from .store import Store
 
 
 def _leased(table: pa.Table) -> pa.Table:

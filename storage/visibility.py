@@ -85,8 +85,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from storage.layout import is_epoch
-from storage.rows import CheckpointRow, Retired
+from .layout import is_epoch
+from .rows import CheckpointRow, Retired
 
 #: A fence as read back: ``(epoch of the takeover, highest (epoch, checkpoint_id) it listed or None, highest
 #: (tomb_epoch, tomb_mark) of the leased tombstones it listed or None)``.

@@ -42,7 +42,7 @@ def pytest_xdist_make_scheduler(config, log):
 @_pytest.fixture(scope="session")
 def s3_server():
     """moto's S3 server on 127.0.0.1 (free port) for the whole test session."""
-    from storage.testing import MotoS3Server
+    from loomray.storage.testing import MotoS3Server
 
     server = MotoS3Server().start()
     yield server
@@ -64,7 +64,7 @@ def s3_store_url(s3_server, monkeypatch):
 @_pytest.fixture(params=["memory", "local", "s3"])
 def store(request, tmp_path):
     """A fresh, empty ``storage.Store`` on each backend: memory, a local directory, S3 (moto)."""
-    from storage import open_store
+    from loomray.storage import open_store
 
     if request.param == "memory":
         st = open_store(f"memory://{_uuid.uuid4().hex}")

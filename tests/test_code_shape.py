@@ -25,7 +25,10 @@ def _sources() -> list[Path]:
 
 
 def _module_name(path: Path) -> str:
+    """The name a module is imported under: ``storage/x.py`` is installed as ``loomray.storage.x``."""
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[0] == "storage":
+        parts.insert(0, "loomray")
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
@@ -140,8 +143,9 @@ def test_the_import_reader_sees_what_a_cycle_is_made_of():
 
 
 @pytest.mark.parametrize("layer, forbidden", [
-    ("storage", ("loomray", "ray")),
-    ("loomray.loop", ("ray", "storage", "boto3", "s3fs")),
+    # The storage layer imports itself relatively, so it never runs loomray's own package body.
+    ("loomray.storage", ("loomray", "storage", "ray")),
+    ("loomray.loop", ("ray", "loomray.storage", "storage", "boto3", "s3fs")),
     ("loomray.journal", ("ray",)),
     ("loomray.session", ("ray",)),
 ])
@@ -155,8 +159,22 @@ def test_layers_import_downwards_only(layer, forbidden):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
             for imported in names:
-                top = imported.split(".")[0]
-                assert top not in forbidden, f"{name} imports {imported}"
+                assert not any(imported == f or imported.startswith(f + ".") for f in forbidden), \
+                    f"{name} imports {imported}"
+
+
+def test_nothing_imports_storage_by_its_source_folder_name():
+    """``storage/`` is installed as ``loomray.storage``; importing it as ``storage`` too (from the project
+    root on ``sys.path``) would make a second copy of every class, and a user's own ``storage`` would win."""
+    files = [*_sources(), *(ROOT / "tests").rglob("*.py"), *(ROOT / "examples").rglob("*.py"),
+             *(ROOT / "bench").rglob("*.py"), *(ROOT / "cluster").rglob("*.py")]
+    hits = []
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+            hits += [f"{path.relative_to(ROOT)}: {n}" for n in names if n == "storage" or n.startswith("storage.")]
+    assert not hits, "imports of the old top-level name: " + ", ".join(hits)
 
 
 _OUTSIDE = re.compile(r"\.\./shared|\bAPI\.md\b|\bDESIGN\.md\b|\bSTYLE\.md\b|\bseeds?/|\bseed \d{3}\b")

@@ -23,7 +23,7 @@ from loomray.cli.common import (
 from loomray.cli.output import emit_json, excerpt
 from loomray.cli.tables import Col, fit_table
 from loomray.loop import ToolDecision
-from storage import ANY, Store
+from loomray.storage import ANY, Store
 
 _COLUMNS = [Col("session", "session"), Col("user", "user", drop=2), Col("call", "call"), Col("tool", "tool"),
             Col("arguments", "arguments", drop=1, wrap=True), Col("decision", "decision")]

@@ -48,7 +48,7 @@ from loomray.cli.tables import Col, fit_table
 from loomray.errors import LoomrayUserError
 from loomray.ids import new_id
 from loomray.runtime.connection import NAMESPACE, normalize_store_url
-from storage import ANY, SessionRow, Store
+from loomray.storage import ANY, SessionRow, Store
 
 
 @click.command()

@@ -24,9 +24,9 @@ import pyarrow as pa
 from rich.console import Console
 
 from loomray.errors import LoomrayRunError, LoomrayUserError
-from storage import Store, open_store
-from storage.errors import InvalidIdError, ObjectNotFound, StorageConfigError
-from storage.ids import validate_id
+from loomray.storage import Store, open_store
+from loomray.storage.errors import InvalidIdError, ObjectNotFound, StorageConfigError
+from loomray.storage.ids import validate_id
 
 console = Console()
 err_console = Console(stderr=True)

@@ -42,7 +42,7 @@ from loomray.cli.common import console, guarded
 from loomray.cli.demo_agent import RESEARCH_AGENT_REF, Pace, build_agent
 from loomray.cli.demo_steps import run_demo
 from loomray.runtime.connection import normalize_store_url
-from storage import open_store
+from loomray.storage import open_store
 
 
 @click.command()

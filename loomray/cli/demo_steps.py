@@ -30,7 +30,7 @@ from loomray.ids import new_id
 from loomray.records import RunResult
 from loomray.run_request import RunRequest
 from loomray.runtime.connection import NAMESPACE
-from storage import Store, open_store
+from loomray.storage import Store, open_store
 
 if TYPE_CHECKING:  # pragma: no cover - the cluster helper imports Ray
     from loomray.testing.cluster import LocalCluster

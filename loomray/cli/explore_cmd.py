@@ -46,7 +46,7 @@ from loomray.cli.runs import agent_for, bind, runtime_for
 from loomray.cli.variant_args import parse_variants
 from loomray.explore import Budget, ModelJudge, find_exploration
 from loomray.explore.record import ExplorationRecord, variant_from_doc
-from storage import Store
+from loomray.storage import Store
 
 
 def load_judge(ref: str) -> Any:

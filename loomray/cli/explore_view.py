@@ -20,7 +20,7 @@ from loomray.cli.tables import Col, fit_table
 from loomray.explore.record import ExplorationRecord, find_exploration
 from loomray.explore.summary import summarize
 from loomray.explore.types import Exploration
-from storage import Store, layout
+from loomray.storage import Store, layout
 
 
 def load_exploration(store: Store, exploration_id: str, user_id: str | None) -> Exploration:

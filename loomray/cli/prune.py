@@ -26,8 +26,8 @@ from loomray.cli.common import (
 from loomray.cli.output import count, emit_json, row_dict
 from loomray.cli.progress import Activity, iter_progress, progress_option, stdin_is_tty
 from loomray.cli.tables import Col, fit_table
-from storage import Store
-from storage.pruning import PrunePlan, SessionPrunePlan
+from loomray.storage import Store
+from loomray.storage.pruning import PrunePlan, SessionPrunePlan
 
 #: Checkpoint ids a dry run lists in the terminal (``--json`` lists them all).
 _DRY_RUN_LISTED = 50

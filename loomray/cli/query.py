@@ -28,9 +28,9 @@ from loomray.cli.explore_view import load_exploration, with_branch_columns
 from loomray.cli.output import emit_json, money, plain_cell, time_cells
 from loomray.cli.progress import Activity, progress_option
 from loomray.cli.tables import Col, fit_columns, fit_table, print_records
-from storage import ANY, Store
-from storage.rows import SESSION_SCHEMA, session_rows_table
-from storage.table import Staleness, staleness
+from loomray.storage import ANY, Store
+from loomray.storage.rows import SESSION_SCHEMA, session_rows_table
+from loomray.storage.table import Staleness, staleness
 
 #: What a checkpoint row's status can be; ``--status`` filters rows by it.
 CHECKPOINT_STATUSES = ("active", "completed", "awaiting_approval", "paused")

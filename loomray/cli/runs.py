@@ -43,8 +43,8 @@ from loomray.events import CheckpointEvent, EmitFn, Event, RunStart
 from loomray.records import RunResult
 from loomray.runtime import LocalRuntime, Runtime
 from loomray.runtime.connection import normalize_store_url
+from loomray.storage import Store
 from loomray.variants import describe_variant
-from storage import Store
 
 
 def load_agent(ref: str) -> Agent:

@@ -31,8 +31,8 @@ from loomray.cli.common import (
 from loomray.cli.output import emit_json, excerpt, iso_time, short_time
 from loomray.cli.progress import stdin_is_tty
 from loomray.run_errors import read_errors
-from storage import JournalEntry, Store
-from storage.journal import JournalRun, entry_name, read_run
+from loomray.storage import JournalEntry, Store
+from loomray.storage.journal import JournalRun, entry_name, read_run
 
 
 def _resume_hint(session_id: str, user_id: str | None) -> str:

@@ -37,9 +37,9 @@ from loomray.cli.tables import Col, fit_table
 from loomray.cli.timeline_view import session_timeline, timeline_table
 from loomray.cli.tree_view import fork_tree, fork_variant, run_records, tree_html, tree_json, tree_table, variant_line
 from loomray.errors import CheckpointException
-from storage import Store
-from storage.errors import InvalidIdError, LeaseCorruptError, StorageError
-from storage.layout import lease_key
+from loomray.storage import Store
+from loomray.storage.errors import InvalidIdError, LeaseCorruptError, StorageError
+from loomray.storage.layout import lease_key
 
 
 class _ListByDefault(click.Group):

@@ -26,8 +26,8 @@ from loomray.cli.common import STATUS_STYLE, CliError, first_line, who
 from loomray.cli.output import iso_time, parse_iso, time_cells
 from loomray.cli.tables import Col, fit_table
 from loomray.run_errors import read_error
-from storage import RunRecord, Store, layout
-from storage.rows import SESSION_SCHEMA
+from loomray.storage import RunRecord, Store, layout
+from loomray.storage.rows import SESSION_SCHEMA
 
 
 def _json_object(store: Store, key: str) -> dict[str, Any] | None:

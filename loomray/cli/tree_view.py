@@ -36,8 +36,8 @@ from loomray.cli.common import STATUS_STYLE, unknown_session
 from loomray.cli.explore_view import branch_marks
 from loomray.cli.output import iso_time, money
 from loomray.cli.tables import Col, fit_table
+from loomray.storage import Store
 from loomray.variants import describe_variant
-from storage import Store
 
 _CKPT_COLUMNS = ["session_id", "checkpoint_id", "turn", "created_at", "cost_usd", "parent_checkpoint_id",
                  "forked_from", "execution_status", "epoch"]

@@ -15,8 +15,8 @@ from loomray.control.requests import CANCEL, create_request, request_body, requi
 from loomray.fencing import fence_session
 from loomray.records import utcnow
 from loomray.session_store import SessionStore
-from storage import layout
-from storage.rows import SessionRow
+from loomray.storage import layout
+from loomray.storage.rows import SessionRow
 
 log = logging.getLogger("loomray.control")
 

@@ -12,8 +12,8 @@ from loomray.control.requests import CANCEL, read_request
 from loomray.journal import CONTROL_KINDS, JournalRecord
 from loomray.loop import ControlSnapshot, ToolDecision
 from loomray.session_store import SessionStore
-from storage import layout
-from storage.rows import JournalEntry
+from loomray.storage import layout
+from loomray.storage.rows import JournalEntry
 
 log = logging.getLogger("loomray.control")
 

@@ -18,8 +18,8 @@ from loomray.journal import safe_call_id
 from loomray.loop import ToolDecision, dangling_tool_calls
 from loomray.records import ToolCall, utcnow
 from loomray.session_store import SessionStore
-from storage import layout
-from storage.errors import PreconditionFailed
+from loomray.storage import layout
+from loomray.storage.errors import PreconditionFailed
 
 log = logging.getLogger("loomray.control")
 

@@ -18,7 +18,7 @@ from loomray.errors import CheckpointNotFound
 from loomray.fencing import fence_session
 from loomray.records import Checkpoint
 from loomray.session_store import SessionStore
-from storage import CheckpointInfo
+from loomray.storage import CheckpointInfo
 
 
 def adopt_winner(store: SessionStore, session_id: str, user_id: str | None, winner: str, checkpoint_id: str, *,

@@ -24,10 +24,10 @@ import json
 from typing import Any
 
 from loomray.records import Message
+from loomray.storage import layout
+from loomray.storage.errors import PreconditionFailed
+from loomray.storage.objects import ObjectStore
 from loomray.variants import Edit, Variant
-from storage import layout
-from storage.errors import PreconditionFailed
-from storage.objects import ObjectStore
 
 #: Version of the stored documents; a newer one is refused rather than misread.
 RECORD_VERSION = 1

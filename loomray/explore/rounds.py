@@ -19,7 +19,7 @@ from loomray.explore.forking import BranchPlan, start_branches
 from loomray.explore.judges import transcript
 from loomray.explore.types import Branch, JudgeInput
 from loomray.records import Checkpoint, RunResult
-from storage.errors import TransientStorageError
+from loomray.storage.errors import TransientStorageError
 
 
 @dataclass

@@ -27,7 +27,7 @@ from typing import Any
 
 from loomray.runtime.actors import ACTIVE_STATES
 from loomray.runtime.stored_options import secret_env_names, storable_options
-from storage import SessionRow, Store
+from loomray.storage import SessionRow, Store
 
 log = logging.getLogger("loomray.runtime.active")
 

@@ -33,8 +33,8 @@ from loomray.errors import LoomrayRunError, LoomrayUserError
 from loomray.records import RunResult
 from loomray.runtime.connection import NAMESPACE
 from loomray.runtime.stored_options import REDACTED, without_secrets
-from storage import Store, open_store
-from storage.ids import user_from_segment, user_segment, validate_id
+from loomray.storage import Store, open_store
+from loomray.storage.ids import user_from_segment, user_segment, validate_id
 
 #: Name prefix of the detached supervisors (namespace ``loomray``): one per store, any number per
 #: cluster, each named ``loomray:supervisor:{store key}`` (see :func:`supervisor_name`).

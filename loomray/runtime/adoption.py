@@ -33,7 +33,7 @@ from loomray.runtime.actors import AgentSpec, RuntimeConfig, agent_ref_allowed, 
 from loomray.runtime.stored_options import restore_secrets, trusted_options
 from loomray.runtime.watcher import WatchedSession, quarantine
 from loomray.session import RunRequest
-from storage import SessionRow, Store
+from loomray.storage import SessionRow, Store
 
 log = logging.getLogger("loomray.runtime.adoption")
 

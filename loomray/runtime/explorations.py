@@ -66,9 +66,9 @@ from loomray.runtime.fanouts import agent_specs
 from loomray.runtime.handoffs import handed_off
 from loomray.runtime.stored_options import restore_secrets, secret_env_names, storable_options, trusted_options
 from loomray.session_store import SessionStore
+from loomray.storage import Store, layout
+from loomray.storage.ids import user_from_segment
 from loomray.variants import Variant, VariantError, variant_agent
-from storage import Store, layout
-from storage.ids import user_from_segment
 
 if TYPE_CHECKING:
     from loomray.agent import Agent

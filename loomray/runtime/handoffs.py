@@ -34,7 +34,7 @@ from typing import Any
 
 from loomray.ids import new_id
 from loomray.session import RunRequest
-from storage import Store
+from loomray.storage import Store
 
 
 def handed_off(request: RunRequest, *, fork: bool = False) -> RunRequest:

@@ -62,7 +62,7 @@ from loomray.runtime.loop_guard import guard_loop
 from loomray.runtime.raylet_watch import DrainableExecutor, watch_raylet
 from loomray.runtime.session_actor import SessionActor
 from loomray.session import RunRequest
-from storage import Store
+from loomray.storage import Store
 
 if TYPE_CHECKING:  # pragma: no cover
     from loomray.runtime.placement import HostPool

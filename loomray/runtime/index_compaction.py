@@ -17,7 +17,7 @@ import asyncio
 import logging
 from typing import Any
 
-from storage import Store
+from loomray.storage import Store
 
 log = logging.getLogger("loomray.runtime.index_compaction")
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from loomray.runtime.base import Runtime
-from storage import Store, open_store
+from loomray.storage import Store, open_store
 
 
 class InProcRuntime(Runtime):

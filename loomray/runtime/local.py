@@ -7,7 +7,7 @@ from typing import Any
 
 from loomray.runtime.base import Runtime
 from loomray.session_store import SessionStore
-from storage import open_store
+from loomray.storage import open_store
 
 
 class LocalRuntime(Runtime):

@@ -43,7 +43,7 @@ from loomray.runtime.fanouts import agent_specs
 from loomray.runtime.handoffs import handed_off
 from loomray.runtime.supervisor import get_supervisor
 from loomray.session import RunRequest
-from storage import open_store
+from loomray.storage import open_store
 
 if TYPE_CHECKING:  # annotations only: the Agent module imports the runtimes package for its default
     from loomray.agent import Agent

@@ -49,8 +49,8 @@ from loomray.runtime.actors import (
 from loomray.runtime.loop_guard import guard_loop
 from loomray.runtime.raylet_watch import node_lost, watch_raylet
 from loomray.session import RunRequest, execute_request
-from storage import Store
-from storage.errors import LeaseLostError
+from loomray.storage import Store
+from loomray.storage.errors import LeaseLostError
 
 log = logging.getLogger("loomray.runtime.session_actor")
 

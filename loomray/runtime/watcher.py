@@ -36,7 +36,7 @@ from loomray.runtime.handoffs import same_handoff
 from loomray.runtime.placement import HostPool
 from loomray.runtime.placement_rules import demand_of
 from loomray.runtime.session_actor import session_actor_class
-from storage import SessionRow, Store
+from loomray.storage import SessionRow, Store
 
 log = logging.getLogger("loomray.runtime.watcher")
 

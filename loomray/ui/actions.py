@@ -29,8 +29,8 @@ from starlette.responses import RedirectResponse, Response
 from loomray import control
 from loomray.errors import LoomrayUserError
 from loomray.loop import ToolDecision
+from loomray.storage import Store
 from loomray.ui.state import UiState
-from storage import Store
 
 SOURCE = "ui"
 

@@ -32,11 +32,11 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from storage import Store
-from storage.ids import user_segment
-from storage.rows import SessionRow
-from storage.session_table import read_session_tables
-from storage.sessions import ANY, UserFilter
+from loomray.storage import Store
+from loomray.storage.ids import user_segment
+from loomray.storage.rows import SessionRow
+from loomray.storage.session_table import read_session_tables
+from loomray.storage.sessions import ANY, UserFilter
 
 #: The statuses a session's status row says (the status filter's choices).
 STATUSES = ("pending", "running", "completed", "awaiting_approval", "paused", "budget_exceeded", "failed",

@@ -19,9 +19,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from loomray.cli.steering import LogReader
+from loomray.storage import JournalEntry, Store
 from loomray.ui.session_view import event_id, event_view
 from loomray.ui.state import UiState
-from storage import JournalEntry, Store
 
 
 def sse(event: str, data: dict[str, Any], event_id: str | None = None) -> str:

@@ -10,11 +10,11 @@ import uvicorn
 from starlette.applications import Starlette
 
 from loomray.runtime.connection import normalize_store_url
+from loomray.storage import open_store
+from loomray.storage.ids import validate_id
 from loomray.ui.app import create_app
 from loomray.ui.security import TOKEN_ENV, Guard, check_binding, is_loopback
 from loomray.ui.state import UiState
-from storage import open_store
-from storage.ids import validate_id
 
 DEFAULT_HOST = "127.0.0.1"
 #: Ray's dashboard listens on 8265; the session browser takes the port after it.

@@ -20,9 +20,9 @@ from loomray.cli.timeline_view import session_timeline
 from loomray.cli.tree_view import ForkNode, fork_tree
 from loomray.errors import CheckpointException
 from loomray.records import Checkpoint, ToolCall
-from storage import JournalEntry, Store
-from storage.journal import entry_name
-from storage.rows import CheckpointRow, SessionRow
+from loomray.storage import JournalEntry, Store
+from loomray.storage.journal import entry_name
+from loomray.storage.rows import CheckpointRow, SessionRow
 
 #: How many hops up the ``forked_from`` links the page follows to find the root of a fork tree.
 _MAX_TREE_DEPTH = 16

@@ -12,11 +12,11 @@ from starlette.exceptions import HTTPException
 from loomray.cli.common import CliError
 from loomray.cli.runs import agent_for, bind, runtime_for
 from loomray.errors import LoomrayUserError
+from loomray.storage import Store
+from loomray.storage.ids import validate_id
+from loomray.storage.sessions import ANY, UserFilter
 from loomray.ui.listing import TableCache
 from loomray.ui.security import Guard
-from storage import Store
-from storage.ids import validate_id
-from storage.sessions import ANY, UserFilter
 
 log = logging.getLogger("loomray.ui")
 

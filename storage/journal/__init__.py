@@ -37,7 +37,7 @@ Entry kinds storage interprets: ``run_start`` (its output may name
 (the run finished) and ``seal``; every other kind is opaque here.
 """
 
-from storage.journal.entries import (
+from ..journal.entries import (
     RUN_END,
     RUN_START,
     SEAL,
@@ -51,8 +51,8 @@ from storage.journal.entries import (
     seal_listed,
     seal_run,
 )
-from storage.journal.fences import FenceNote, Listing, complete_fences, list_for_fence
-from storage.journal.runs import Unfinished, create_run, last_run, last_run_window, list_runs, unfinished_last_run
+from ..journal.fences import FenceNote, Listing, complete_fences, list_for_fence
+from ..journal.runs import Unfinished, create_run, last_run, last_run_window, list_runs, unfinished_last_run
 
 __all__ = ["RUN_END", "RUN_START", "SEAL", "FenceNote", "JournalRun", "Listing", "Unfinished", "complete_fences",
            "create_run", "entry_name", "fenced_names", "journal_keys", "last_run", "last_run_window", "list_for_fence",

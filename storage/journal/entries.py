@@ -10,11 +10,11 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from storage import layout
-from storage.errors import InvalidIdError, PreconditionFailed, StorageError
-from storage.index import ParquetIndex
-from storage.objects import ObjectStore
-from storage.rows import JournalEntry, Lease
+from .. import layout
+from ..errors import InvalidIdError, PreconditionFailed, StorageError
+from ..index import ParquetIndex
+from ..objects import ObjectStore
+from ..rows import JournalEntry, Lease
 
 log = logging.getLogger("storage")
 

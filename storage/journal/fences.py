@@ -13,12 +13,12 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from storage import layout
-from storage.errors import InvalidIdError
-from storage.ids import validate_id
-from storage.journal.entries import SEAL, JournalStore, journal_keys, missing_ranges, parse_ranges, put_seal, seqs_of
-from storage.journal.runs import last_run, read_records, record_slots
-from storage.rows import JournalEntry, RunRecord
+from .. import layout
+from ..errors import InvalidIdError
+from ..ids import validate_id
+from ..journal.entries import SEAL, JournalStore, journal_keys, missing_ranges, parse_ranges, put_seal, seqs_of
+from ..journal.runs import last_run, read_records, record_slots
+from ..rows import JournalEntry, RunRecord
 
 log = logging.getLogger("storage")
 

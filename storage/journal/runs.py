@@ -13,11 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from storage import layout
-from storage.errors import PreconditionFailed
-from storage.ids import validate_id
-from storage.journal.entries import JournalStore, read_run
-from storage.rows import RunRecord
+from .. import layout
+from ..errors import PreconditionFailed
+from ..ids import validate_id
+from ..journal.entries import JournalStore, read_run
+from ..rows import RunRecord
 
 log = logging.getLogger("storage")
 

@@ -124,7 +124,7 @@ def _control_hook(data_dir: str, page: int) -> None:
 
     if os.environ.get("CONTROL_SIGNAL_AT_PAGE") == str(page):
         from loomray import control
-        from storage import open_store
+        from loomray.storage import open_store
 
         store = open_store(os.path.join(data_dir, "store"))
         control.send_signal(store, _SESSION[0], None, SIGNAL_TEXT, source="test")

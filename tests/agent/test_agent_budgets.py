@@ -19,9 +19,9 @@ from loomray.models import ScriptedModel
 from loomray.models.base import ModelResponse
 from loomray.models.scripted import count_calls
 from loomray.records import Message, Usage
-from storage import CheckpointInfo, layout
-from storage.rows import CHECKPOINT_SCHEMA, CheckpointRow, checkpoint_rows_from_table, checkpoint_rows_table
-from storage.testing import write_checkpoint
+from loomray.storage import CheckpointInfo, layout
+from loomray.storage.rows import CHECKPOINT_SCHEMA, CheckpointRow, checkpoint_rows_from_table, checkpoint_rows_table
+from loomray.storage.testing import write_checkpoint
 
 PASSES = 4  # tool passes; one more pass gives the final answer
 tool_calls: dict[str, int] = {}
@@ -245,7 +245,7 @@ def test_index_rows_without_the_spend_column_read_as_none():
 
 
 def test_an_old_index_file_still_lists(tmp_path):
-    from storage import open_store
+    from loomray.storage import open_store
 
     store = open_store(tmp_path / "d")
     try:

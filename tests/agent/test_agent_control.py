@@ -35,7 +35,7 @@ from loomray.errors import LoomrayUserError
 from loomray.models import ScriptedModel
 from loomray.models.scripted import count_calls
 from loomray.runtime import LocalRuntime
-from storage import layout
+from loomray.storage import layout
 
 CHILD = Path(__file__).with_name("crash_child.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -216,7 +216,7 @@ async def test_an_approved_call_cut_short_runs_again_without_a_new_decision_or_m
     assert json.loads((d / "third.json").read_text())["output"] == "report: done"
     assert _calls(d) == [0, 1, 2, 3, 4, 5]
     assert _effects(d) == ["ray-0", "ray-1", "ray-2-partial", "ray-2", "ray-3", "ray-4"]
-    from storage import open_store
+    from loomray.storage import open_store
 
     store = open_store(d / "store")
     try:
@@ -313,7 +313,7 @@ async def test_a_signal_survives_a_killed_process_exactly_once(tmp_path, kill):
     assert out["messages"][at - 1]["role"] == "tool" and out["messages"][at + 1]["role"] == "assistant"
     assert _calls(d) == [0, 1, 2, 3, 4, 5]
     assert _effects(d) == [f"ray-{i}" for i in range(5)]
-    from storage import open_store
+    from loomray.storage import open_store
 
     store = open_store(d / "store")
     try:
@@ -449,7 +449,7 @@ async def test_cancel_from_another_process_stops_its_run_and_fences_it(tmp_path)
     (the CLI's path): the child's run returns "cancelled" while the tool is still blocked, and nothing
     durable changes afterwards, not even when the abandoned tool finishes."""
     from loomray import control
-    from storage import open_store
+    from loomray.storage import open_store
 
     d = tmp_path / "data"
     d.mkdir()

@@ -80,7 +80,7 @@ def _scenario(base: Path, index: int, point: tuple) -> dict:
     latest = None
     if not position.startswith("off") and second.returncode == 0:
         from loomray.checkpoint_format import load_checkpoint
-        from storage import open_store
+        from loomray.storage import open_store
 
         store = open_store(d / "store")
         ckpt = load_checkpoint(store, "sess-crash")  # read back whole: the object itself holds one pass

@@ -20,11 +20,11 @@ from loomray.errors import DurabilityLost, InvalidIdError, LoomrayUserError
 from loomray.models import ScriptedModel
 from loomray.runtime import LocalRuntime
 from loomray.session import RunRequest
-from storage import CheckpointInfo
-from storage.errors import CorruptObjectError, StorageError, TransientStorageError
-from storage.objects import ObjectStore
-from storage.store import Store
-from storage.testing import write_checkpoint
+from loomray.storage import CheckpointInfo
+from loomray.storage.errors import CorruptObjectError, StorageError, TransientStorageError
+from loomray.storage.objects import ObjectStore
+from loomray.storage.store import Store
+from loomray.storage.testing import write_checkpoint
 
 calls: list[str] = []
 #: Tool calls and injected faults in the order they happened (to prove nothing ran after a fault).
@@ -95,7 +95,7 @@ class FaultyObjects(ObjectStore):
 
 
 def faulty_runtime(tmp_path) -> tuple[LocalRuntime, FaultyObjects]:
-    from storage.localdir import LocalObjectStore
+    from loomray.storage.localdir import LocalObjectStore
 
     objects = FaultyObjects(LocalObjectStore(tmp_path / "store"))
     return LocalRuntime(Store(objects, f"file://{tmp_path / 'store'}")), objects
@@ -143,7 +143,7 @@ async def test_path6_unreadable_lease_stops_the_run_at_its_next_proof(tmp_path, 
 
 
 async def test_path6_unreachable_s3_store_stops_the_run_and_is_never_reported_completed(s3_server):
-    from storage.testing import FaultInjector
+    from loomray.storage.testing import FaultInjector
 
     bucket = s3_server.new_bucket("path6")
     rt = LocalRuntime(f"s3://{bucket}/root", max_attempts=1, **s3_server.options)

@@ -19,8 +19,8 @@ from loomray import Agent, CheckpointConfig, Tuning
 from loomray.errors import DurabilityLost
 from loomray.models import ScriptedModel
 from loomray.runtime import LocalRuntime
-from storage import layout, open_store
-from storage.errors import LeaseLostError
+from loomray.storage import layout, open_store
+from loomray.storage.errors import LeaseLostError
 
 
 def passes(n: int, final: str = "done") -> list:

@@ -20,7 +20,7 @@ from loomray import Agent, Tuning, tool
 from loomray.models import ScriptedModel
 from loomray.models.scripted import count_calls
 from loomray.records import Checkpoint
-from storage import layout
+from loomray.storage import layout
 
 
 # -- path 12 -------------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from loomray import Agent, Tuning
 from loomray.models import ScriptedModel
 from loomray.runtime import InProcRuntime, LocalRuntime
 from loomray.session import RunRequest, execute_request
-from storage.errors import LeaseLostError
+from loomray.storage.errors import LeaseLostError
 
 
 def lookup(key: str) -> str:
@@ -87,7 +87,7 @@ async def test_session_rows_track_the_run(tmp_path):
 
 
 async def test_execute_request_is_the_actor_entry_point(tmp_path):
-    from storage import open_store
+    from loomray.storage import open_store
 
     store = open_store(tmp_path / "d")
     agent = Agent("sys", model=ScriptedModel([*script().responses, "done again"]), tools=[lookup],
@@ -131,7 +131,7 @@ async def test_live_context_objects_reach_tools_in_process_and_are_named_in_the_
 
 def test_tool_step_keys_are_valid_ids_and_stay_distinct():
     from loomray.journal import tool_step_key
-    from storage.ids import validate_id
+    from loomray.storage.ids import validate_id
 
     ids = ["call_1", "call.1", "call/1", "toolu_01/../" * 20, "x" * 300]
     keys = [tool_step_key(7, i) for i in ids]
@@ -143,6 +143,6 @@ def test_tool_step_keys_are_valid_ids_and_stay_distinct():
 def test_the_journal_writes_the_run_start_and_end_kinds_storage_reads():
     """``loomray.journal`` knows nothing of storage, so it spells the two kinds itself; they must match."""
     from loomray.journal import RUN_END_KIND, RUN_START_KIND
-    from storage import journal as stored
+    from loomray.storage import journal as stored
 
     assert (RUN_START_KIND, RUN_END_KIND) == (stored.RUN_START, stored.RUN_END)

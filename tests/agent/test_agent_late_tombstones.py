@@ -19,8 +19,8 @@ from agent_helpers import lookup
 from loomray import Agent, CheckpointConfig, Tuning
 from loomray.models import ScriptedModel
 from loomray.runtime import LocalRuntime
-from storage import layout, open_store
-from storage.errors import LeaseLostError
+from loomray.storage import layout, open_store
+from loomray.storage.errors import LeaseLostError
 
 
 def script(n: int) -> list:

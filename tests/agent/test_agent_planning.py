@@ -10,9 +10,9 @@ from loomray.planning import JournalRef, RunPlan, SessionReads, decide
 from loomray.records import Checkpoint, Message
 from loomray.recovery import CheckpointRef, LastRun, last_run_of, run_to_continue
 from loomray.run_request import RunRequest
-from storage import layout
-from storage.journal import JournalRun
-from storage.rows import JournalEntry, Lease, RunRecord
+from loomray.storage import layout
+from loomray.storage.journal import JournalRun
+from loomray.storage.rows import JournalEntry, Lease, RunRecord
 
 SID = "s1"
 

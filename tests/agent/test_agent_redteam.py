@@ -22,8 +22,8 @@ from loomray import Agent, CheckpointConfig, Tuning
 from loomray.errors import CheckpointNotFound
 from loomray.models import ScriptedModel
 from loomray.runtime import LocalRuntime
-from storage import layout, open_store
-from storage.errors import LeaseLostError
+from loomray.storage import layout, open_store
+from loomray.storage.errors import LeaseLostError
 
 TUNING = Tuning(checkpoint=CheckpointConfig(position="after_tools"))
 

@@ -16,9 +16,9 @@ from loomray import Agent, Edit, Message, Tuning, Variant
 from loomray.errors import CheckpointNotFound
 from loomray.models import ScriptedModel
 from loomray.runtime import LocalRuntime
-from storage.faults import FaultyObjectStore
-from storage.localdir import LocalObjectStore
-from storage.store import Store
+from loomray.storage.faults import FaultyObjectStore
+from loomray.storage.localdir import LocalObjectStore
+from loomray.storage.store import Store
 
 
 class Counted:

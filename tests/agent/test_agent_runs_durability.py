@@ -27,9 +27,9 @@ import loomray.session as session_mod
 from loomray import Agent, CheckpointConfig, Tuning
 from loomray.models import ScriptedModel
 from loomray.runtime import LocalRuntime
-from storage import SessionRow
-from storage.errors import TransientStorageError
-from storage.rows import JournalEntry
+from loomray.storage import SessionRow
+from loomray.storage.errors import TransientStorageError
+from loomray.storage.rows import JournalEntry
 
 CHILD = Path(__file__).with_name("crash_child.py")
 REPO = Path(__file__).resolve().parents[2]
@@ -242,7 +242,7 @@ async def test_path07_s3_server_side_encryption_on_every_put(s3_server, sse):
 
 
 def test_path07_sse_options_are_validated():
-    from storage.s3 import S3ObjectStore
+    from loomray.storage.s3 import S3ObjectStore
 
     with pytest.raises(ValueError, match="sse must be one of"):
         S3ObjectStore("bucket", sse="rot13", client=object())
@@ -252,8 +252,8 @@ def test_path07_sse_options_are_validated():
 
 def test_path08_session_rows_that_name_another_partition_are_ignored(tmp_path):
     """A row file copied into session s-a's partition that speaks for s-b is not s-b's state."""
-    from storage import open_store
-    from storage.rows import session_rows_table
+    from loomray.storage import open_store
+    from loomray.storage.rows import session_rows_table
 
     store = open_store(tmp_path / "d")
     store.sessions.put(SessionRow("s-b", None, "completed", datetime.now(timezone.utc)))
@@ -345,7 +345,7 @@ async def test_path18_sessions_without_run_records_fall_back_to_journal_order(ru
 
 async def test_old_session_rows_with_the_request_still_load(tmp_path):
     """Index rows written before this release carry the request in ``spec_json``: still readable."""
-    from storage import open_store
+    from loomray.storage import open_store
 
     store = open_store(tmp_path / "d")
     old = SessionRow("s", None, "running", datetime.now(timezone.utc), run_id="r1", agent_ref="m:a",
@@ -364,7 +364,7 @@ def test_review_r1_seal_fences_a_late_entry_below_the_listed_max(store, how):
     """Concurrent tool appends land out of seq order: seq 3 lands while seq 2's PUT is still in flight.
     The new owner lists (max 3) and seals at 4; then the fenced writer's seq-2 entry lands. Replay must
     not use it: the seal names the seqs its listing was missing below the max."""
-    from storage.journal import FenceNote
+    from loomray.storage.journal import FenceNote
 
     def entry(seq, step, kind="tool", epoch=1):
         return JournalEntry(session_id="s", run_id="r", seq=seq, step_key=step, kind=kind, epoch=epoch)
@@ -403,8 +403,8 @@ async def test_review_r1_concurrent_tool_appends_a_late_one_is_never_replayed(tm
     The next incarnation runs that tool again instead of replaying the fenced entry."""
     import threading
 
-    from storage.errors import LeaseLostError
-    from storage.journal import FenceNote
+    from loomray.storage.errors import LeaseLostError
+    from loomray.storage.journal import FenceNote
 
     runtime = LocalRuntime(tmp_path / "d")
     store = runtime.store
@@ -458,7 +458,7 @@ async def test_review_r2_a_fenced_zombie_stops_within_its_lease_check_bound(tmp_
     was fenced. (With 2, the proof before pass 0's tools came right before the takeover: pass 1's model call
     starts 1 write after it, and its tools 2 writes after it.)"""
     from loomray import run_writes
-    from storage.errors import LeaseLostError
+    from loomray.storage.errors import LeaseLostError
 
     monkeypatch.setattr(run_writes, "LEASE_CHECK_WRITES", check_writes)
     monkeypatch.setattr(run_writes, "LEASE_CHECK_S", 3600.0)  # only the write count, whatever the machine's speed
@@ -482,7 +482,7 @@ def test_review_r2_lease_reads_per_pass(tmp_path, monkeypatch):
     """What bounding a fenced writer by writes costs: about one lease read per LEASE_CHECK_WRITES writes, and a
     LIST of the epoch markers per batch of checkpoints, instead of one or two reads per pass."""
     from loomray import run_writes
-    from storage.checkpoint_log import INDEX_BATCH
+    from loomray.storage.checkpoint_log import INDEX_BATCH
 
     monkeypatch.setattr(run_writes, "LEASE_CHECK_S", 3600.0)
 
@@ -526,7 +526,7 @@ def test_a_fence_a_dead_taker_recorded_survives_a_deleted_lease_json(store, leas
     (it proves its lease only every few writes). The taker dies before sealing; then lease.json goes (a bucket
     rule, an operator). The next owner still writes the dead taker's seal from the copy of its lease body, so
     the zombie's entries are never replayed. (The fault-injection soak found this with lease.json deleted.)"""
-    from storage.journal import FenceNote
+    from loomray.storage.journal import FenceNote
 
     def entry(seq, step, kind="model", epoch=1):
         return JournalEntry(session_id="s", run_id="r", seq=seq, step_key=step, kind=kind, epoch=epoch)

@@ -103,4 +103,4 @@ def test_loop_and_journal_do_not_import_storage_or_ray():
     for name in (*loop_modules, "journal.py", "tools.py", "condense.py", "events.py", "config.py"):
         text = (root / name).read_text()
         assert "import ray" not in text and "from ray" not in text
-        assert "from storage" not in text and "import storage" not in text, name
+        assert "loomray.storage" not in text and "import storage" not in text, name

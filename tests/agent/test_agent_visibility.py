@@ -9,7 +9,7 @@ from agent_helpers import Crash, crash_at, lookup
 from loomray import Agent, CheckpointConfig, Tuning
 from loomray.errors import CheckpointNotFound
 from loomray.models import ScriptedModel
-from storage import layout
+from loomray.storage import layout
 
 
 def echo_last_user(request):

@@ -27,7 +27,7 @@ from loomray.cli.main import main
 from loomray.models import ScriptedModel
 from loomray.models.scripted import count_calls
 from loomray.runtime import LocalRuntime
-from storage import layout
+from loomray.storage import layout
 
 
 @pytest.fixture

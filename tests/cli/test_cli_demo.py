@@ -36,7 +36,7 @@ def test_demo_fast_kills_a_node_recovers_forks_and_queries(tmp_path):
     from loomray.checkpoint_format import load_checkpoint
     from loomray.cli.demo_agent import RESEARCH_AGENT_REF
     from loomray.cli.demo_steer import SIGNAL
-    from storage import open_store
+    from loomray.storage import open_store
 
     st = open_store(store)
     sessions = st.sessions.list()

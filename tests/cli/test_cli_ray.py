@@ -67,7 +67,7 @@ def ok_json(out: subprocess.CompletedProcess):
 
 
 def store_of(cluster):
-    from storage import open_store
+    from loomray.storage import open_store
 
     return open_store(cluster[1])
 
@@ -215,7 +215,7 @@ def test_two_stores_get_two_supervisors_and_stored_resources_survive_node_loss_a
     """Two stores on one cluster, each session submitted with --resources: node loss restarts both on the
     one node that still has the resource, and a new supervisor adopting one restarts it there too, though
     nothing but the store tells it the session's resources."""
-    from storage import open_store
+    from loomray.storage import open_store
 
     addr, store_a, lc, agents = cluster
     stores = {"placed_a": normalize_store_url(str(store_a)), "placed_b": normalize_store_url(str(store_a.parent / "b"))}

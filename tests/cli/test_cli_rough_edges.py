@@ -16,7 +16,7 @@ from loomray.cli.common import CliError, guarded, parse_time
 from loomray.cli.main import main
 from loomray.models import ScriptedModel
 from loomray.runtime import LocalRuntime
-from storage.errors import CorruptObjectError, InvalidIdError, StorageConfigError, TransientStorageError
+from loomray.storage.errors import CorruptObjectError, InvalidIdError, StorageConfigError, TransientStorageError
 
 
 def run(*args: str, env: dict[str, str] | None = None):

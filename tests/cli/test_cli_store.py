@@ -108,7 +108,7 @@ def test_query_sql_over_checkpoints_and_sessions(store):
 def test_compact_then_prune(store, tmp_path):
     import shutil
 
-    from storage import open_store
+    from loomray.storage import open_store
 
     mine = tmp_path / "store"
     shutil.copytree(store, mine)
@@ -284,8 +284,8 @@ def test_s3_missing_credentials_is_one_clear_line_not_a_retry_story(s3_store_url
 
 
 def test_s3_missing_credentials_raise_a_typed_error_at_once(s3_server, monkeypatch, tmp_path):
-    from storage.errors import StorageError, TransientStorageError
-    from storage.s3 import S3CredentialsError, S3ObjectStore
+    from loomray.storage.errors import StorageError, TransientStorageError
+    from loomray.storage.s3 import S3CredentialsError, S3ObjectStore
 
     for var, value in _no_aws_credentials({}, tmp_path).items():
         monkeypatch.setenv(var, value)
@@ -322,7 +322,7 @@ class _Body:
 def test_s3_refused_credentials_surface_at_once_unretried(s3_server, status, code, words):
     from botocore.awsrequest import AWSResponse
 
-    from storage.s3 import S3CredentialsError
+    from loomray.storage.s3 import S3CredentialsError
 
     store = s3_server.open_store(max_attempts=5)
     sent: list[str] = []
@@ -347,7 +347,7 @@ def test_s3_refused_credentials_surface_at_once_unretried(s3_server, status, cod
 
 
 def test_s3_region_comes_from_the_aws_profile_when_none_is_given(s3_server, monkeypatch, tmp_path):
-    from storage.s3 import S3CredentialsError, S3ObjectStore
+    from loomray.storage.s3 import S3CredentialsError, S3ObjectStore
 
     config = tmp_path / "config"
     config.write_text("[profile work]\nregion = eu-west-3\n[default]\nregion = sa-east-1\n")

@@ -16,8 +16,8 @@ from durability_world import ReaderObs, World
 
 from loomray.checkpoint_format import load_checkpoint
 from loomray.errors import LoomrayError
-from storage.errors import StorageError, TransientStorageError
-from storage.faults import ActorCrashed
+from loomray.storage.errors import StorageError, TransientStorageError
+from loomray.storage.faults import ActorCrashed
 
 
 def compactor(world: World, name: str, rounds: int = 3, grace: float | None = None):
@@ -68,7 +68,7 @@ def vandal(world: World, name: str):
     """A bucket lifecycle rule or an operator's cleanup: deletes the session's lease.json."""
 
     def fn() -> None:
-        from storage import layout
+        from loomray.storage import layout
 
         key = layout.lease_key(world.spec.session_id, world.spec.user_id)
         try:

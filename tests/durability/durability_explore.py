@@ -40,8 +40,8 @@ from loomray import Agent, JudgeInput, Score, Tuning, Variant
 from loomray.models import ModelResponse
 from loomray.records import Message, ToolCall, Usage
 from loomray.runtime.base import Runtime, per_request
-from storage import layout
-from storage.faults import ActorCrashed, current_actor
+from loomray.storage import layout
+from loomray.storage.faults import ActorCrashed, current_actor
 
 XID = "xpl-durable"
 WIDTH, ROUNDS = 3, 2

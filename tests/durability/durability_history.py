@@ -19,8 +19,8 @@ from datetime import datetime
 
 import pyarrow.parquet as pq
 
-from storage import envelope
-from storage.faults import Call
+from loomray.storage import envelope
+from loomray.storage.faults import Call
 
 #: Consecutive failed lease reads / writes after which a writer must not run another tool.
 BLIND_LIMIT = 4

@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 from durability_history import _CKPT_OBJ, History, Violation, _v
 from durability_views import _retired_validly
 
-from storage import chains
+from loomray.storage import chains
 
 
 # -- the index after compaction ------------------------------------------------------

@@ -14,7 +14,7 @@ from typing import Any
 
 from durability_world import Spec
 
-from storage.faults import Fault, FaultPlan, Rule
+from loomray.storage.faults import Fault, FaultPlan, Rule
 
 
 def done(*names: str):

@@ -26,7 +26,7 @@ from durability_explore import check_explore
 from durability_history import History, Violation, _incs_by_epoch, _v
 
 from loomray.run_writes import LEASE_CHECK_S
-from storage import layout
+from loomray.storage import layout
 
 
 def check_moves(world: Any, h: History) -> list[Violation]:

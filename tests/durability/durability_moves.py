@@ -33,9 +33,9 @@ from loomray.control import request_pause
 from loomray.models import ModelResponse
 from loomray.records import Message, ToolCall, Usage
 from loomray.session import RunRequest, execute_request
-from storage import layout
-from storage.errors import StorageError, TransientStorageError
-from storage.faults import ActorCrashed
+from loomray.storage import layout
+from loomray.storage.errors import StorageError, TransientStorageError
+from loomray.storage.faults import ActorCrashed
 
 
 class _CrashAtFirstCall:

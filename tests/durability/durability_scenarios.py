@@ -45,7 +45,7 @@ from durability_move_checks import check_moves
 from durability_views import check_views
 from durability_world import Spec, World
 
-from storage.faults import Fault, FaultPlan
+from loomray.storage.faults import Fault, FaultPlan
 
 KINDS = tuple(BUILDERS)
 BACKENDS = ("memory", "local", "s3")
@@ -130,7 +130,7 @@ def backoff_without_waiting() -> Iterator[None]:
     retry, each jittered delay and each deadline (``storage.backoff.clock`` runs ahead by the delays
     skipped, so an acquire gives up after as many rounds as it would have), without the wall time.
     """
-    from storage import backoff, index
+    from loomray.storage import backoff, index
 
     skipped = [0.0]
     lock = threading.Lock()
@@ -152,17 +152,17 @@ def backoff_without_waiting() -> Iterator[None]:
 
 def _final_views(world: World, final: Any) -> list[Violation]:
     """The oracle of every view, after a compaction that drops every tombstone (what an hour later brings)."""
-    import storage.table
+    import loomray.storage.table as storage_table
 
-    real = storage.table.utcnow
+    real = storage_table.utcnow
     # Past INTENT_TTL too: a write phase a faulted compactor left behind has expired, so the table is rebuilt.
-    storage.table.utcnow = lambda: real() + storage.table.INTENT_TTL + timedelta(minutes=1)
+    storage_table.utcnow = lambda: real() + storage_table.INTENT_TTL + timedelta(minutes=1)
     try:
         final.compact(tombstone_grace=timedelta(0))
     except Exception as e:
         return [Violation("index-objects", f"compaction without grace failed: {type(e).__name__}: {e}")]
     finally:
-        storage.table.utcnow = real
+        storage_table.utcnow = real
     try:
         return check_views(world, final)
     except Exception as e:  # a reader that raises is a finding too

@@ -23,7 +23,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from storage.faults import ActorCrashed, Call, current_actor
+from loomray.storage.faults import ActorCrashed, Call, current_actor
 
 
 class StallError(RuntimeError):

@@ -41,7 +41,7 @@ from loomray.errors import CheckpointException
 from loomray.models import ModelResponse
 from loomray.records import Message, Usage
 from loomray.session import RunRequest, execute_request
-from storage.errors import StorageError
+from loomray.storage.errors import StorageError
 
 #: Forks the oracle starts per scenario (newest, oldest and evenly between): each is a run of its own.
 MAX_FORKS = 4

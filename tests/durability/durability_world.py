@@ -43,10 +43,10 @@ from loomray.errors import LoomrayError
 from loomray.journal import tool_step_key
 from loomray.models.scripted import ScriptedModel
 from loomray.session import RunRequest, execute_request
+from loomray.storage.errors import CorruptObjectError, LeaseCorruptError, LeaseLostError, ObjectNotFound, StorageError
+from loomray.storage.faults import ActorCrashed, FaultPlan, FaultyObjectStore
+from loomray.storage.store import Store
 from loomray.tools import ToolContext
-from storage.errors import CorruptObjectError, LeaseCorruptError, LeaseLostError, ObjectNotFound, StorageError
-from storage.faults import ActorCrashed, FaultPlan, FaultyObjectStore
-from storage.store import Store
 
 #: The incarnation whose asyncio tasks are running (set before ``asyncio.run``; tasks copy it).
 current_inc: contextvars.ContextVar[Incarnation | None] = contextvars.ContextVar("durability_inc", default=None)
@@ -201,16 +201,16 @@ class World:
     # -- backends ------------------------------------------------------------
     def _make_inner(self, backend: str):
         if backend == "memory":
-            from storage.memory import MemoryObjectStore
+            from loomray.storage.memory import MemoryObjectStore
 
             return MemoryObjectStore(f"durability-{self.spec.seed}-{uuid.uuid4().hex[:6]}")
         if backend == "local":
-            from storage.localdir import LocalObjectStore
+            from loomray.storage.localdir import LocalObjectStore
 
             self.tmp = Path(tempfile.mkdtemp(prefix="loomray-durability-"))
             return LocalObjectStore(self.tmp / "store")
         if backend == "s3":
-            from storage.s3 import S3ObjectStore
+            from loomray.storage.s3 import S3ObjectStore
 
             if self.s3_server is None:
                 raise RuntimeError("the s3 backend needs a running MotoS3Server")
@@ -385,7 +385,7 @@ class World:
     def run(self, roles: dict[str, Any]) -> None:
         """Register the actors and run them all to their end (see :func:`durability_clocks.run_with_clocks`)."""
         self.add_actors(roles)
-        import storage.maintenance as maintenance
+        import loomray.storage.maintenance as maintenance
 
         # A compaction merges partitions on 4 threads of a remote store's own pool; threads without an actor's
         # name cannot be scheduled one call at a time, so every merge runs on its actor's thread, as on local.

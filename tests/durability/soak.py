@@ -32,7 +32,7 @@ _server = None
 def _s3():
     global _server
     if _server is None:
-        from storage.testing import MotoS3Server
+        from loomray.storage.testing import MotoS3Server
 
         _server = MotoS3Server().start()
     return _server

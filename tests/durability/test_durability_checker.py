@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from durability_scenarios import run_scenario
 
-from storage.objects import ObjectStore
+from loomray.storage.objects import ObjectStore
 
 
 class _Broken(ObjectStore):
@@ -72,7 +72,7 @@ def test_conditional_puts_that_are_not_conditional_grant_an_epoch_twice():
 
 def test_a_reader_that_loses_a_row_shows_as_views_disagreeing(monkeypatch):
     # The oracle compares every reader: a Store.query that drops the newest row is caught, by name.
-    from storage.store import Store
+    from loomray.storage.store import Store
 
     real = Store.query
     monkeypatch.setattr(Store, "query", lambda self, **kw: real(self, **kw).slice(1))
@@ -90,7 +90,7 @@ def _log(case: str):
 
     from durability_world import Incarnation
 
-    from storage.faults import Call
+    from loomray.storage.faults import Call
 
     s = "sessions/_/sess"
     calls: list[Call] = []

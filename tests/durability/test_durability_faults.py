@@ -7,9 +7,9 @@ import threading
 import pytest
 from durability_sched import Scheduler
 
-from storage.errors import PreconditionFailed, TransientStorageError
-from storage.faults import ActorCrashed, Fault, FaultPlan, FaultyObjectStore, Rule, current_actor
-from storage.memory import MemoryObjectStore
+from loomray.storage.errors import PreconditionFailed, TransientStorageError
+from loomray.storage.faults import ActorCrashed, Fault, FaultPlan, FaultyObjectStore, Rule, current_actor
+from loomray.storage.memory import MemoryObjectStore
 
 
 def _store(plan: FaultPlan | None = None, **kw) -> tuple[MemoryObjectStore, FaultyObjectStore]:
@@ -120,7 +120,7 @@ def test_delay_without_a_gate_just_waits():
 
 
 def test_backend_attributes_pass_through(tmp_path):
-    from storage.localdir import LocalObjectStore
+    from loomray.storage.localdir import LocalObjectStore
 
     f = FaultyObjectStore(LocalObjectStore(tmp_path / "root"))
     assert f.root == (tmp_path / "root").resolve() and f.backend == "file"

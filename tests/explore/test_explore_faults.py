@@ -6,9 +6,9 @@ import pytest
 from explore_agents import judge, make_agent, variant
 
 from loomray.runtime import LocalRuntime
-from storage import Store
-from storage.faults import Fault, FaultyObjectStore, Rule
-from storage.localdir import LocalObjectStore
+from loomray.storage import Store
+from loomray.storage.faults import Fault, FaultyObjectStore, Rule
+from loomray.storage.localdir import LocalObjectStore
 
 
 def test_a_store_failing_for_a_while_ends_no_branch_for_good(tmp_path):

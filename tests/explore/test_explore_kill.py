@@ -78,7 +78,7 @@ def test_a_driver_killed_inside_a_model_judges_call_resumes_without_paying_the_j
     assert _calls(crashed, "model_calls") == _calls(reference, "model_calls")
     # The judge session the kill interrupted holds one question and one answer, like the others.
     from loomray.checkpoint_format import load_checkpoint
-    from storage import open_store
+    from loomray.storage import open_store
 
     store = open_store(crashed / "store")
     judged = [s for s in store.objects.list_dirs(prefix="sessions/_/") if "-j" in s]

@@ -9,7 +9,7 @@ import pytest
 
 from loomray.explore.record import ExplorationRecord, find_exploration
 from loomray.explore.summary import summarize
-from storage import open_store
+from loomray.storage import open_store
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "exploration_v1"
 

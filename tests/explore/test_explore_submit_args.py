@@ -59,7 +59,7 @@ def test_marks_and_requests_a_bucket_writer_made_up_are_skipped_with_a_warning(t
     from loomray.runtime.actors import RuntimeConfig
     from loomray.runtime.adoption import AdoptionPolicy
     from loomray.runtime.explorations import Explorations
-    from storage import layout
+    from loomray.storage import layout
 
     config = RuntimeConfig(store_url=str(tmp_path / "store"), allowed_agents=("mod:*",))
     store = config.open_store()

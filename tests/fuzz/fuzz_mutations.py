@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fuzz_world import OTHERS, SESSION, USER, World, kind_of
 
-from storage import envelope
+from loomray.storage import envelope
 
 SEGMENT = "ckpt" + "0" * 19 + "1"
 #: Chains no writer writes: 16.7 million links, one link too many, ranges backwards or across segments, a

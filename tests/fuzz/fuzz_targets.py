@@ -41,9 +41,9 @@ from loomray.models import ScriptedModel
 from loomray.recovery import journal_records
 from loomray.runtime import LocalRuntime
 from loomray.runtime.active import candidates
-from storage import Store, open_store
-from storage.chains import Pins
-from storage.errors import StorageError
+from loomray.storage import Store, open_store
+from loomray.storage.chains import Pins
+from loomray.storage.errors import StorageError
 
 #: Wall-clock seconds one read may take (generous for a busy 2-core machine: reads here take milliseconds).
 READ_SECONDS = 20.0

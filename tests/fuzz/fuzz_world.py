@@ -20,7 +20,7 @@ from loomray.control.requests import create_request, request_body
 from loomray.models import ScriptedModel
 from loomray.runtime import LocalRuntime
 from loomray.runtime.active import note
-from storage import open_store
+from loomray.storage import open_store
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "store_v1_0"
 USER, SESSION = "alice", "s-a"

@@ -58,7 +58,7 @@ def run_seeds(seeds: list[int], forced: str | None, progress: bool = False,
         with tempfile.TemporaryDirectory(prefix="loomray-fuzz-") as tmp, contextlib.ExitStack() as stack:
             opener = None
             if forced == "s3":
-                from storage.testing import MotoS3Server
+                from loomray.storage.testing import MotoS3Server
 
                 opener = stack.enter_context(MotoS3Server(own_process=True)).open_store
             for seed in seeds:

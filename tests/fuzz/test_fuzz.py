@@ -19,7 +19,7 @@ from fuzz_targets import READ_PEAK_BYTES, READ_SECONDS, Recorder, reads, run_rea
 from fuzz_world import OTHER_USER_MARK, world
 from run import backend_of, report, run_seeds
 
-from storage import open_store
+from loomray.storage import open_store
 
 #: Seeds ``make test`` runs: one per backend (``make fuzz`` runs thousands, ``make fuzz BACKEND=s3`` the S3 ones).
 #: Seed 7 (memory) flips bytes of a checkpoint, so reads end in typed errors and logged skips; seed 5 runs on a

@@ -16,8 +16,8 @@ import pytest
 
 from loomray import CheckpointConfig, CheckpointException
 from loomray.checkpoint_format import ChainEncoder, load_checkpoint
-from storage import CheckpointInfo, chains, envelope, layout, open_store
-from storage.testing import land_row
+from loomray.storage import CheckpointInfo, chains, envelope, layout, open_store
+from loomray.storage.testing import land_row
 
 ROOT = Path(__file__).resolve().parents[2]
 SEGMENT = "ckpt" + "0" * 19 + "1"
@@ -39,7 +39,7 @@ CHILD = textwrap.dedent("""
     from test_hostile_checkpoints import HUGE_RANGE, SEGMENT, put_tail
     from loomray import CheckpointException
     from loomray.checkpoint_format import load_checkpoint
-    from storage import open_store
+    from loomray.storage import open_store
 
     store = open_store(sys.argv[2])
     put_tail(store, "s", SEGMENT + "000001", {"schema_version": "2.0", "base": SEGMENT + "000000", "keep": 0,

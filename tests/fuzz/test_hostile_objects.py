@@ -17,8 +17,8 @@ from fuzz_world import OTHER_USER_MARK, SESSION, USER, world
 from loomray.checkpoint_format import load_checkpoint
 from loomray.control.requests import list_requests
 from loomray.runtime.active import parse
-from storage.chains import Pins
-from storage.errors import StorageError
+from loomray.storage.chains import Pins
+from loomray.storage.errors import StorageError
 
 DEEP = b"[" * 100_000 + b"]" * 100_000  # json.loads recurses once per level: RecursionError, not ValueError
 

@@ -19,7 +19,7 @@ from loomray.errors import LoomrayUserError  # noqa: E402
 from loomray.runtime.actors import AgentSpec, RuntimeConfig  # noqa: E402
 from loomray.runtime.supervisor import Supervisor  # noqa: E402
 from loomray.session import RunRequest  # noqa: E402
-from storage import SessionRow  # noqa: E402
+from loomray.storage import SessionRow  # noqa: E402
 
 
 @pytest.fixture

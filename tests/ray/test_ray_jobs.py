@@ -123,7 +123,7 @@ def _latest_turn(store, session_id):
 
 
 def test_job_run_survives_losing_its_sessions_node(jobs, tmp_path):
-    from storage import open_store
+    from loomray.storage import open_store
 
     lc, url, client, agents_dir = jobs
     store_url = f"file://{tmp_path / 'store'}"

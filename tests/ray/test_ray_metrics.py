@@ -77,7 +77,7 @@ def lookup(key: str) -> str:
 
 def intrude(store: str, session: str) -> str:
     """Take the session's lease from the run that called this tool, as a second incarnation would."""
-    from storage import open_store
+    from loomray.storage import open_store
 
     open_store(store).leases.acquire(session, owner="intruder")
     return "taken"
@@ -333,7 +333,7 @@ async def _approval_and_lost_lease(runtime) -> None:
     """Two sessions of ``runtime``'s store: one stops for a person's approval (its supervisor's gauge counts
     it), one loses its lease to an intruder mid-run (its session actor counts it)."""
     from loomray import tool
-    from storage.errors import LeaseLostError
+    from loomray.storage.errors import LeaseLostError
 
     waiting = Agent("x", model=ScriptedModel([{"tool": "publish", "args": {}}, "published"]), runtime=runtime,
                     tools=[tool(publish, requires_approval=True)], tuning=Tuning(checkpoint=CheckpointConfig()))

@@ -26,8 +26,8 @@ from loomray.runtime.placement_rules import (  # noqa: E402
 from loomray.runtime.ray_runtime import check_placement  # noqa: E402
 from loomray.runtime.supervisor import Supervisor  # noqa: E402
 from loomray.session import RunRequest  # noqa: E402
-from storage import ObjectStore, SessionRow, Store  # noqa: E402
-from storage.localdir import LocalObjectStore  # noqa: E402
+from loomray.storage import ObjectStore, SessionRow, Store  # noqa: E402
+from loomray.storage.localdir import LocalObjectStore  # noqa: E402
 
 
 def _node(node_id, cpus=2, alive=True, **resources):
@@ -257,7 +257,7 @@ async def test_a_lease_newer_than_its_row_is_adopted_once_its_owner_stays_silent
     chaos checker's seed 7): the row's epoch stays behind the lease's. A live owner writes its row at once, so
     the supervisor waits ``OWNER_SILENT_S``, then adopts (the new epoch fences a late owner anyway)."""
     from loomray.runtime import adoption
-    from storage import open_store
+    from loomray.storage import open_store
 
     store = open_store(str(tmp_path / "store"))
     now = datetime.now(timezone.utc)

@@ -19,9 +19,9 @@ from loomray.runtime import session_actor as session_actor_module  # noqa: E402
 from loomray.runtime.actors import AgentSpec, RuntimeConfig  # noqa: E402
 from loomray.runtime.session_actor import SessionActor  # noqa: E402
 from loomray.session import RunRequest  # noqa: E402
-from storage.faults import FaultyObjectStore  # noqa: E402
-from storage.localdir import LocalObjectStore  # noqa: E402
-from storage.store import Store  # noqa: E402
+from loomray.storage.faults import FaultyObjectStore  # noqa: E402
+from loomray.storage.localdir import LocalObjectStore  # noqa: E402
+from loomray.storage.store import Store  # noqa: E402
 
 
 class _Context:

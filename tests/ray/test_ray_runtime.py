@@ -432,7 +432,7 @@ async def test_submit_by_reference_errors_and_status(placed):
 async def test_fenced_actor_stops_and_reports_lease_lost(placed):
     lc, runtime, agents, suffix = placed
     from loomray.runtime.actors import NAMESPACE, session_actor_name
-    from storage.errors import LeaseLostError
+    from loomray.storage.errors import LeaseLostError
 
     agent_name = "fenced" + suffix
     sid = f"s-{agent_name}"

@@ -16,8 +16,8 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from loomray.runtime.actors import parse_session_actor_name, session_actor_name, store_key  # noqa: E402
-from storage.errors import InvalidIdError  # noqa: E402
-from storage.ids import validate_id  # noqa: E402
+from loomray.storage.errors import InvalidIdError  # noqa: E402
+from loomray.storage.ids import validate_id  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from storage.errors import InvalidIdError
+from loomray.storage.errors import InvalidIdError
 
 
 def test_active_marks_round_trip(store):

@@ -8,9 +8,9 @@ from datetime import datetime, timezone
 
 import pytest
 
-from storage import CheckpointInfo, InvalidStoreUrl, JournalEntry, SessionRow, open_store
-from storage.errors import InvalidIdError
-from storage.testing import write_checkpoint
+from loomray.storage import CheckpointInfo, InvalidStoreUrl, JournalEntry, SessionRow, open_store
+from loomray.storage.errors import InvalidIdError
+from loomray.storage.testing import write_checkpoint
 
 BAD_IDS = ["a/b", "../x", "..", "a\\b", "x\x00y", "tab\there", "new\nline", "\x7f", "", "x" * 129, "a..b", "/abs"]
 NOW = datetime(2026, 7, 4, tzinfo=timezone.utc)
@@ -103,8 +103,8 @@ def test_s3_from_environment(s3_store_url):
 
 
 def test_local_temporaries_are_never_listed_nor_named(tmp_path):
-    from storage.errors import StorageError
-    from storage.localdir import LocalObjectStore
+    from loomray.storage.errors import StorageError
+    from loomray.storage.localdir import LocalObjectStore
 
     objects = LocalObjectStore(tmp_path)
     objects.put(key="sessions/_/s1/a.json", data=b"1")

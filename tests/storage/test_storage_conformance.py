@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from storage import Store, open_store
-from storage.conformance import ObjectStoreConformance
+from loomray.storage import Store, open_store
+from loomray.storage.conformance import ObjectStoreConformance
 
 
 class TestMemory(ObjectStoreConformance):

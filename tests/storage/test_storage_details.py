@@ -6,9 +6,9 @@ from datetime import datetime, timezone
 
 import pytest
 
-from storage import CheckpointInfo, JournalEntry, Store
-from storage.errors import CorruptObjectError
-from storage.testing import write_checkpoint
+from loomray.storage import CheckpointInfo, JournalEntry, Store
+from loomray.storage.errors import CorruptObjectError
+from loomray.storage.testing import write_checkpoint
 
 NOW = datetime(2026, 7, 4, tzinfo=timezone.utc)
 

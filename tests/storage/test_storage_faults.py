@@ -7,9 +7,9 @@ from datetime import datetime, timezone
 
 import pytest
 
-from storage import CheckpointInfo
-from storage.errors import StorageError, TransientStorageError
-from storage.testing import FaultInjector, write_checkpoint
+from loomray.storage import CheckpointInfo
+from loomray.storage.errors import StorageError, TransientStorageError
+from loomray.storage.testing import FaultInjector, write_checkpoint
 
 NOW = datetime(2026, 7, 4, tzinfo=timezone.utc)
 
@@ -65,7 +65,7 @@ def test_access_denied_is_not_retried(s3):
 
 
 def test_unreachable_endpoint_is_transient():
-    from storage import open_store
+    from loomray.storage import open_store
 
     store = open_store("s3://nobucket/x", endpoint_url="http://127.0.0.1:9", key="k", secret="s",
                        max_attempts=2, connect_timeout=0.5)

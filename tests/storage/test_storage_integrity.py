@@ -20,18 +20,18 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-import storage.backoff as backoff_module
-import storage.checkpoint_reads as checkpoints_module
-import storage.checkpoint_rows as checkpoint_rows_module
-import storage.index as index_module
-import storage.maintenance as maintenance_module
-import storage.pruning as pruning_module
-from storage import CheckpointInfo, JournalEntry, SessionRow, Store, errors, layout, open_store
-from storage.errors import CorruptObjectError, InvalidIdError, LeaseLostError, PreconditionFailed
-from storage.faults import ActorCrashed, Fault, FaultPlan, FaultyObjectStore, Rule, current_actor
-from storage.ids import validate_id
-from storage.rows import CHECKPOINT_SCHEMA
-from storage.testing import land_row, write_checkpoint
+import loomray.storage.backoff as backoff_module
+import loomray.storage.checkpoint_reads as checkpoints_module
+import loomray.storage.checkpoint_rows as checkpoint_rows_module
+import loomray.storage.index as index_module
+import loomray.storage.maintenance as maintenance_module
+import loomray.storage.pruning as pruning_module
+from loomray.storage import CheckpointInfo, JournalEntry, SessionRow, Store, errors, layout, open_store
+from loomray.storage.errors import CorruptObjectError, InvalidIdError, LeaseLostError, PreconditionFailed
+from loomray.storage.faults import ActorCrashed, Fault, FaultPlan, FaultyObjectStore, Rule, current_actor
+from loomray.storage.ids import validate_id
+from loomray.storage.rows import CHECKPOINT_SCHEMA
+from loomray.storage.testing import land_row, write_checkpoint
 
 T0 = datetime(2026, 7, 4, 12, 0, tzinfo=timezone.utc)
 LEASE = "sessions/_/s1/lease.json"
@@ -935,7 +935,7 @@ def test_review_r5_prune_never_changes_which_run_is_last(store):
     """The last run is the highest (epoch, n) among the newest records: a fenced writer's record (epoch 1) that
     landed after the new owner's (epoch 2) is the newest by n. Prune keeps every record the choice depends on,
     and the finished last run's run_end (else that run reads as unfinished)."""
-    from storage.journal import unfinished_last_run
+    from loomray.storage.journal import unfinished_last_run
 
     zombie = store.leases.acquire("s1", owner="zombie")
     taker = store.leases.acquire("s1", owner="taker")
@@ -984,7 +984,7 @@ def _resume_from_old(store: Store) -> None:
 def test_review_r6_a_run_recorded_while_prune_works_keeps_its_base_checkpoint(store, monkeypatch):
     """Prune finds nothing unfinished; a resume from the old checkpoint records itself; prune deletes. Prune checks
     again after its deletes and puts back the base checkpoint and the journal the new run replays."""
-    from storage.journal import unfinished_last_run
+    from loomray.storage.journal import unfinished_last_run
 
     _old_session(store)
     real = pruning_module.unfinished_last_run

@@ -17,11 +17,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from storage import Store, layout
-from storage.errors import LeaseLostError
-from storage.rows import CHECKPOINT_SCHEMA, checkpoint_rows_from_table
-from storage.testing import log_put, put_checkpoint
-from storage.visibility import Visibility, parse_fences
+from loomray.storage import Store, layout
+from loomray.storage.errors import LeaseLostError
+from loomray.storage.rows import CHECKPOINT_SCHEMA, checkpoint_rows_from_table
+from loomray.storage.testing import log_put, put_checkpoint
+from loomray.storage.visibility import Visibility, parse_fences
 
 
 def ids(rows) -> list[str]:

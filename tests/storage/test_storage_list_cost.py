@@ -15,11 +15,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from storage import CheckpointInfo, index_guard, open_store
-from storage.index_guard import checked, own_rows
-from storage.layout import lease_key
-from storage.rows import CheckpointRow, checkpoint_rows_table
-from storage.testing import write_checkpoint
+from loomray.storage import CheckpointInfo, index_guard, open_store
+from loomray.storage.index_guard import checked, own_rows
+from loomray.storage.layout import lease_key
+from loomray.storage.rows import CheckpointRow, checkpoint_rows_table
+from loomray.storage.testing import write_checkpoint
 
 T0 = datetime(2026, 7, 1, tzinfo=timezone.utc)
 #: Column-wide calls the per-file checks used to make.

@@ -8,9 +8,9 @@ on every start.
 import uuid
 from datetime import datetime, timedelta, timezone
 
-from storage import Store, open_store
-from storage.faults import FaultyObjectStore
-from storage.rows import SessionRow
+from loomray.storage import Store, open_store
+from loomray.storage.faults import FaultyObjectStore
+from loomray.storage.rows import SessionRow
 
 T0 = datetime(2026, 7, 4, tzinfo=timezone.utc)
 

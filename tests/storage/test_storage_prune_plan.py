@@ -6,9 +6,9 @@ from datetime import timedelta
 
 import pyarrow as pa
 
-from storage import CheckpointInfo, JournalEntry, PrunePlan, Store
-from storage.rows import CHECKPOINT_SCHEMA, CheckpointRow
-from storage.testing import T0, put_checkpoint
+from loomray.storage import CheckpointInfo, JournalEntry, PrunePlan, Store
+from loomray.storage.rows import CHECKPOINT_SCHEMA, CheckpointRow
+from loomray.storage.testing import T0, put_checkpoint
 
 
 def _history(store: Store) -> None:

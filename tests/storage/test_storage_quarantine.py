@@ -8,8 +8,8 @@ from datetime import timedelta
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from storage import SessionRow, Store, layout
-from storage.testing import T0, put_checkpoint
+from loomray.storage import SessionRow, Store, layout
+from loomray.storage.testing import T0, put_checkpoint
 
 FOREIGN = "index/checkpoints/user=_/session=s1/0000000000000000009-cafebabe.parquet"
 

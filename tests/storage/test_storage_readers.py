@@ -7,8 +7,8 @@ from datetime import datetime, timedelta, timezone
 import pyarrow.dataset as ds
 import pytest
 
-from storage import CheckpointInfo, open_store
-from storage.testing import write_checkpoint
+from loomray.storage import CheckpointInfo, open_store
+from loomray.storage.testing import write_checkpoint
 
 NOW = datetime(2026, 7, 4, tzinfo=timezone.utc)
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import pyarrow.dataset as ds
 import pytest
 
-from storage import CheckpointInfo, Store, layout, open_store
-from storage.errors import CorruptObjectError
-from storage.faults import FaultPlan, FaultyObjectStore
-from storage.testing import T0, land_row, log_put, put_checkpoint
+from loomray.storage import CheckpointInfo, Store, layout, open_store
+from loomray.storage.errors import CorruptObjectError
+from loomray.storage.faults import FaultPlan, FaultyObjectStore
+from loomray.storage.testing import T0, land_row, log_put, put_checkpoint
 
 
 def ids(rows) -> list[str]:

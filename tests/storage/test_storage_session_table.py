@@ -11,10 +11,10 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
 
-from storage import CheckpointInfo, SessionRow, open_store
-from storage.rows import session_rows_table
-from storage.session_table import read_session_table, read_session_tables, session_table_key
-from storage.testing import write_checkpoint
+from loomray.storage import CheckpointInfo, SessionRow, open_store
+from loomray.storage.rows import session_rows_table
+from loomray.storage.session_table import read_session_table, read_session_tables, session_table_key
+from loomray.storage.testing import write_checkpoint
 
 T0 = datetime(2026, 12, 1, tzinfo=timezone.utc)
 

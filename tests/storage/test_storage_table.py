@@ -10,10 +10,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-import storage.table as table_module
-from storage import CheckpointInfo, Store, layout, open_store
-from storage.table import Manifest, staleness
-from storage.testing import write_checkpoint
+import loomray.storage.table as table_module
+from loomray.storage import CheckpointInfo, Store, layout, open_store
+from loomray.storage.table import Manifest, staleness
+from loomray.storage.testing import write_checkpoint
 
 T0 = datetime(2026, 7, 4, 22, 0, tzinfo=timezone.utc)  # rows of a session cross midnight: two day partitions
 #: Ids a hive path treats specially, or that a glob or a URL would: spaces, non-ASCII, glob and quote characters.
@@ -374,7 +374,7 @@ def test_a_row_a_tombstone_in_the_unread_compacted_file_retires_stays_out_of_the
 
 def test_a_partition_written_before_a_column_existed_reads_it_as_null():
     """A compacted partition from before ``spend_usd`` existed reads like a per-session file of that age."""
-    from storage.rows import CheckpointRow, checkpoint_rows_table
+    from loomray.storage.rows import CheckpointRow, checkpoint_rows_table
 
     row = CheckpointRow(session_id="s", checkpoint_id="c1", turn=1, created_at=T0, position="after_tools",
                         execution_status="active", message_count=1, epoch=0, key="k", size=1, sha256="0" * 64,

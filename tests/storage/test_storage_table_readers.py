@@ -9,8 +9,8 @@ import pyarrow.dataset as ds
 import pytest
 from pyarrow import fs as pafs
 
-from storage import CheckpointInfo
-from storage.testing import write_checkpoint
+from loomray.storage import CheckpointInfo
+from loomray.storage.testing import write_checkpoint
 
 DAYS = (1, 2, 3)
 CUTOFF = "2026-12-02"

@@ -19,9 +19,9 @@ from datetime import timedelta
 import pyarrow.parquet as pq
 import pytest
 
-from storage import CheckpointInfo, Store, layout
-from storage.errors import ObjectNotFound
-from storage.testing import T0, land_row, log_put, put_checkpoint
+from loomray.storage import CheckpointInfo, Store, layout
+from loomray.storage.errors import ObjectNotFound
+from loomray.storage.testing import T0, land_row, log_put, put_checkpoint
 
 
 def ids(rows) -> list[str]:

@@ -10,7 +10,7 @@ import ui_agents
 from playwright.sync_api import expect
 from ui_harness import bound, wait_for
 
-from storage import open_store
+from loomray.storage import open_store
 
 
 def test_the_list_shows_sessions_and_filters_them(page, servers, seeded):

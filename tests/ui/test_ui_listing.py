@@ -8,9 +8,9 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from ui_harness import bound
 
+from loomray.storage import CheckpointInfo, SessionRow, open_store
+from loomray.storage.testing import write_checkpoint
 from loomray.ui.listing import ListQuery, TableCache, list_sessions
-from storage import CheckpointInfo, SessionRow, open_store
-from storage.testing import write_checkpoint
 
 T0 = datetime(2026, 7, 1, tzinfo=timezone.utc)
 

@@ -10,8 +10,8 @@ import pytest
 
 from loomray import control
 from loomray.errors import LoomrayUserError
+from loomray.storage import open_store
 from loomray.ui.server import build_app
-from storage import open_store
 
 
 def request(server, method, path, headers=None, body=None):
