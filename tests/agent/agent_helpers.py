@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 
 class Crash(Exception):
     """Stands in for the process dying at a chosen point (raised from the emit callback)."""
@@ -60,3 +62,20 @@ class _HookedLogs:
         real = log.put
         log.put = lambda data, info: self._hook(real, data, info)
         return log
+
+
+def paused_gate(pause_at: str = "k2"):
+    """``(gate, paused, release)``: a tool ``gate(key)`` whose first call with ``pause_at`` sets ``paused`` and
+    waits for ``release`` (a zombie frozen inside a tool while another incarnation takes over)."""
+    paused, release = asyncio.Event(), asyncio.Event()
+    calls: dict[str, int] = {}
+
+    async def gate(key: str) -> str:
+        """Look something up, slowly the first time for k2."""
+        calls[key] = calls.get(key, 0) + 1
+        if key == pause_at and calls[key] == 1:
+            paused.set()
+            await release.wait()
+        return f"value of {key}"
+
+    return gate, paused, release

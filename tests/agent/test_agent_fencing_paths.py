@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from agent_helpers import lookup, tool_calls
+from agent_helpers import lookup, paused_gate, tool_calls
 
 from loomray import Agent, CheckpointConfig, Tuning
 from loomray.errors import DurabilityLost
@@ -38,16 +38,7 @@ async def test_path01_a_zombie_paused_in_a_tool_publishes_no_row(tmp_path):
     """A (epoch 1) is paused inside a tool; B takes over on another store, continues the run and finishes. A
     wakes, checkpoints its pass and learns it was fenced: the index gains no row of A's (it proves its lease
     before it indexes), so ``Store.query`` shows exactly what it showed when B finished."""
-    paused, release = asyncio.Event(), asyncio.Event()
-    calls: dict[str, int] = {}
-
-    async def gate(key: str) -> str:
-        """Look something up, slowly the first time for k2."""
-        calls[key] = calls.get(key, 0) + 1
-        if key == "k2" and calls[key] == 1:
-            paused.set()
-            await release.wait()
-        return f"value of {key}"
+    gate, paused, release = paused_gate()
 
     script = [{"tool": "gate", "args": {"key": f"k{i}"}} for i in range(4)] + ["done"]
     tuning = Tuning(checkpoint=CheckpointConfig(position="after_tools"))

@@ -16,7 +16,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
-from agent_helpers import Crash, crash_at, lookup
+from agent_helpers import Crash, crash_at, lookup, paused_gate
 
 from loomray import Agent, CheckpointConfig, Tuning
 from loomray.errors import CheckpointNotFound
@@ -67,16 +67,7 @@ def same(ids: list[str], latest: str | None) -> dict[str, list[str]]:
 async def test_a_zombie_that_wakes_after_a_takeover_and_a_prune_shows_nothing(tmp_path):
     """A is paused inside a tool; B takes the session over, finishes, and the session is pruned. A wakes and
     checkpoints its pass: it is fenced, and every view stays empty (no zombie object reads as a tail)."""
-    paused, release = asyncio.Event(), asyncio.Event()
-    calls: dict[str, int] = {}
-
-    async def gate(key: str) -> str:
-        """Look something up, slowly the first time for k2."""
-        calls[key] = calls.get(key, 0) + 1
-        if key == "k2" and calls[key] == 1:
-            paused.set()
-            await release.wait()
-        return f"value of {key}"
+    gate, paused, release = paused_gate()
 
     steps = [{"tool": "gate", "args": {"key": f"k{i}"}} for i in range(4)] + ["done"]
     root = tmp_path / "d"
