@@ -212,4 +212,6 @@ def test_dockerfile_copies_exactly_what_builds_the_package(tmp_path):
     assert out.returncode == 0, out.stderr
     wheel = next((tmp_path / "wheel").glob("loomray-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    assert "loomray/cli/main.py" in names and "storage/store.py" in names and "loomray/py.typed" in names
+    assert "loomray/cli/main.py" in names and "loomray/storage/store.py" in names and "loomray/py.typed" in names
+    # The storage layer is installed as loomray.storage only: no top-level package a user's folder could shadow.
+    assert "loomray/storage/py.typed" in names and not any(n.startswith("storage/") for n in names)
