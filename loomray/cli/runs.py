@@ -136,7 +136,7 @@ class _Bars:
         """Every run done: each result's bar (made now, with its label in order, if no event came) completed."""
         for r, (_, label) in zip(results, self._labels, strict=False):
             if r.session_id not in self._bars:
-                self._bars[r.session_id] = (self._progress.add_task(label, total=None), 0)
+                self._bars[r.session_id] = (self._progress.add_task(label, total=None, info=""), 0)
                 self._free = [f for f in self._free if f[1] != label]
             self._progress.update(self._bars[r.session_id][0], total=1, completed=1, info=f"turn {r.turns}")
 
