@@ -10,12 +10,11 @@ are honoured as they always were.
 
 from __future__ import annotations
 
-import io
 from datetime import timedelta
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
+from storage_views import table_ids
 
 from loomray.storage import Store, layout
 from loomray.storage.errors import LeaseLostError
@@ -33,13 +32,6 @@ def objects(store: Store, session_id: str = "s1") -> set[str]:
     return {o.key[len(prefix):-5] for o in store.objects.list(prefix=prefix)}
 
 
-def table_ids(store: Store) -> list[str]:
-    out: list[str] = []
-    for key in store.index_files("table"):
-        obj = store.objects.get(key=key)
-        assert obj is not None
-        out += pq.read_table(io.BytesIO(obj.data))["checkpoint_id"].to_pylist()
-    return sorted(out)
 
 
 def take_over_after_the_next_proof(store: Store, monkeypatch, when: int = 1) -> list:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pyarrow.dataset as ds
 import pytest
+from storage_views import query_ids
 
 from loomray.storage import CheckpointInfo, Store, layout, open_store
 from loomray.storage.errors import CorruptObjectError
@@ -27,8 +28,6 @@ def ids(rows) -> list[str]:
     return [r.checkpoint_id for r in rows]
 
 
-def query_ids(store: Store, session_id: str = "s1") -> list[str]:
-    return sorted(store.query(user_id=None, session_id=session_id)["checkpoint_id"].to_pylist())
 
 
 def table_ids(root: Path, session_id: str) -> dict[str, list[str]]:

@@ -12,12 +12,11 @@ directory, S3 via moto) through the ``store`` fixture.
 
 from __future__ import annotations
 
-import io
 import json
 from datetime import timedelta
 
-import pyarrow.parquet as pq
 import pytest
+from storage_views import query_ids, table_ids
 
 from loomray.storage import CheckpointInfo, Store, layout
 from loomray.storage.errors import ObjectNotFound
@@ -28,18 +27,8 @@ def ids(rows) -> list[str]:
     return [r.checkpoint_id for r in rows]
 
 
-def query_ids(store: Store, session_id: str) -> list[str]:
-    return sorted(store.query(user_id=None, session_id=session_id)["checkpoint_id"].to_pylist())
 
 
-def table_ids(store: Store) -> list[str]:
-    """The checkpoint ids of the compacted table's partition files, read as any Parquet reader reads them."""
-    out: list[str] = []
-    for key in store.index_files("table"):
-        obj = store.objects.get(key=key)
-        assert obj is not None
-        out += pq.read_table(io.BytesIO(obj.data))["checkpoint_id"].to_pylist()
-    return sorted(out)
 
 
 def _fenced_row_lands(store: Store) -> None:
