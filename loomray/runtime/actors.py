@@ -282,7 +282,7 @@ class Outcome(BaseModel):
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
-    status: Literal["completed", "failed", "fenced", "cancelled"]
+    status: Literal["completed", "failed", "fenced"]
     result_json: str | None = None
     error: str | None = None
     error_type: str | None = None

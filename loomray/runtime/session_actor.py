@@ -48,6 +48,7 @@ from loomray.runtime.actors import (
 )
 from loomray.runtime.loop_guard import guard_loop
 from loomray.runtime.raylet_watch import node_lost, watch_raylet
+from loomray.records import RunResult
 from loomray.session import RunRequest, execute_request
 from loomray.storage import Store
 from loomray.storage.errors import LeaseLostError
@@ -145,7 +146,12 @@ class SessionActor:
             outcome = Outcome(status="fenced", error=str(e), error_type=type(e).__name__, exception=_portable(e),
                               node_id=self._node_id)
         except asyncio.CancelledError:
-            outcome = Outcome(status="cancelled", node_id=self._node_id)
+            # Only a cancel of this session stops the task here (a lost node's stop never answers): the run
+            # ends as every cancelled run does, with a result saying so, not as a failure of the caller's wait.
+            cancelled = RunResult(output="", session_id=self._request.session_id, user_id=self._request.user_id,
+                                  run_id=self._request.run_id, stop_reason="cancelled")
+            outcome = Outcome(status="completed", result_json=cancelled.model_dump_json(), stop_reason="cancelled",
+                              node_id=self._node_id)
         except Exception as e:  # the run's own failure: reported, never retried (it would fail again)
             outcome = Outcome(status="failed", error=f"{type(e).__name__}: {e}", error_type=type(e).__name__,
                               exception=_portable(e), node_id=self._node_id)
