@@ -28,6 +28,7 @@ Nothing here knows about storage: persistence is the injected
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import operator
@@ -81,6 +82,22 @@ RUN_END_KIND = "run_end"
 #: step key next to the underscore of a kind.
 RUN_START_STEP_KEY = "run-start"
 RUN_END_STEP_KEY = "run-end"
+
+
+#: Model answers that arrived and are being journaled, in this process (see :meth:`StepRunner.complete`).
+_answers_recording: set[asyncio.Future[None]] = set()
+
+
+def answers_recording() -> int:
+    """How many model answers this process has received and not yet journaled (or failed to): a process that
+    stops because its node is lost waits for them."""
+    return len(_answers_recording)
+
+
+def _recorded(task: asyncio.Future[None]) -> None:
+    _answers_recording.discard(task)
+    if not task.cancelled():
+        task.exception()  # retrieved: its awaiter may have been cancelled
 
 
 def model_step_key(turn: int) -> str:
@@ -294,10 +311,18 @@ class StepRunner:
         response = await complete_with_stream(self.model, request, on_delta)
         self.model_s = time.perf_counter() - started
         self.model_calls += 1
+        # The answer is paid for: it is journaled even if this run is cancelled meanwhile (a lost node's watchdog
+        # may stop the run while the answer waits for its inputs' upload); losing it would pay for it again.
+        recording = asyncio.ensure_future(self._record_answer(step_key, ihash, response))
+        _answers_recording.add(recording)
+        recording.add_done_callback(_recorded)
+        await asyncio.shield(recording)
+        return response, False
+
+    async def _record_answer(self, step_key: str, ihash: str, response: ModelResponse) -> None:
         if self.before_model_record is not None:
             await self.before_model_record()
         await self.record("model", step_key, ihash, {"response": response.model_dump(mode="json")})
-        return response, False
 
     async def before_tool_pass(self) -> None:
         """Right before a pass's tool calls start (see ``before_tools``)."""

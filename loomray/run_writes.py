@@ -42,6 +42,12 @@ T = TypeVar("T")
 _NON_TRANSIENT = (TypeError, ValueError, AttributeError, NotImplementedError)
 
 
+#: True while :meth:`InflightWrites.run` hands a run's store write to the executor. A process stopping because
+#: its node is lost still takes these (they finish what the run already did, and the lease fences them) and
+#: nothing else.
+STORE_WRITE: contextvars.ContextVar[bool] = contextvars.ContextVar("loomray_store_write", default=False)
+
+
 class InflightWrites:
     """The store writes a run has started: each runs in a worker thread that outlives a cancelled awaiter, so
     a cancel waits for them (:meth:`drain`) before it is acknowledged."""
@@ -55,7 +61,11 @@ class InflightWrites:
         # next one): a step whose result just arrived is handed over before anything else on the loop can run,
         # such as the node-loss watchdog freezing the executor (which would lose the record and re-bill the step).
         ctx = contextvars.copy_context()
-        fut = asyncio.get_running_loop().run_in_executor(None, functools.partial(ctx.run, fn, *args, **kwargs))
+        marked = STORE_WRITE.set(True)
+        try:
+            fut = asyncio.get_running_loop().run_in_executor(None, functools.partial(ctx.run, fn, *args, **kwargs))
+        finally:
+            STORE_WRITE.reset(marked)
         self.tasks.add(fut)
         fut.add_done_callback(self._done)
         return await asyncio.shield(fut)

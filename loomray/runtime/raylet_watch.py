@@ -5,7 +5,8 @@ calling models and tools meanwhile; once the node is declared dead, a new
 incarnation repeats whatever such a zombie did and had not journaled. Session
 actors and session hosts therefore watch their raylet (:func:`watch_raylet`)
 and run every store write and sync tool through a :class:`DrainableExecutor`
-that stops taking work the moment the raylet is gone.
+that stops taking work, but what makes the runs' past durable, the moment the
+raylet is gone.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
+
+from loomray.journal import answers_recording
+from loomray.run_writes import STORE_WRITE
 
 log = logging.getLogger("loomray.runtime.raylet_watch")
 
@@ -47,11 +51,14 @@ def raylet_pid() -> int | None:
 
 
 class DrainableExecutor(ThreadPoolExecutor):
-    """The default executor of a host or session actor; on node loss it takes no more work and drains.
+    """The default executor of a host or session actor; on node loss it takes no new work but a run's writes.
 
     Every store write and sync tool of the process runs here (``asyncio.to_thread``).
     After :meth:`freeze`, a new submission gets a future that never completes (its
-    caller is being stopped anyway) while the work already submitted runs to the end.
+    caller is being stopped anyway), except a run's store write
+    (:data:`~loomray.run_writes.STORE_WRITE`: a journal record or checkpoint of
+    what the run already did, fenced by its lease); the work submitted runs to
+    the end.
     """
 
     def __init__(self, max_workers: int | None = None, thread_name_prefix: str = "loomray") -> None:
@@ -61,7 +68,7 @@ class DrainableExecutor(ThreadPoolExecutor):
         self._inflight_lock = threading.Lock()
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future:
-        if self._frozen:
+        if self._frozen and not STORE_WRITE.get():
             return Future()
         future = super().submit(fn, *args, **kwargs)
         with self._inflight_lock:
@@ -74,28 +81,26 @@ class DrainableExecutor(ThreadPoolExecutor):
             self._inflight.discard(future)
 
     def freeze(self) -> list[Future]:
-        """Take no more work; return the work already submitted (to wait for)."""
+        """Take no more work but a run's store writes; return the work already submitted (to wait for)."""
         self._frozen = True
+        return self.under_way()
+
+    def under_way(self) -> list[Future]:
+        """The work submitted and not finished."""
         with self._inflight_lock:
             return list(self._inflight)
 
 
 async def watch_raylet(tasks: Callable[[], list[asyncio.Task]], executor: DrainableExecutor | None = None,
-                       interval: float = 0.05, drain_s: float = 1.0) -> None:
+                       interval: float = 0.05, drain_s: float = 2.0) -> None:
     """Stop the runs of this process and exit as soon as its raylet is gone (its node is lost).
 
-    A worker outlives a killed raylet by ~2 s and would keep calling models
-    and tools meanwhile; once the node is declared dead, a new incarnation
-    repeats whatever such a zombie did and had not journaled. The parent pid
-    changes the moment the raylet dies, about a second before the node is
-    declared dead (tuned detection; far more by default), so: freeze the
-    process's executor (``executor``, else a :class:`DrainableExecutor`
-    installed here as the loop's default) so no new write or tool starts;
-    cancel every run (``tasks()``) so none starts another model call; let the
-    writes already submitted land, for up to ``drain_s`` (a step whose model
-    call returned is journaled, and the new incarnation replays it); exit. A
-    raylet that is only frozen or partitioned is not detected here; fencing
-    covers that case.
+    The parent pid changes the moment the raylet dies, about a second before
+    the node is declared dead (tuned detection; far more by default): then
+    :func:`stop_runs`, and exit. ``executor`` is the process's default
+    executor, else a :class:`DrainableExecutor` is installed here. A raylet
+    that is only frozen or partitioned is not detected here; fencing covers
+    that case.
     """
     global _node_lost
     pid = raylet_pid()
@@ -108,11 +113,26 @@ async def watch_raylet(tasks: Callable[[], list[asyncio.Task]], executor: Draina
         await asyncio.sleep(interval)
     _node_lost = True
     log.warning("raylet %d is gone; stopping every session here and exiting (no zombie runs)", pid)
-    pending = executor.freeze()
-    for t in tasks():
+    await stop_runs(tasks(), executor, drain_s)
+    os._exit(1)
+
+
+async def stop_runs(tasks: list[asyncio.Task], executor: DrainableExecutor, drain_s: float) -> None:
+    """Stop ``tasks`` (the runs of a process whose node is lost) so none starts another model call or tool,
+    and let what they already did become durable, for up to ``drain_s``.
+
+    The executor is frozen first, so no new tool starts; a run's store writes
+    still go through (a zombie's writes are fenced by the lease), so the
+    writes under way land and a model answer that already arrived is
+    journaled (:func:`~loomray.journal.answers_recording`), also one waiting
+    for the upload of its inputs' checkpoint: the new incarnation replays it
+    instead of billing the call again.
+    """
+    executor.freeze()
+    for t in tasks:
         if not t.done():
             t.cancel()
     deadline = time.monotonic() + drain_s
-    while any(not f.done() for f in pending) and time.monotonic() < deadline:
+    await asyncio.sleep(0)  # the cancelled runs see their cancel (and start their last records) first
+    while (answers_recording() or any(not f.done() for f in executor.under_way())) and time.monotonic() < deadline:
         await asyncio.sleep(0.01)
-    os._exit(1)

@@ -39,6 +39,7 @@ import ray
 from ray import cloudpickle
 
 from loomray import control
+from loomray.records import RunResult
 from loomray.runtime.actors import (
     NAMESPACE,
     AgentSpec,
@@ -48,7 +49,6 @@ from loomray.runtime.actors import (
 )
 from loomray.runtime.loop_guard import guard_loop
 from loomray.runtime.raylet_watch import node_lost, watch_raylet
-from loomray.records import RunResult
 from loomray.session import RunRequest, execute_request
 from loomray.storage import Store
 from loomray.storage.errors import LeaseLostError
