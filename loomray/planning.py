@@ -211,12 +211,16 @@ class RunPlan:
 
     def finished_result(self) -> RunResult:
         """The result of a run whose restored checkpoint already finished it."""
-        ckpt = self.restored
-        assert ckpt is not None and self.finished
-        return RunResult(output=ckpt.messages[-1].content if ckpt.messages else "", messages=list(ckpt.messages),
-                         usage=ckpt.cumulative_usage, session_id=ckpt.session_id, user_id=ckpt.user_id,
-                         run_id=self.run_id, turns=ckpt.turn, checkpoint_id=ckpt.checkpoint_id,
-                         resumed_from_checkpoint=True, resume_position=ckpt.position, forked_from=ckpt.forked_from)
+        assert self.restored is not None and self.finished
+        return final_result(self.restored, self.run_id)
+
+
+def final_result(ckpt: Checkpoint, run_id: str | None) -> RunResult:
+    """The result of run ``run_id``, read back from its final checkpoint ``ckpt``."""
+    return RunResult(output=ckpt.messages[-1].content if ckpt.messages else "", messages=list(ckpt.messages),
+                     usage=ckpt.cumulative_usage, session_id=ckpt.session_id, user_id=ckpt.user_id,
+                     run_id=run_id, turns=ckpt.turn, checkpoint_id=ckpt.checkpoint_id,
+                     resumed_from_checkpoint=True, resume_position=ckpt.position, forked_from=ckpt.forked_from)
 
 
 def plan_run(request: RunRequest, run_id: str, start: Start, *, journal: JournalRun | None = None,

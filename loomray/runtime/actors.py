@@ -29,10 +29,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from ray import cloudpickle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from loomray.checkpoint_format import load_checkpoint
 from loomray.errors import LoomrayRunError, LoomrayUserError
+from loomray.planning import final_result
 from loomray.records import RunResult
 from loomray.runtime.connection import NAMESPACE
 from loomray.runtime.stored_options import REDACTED, without_secrets
+from loomray.session_store import SessionStore
 from loomray.storage import Store, open_store
 from loomray.storage.ids import user_from_segment, user_segment, validate_id
 
@@ -315,6 +318,19 @@ def run_result(outcome: Outcome, session_id: str) -> RunResult:
     if outcome.exception is not None:
         raise outcome.exception
     raise LoomrayRunError(f"session {session_id!r} ended {outcome.status}: {outcome.error}")
+
+
+def ended_result(store: SessionStore, session_id: str, user_id: str | None) -> RunResult | None:
+    """The result of the session's last run when it completed or was cancelled, read back from the store (its
+    final checkpoint); None when its status says otherwise. For a run that ended while no supervisor watched it."""
+    row = store.sessions.get(session_id, user_id=user_id)
+    if row is None or row.status not in ("completed", "cancelled"):
+        return None
+    if row.status == "cancelled":
+        return RunResult(output="", session_id=session_id, user_id=user_id, run_id=row.run_id,
+                         stop_reason="cancelled")
+    ckpt = load_checkpoint(store, session_id, user_id=user_id)
+    return None if ckpt is None else final_result(ckpt, row.run_id)
 
 
 def head_node_id() -> str | None:

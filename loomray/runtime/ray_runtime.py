@@ -36,7 +36,7 @@ from loomray.errors import LoomrayRunError, LoomrayUserError
 from loomray.events import EmitFn, deliver, event_from_dict
 from loomray.ids import new_id
 from loomray.records import RunResult
-from loomray.runtime.actors import AgentSpec, RuntimeConfig, agent_ref_allowed, resolve_ref, run_result
+from loomray.runtime.actors import AgentSpec, RuntimeConfig, agent_ref_allowed, ended_result, resolve_ref, run_result
 from loomray.runtime.base import Runtime, per_request
 from loomray.runtime.connection import connect, normalize_store_url
 from loomray.runtime.fanouts import agent_specs
@@ -364,7 +364,14 @@ class RayRuntime(Runtime):
         ``emit`` sees the events still buffered or yet to come only if the run
         was started with streaming (``execute`` with ``emit``); otherwise none.
         """
-        return await self._wait(session_id, user_id, emit)
+        try:
+            return await self._wait(session_id, user_id, emit)
+        except LoomrayUserError as e:  # no supervisor knows it: a run that ended meanwhile answers from the store
+            ended = await asyncio.to_thread(ended_result, self.store, session_id, user_id) \
+                if "not supervised" in str(e) else None
+            if ended is None:
+                raise
+            return ended
 
     async def status(self) -> list[dict[str, Any]]:
         """What the supervisor watches: one dict per session (see :meth:`Supervisor.status`)."""

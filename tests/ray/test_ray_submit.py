@@ -141,3 +141,26 @@ async def test_an_idle_session_host_gives_up_the_unit_a_session_of_other_options
         assert result.output == f"{session_id} done"
     dense.close()
     dense_other.close()
+
+
+async def test_wait_answers_for_a_run_that_ended_when_no_supervisor_knows_it(env):
+    """A submitted run ends, then its supervisor is lost: the replacement never adopts a session that ended
+    (nothing is left to watch), and a later ``wait`` (another driver, ``loomray wait``) answers with that run's
+    result from the store, as it does for a cancelled one; a session nobody ran stays an error."""
+    from loomray.errors import LoomrayUserError
+    from loomray.runtime.actors import NAMESPACE, supervisor_name
+
+    _, runtime, _ = env
+    await _submit(runtime, _agent(["ended done"]), "s-ended")
+    first = await runtime.wait("s-ended")
+    await _submit(runtime, _agent(["never said"]), "s-ended-cancelled")
+    await runtime.cancel("s-ended-cancelled")
+    assert (await runtime.wait("s-ended-cancelled")).stop_reason == "cancelled"
+    ray.kill(ray.get_actor(supervisor_name(runtime.config.store_url), namespace=NAMESPACE))
+
+    again = await asyncio.wait_for(runtime.wait("s-ended"), 120)  # on main: LoomrayUserError "not supervised"
+    assert (again.output, again.turns, again.checkpoint_id) == ("ended done", first.turns, first.checkpoint_id)
+    assert again.messages == first.messages and again.usage == first.usage
+    assert (await runtime.wait("s-ended-cancelled")).stop_reason == "cancelled"
+    with pytest.raises(LoomrayUserError, match="not supervised.*does not know it"):
+        await runtime.wait("s-never-submitted-here")
