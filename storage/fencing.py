@@ -68,6 +68,16 @@ def kept_lease_body(objects: ObjectStore, session_id: str, user_id: str | None,
     return None
 
 
+def _chain_of(body: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The checkpoint fences a lease body records, its own first, as a takeover carries them on."""
+    fence = body.get("checkpoints") if body is not None else None
+    if body is None or not isinstance(fence, dict) or type(body.get("epoch")) is not int:
+        return []
+    prev = fence.get("prev")
+    return [{"epoch": body["epoch"], **{k: v for k, v in fence.items() if k in ("top", "tombs")}},
+            *(c for c in (prev if isinstance(prev, list) else []) if isinstance(c, dict))]
+
+
 class CheckpointFences:
     """The checkpoint side of a lease takeover (see the module docstring)."""
 
@@ -77,8 +87,8 @@ class CheckpointFences:
         #: ``TailReader.snapshot``: the session's live rows with the tail its last writer has not indexed.
         self.snapshot = snapshot
 
-    def view(self, session_id: str, user_id: str | None, previous: dict[str, Any] | None
-             ) -> tuple[set[str], dict[str, Any]]:
+    def view(self, session_id: str, user_id: str | None, previous: dict[str, Any] | None,
+             kept: dict[str, Any] | None = None) -> tuple[set[str], dict[str, Any]]:
         """What an acquire lists of the session's checkpoint rows right before its swap.
 
         Returns the live checkpoint ids (what :meth:`retire_fenced` spares)
@@ -86,16 +96,15 @@ class CheckpointFences:
         ``"checkpoints"``: ``top``, the highest live ``[epoch, checkpoint_id]``
         listed that no earlier fence covers (None: no such row), and ``prev``,
         the fences of up to ``_CHECKPOINT_FENCES`` earlier owners taken from
-        ``previous`` (the body being replaced). One LIST, plus GETs of index
-        files this Store has not parsed.
+        ``previous`` (the body being replaced) and ``kept`` (the newest copy a
+        swap kept: a body rewritten by hand or restored from an older copy
+        drops no fence it holds), newest epoch first. One LIST, plus GETs of
+        index files this Store has not parsed.
         """
-        chain: list[dict[str, Any]] = []
-        fence = previous.get("checkpoints") if previous is not None else None
-        if previous is not None and isinstance(fence, dict) and type(previous.get("epoch")) is int:
-            chain.append({"epoch": previous["epoch"], **{k: v for k, v in fence.items() if k in ("top", "tombs")}})
-            prev = fence.get("prev")
-            chain += [c for c in (prev if isinstance(prev, list) else []) if isinstance(c, dict)]
-        chain = chain[:_CHECKPOINT_FENCES]
+        both = [*_chain_of(previous), *_chain_of(kept)]
+        unique = {json.dumps(c, sort_keys=True): c for c in both}.values()
+        chain = sorted(unique, key=lambda c: c["epoch"] if type(c.get("epoch")) is int else -1,
+                       reverse=True)[:_CHECKPOINT_FENCES]
         snap = self.snapshot(session_id, user_id)
         self._adopt(session_id, user_id, list(snap.tails.values()))
         live = snap.rows

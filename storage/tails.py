@@ -11,10 +11,10 @@ epoch, newer than every row that epoch indexed or a compaction recorded as
 retired). What readers see of a snapshot is :attr:`Snapshot.live`.
 
 One snapshot costs, besides the index LIST and the GETs of index files not
-parsed yet: one LIST of ``checkpoints/``, one GET of ``lease.json`` (both in
-parallel with the index LIST on a remote store) and one GET per object
-without a row (a tail is at most one batch per writer; parsed tails are
-cached).
+parsed yet: one LIST of ``checkpoints/``, one GET of ``lease.json`` and, for
+a leased session, one LIST and one GET of its kept copies (all in parallel
+with the index LIST on a remote store) and one GET per object without a row
+(a tail is at most one batch per writer; parsed tails are cached).
 """
 
 from __future__ import annotations
@@ -61,8 +61,7 @@ class Snapshot:
     tails: dict[str, CheckpointRow]
     #: Listed checkpoint objects: key -> size.
     present: dict[str, int]
-    #: The lease body the rule reads: ``lease.json``'s, or when that is missing or unreadable, the newest copy a
-    #: swap kept (:func:`storage.fencing.kept_lease_body`); None when neither is there.
+    #: ``lease.json``'s body (None: missing or unreadable).
     lease: dict[str, Any] | None
     #: Keys some index row names, live or retired, with that row.
     indexed: dict[str, CheckpointRow] = field(default_factory=dict)
@@ -75,6 +74,9 @@ class Snapshot:
     #: The highest ``(tomb_epoch, tomb_mark)`` of the honoured leased tombstones listed (what a takeover's fence
     #: records: :meth:`storage.visibility.Visibility.tomb_top`).
     tomb_top: tuple[int, str] | None = None
+    #: The newest copy of a lease body a swap kept (:func:`storage.fencing.kept_lease_body`); the rule is
+    #: both bodies' (:meth:`storage.visibility.Visibility.of`).
+    kept: dict[str, Any] | None = None
 
     @property
     def epoch(self) -> int | None:
@@ -83,8 +85,8 @@ class Snapshot:
 
     @functools.cached_property
     def rule(self) -> Visibility:
-        """The visibility rule the session's lease body sets."""
-        return Visibility.of(self.lease)
+        """The visibility rule the session's lease body and its newest kept copy set."""
+        return Visibility.of(self.lease, self.kept)
 
     @functools.cached_property
     def live(self) -> dict[str, CheckpointRow]:
@@ -114,15 +116,15 @@ class TailReader:
         rows.rule_of = self.rule_of  # the rows' writers judge tombstones by the same lease bodies
 
     def rule_of(self, session_id: str, user_id: str | None) -> Visibility:
-        """The session's visibility rule as its lease body sets it now: ``lease.json``, or when that is missing
-        or unreadable the copy the last swap kept (one GET; one LIST and a GET more in that case)."""
-        return Visibility.of(self._body((user_id, session_id)))
+        """The session's visibility rule as its lease body and the newest copy a swap kept set it now (one GET
+        of ``lease.json``, one LIST and one GET of the copies)."""
+        return self._rule((user_id, session_id))
 
-    def _body(self, pair: tuple[str | None, str]) -> dict[str, Any] | None:
+    def _rule(self, pair: tuple[str | None, str]) -> Visibility:
         objects = self.rows.objects
         obj = objects.get(key=layout.lease_key(pair[1], pair[0]))
-        found = lease_body(obj.data if obj is not None else None)
-        return found if found is not None else kept_lease_body(objects, pair[1], pair[0])
+        return Visibility.of(lease_body(obj.data if obj is not None else None),
+                             kept_lease_body(objects, pair[1], pair[0]))
 
     def clear_cache(self) -> None:
         with self._lock:
@@ -148,24 +150,28 @@ class TailReader:
             if i == 1:
                 return {o.key: o.size for o in objects.list(prefix=prefix) if o.key.endswith(".json")}
             obj = objects.get(key=lease_key)
-            return lease_body(obj.data if obj is not None else None)
+            # A leased session: its kept copies too (whatever lease.json says, see below).
+            kept = kept_lease_body(objects, session_id, user_id) if obj is not None else None
+            return lease_body(obj.data if obj is not None else None), kept
 
         def read(keys: list[str], vanished: list[str]) -> None:
-            got["files"], got["present"], got["lease"] = self.rows.index.map_io(
+            got["files"], got["present"], (got["lease"], got["kept"]) = self.rows.index.map_io(
                 lambda i: part(i, keys, vanished), range(3))
 
         partition = layout.index_partition(layout.CHECKPOINT_INDEX, session_id, user_id)
         self.rows.index.read_listed(partition, read)
         files: list[FileRows] = got["files"][0]
-        indexed, lease = _keys(files), got["lease"]
-        if lease is None and (any(r.epoch > 0 for r in indexed.values())
-                              or any(k not in indexed for k in got["present"])):
-            # lease.json is gone (or unreadable) yet a leased writer may have written here: its fences live on
-            # in the copy the last swap kept. A session written without a lease pays nothing for this.
-            lease = kept_lease_body(objects, session_id, user_id)
-        rule = Visibility.of(lease)
-        snap = Snapshot(live_of(files, rule), {}, got["present"], lease, indexed, session_id=session_id,
-                        user_id=user_id, retired=got["files"][1], tomb_top=rule.tomb_top(files))
+        indexed, kept = _keys(files), got["kept"]
+        if got["lease"] is None and kept is None and (any(r.epoch > 0 for r in indexed.values())
+                                                      or any(k not in indexed for k in got["present"])):
+            # lease.json is gone yet a leased writer may have written here. A session written without a lease
+            # pays nothing for this.
+            kept = kept_lease_body(objects, session_id, user_id)
+        # lease.json may be gone, unreadable, rewritten by hand or restored from an older copy: the fences of
+        # the copy the last swap kept hold all the same (storage.visibility, rule 2).
+        rule = Visibility.of(got["lease"], kept)
+        snap = Snapshot(live_of(files, rule), {}, got["present"], got["lease"], indexed, session_id=session_id,
+                        user_id=user_id, retired=got["files"][1], tomb_top=rule.tomb_top(files), kept=kept)
         self._read_tail(snap, session_id)
         return snap
 
@@ -183,11 +189,11 @@ class TailReader:
     def fenced_mask(self, table: pa.Table) -> pa.ChunkedArray | pa.Array | None:
         """Per row of ``table`` (index rows of any sessions, tombstones applied): whether its session's
         takeovers fenced it (rule 2 of :mod:`storage.visibility`); None when none is. One GET of ``lease.json``
-        per session with a row written under a lease, in parallel; column-wide masks, no per-row Python."""
+        and one LIST and one GET of its kept copies per session with a row written under a lease, in parallel; column-wide masks, no per-row Python."""
         pairs = leased_sessions(table)
         if not pairs:
             return None
-        mask = sessions_fenced_mask(table, dict(zip(pairs, self.rows.index.map_io(self._body, pairs), strict=True)))
+        mask = sessions_fenced_mask(table, dict(zip(pairs, self.rows.index.map_io(self._rule, pairs), strict=True)))
         return mask if mask is not None and pc.any(mask).as_py() else None
 
     def hide_fenced(self, table: pa.Table) -> pa.Table:
@@ -198,15 +204,15 @@ class TailReader:
     def visible_rows(self, table: pa.Table) -> pa.Table:
         """The live rows of ``table`` (index rows and tombstones of any sessions, as files hold them) as every
         reader sees them: tombstones applied unless their session's fences ignore them, fenced rows hidden
-        (rules 2 and 5 of :mod:`storage.visibility`). One GET of ``lease.json`` per session with a row or a
-        tombstone written under a lease, in parallel."""
+        (rules 2 and 5 of :mod:`storage.visibility`). One GET of ``lease.json`` and one LIST and one GET of its
+        kept copies per session with a row or a tombstone written under a lease, in parallel."""
         pairs = leased_sessions(table)
-        bodies = dict(zip(pairs, self.rows.index.map_io(self._body, pairs), strict=True)) if pairs else {}
-        ignored = sessions_fenced_mask(table, bodies, ignored=True) if bodies else None
+        rules = dict(zip(pairs, self.rows.index.map_io(self._rule, pairs), strict=True)) if pairs else {}
+        ignored = sessions_fenced_mask(table, rules, ignored=True) if rules else None
         if ignored is not None and pc.any(ignored).as_py():
             table = table.filter(pc.invert(ignored))
         live = live_checkpoints(table)
-        fenced = sessions_fenced_mask(live, bodies) if bodies else None
+        fenced = sessions_fenced_mask(live, rules) if rules else None
         return live if fenced is None or not pc.any(fenced).as_py() else live.filter(pc.invert(fenced))
 
     def pinned_row(self, snap: Snapshot, checkpoint_id: str, dependent: str) -> CheckpointRow | None:

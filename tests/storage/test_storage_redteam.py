@@ -110,30 +110,31 @@ def drop_fences(root: Path, session_id: str = "s1") -> None:
     path.write_text(json.dumps(body))
 
 
-@pytest.mark.xfail(strict=True, reason="red team: a hand-rewritten, well-formed lease.json without the takeover's "
-                                       "fence shows the zombie's late row again in every view")
 def test_a_hand_rewritten_lease_without_its_fence_shows_no_fenced_row(tmp_path):
     """The fence lives in ``lease.json`` (and its kept copy ``leases/{epoch}.json``). A body rewritten by hand that
     parses but lacks the fence must not resurrect the fenced row: visibility.parse_fences says the worst a forged
-    lease does is hide rows, never resurrect one. Here the body of the same epoch without ``checkpoints`` makes
-    c2, written by a zombie after the takeover, the session's "latest"."""
+    lease does is hide rows, never resurrect one. Readers take the union of the body's fences and its kept
+    copy's, and so does the next takeover, so c2, written by a zombie after the takeover, stays hidden."""
     fenced_row_lands(tmp_path / "d")
     drop_fences(tmp_path / "d")
     assert views(tmp_path / "d") == every(["c1"], "c1")
+    store = open_store(tmp_path / "d")
+    assert store.leases.acquire("s1", owner="next").epoch == 3
+    store.close()
+    drop_fences(tmp_path / "d")  # the next owner's own fence dropped too: its copy and epoch 2's still hold
+    assert views(tmp_path / "d") == every(["c1"], "c1")
 
 
-@pytest.mark.xfail(strict=True, reason="red team: lease.json restored from an older copy (epoch 1, a backup) drops "
-                                       "the takeover's fence; the next owner then adopts the zombie's row for good")
 def test_an_older_lease_body_restored_by_hand_shows_no_fenced_row(tmp_path):
     """An operator restores ``lease.json`` from a backup: the body epoch 1's swap kept (``leases/1.json``), older
-    than the takeover's. Readers must still hide the zombie's late row c2, and so must they once the next owner
-    has taken the session (epoch 3, above every marker). They do not: readers trust any parseable body over the
-    epoch markers and the newer kept copies, and the next takeover records c2 as part of the history it
-    fences above, so c2 is the session's "latest" for good."""
+    than the takeover's. Readers must still hide the zombie's late row c2 (they read the newest kept copy's
+    fences too), and so must they once the next owner has taken the session (epoch 3, above every marker): the
+    takeover carries the newest copy's fences on, and retires c2 instead of recording it as history."""
     root = tmp_path / "d"
     fenced_row_lands(root)
     session = root / layout.session_prefix("s1", None)
     (session / "lease.json").write_bytes((session / "leases" / f"{1:020d}.json").read_bytes())
+    assert views(root) == every(["c1"], "c1")
     store = open_store(root)
     assert store.leases.acquire("s1", owner="next").epoch == 3
     store.close()
