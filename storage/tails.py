@@ -77,6 +77,8 @@ class Snapshot:
     #: The newest copy of a lease body a swap kept (:func:`storage.fencing.kept_lease_body`); the rule is
     #: both bodies' (:meth:`storage.visibility.Visibility.of`).
     kept: dict[str, Any] | None = None
+    #: Listed checkpoint objects: key -> ETag (a new one for every put: what a reader verified stays verified).
+    etags: dict[str, str] = field(default_factory=dict)
 
     @property
     def epoch(self) -> int | None:
@@ -113,6 +115,7 @@ class TailReader:
         self.rows = rows
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, int], CheckpointRow | None] = OrderedDict()
+        self._verified: OrderedDict[tuple[str, str], None] = OrderedDict()
         rows.rule_of = self.rule_of  # the rows' writers judge tombstones by the same lease bodies
 
     def rule_of(self, session_id: str, user_id: str | None) -> Visibility:
@@ -129,6 +132,19 @@ class TailReader:
     def clear_cache(self) -> None:
         with self._lock:
             self._cache.clear()
+            self._verified.clear()
+
+    def verified(self, key: str, etag: str | None, *, mark: bool = False) -> bool:
+        """Whether the object at ``key`` with ETag ``etag`` was read and verified by this store (``mark``: it
+        just was). Every put gives a key a new ETag, so an object overwritten since is read again."""
+        if etag is None:
+            return False
+        with self._lock:
+            if mark:
+                self._verified[(key, etag)] = None
+                while len(self._verified) > _TAIL_CACHE:
+                    self._verified.popitem(last=False)
+            return (key, etag) in self._verified
 
     def snapshot(self, session_id: str, user_id: str | None) -> Snapshot:
         """Index rows, the checkpoint objects and ``lease.json``, then the tail.
@@ -148,7 +164,7 @@ class TailReader:
             if i == 0:
                 return self.rows.file_rows(keys, vanished), self.rows.retired(keys)
             if i == 1:
-                return {o.key: o.size for o in objects.list(prefix=prefix) if o.key.endswith(".json")}
+                return [o for o in objects.list(prefix=prefix) if o.key.endswith(".json")]
             obj = objects.get(key=lease_key)
             # A leased session: its kept copies too (whatever lease.json says, see below).
             kept = kept_lease_body(objects, session_id, user_id) if obj is not None else None
@@ -161,6 +177,8 @@ class TailReader:
         partition = layout.index_partition(layout.CHECKPOINT_INDEX, session_id, user_id)
         self.rows.index.read_listed(partition, read)
         files: list[FileRows] = got["files"][0]
+        listed = got["present"]
+        got["present"] = {o.key: o.size for o in listed}
         indexed, kept = _keys(files), got["kept"]
         if got["lease"] is None and kept is None and (any(r.epoch > 0 for r in indexed.values())
                                                       or any(k not in indexed for k in got["present"])):
@@ -171,7 +189,8 @@ class TailReader:
         # the copy the last swap kept hold all the same (storage.visibility, rule 2).
         rule = Visibility.of(got["lease"], kept)
         snap = Snapshot(live_of(files, rule), {}, got["present"], got["lease"], indexed, session_id=session_id,
-                        user_id=user_id, retired=got["files"][1], tomb_top=rule.tomb_top(files), kept=kept)
+                        user_id=user_id, retired=got["files"][1], tomb_top=rule.tomb_top(files), kept=kept,
+                        etags={o.key: o.etag for o in listed})
         self._read_tail(snap, session_id)
         return snap
 
