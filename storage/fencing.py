@@ -45,25 +45,33 @@ def lease_body(data: bytes | None) -> dict[str, Any] | None:
     return body if isinstance(body, dict) else None
 
 
-def kept_lease_body(objects: ObjectStore, session_id: str, user_id: str | None,
-                    below: int | None = None) -> dict[str, Any] | None:
+def kept_lease_body(objects: ObjectStore, session_id: str, user_id: str | None, below: int | None = None,
+                    cache: dict[tuple[str, str], dict[str, Any]] | None = None) -> dict[str, Any] | None:
     """The newest readable copy of a ``lease.json`` body a swap kept (``leases/{epoch}.json``; only epochs
     below ``below`` when given), or None when there is none.
 
-    What a deleted or unreadable ``lease.json`` said: an acquire carries its
-    fences on from here, and readers judge the session's rows by it (a fence
-    lives as long as its copy, so deleting ``lease.json`` shows no fenced row
-    again). One LIST, and a GET of the newest copy (up to 3 if those are
-    unreadable).
+    What ``lease.json`` said, whatever became of it since: an acquire carries
+    its fences on from here, and readers judge the session's rows by it too
+    (a fence lives as long as its copy, so deleting or rewriting
+    ``lease.json`` shows no fenced row again). One LIST, and a GET of the
+    newest copy (up to 3 if those are unreadable); ``cache``: copies already
+    read, by key and ETag (a copy is written once), not read again.
     """
     prefix = layout.lease_copy_prefix(session_id, user_id)
-    epochs = sorted((int(name) for name in (o.key[len(prefix):-5] for o in objects.list(prefix=prefix)
-                                            if o.key.endswith(".json"))
-                     if name.isascii() and name.isdigit() and (below is None or int(name) < below)), reverse=True)
-    for epoch in epochs[:3]:
-        obj = objects.get(key=layout.lease_copy_key(session_id, user_id, epoch))
+    listed = []
+    for info in objects.list(prefix=prefix):
+        name = info.key[len(prefix):-5]
+        if (info.key.endswith(".json") and len(name) == 20 and name.isascii() and name.isdigit()
+                and (below is None or int(name) < below)):  # the key lease_copy_key names: no foreign object
+            listed.append((int(name), info.key, info.etag))
+    for _, key, etag in sorted(listed, reverse=True)[:3]:
+        if cache is not None and (key, etag) in cache:
+            return cache[(key, etag)]
+        obj = objects.get(key=key)
         body = lease_body(obj.data if obj is not None else None)
         if body is not None and type(body.get("epoch")) is int:
+            if cache is not None and obj is not None:
+                cache[(key, obj.etag)] = body
             return body
     return None
 

@@ -116,6 +116,8 @@ class TailReader:
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, int], CheckpointRow | None] = OrderedDict()
         self._verified: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._copies: dict[tuple[str, str], dict[str, Any]] = {}  # kept lease body copies, by key and ETag
+        self._leased: set[tuple[str | None, str]] = set()  # sessions seen with a lease.json: copies listed at once
         rows.rule_of = self.rule_of  # the rows' writers judge tombstones by the same lease bodies
 
     def rule_of(self, session_id: str, user_id: str | None) -> Visibility:
@@ -126,13 +128,20 @@ class TailReader:
     def _rule(self, pair: tuple[str | None, str]) -> Visibility:
         objects = self.rows.objects
         obj = objects.get(key=layout.lease_key(pair[1], pair[0]))
-        return Visibility.of(lease_body(obj.data if obj is not None else None),
-                             kept_lease_body(objects, pair[1], pair[0]))
+        return Visibility.of(lease_body(obj.data if obj is not None else None), self._kept(pair[1], pair[0]))
+
+    def _kept(self, session_id: str, user_id: str | None) -> dict[str, Any] | None:
+        """The newest kept copy of the session's lease body (copies read once: they are written once)."""
+        if len(self._copies) > _TAIL_CACHE:
+            self._copies.clear()
+        return kept_lease_body(self.rows.objects, session_id, user_id, cache=self._copies)
 
     def clear_cache(self) -> None:
         with self._lock:
             self._cache.clear()
             self._verified.clear()
+            self._copies.clear()
+            self._leased.clear()
 
     def verified(self, key: str, etag: str | None, *, mark: bool = False) -> bool:
         """Whether the object at ``key`` with ETag ``etag`` was read and verified by this store (``mark``: it
@@ -159,20 +168,27 @@ class TailReader:
         prefix = layout.session_prefix(session_id, user_id) + "checkpoints/"
         lease_key = layout.lease_key(session_id, user_id)
         got: dict[str, Any] = {}
+        known = (user_id, session_id) in self._leased  # its copies are listed in parallel with lease.json
 
         def part(i: int, keys: list[str], vanished: list[str]) -> Any:
             if i == 0:
                 return self.rows.file_rows(keys, vanished), self.rows.retired(keys)
             if i == 1:
                 return [o for o in objects.list(prefix=prefix) if o.key.endswith(".json")]
+            if i == 3:
+                return self._kept(session_id, user_id)
             obj = objects.get(key=lease_key)
-            # A leased session: its kept copies too (whatever lease.json says, see below).
-            kept = kept_lease_body(objects, session_id, user_id) if obj is not None else None
-            return lease_body(obj.data if obj is not None else None), kept
+            if obj is not None and not known:
+                self._leased.add((user_id, session_id))
+                got["kept"] = self._kept(session_id, user_id)  # a leased session: its kept copies too (see below)
+            return lease_body(obj.data if obj is not None else None)
 
         def read(keys: list[str], vanished: list[str]) -> None:
-            got["files"], got["present"], (got["lease"], got["kept"]) = self.rows.index.map_io(
-                lambda i: part(i, keys, vanished), range(3))
+            got["kept"] = None
+            got["files"], got["present"], got["lease"], *kept = self.rows.index.map_io(
+                lambda i: part(i, keys, vanished), range(4 if known else 3))
+            if kept:
+                got["kept"] = kept[0]
 
         partition = layout.index_partition(layout.CHECKPOINT_INDEX, session_id, user_id)
         self.rows.index.read_listed(partition, read)
