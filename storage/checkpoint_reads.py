@@ -119,6 +119,7 @@ class CheckpointReads:
                 data = self._data(row.key)
             if data is None:
                 if row.key in gone:
+                    bad.add(row.key)  # still missing after a fresh LIST: deleted for good
                     continue
                 return row.key
             try:
@@ -133,7 +134,9 @@ class CheckpointReads:
 
     def _present(self, snap: Snapshot, bad: set[str], limit: int | None) -> builtins.list[CheckpointRow]:
         """The live rows whose object was listed at its written size and is not known ``bad``, newest first, at
-        most ``limit`` (< 1: all); the others are damaged (:meth:`_record_damage`)."""
+        most ``limit`` (< 1: all). The others are damaged: retired (:meth:`_record_damage`) when a readable one
+        is left, which is then what "latest" returns before and after; a session with no readable checkpoint
+        keeps its rows, so that "latest" goes on raising instead of reading as a session without one."""
         out: builtins.list[CheckpointRow] = []
         damaged: builtins.list[CheckpointRow] = []
         for row in sorted(snap.live.values(), key=lambda r: r.order, reverse=True):
@@ -146,7 +149,8 @@ class CheckpointReads:
                 continue
             if limit is None or limit < 1 or len(out) < limit:
                 out.append(row)
-        self._record_damage(snap, damaged)
+        if out:
+            self._record_damage(snap, damaged)
         return out
 
     def _record_damage(self, snap: Snapshot, rows: builtins.list[CheckpointRow]) -> None:

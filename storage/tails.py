@@ -179,6 +179,8 @@ class TailReader:
                 return self._kept(session_id, user_id)
             obj = objects.get(key=lease_key)
             if obj is not None and not known:
+                if len(self._leased) > _TAIL_CACHE:
+                    self._leased.clear()
                 self._leased.add((user_id, session_id))
                 got["kept"] = self._kept(session_id, user_id)  # a leased session: its kept copies too (see below)
             return lease_body(obj.data if obj is not None else None)
