@@ -119,6 +119,7 @@ class TailReader:
         self._copies: dict[tuple[str, str], dict[str, Any]] = {}  # kept lease body copies, by key and ETag
         self._leased: set[tuple[str | None, str]] = set()  # sessions seen with a lease.json: copies listed at once
         rows.rule_of = self.rule_of  # the rows' writers judge tombstones by the same lease bodies
+        rows.wrote = lambda key, etag: self.verified(key, etag, mark=True)  # what this store wrote is verified
 
     def rule_of(self, session_id: str, user_id: str | None) -> Visibility:
         """The session's visibility rule as its lease body and the newest copy a swap kept set it now (one GET
