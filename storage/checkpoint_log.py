@@ -113,7 +113,7 @@ class CheckpointLog:
                               size=0, sha256="")
         _check_values(draft)  # a value the index cannot hold fails before anything lands
         obj = envelope.wrap(data, header_of_row(draft))
-        self._rows.objects.put(key=key, data=obj)
+        self._rows.wrote(key, self._rows.objects.put(key=key, data=obj))
         self.pending.append(replace(draft, size=len(obj), sha256=hashlib.sha256(obj).hexdigest()))
         self._unindexed += 1
         self.puts += 1

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from . import backoff, chains, envelope, layout
 from .checkpoint_rows import CheckpointRows
-from .errors import CorruptObjectError, IndexChangedError
+from .errors import CorruptObjectError, IndexChangedError, StorageError
 from .objects import ObjectStore
 from .rows import CheckpointRow
 from .tails import Snapshot, TailReader
@@ -56,7 +56,8 @@ class CheckpointReads:
 
     def list(self, session_id: str, *, user_id: str | None = None,
              limit: int | None = 50) -> builtins.list[CheckpointRow]:
-        """Newest first by (epoch, checkpoint_id); rows whose object is missing or truncated are skipped.
+        """Newest first by (epoch, checkpoint_id); rows whose object is missing or not of its written size are
+        skipped, and so is a newest one whose bytes do not match its sha256, so the first is what "latest" reads.
 
         The rows are the index's and the tail's (checkpoints written, not yet
         indexed: :mod:`storage.tails`), read with one LIST of the objects.
@@ -69,10 +70,18 @@ class CheckpointReads:
         makes the list start at an older checkpoint, or come out empty; if the
         newest rows keep being retired before they are read for
         ``READ_TIMEOUT`` seconds, :class:`IndexChangedError`.
+
+        What is checked: every row's object is listed at its written size (the
+        LIST shows sizes); the first row's object is read and checked against
+        its sha256 (one GET; not again while its ETag stays the same). An
+        older object overwritten with bytes of its own length stays listed
+        until it is read. A row the list finds damaged is retired for every
+        reader (:meth:`_record_damage`: one tombstone file).
         """
         objects_prefix = layout.session_prefix(session_id, user_id) + "checkpoints/"
         deadline = backoff.clock() + READ_TIMEOUT
         gone: set[str] = set()  # keys whose object was missing although a fresh LIST still showed their row
+        bad: set[str] = set()  # keys whose object does not match its row's sha256
         attempt = 0
         while True:
             snap = self._tails.snapshot(session_id, user_id)
@@ -83,31 +92,90 @@ class CheckpointReads:
                     break
                 above.add(row.key)
             if not above - gone:
-                break
+                head = self._verify_head(snap, gone, bad)
+                if head is None:
+                    break
+                above = {head}  # the newest object vanished between the LIST and its GET: retired meanwhile
             # The retirement of a row comes after its successor's row is written, so a fresh LIST shows that
             # successor; a row it still shows, whose object is still missing, was deleted without one.
             gone |= above
             attempt += 1
             _relist_pause(attempt, deadline, f"{self.objects.describe(objects_prefix)}: the newest checkpoints of "
                                              f"session {session_id!r} kept being retired before they were read")
-        return self._present(rows, present, limit)
+        return self._present(snap, bad, limit)
 
-    def _present(self, rows: dict[str, CheckpointRow], present: dict[str, int],
-                 limit: int | None) -> builtins.list[CheckpointRow]:
-        """``rows`` whose object was listed at its written size, newest first, at most ``limit`` (< 1: all)."""
-        out = []
-        for row in sorted(rows.values(), key=lambda r: r.order, reverse=True):
-            size = present.get(row.key)
-            if size is None:
+    def _verify_head(self, snap: Snapshot, gone: set[str], bad: set[str]) -> str | None:
+        """Read and check the newest live row listed at its written size against its sha256 (what "latest"
+        checks), and the next while one fails (their keys go to ``bad``). None when done; the key of one whose
+        object vanished since the LIST, for a fresh LIST to decide."""
+        for row in sorted(snap.live.values(), key=lambda r: r.order, reverse=True):
+            if snap.present.get(row.key) != row.size or row.key in bad:
                 continue
-            if size != row.size:
+            etag = snap.etags.get(row.key)
+            if self._tails.verified(row.key, etag):
+                return None
+            data = snap.data.get(row.key)
+            if data is None:
+                data = self._data(row.key)
+            if data is None:
+                if row.key in gone:
+                    bad.add(row.key)  # still missing after a fresh LIST: deleted for good
+                    continue
+                return row.key
+            try:
+                _verify(self.objects, row, data, snap.session_id)
+            except CorruptObjectError as error:
+                log.warning("skipping an unreadable checkpoint in the listing: %s", error)
+                bad.add(row.key)
+                continue
+            self._tails.verified(row.key, etag, mark=True)
+            return None
+        return None
+
+    def _present(self, snap: Snapshot, bad: set[str], limit: int | None) -> builtins.list[CheckpointRow]:
+        """The live rows whose object was listed at its written size and is not known ``bad``, newest first, at
+        most ``limit`` (< 1: all). The others are damaged: retired (:meth:`_record_damage`) when a readable one
+        is left, which is then what "latest" returns before and after; a session with no readable checkpoint
+        keeps its rows, so that "latest" goes on raising instead of reading as a session without one."""
+        out: builtins.list[CheckpointRow] = []
+        damaged: builtins.list[CheckpointRow] = []
+        for row in sorted(snap.live.values(), key=lambda r: r.order, reverse=True):
+            size = snap.present.get(row.key)
+            if size is not None and size != row.size:
                 log.warning("skipping checkpoint: %s is %d bytes, %d were written (truncated or replaced)",
                             self.objects.describe(row.key), size, row.size)
+            if size is None or size != row.size or row.key in bad:
+                damaged.append(row)
                 continue
-            out.append(row)
-            if limit is not None and limit > 0 and len(out) >= limit:
-                break
+            if limit is None or limit < 1 or len(out) < limit:
+                out.append(row)
+        if out:
+            self._record_damage(snap, damaged)
         return out
+
+    def _record_damage(self, snap: Snapshot, rows: builtins.list[CheckpointRow]) -> None:
+        """Retire the indexed ``rows`` whose object the list found missing, not of its written size, or not
+        matching its sha256, so that every view drops them: ``Store.query`` and, from the next compaction, the
+        table (which read index rows only). One tombstone file (create-only, no lease: honoured by every
+        reader); the objects stay (``store.checkpoints.quarantine`` moves them aside). Only the list records
+        damage: "latest" and get by id skip or raise, and write nothing.
+
+        Only a hand or a bug damages a live row's object: every writer that deletes one tombstones its row
+        first (quarantine right after), and retention deletes only once its tombstones are settled (no fence
+        can ignore them), so a row retired meanwhile only gets a second tombstone. A reader that may not write
+        only warns (the next list tries again)."""
+        doomed = [r for r in rows if r.key in snap.indexed]
+        if not doomed:
+            return
+        names = ", ".join(sorted(r.checkpoint_id for r in doomed))
+        try:
+            self._rows.write(snap.session_id, snap.user_id, doomed, tombstone=True)
+        except StorageError as e:
+            log.warning("session %r: checkpoint(s) %s are damaged (missing, truncated or replaced); their rows "
+                        "were not retired (%s)", snap.session_id, names, e)
+            return
+        log.warning("session %r: retired checkpoint(s) %s, damaged (missing, truncated or replaced) behind the "
+                    "index's back", snap.session_id, names)
 
     def get(self, session_id: str, checkpoint_id: str = "latest", *, user_id: str | None = None) -> bytes | None:
         """The checkpoint's object, verified against the size and sha256 recorded at write time (and its own

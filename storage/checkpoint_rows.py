@@ -54,6 +54,9 @@ class CheckpointRows:
         #: session's index holds a lease holder's tombstone; set by :class:`storage.tails.TailReader`, which
         #: reads lease bodies): which tombstones are honoured.
         self.rule_of: Callable[[str, str | None], Visibility] = lambda session_id, user_id: Visibility(None, ())
+        #: Called with the key and ETag of each checkpoint object a writer of this store put: its bytes are the
+        #: ones its row records, so a listing of this store need not read them back (set by the tail reader).
+        self.wrote: Callable[[str, str], object] = lambda key, etag: None
 
     def clear_cache(self) -> None:
         """Forget every parsed file (a cold reader parses them again)."""

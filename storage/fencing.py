@@ -45,27 +45,45 @@ def lease_body(data: bytes | None) -> dict[str, Any] | None:
     return body if isinstance(body, dict) else None
 
 
-def kept_lease_body(objects: ObjectStore, session_id: str, user_id: str | None,
-                    below: int | None = None) -> dict[str, Any] | None:
+def kept_lease_body(objects: ObjectStore, session_id: str, user_id: str | None, below: int | None = None,
+                    cache: dict[tuple[str, str], dict[str, Any]] | None = None) -> dict[str, Any] | None:
     """The newest readable copy of a ``lease.json`` body a swap kept (``leases/{epoch}.json``; only epochs
     below ``below`` when given), or None when there is none.
 
-    What a deleted or unreadable ``lease.json`` said: an acquire carries its
-    fences on from here, and readers judge the session's rows by it (a fence
-    lives as long as its copy, so deleting ``lease.json`` shows no fenced row
-    again). One LIST, and a GET of the newest copy (up to 3 if those are
-    unreadable).
+    What ``lease.json`` said, whatever became of it since: an acquire carries
+    its fences on from here, and readers judge the session's rows by it too
+    (a fence lives as long as its copy, so deleting or rewriting
+    ``lease.json`` shows no fenced row again). One LIST, and a GET of the
+    newest copy (up to 3 if those are unreadable); ``cache``: copies already
+    read, by key and ETag (a copy is written once), not read again.
     """
     prefix = layout.lease_copy_prefix(session_id, user_id)
-    epochs = sorted((int(name) for name in (o.key[len(prefix):-5] for o in objects.list(prefix=prefix)
-                                            if o.key.endswith(".json"))
-                     if name.isascii() and name.isdigit() and (below is None or int(name) < below)), reverse=True)
-    for epoch in epochs[:3]:
-        obj = objects.get(key=layout.lease_copy_key(session_id, user_id, epoch))
+    listed = []
+    for info in objects.list(prefix=prefix):
+        name = info.key[len(prefix):-5]
+        if (info.key.endswith(".json") and len(name) == 20 and name.isascii() and name.isdigit()
+                and (below is None or int(name) < below)):  # the key lease_copy_key names: no foreign object
+            listed.append((int(name), info.key, info.etag))
+    for _, key, etag in sorted(listed, reverse=True)[:3]:
+        if cache is not None and (key, etag) in cache:
+            return cache[(key, etag)]
+        obj = objects.get(key=key)
         body = lease_body(obj.data if obj is not None else None)
         if body is not None and type(body.get("epoch")) is int:
+            if cache is not None and obj is not None:
+                cache[(key, obj.etag)] = body
             return body
     return None
+
+
+def _chain_of(body: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The checkpoint fences a lease body records, its own first, as a takeover carries them on."""
+    fence = body.get("checkpoints") if body is not None else None
+    if body is None or not isinstance(fence, dict) or type(body.get("epoch")) is not int:
+        return []
+    prev = fence.get("prev")
+    return [{"epoch": body["epoch"], **{k: v for k, v in fence.items() if k in ("top", "tombs")}},
+            *(c for c in (prev if isinstance(prev, list) else []) if isinstance(c, dict))]
 
 
 class CheckpointFences:
@@ -77,8 +95,8 @@ class CheckpointFences:
         #: ``TailReader.snapshot``: the session's live rows with the tail its last writer has not indexed.
         self.snapshot = snapshot
 
-    def view(self, session_id: str, user_id: str | None, previous: dict[str, Any] | None
-             ) -> tuple[set[str], dict[str, Any]]:
+    def view(self, session_id: str, user_id: str | None, previous: dict[str, Any] | None,
+             kept: dict[str, Any] | None = None) -> tuple[set[str], dict[str, Any]]:
         """What an acquire lists of the session's checkpoint rows right before its swap.
 
         Returns the live checkpoint ids (what :meth:`retire_fenced` spares)
@@ -86,16 +104,15 @@ class CheckpointFences:
         ``"checkpoints"``: ``top``, the highest live ``[epoch, checkpoint_id]``
         listed that no earlier fence covers (None: no such row), and ``prev``,
         the fences of up to ``_CHECKPOINT_FENCES`` earlier owners taken from
-        ``previous`` (the body being replaced). One LIST, plus GETs of index
-        files this Store has not parsed.
+        ``previous`` (the body being replaced) and ``kept`` (the newest copy a
+        swap kept: a body rewritten by hand or restored from an older copy
+        drops no fence it holds), newest epoch first. One LIST, plus GETs of
+        index files this Store has not parsed.
         """
-        chain: list[dict[str, Any]] = []
-        fence = previous.get("checkpoints") if previous is not None else None
-        if previous is not None and isinstance(fence, dict) and type(previous.get("epoch")) is int:
-            chain.append({"epoch": previous["epoch"], **{k: v for k, v in fence.items() if k in ("top", "tombs")}})
-            prev = fence.get("prev")
-            chain += [c for c in (prev if isinstance(prev, list) else []) if isinstance(c, dict)]
-        chain = chain[:_CHECKPOINT_FENCES]
+        both = [*_chain_of(previous), *_chain_of(kept)]
+        unique = {json.dumps(c, sort_keys=True): c for c in both}.values()
+        chain = sorted(unique, key=lambda c: c["epoch"] if type(c.get("epoch")) is int else -1,
+                       reverse=True)[:_CHECKPOINT_FENCES]
         snap = self.snapshot(session_id, user_id)
         self._adopt(session_id, user_id, list(snap.tails.values()))
         live = snap.rows

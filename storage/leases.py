@@ -50,6 +50,12 @@ def parse_epoch(data: bytes, where: str, what: str) -> int:
     return epoch
 
 
+def _epoch_of(body: dict[str, Any]) -> int:
+    """A lease body's epoch (-1 when it has none)."""
+    epoch = body.get("epoch")
+    return epoch if layout.is_epoch(epoch) else -1
+
+
 @dataclass
 class _Acquire:
     """One acquire's progress through its retries."""
@@ -257,15 +263,17 @@ class LeaseKeeper:
         fields: dict[str, Any] = {"type": "lease", "v": 1, "session_id": acq.session_id, "user_id": acq.user_id,
                                   "epoch": n, "owner": acq.owner, "acquired_at": now}
         previous = lease_body(read.body) if read.corrupt is None else None
-        if previous is None:
-            # lease.json is missing or unreadable: the fences the last swap recorded (the journal's listing,
-            # the checkpoints') survive in its copy, so they still reach the new body.
-            previous = self._last_copy(acq.session_id, acq.user_id, n)
+        # The fences the last swap recorded (the journal's listing, the checkpoints') survive in its copy, so
+        # they reach the new body although lease.json is missing, unreadable, or older than the copy (restored
+        # by hand); the checkpoint fences of both are carried on (a body rewritten without them drops none).
+        kept = self._last_copy(acq.session_id, acq.user_id, n)
+        if kept is not None and (previous is None or _epoch_of(kept) > _epoch_of(previous)):
+            previous = kept
         carried = note(previous) if note is not None else carried_note(previous)
         if carried is not None:
             fields["note"] = carried
         # Listed last, right before the swap: a fenced writer's rows that land after it are retired.
-        seen, fields["checkpoints"] = self.fences.view(acq.session_id, acq.user_id, previous)
+        seen, fields["checkpoints"] = self.fences.view(acq.session_id, acq.user_id, previous, kept)
         try:
             new_etag = self.objects.put(key=layout.lease_key(acq.session_id, acq.user_id),
                                         data=json.dumps(fields).encode(), if_none_match=read.etag is None,

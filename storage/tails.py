@@ -11,10 +11,10 @@ epoch, newer than every row that epoch indexed or a compaction recorded as
 retired). What readers see of a snapshot is :attr:`Snapshot.live`.
 
 One snapshot costs, besides the index LIST and the GETs of index files not
-parsed yet: one LIST of ``checkpoints/``, one GET of ``lease.json`` (both in
-parallel with the index LIST on a remote store) and one GET per object
-without a row (a tail is at most one batch per writer; parsed tails are
-cached).
+parsed yet: one LIST of ``checkpoints/``, one GET of ``lease.json`` and, for
+a leased session, one LIST and one GET of its kept copies (all in parallel
+with the index LIST on a remote store) and one GET per object without a row
+(a tail is at most one batch per writer; parsed tails are cached).
 """
 
 from __future__ import annotations
@@ -61,8 +61,7 @@ class Snapshot:
     tails: dict[str, CheckpointRow]
     #: Listed checkpoint objects: key -> size.
     present: dict[str, int]
-    #: The lease body the rule reads: ``lease.json``'s, or when that is missing or unreadable, the newest copy a
-    #: swap kept (:func:`storage.fencing.kept_lease_body`); None when neither is there.
+    #: ``lease.json``'s body (None: missing or unreadable).
     lease: dict[str, Any] | None
     #: Keys some index row names, live or retired, with that row.
     indexed: dict[str, CheckpointRow] = field(default_factory=dict)
@@ -75,6 +74,11 @@ class Snapshot:
     #: The highest ``(tomb_epoch, tomb_mark)`` of the honoured leased tombstones listed (what a takeover's fence
     #: records: :meth:`storage.visibility.Visibility.tomb_top`).
     tomb_top: tuple[int, str] | None = None
+    #: The newest copy of a lease body a swap kept (:func:`storage.fencing.kept_lease_body`); the rule is
+    #: both bodies' (:meth:`storage.visibility.Visibility.of`).
+    kept: dict[str, Any] | None = None
+    #: Listed checkpoint objects: key -> ETag (a new one for every put: what a reader verified stays verified).
+    etags: dict[str, str] = field(default_factory=dict)
 
     @property
     def epoch(self) -> int | None:
@@ -83,8 +87,8 @@ class Snapshot:
 
     @functools.cached_property
     def rule(self) -> Visibility:
-        """The visibility rule the session's lease body sets."""
-        return Visibility.of(self.lease)
+        """The visibility rule the session's lease body and its newest kept copy set."""
+        return Visibility.of(self.lease, self.kept)
 
     @functools.cached_property
     def live(self) -> dict[str, CheckpointRow]:
@@ -111,22 +115,46 @@ class TailReader:
         self.rows = rows
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, int], CheckpointRow | None] = OrderedDict()
+        self._verified: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._copies: dict[tuple[str, str], dict[str, Any]] = {}  # kept lease body copies, by key and ETag
+        self._leased: set[tuple[str | None, str]] = set()  # sessions seen with a lease.json: copies listed at once
         rows.rule_of = self.rule_of  # the rows' writers judge tombstones by the same lease bodies
+        rows.wrote = lambda key, etag: self.verified(key, etag, mark=True)  # what this store wrote is verified
 
     def rule_of(self, session_id: str, user_id: str | None) -> Visibility:
-        """The session's visibility rule as its lease body sets it now: ``lease.json``, or when that is missing
-        or unreadable the copy the last swap kept (one GET; one LIST and a GET more in that case)."""
-        return Visibility.of(self._body((user_id, session_id)))
+        """The session's visibility rule as its lease body and the newest copy a swap kept set it now (one GET
+        of ``lease.json``, one LIST and one GET of the copies)."""
+        return self._rule((user_id, session_id))
 
-    def _body(self, pair: tuple[str | None, str]) -> dict[str, Any] | None:
+    def _rule(self, pair: tuple[str | None, str]) -> Visibility:
         objects = self.rows.objects
         obj = objects.get(key=layout.lease_key(pair[1], pair[0]))
-        found = lease_body(obj.data if obj is not None else None)
-        return found if found is not None else kept_lease_body(objects, pair[1], pair[0])
+        return Visibility.of(lease_body(obj.data if obj is not None else None), self._kept(pair[1], pair[0]))
+
+    def _kept(self, session_id: str, user_id: str | None) -> dict[str, Any] | None:
+        """The newest kept copy of the session's lease body (copies read once: they are written once)."""
+        if len(self._copies) > _TAIL_CACHE:
+            self._copies.clear()
+        return kept_lease_body(self.rows.objects, session_id, user_id, cache=self._copies)
 
     def clear_cache(self) -> None:
         with self._lock:
             self._cache.clear()
+            self._verified.clear()
+            self._copies.clear()
+            self._leased.clear()
+
+    def verified(self, key: str, etag: str | None, *, mark: bool = False) -> bool:
+        """Whether the object at ``key`` with ETag ``etag`` was read and verified by this store (``mark``: it
+        just was). Every put gives a key a new ETag, so an object overwritten since is read again."""
+        if etag is None:
+            return False
+        with self._lock:
+            if mark:
+                self._verified[(key, etag)] = None
+                while len(self._verified) > _TAIL_CACHE:
+                    self._verified.popitem(last=False)
+            return (key, etag) in self._verified
 
     def snapshot(self, session_id: str, user_id: str | None) -> Snapshot:
         """Index rows, the checkpoint objects and ``lease.json``, then the tail.
@@ -141,31 +169,47 @@ class TailReader:
         prefix = layout.session_prefix(session_id, user_id) + "checkpoints/"
         lease_key = layout.lease_key(session_id, user_id)
         got: dict[str, Any] = {}
+        known = (user_id, session_id) in self._leased  # its copies are listed in parallel with lease.json
 
         def part(i: int, keys: list[str], vanished: list[str]) -> Any:
             if i == 0:
                 return self.rows.file_rows(keys, vanished), self.rows.retired(keys)
             if i == 1:
-                return {o.key: o.size for o in objects.list(prefix=prefix) if o.key.endswith(".json")}
+                return [o for o in objects.list(prefix=prefix) if o.key.endswith(".json")]
+            if i == 3:
+                return self._kept(session_id, user_id)
             obj = objects.get(key=lease_key)
+            if obj is not None and not known:
+                if len(self._leased) > _TAIL_CACHE:
+                    self._leased.clear()
+                self._leased.add((user_id, session_id))
+                got["kept"] = self._kept(session_id, user_id)  # a leased session: its kept copies too (see below)
             return lease_body(obj.data if obj is not None else None)
 
         def read(keys: list[str], vanished: list[str]) -> None:
-            got["files"], got["present"], got["lease"] = self.rows.index.map_io(
-                lambda i: part(i, keys, vanished), range(3))
+            got["kept"] = None
+            got["files"], got["present"], got["lease"], *kept = self.rows.index.map_io(
+                lambda i: part(i, keys, vanished), range(4 if known else 3))
+            if kept:
+                got["kept"] = kept[0]
 
         partition = layout.index_partition(layout.CHECKPOINT_INDEX, session_id, user_id)
         self.rows.index.read_listed(partition, read)
         files: list[FileRows] = got["files"][0]
-        indexed, lease = _keys(files), got["lease"]
-        if lease is None and (any(r.epoch > 0 for r in indexed.values())
-                              or any(k not in indexed for k in got["present"])):
-            # lease.json is gone (or unreadable) yet a leased writer may have written here: its fences live on
-            # in the copy the last swap kept. A session written without a lease pays nothing for this.
-            lease = kept_lease_body(objects, session_id, user_id)
-        rule = Visibility.of(lease)
-        snap = Snapshot(live_of(files, rule), {}, got["present"], lease, indexed, session_id=session_id,
-                        user_id=user_id, retired=got["files"][1], tomb_top=rule.tomb_top(files))
+        listed = got["present"]
+        got["present"] = {o.key: o.size for o in listed}
+        indexed, kept = _keys(files), got["kept"]
+        if got["lease"] is None and kept is None and (any(r.epoch > 0 for r in indexed.values())
+                                                      or any(k not in indexed for k in got["present"])):
+            # lease.json is gone yet a leased writer may have written here. A session written without a lease
+            # pays nothing for this.
+            kept = kept_lease_body(objects, session_id, user_id)
+        # lease.json may be gone, unreadable, rewritten by hand or restored from an older copy: the fences of
+        # the copy the last swap kept hold all the same (storage.visibility, rule 2).
+        rule = Visibility.of(got["lease"], kept)
+        snap = Snapshot(live_of(files, rule), {}, got["present"], got["lease"], indexed, session_id=session_id,
+                        user_id=user_id, retired=got["files"][1], tomb_top=rule.tomb_top(files), kept=kept,
+                        etags={o.key: o.etag for o in listed})
         self._read_tail(snap, session_id)
         return snap
 
@@ -183,11 +227,11 @@ class TailReader:
     def fenced_mask(self, table: pa.Table) -> pa.ChunkedArray | pa.Array | None:
         """Per row of ``table`` (index rows of any sessions, tombstones applied): whether its session's
         takeovers fenced it (rule 2 of :mod:`storage.visibility`); None when none is. One GET of ``lease.json``
-        per session with a row written under a lease, in parallel; column-wide masks, no per-row Python."""
+        and one LIST and one GET of its kept copies per session with a row written under a lease, in parallel; column-wide masks, no per-row Python."""
         pairs = leased_sessions(table)
         if not pairs:
             return None
-        mask = sessions_fenced_mask(table, dict(zip(pairs, self.rows.index.map_io(self._body, pairs), strict=True)))
+        mask = sessions_fenced_mask(table, dict(zip(pairs, self.rows.index.map_io(self._rule, pairs), strict=True)))
         return mask if mask is not None and pc.any(mask).as_py() else None
 
     def hide_fenced(self, table: pa.Table) -> pa.Table:
@@ -198,15 +242,15 @@ class TailReader:
     def visible_rows(self, table: pa.Table) -> pa.Table:
         """The live rows of ``table`` (index rows and tombstones of any sessions, as files hold them) as every
         reader sees them: tombstones applied unless their session's fences ignore them, fenced rows hidden
-        (rules 2 and 5 of :mod:`storage.visibility`). One GET of ``lease.json`` per session with a row or a
-        tombstone written under a lease, in parallel."""
+        (rules 2 and 5 of :mod:`storage.visibility`). One GET of ``lease.json`` and one LIST and one GET of its
+        kept copies per session with a row or a tombstone written under a lease, in parallel."""
         pairs = leased_sessions(table)
-        bodies = dict(zip(pairs, self.rows.index.map_io(self._body, pairs), strict=True)) if pairs else {}
-        ignored = sessions_fenced_mask(table, bodies, ignored=True) if bodies else None
+        rules = dict(zip(pairs, self.rows.index.map_io(self._rule, pairs), strict=True)) if pairs else {}
+        ignored = sessions_fenced_mask(table, rules, ignored=True) if rules else None
         if ignored is not None and pc.any(ignored).as_py():
             table = table.filter(pc.invert(ignored))
         live = live_checkpoints(table)
-        fenced = sessions_fenced_mask(live, bodies) if bodies else None
+        fenced = sessions_fenced_mask(live, rules) if rules else None
         return live if fenced is None or not pc.any(fenced).as_py() else live.filter(pc.invert(fenced))
 
     def pinned_row(self, snap: Snapshot, checkpoint_id: str, dependent: str) -> CheckpointRow | None:

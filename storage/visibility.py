@@ -14,10 +14,14 @@ prune and recovery see one and the same history. For one session:
    writer's, never live, whatever index file or table holds it
    (:meth:`Visibility.fenced`, :meth:`Visibility.fenced_mask` for Arrow
    tables). Rows of epoch 0 were written without a lease: nothing fences them.
-   When ``lease.json`` is missing or unreadable (deleted by hand, or
-   overwritten), the rule reads the copy of the body the last swap kept
-   (``leases/{epoch}.json``, :func:`storage.fencing.kept_lease_body`): a fence
-   lasts as long as its copy, so no fenced row or tail is shown again.
+   ``lease.json`` is not trusted to keep its fences: a body deleted,
+   garbled, rewritten by hand without them, or restored from an older copy
+   would show fenced rows again. So the rule is the union of the fences of
+   ``lease.json`` and of the newest copy of a body a swap kept
+   (``leases/{epoch}.json``, create-only, :func:`storage.fencing.kept_lease_body`),
+   at the higher of their epochs (:meth:`Visibility.of`), and the next
+   takeover carries both on: a fence lasts as long as its copy, so no fenced
+   row or tail is shown again. The copies themselves are trusted.
 3. **Tails.** A checkpoint object no index row names (live or retired) is a
    not-yet-indexed tail only when its header is intact, its epoch is the
    session's current one, and it ranks above every row, live *or retired*,
@@ -70,9 +74,8 @@ prune and recovery see one and the same history. For one session:
    ignored tombstone names keeps its object.
 
 The rule here is pure: it reads nothing, so callers decide what to read
-(one LIST of the index, one of the objects, one GET of ``lease.json``, and
-when that is missing or unreadable one LIST and one GET of its copies) and
-it never keeps a cache.
+(one LIST of the index, one of the objects, one GET of ``lease.json``, one
+LIST and one GET of its copies) and it never keeps a cache.
 """
 
 from __future__ import annotations
@@ -167,10 +170,13 @@ class Visibility:
     fences: tuple[Fence, ...]
 
     @classmethod
-    def of(cls, body: dict[str, Any] | None) -> Visibility:
-        """The rule a lease body (None: missing or unreadable) sets."""
-        epoch = body.get("epoch") if body is not None else None
-        return cls(epoch if is_epoch(epoch) else None, tuple(lease_fences(body)))
+    def of(cls, body: dict[str, Any] | None, kept: dict[str, Any] | None = None) -> Visibility:
+        """The rule a lease body (None: missing or unreadable) and the newest copy a swap kept (``kept``) set
+        together: the higher epoch, and every fence either records. A body rewritten by hand without its fences,
+        or restored from an older copy, contradicts the copy: it may add fences (hide rows), never drop one."""
+        epochs = [e for e in (b.get("epoch") for b in (body, kept) if b is not None) if is_epoch(e)]
+        fences = list(dict.fromkeys([*lease_fences(body), *lease_fences(kept)]))
+        return cls(max(epochs) if epochs else None, tuple(fences))
 
     def fenced(self, row: CheckpointRow) -> bool:
         """True for a row a fenced writer landed after a takeover (never live)."""
@@ -305,12 +311,11 @@ def tail_admitted(row: CheckpointRow, current: int, tops: Tops) -> bool:
     return top is None or row.order > top
 
 
-def sessions_fenced_mask(table: pa.Table, bodies: dict[tuple[str | None, str], dict[str, Any] | None], *,
+def sessions_fenced_mask(table: pa.Table, rules: dict[tuple[str | None, str], Visibility], *,
                          ignored: bool = False) -> pa.ChunkedArray | pa.Array | None:
-    """Per row of ``table`` (rows of many sessions): whether its session's lease body fences it (``ignored``:
-    whether it is a tombstone that body's fences ignore); None: none is. ``bodies`` maps ``(user_id,
-    session_id)`` to that session's lease body."""
-    rules = {s: Visibility.of(b) for s, b in bodies.items()}
+    """Per row of ``table`` (rows of many sessions): whether its session's rule fences it (``ignored``: whether
+    it is a tombstone that rule's fences ignore); None: none is. ``rules`` maps ``(user_id, session_id)`` to
+    that session's rule."""
     rules = {s: v for s, v in rules.items() if v.fences}
     if not rules or not table.num_rows:
         return None

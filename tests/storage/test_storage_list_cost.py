@@ -70,8 +70,16 @@ def test_a_cold_listing_makes_one_list_per_prefix_and_no_column_wide_call_per_sm
     counted.reset()
     rows = store.checkpoints.list("s")
     assert [r.checkpoint_id for r in rows] == ["c0003", "c0002", "c0001", "c0000"]
-    # LIST of the index partition and of checkpoints/; GET of each index file and of lease.json.
-    assert counted.requests == {"list": 2, "get": 5}
+    # LIST of the index partition and of checkpoints/; GET of each index file, of lease.json and of the newest
+    # checkpoint's object (checked against its sha256, as "latest" checks it); for a leased session, LIST of the
+    # kept lease copies and GET of the newest (a lease.json rewritten by hand drops none of their fences).
+    assert counted.requests == ({"list": 3, "get": 7} if leased else {"list": 2, "get": 6})
+    assert counted.compute == 0
+    counted.reset()
+    assert [r.checkpoint_id for r in store.checkpoints.list("s")] == ["c0003", "c0002", "c0001", "c0000"]
+    # Warm: the newest object's ETag is the one this store verified, and the kept copy is the one it read, so
+    # neither is read again: only lease.json.
+    assert counted.requests == ({"list": 3, "get": 1} if leased else {"list": 2, "get": 1})
     assert counted.compute == 0
 
 
@@ -85,8 +93,9 @@ def test_a_leased_session_without_lease_json_also_lists_the_kept_copies(tmp_path
     store.drop_caches()
     counted.reset()
     assert len(store.checkpoints.list("s")) == 2
-    # The rule's fences live on in the copy the last swap kept: one LIST and one GET more, only here.
-    assert counted.requests == {"list": 3, "get": 4}
+    # The rule's fences live on in the copy the last swap kept: one LIST and one GET more, only here (and the
+    # GET of the newest checkpoint's object, checked against its sha256).
+    assert counted.requests == {"list": 3, "get": 5}
 
 
 def _row(cid: str, **over) -> dict:

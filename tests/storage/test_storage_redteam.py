@@ -19,7 +19,7 @@ import pytest
 from storage_views import query_ids
 
 from loomray.storage import CheckpointInfo, Store, layout, open_store
-from loomray.storage.errors import CorruptObjectError
+from loomray.storage.errors import CorruptObjectError, StorageError
 from loomray.storage.faults import FaultPlan, FaultyObjectStore
 from loomray.storage.testing import T0, land_row, log_put, put_checkpoint
 
@@ -110,30 +110,31 @@ def drop_fences(root: Path, session_id: str = "s1") -> None:
     path.write_text(json.dumps(body))
 
 
-@pytest.mark.xfail(strict=True, reason="red team: a hand-rewritten, well-formed lease.json without the takeover's "
-                                       "fence shows the zombie's late row again in every view")
 def test_a_hand_rewritten_lease_without_its_fence_shows_no_fenced_row(tmp_path):
     """The fence lives in ``lease.json`` (and its kept copy ``leases/{epoch}.json``). A body rewritten by hand that
     parses but lacks the fence must not resurrect the fenced row: visibility.parse_fences says the worst a forged
-    lease does is hide rows, never resurrect one. Here the body of the same epoch without ``checkpoints`` makes
-    c2, written by a zombie after the takeover, the session's "latest"."""
+    lease does is hide rows, never resurrect one. Readers take the union of the body's fences and its kept
+    copy's, and so does the next takeover, so c2, written by a zombie after the takeover, stays hidden."""
     fenced_row_lands(tmp_path / "d")
     drop_fences(tmp_path / "d")
     assert views(tmp_path / "d") == every(["c1"], "c1")
+    store = open_store(tmp_path / "d")
+    assert store.leases.acquire("s1", owner="next").epoch == 3
+    store.close()
+    drop_fences(tmp_path / "d")  # the next owner's own fence dropped too: its copy and epoch 2's still hold
+    assert views(tmp_path / "d") == every(["c1"], "c1")
 
 
-@pytest.mark.xfail(strict=True, reason="red team: lease.json restored from an older copy (epoch 1, a backup) drops "
-                                       "the takeover's fence; the next owner then adopts the zombie's row for good")
 def test_an_older_lease_body_restored_by_hand_shows_no_fenced_row(tmp_path):
     """An operator restores ``lease.json`` from a backup: the body epoch 1's swap kept (``leases/1.json``), older
-    than the takeover's. Readers must still hide the zombie's late row c2, and so must they once the next owner
-    has taken the session (epoch 3, above every marker). They do not: readers trust any parseable body over the
-    epoch markers and the newer kept copies, and the next takeover records c2 as part of the history it
-    fences above, so c2 is the session's "latest" for good."""
+    than the takeover's. Readers must still hide the zombie's late row c2 (they read the newest kept copy's
+    fences too), and so must they once the next owner has taken the session (epoch 3, above every marker): the
+    takeover carries the newest copy's fences on, and retires c2 instead of recording it as history."""
     root = tmp_path / "d"
     fenced_row_lands(root)
     session = root / layout.session_prefix("s1", None)
     (session / "lease.json").write_bytes((session / "leases" / f"{1:020d}.json").read_bytes())
+    assert views(root) == every(["c1"], "c1")
     store = open_store(root)
     assert store.leases.acquire("s1", owner="next").epoch == 3
     store.close()
@@ -169,31 +170,64 @@ def written(root: Path, n: int = 3) -> Store:
     return store
 
 
-@pytest.mark.xfail(strict=True, reason="red team: a checkpoint object overwritten with garbage of the same size is "
-                                       "still listed (and counted by query) though 'latest' skips it")
-def test_a_same_size_overwrite_of_the_newest_object_is_skipped_by_every_view(tmp_path):
-    """Anyone who can write the bucket replaces c3's object with bytes of the same length. "latest" skips it (its
-    sha256 no longer matches) and get by id raises a typed error; the list must skip it too (the README: "a
-    hostile object is a CheckpointException, listings skip it"), so list's head is "latest". It is not: the
-    list checks sizes only, and shows c3 first."""
-    root = tmp_path / "d"
+def overwrite_newest(root: Path) -> None:
+    """c1..c3 written; c3's object replaced by hand with bytes of the same length."""
     written(root).close()
     path = root / layout.checkpoint_key("s1", None, "c3")
     path.write_bytes(b"x" * path.stat().st_size)
+
+
+def test_a_same_size_overwrite_of_the_newest_object_is_skipped_by_every_view(tmp_path):
+    """Anyone who can write the bucket replaces c3's object with bytes of the same length. "latest" skips it (its
+    sha256 no longer matches) and get by id raises a typed error; the list must skip it too (the README: "a
+    hostile object is a CheckpointException, listings skip it"), so list's head is "latest": sizes alone do not
+    tell, so the list reads its newest object and checks its sha256. The list records the damage (a tombstone
+    without a lease): from then on c3 is in no view, get by id is None, and ``Store.query`` and the table drop
+    it."""
+    root = tmp_path / "d"
+    overwrite_newest(root)
     reader = open_store(root)
     assert reader.checkpoints.get("s1") == reader.checkpoints.get("s1", "c2")
     with pytest.raises(CorruptObjectError):
         reader.checkpoints.get("s1", "c3")
     assert ids(reader.checkpoints.list("s1")) == ["c2", "c1"]
+    assert reader.checkpoints.get("s1", "c3") is None
+    reader.close()
+    assert views(root) == every(["c1", "c2"], "c2")
 
 
-@pytest.mark.xfail(strict=True, reason="red team: a checkpoint object removed or truncated behind the index's back "
-                                       "leaves list/latest/get, but not Store.query and the table")
+def test_a_reader_that_may_not_write_still_skips_a_same_size_overwrite(tmp_path):
+    """A reader whose writes fail (read-only credentials) cannot record the damage: it still lists from "latest"
+    (c2) on, get by id raises a typed error each time, and the next reader that may write and lists records
+    it."""
+    root = tmp_path / "d"
+    overwrite_newest(root)
+    reader = open_store(root)
+
+    def read_only(**kw):
+        raise StorageError("read-only")
+
+    reader.objects.put = read_only  # type: ignore[method-assign]
+    for _ in range(2):
+        assert ids(reader.checkpoints.list("s1")) == ["c2", "c1"]
+        assert reader.checkpoints.get("s1") == reader.checkpoints.get("s1", "c2")
+        with pytest.raises(CorruptObjectError):
+            reader.checkpoints.get("s1", "c3")
+    assert query_ids(reader, "s1") == ["c1", "c2", "c3"]  # nothing recorded: the index still names c3
+    reader.close()
+    writer = open_store(root)
+    assert ids(writer.checkpoints.list("s1")) == ["c2", "c1"]
+    assert query_ids(writer, "s1") == ["c1", "c2"]
+    writer.close()
+    assert views(root) == every(["c1", "c2"], "c2")
+
+
 @pytest.mark.parametrize("damage", ["removed", "truncated"])
 def test_an_object_removed_or_truncated_by_hand_leaves_every_view(tmp_path, damage):
     """c3's object is removed (or cut short) by hand. The list skips it, "latest" is c2 and get by id is None
     (or a typed error); ``Store.query`` and the compacted table must not go on counting c3 as a checkpoint of
-    the session. They do: they read the index rows only, so c3 stays in both for good."""
+    the session. They read the index rows only: the first reader that found the damage retired c3's row (a
+    tombstone), so both drop it."""
     root = tmp_path / "d"
     written(root).close()
     path = root / layout.checkpoint_key("s1", None, "c3")
