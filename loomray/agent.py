@@ -184,9 +184,9 @@ class Agent:
         fork_of = None
         target = session_id
         if from_checkpoint != "latest":
-            # The newest readable checkpoint continues in place, still by its id: "latest" may name a newer,
-            # unreadable one, and an explicit valid id must always work.
-            rows = await self.runtime.list_checkpoints(session_id, limit=None, user_id=user_id)  # no object read
+            # The newest readable checkpoint (the list's head, what "latest" reads) continues in place, still by
+            # its id: an explicit valid id must always work. The list reads at most that one object.
+            rows = await self.runtime.list_checkpoints(session_id, limit=None, user_id=user_id)
             if not (rows and rows[0].checkpoint_id == from_checkpoint):
                 _row(rows, session_id, from_checkpoint, user_id)
                 fork_of, target = session_id, new_id("sess")
