@@ -131,6 +131,11 @@ class Checkpoints(CheckpointReads):
                           also_needed=[*(r for r in snap.tails.values() if r != row), *snap.heads])
         return True
 
+    def latest_of(self, sessions: list[tuple[str, str | None]]) -> list[CheckpointRow | None]:
+        """The newest row :meth:`list` gives for each ``(session_id, user_id)`` (None: it has none), read in
+        parallel from a remote store."""
+        return self._rows.index.map_io(lambda s: next(iter(self.list(s[0], user_id=s[1], limit=1)), None), sessions)
+
     def rows(self, session_id: str, *, user_id: str | None = None) -> dict[str, CheckpointRow]:
         """The session's checkpoint rows no tombstone retires, by id, from a fresh LIST: the index's, and its
         writer's tail.

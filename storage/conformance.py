@@ -286,7 +286,7 @@ class ObjectStoreConformance(CheckpointLogConformance):
         put_checkpoint(store, "s1", "c1", turn=1)
         put_checkpoint(store, "s1", "c2", turn=2)
         other = Store(store.objects, store.url)  # a second process's view of the same bucket/root
-        real = store.index.read_files
+        real = store._index.read_files
         done: list[CheckpointRow] = []
 
         def read_then_race(keys, **kw):
@@ -295,11 +295,11 @@ class ObjectStoreConformance(CheckpointLogConformance):
                 done.append(put_checkpoint(other, "s1", "c3", turn=3))
             return out
 
-        store.index.read_files = read_then_race
+        store._index.read_files = read_then_race
         try:
             store.compact()
         finally:
-            store.index.read_files = real
+            store._index.read_files = real
         assert done
         assert [r.checkpoint_id for r in store.checkpoints.list("s1")] == ["c3", "c2", "c1"]
         assert sorted(store.query()["checkpoint_id"].to_pylist()) == ["c1", "c2", "c3"]

@@ -79,7 +79,7 @@ class Sessions:
 
     def __init__(self, objects: ObjectStore, index: ParquetIndex) -> None:
         self.objects = objects
-        self.index = index
+        self._index = index
         self._changes = session_changes.ChangedRows(objects)
 
     def put(self, row: SessionRow) -> None:
@@ -89,7 +89,7 @@ class Sessions:
         partition = layout.index_partition(layout.SESSION_INDEX, row.session_id, row.user_id)
         if row.status in LIVE_STATUSES:
             self.objects.put(key=live, data=b"")
-        self.index.write(partition, session_rows_table([row]))
+        self._index.write(partition, session_rows_table([row]))
         key, body = session_changes.marker(row)
         self.objects.put(key=key, data=body)
         if row.status not in LIVE_STATUSES:
@@ -110,7 +110,7 @@ class Sessions:
         """The latest status row of each session :meth:`changed` names (or ``markers``, what it
         returned): one LIST, then one GET per session whose newest marker this store has not read yet."""
         markers = self.changed(user_id) if markers is None else markers
-        return self._changes.read(markers, self.index.map_io,
+        return self._changes.read(markers, self._index.map_io,
                                   lambda sid, user: self.get(sid, user_id=user))
 
     def forget_changes(self, keys: builtins.list[str]) -> None:
@@ -128,12 +128,12 @@ class Sessions:
         tables: dict[str, pa.Table] = {}
 
         def read(keys: builtins.list[str], vanished: builtins.list[str]) -> None:
-            for key, table in self.index.read_files([k for k in keys if k not in tables], vanished=vanished):
+            for key, table in self._index.read_files([k for k in keys if k not in tables], vanished=vanished):
                 tables[key] = table
 
-        keys, _ = self.index.read_listed(prefix, read)
+        keys, _ = self._index.read_listed(prefix, read)
         pairs = [(k, self.own_rows(k, tables[k])) for k in keys if k in tables]
-        return self.index.concat(pairs, SESSION_SCHEMA)[1]
+        return self._index.concat(pairs, SESSION_SCHEMA)[1]
 
     def own_rows(self, key: str, table: pa.Table) -> pa.Table:
         """The rows of index file ``key`` whose (user, session) match the hive partition the file is in."""
@@ -157,9 +157,14 @@ class Sessions:
 
     def get(self, session_id: str, *, user_id: str | None = None) -> SessionRow | None:
         """The session's latest status row, or None."""
-        prefix = layout.index_partition(layout.SESSION_INDEX, session_id, user_id)
-        rows = session_rows_from_table(self._session_table(prefix))
+        rows = self.history(session_id, user_id=user_id)
         return latest_sessions(rows)[0] if rows else None
+
+    def history(self, session_id: str, *, user_id: str | None = None) -> builtins.list[SessionRow]:
+        """Every status row the session's partition holds, in file order (its history until a compaction
+        merges it to the latest row)."""
+        prefix = layout.index_partition(layout.SESSION_INDEX, session_id, user_id)
+        return session_rows_from_table(self._session_table(prefix))
 
     def list(self, *, status: str | None = None, user_id: UserFilter = ANY) -> builtins.list[SessionRow]:
         """The latest row of every session (of ``user_id``; ``...`` = any user), filtered by status.

@@ -52,19 +52,20 @@ class Store:
                  checkpoint_batch: int | None = None) -> None:
         self.objects = objects
         self.url = url
+        #: The Parquet index files' reader and writer: the sub-stores' shared state, not part of the API.
         #: serial_reads: no reader threads; each storage call runs on the thread that asked (for tests).
-        self.index = ParquetIndex(objects, serial_reads=serial_reads)
+        self._index = ParquetIndex(objects, serial_reads=serial_reads)
         #: Parsed compacted-table manifests and partitions (see :mod:`storage.table`).
         self.table_cache = TableCache()
-        self._rows = CheckpointRows(objects, self.index)
+        self._rows = CheckpointRows(objects, self._index)
         self._tails = TailReader(self._rows)
         self._leases = LeaseKeeper(objects, self._rows, self._tails.snapshot)
         #: ``checkpoint_batch``: checkpoints a log indexes at once (None: ``storage.checkpoint_log.INDEX_BATCH``).
         self.checkpoints = Checkpoints(objects, self._rows, self._tails, self._leases, batch=checkpoint_batch)
-        self.journal = Journal(objects, self.index, self._leases)
-        self.runs = Runs(objects, self.index)
+        self.journal = Journal(objects, self._index, self._leases)
+        self.runs = Runs(objects, self._index)
         self.leases = Leases(self._leases)
-        self.sessions = Sessions(objects, self.index)
+        self.sessions = Sessions(objects, self._index)
         self.active = ActiveMarks(objects)
 
     def describe(self, key: str | None = None) -> str:
@@ -79,15 +80,17 @@ class Store:
 
     def drop_caches(self) -> None:
         """Forget every parsed index file and table partition, as a new process would (a cold reader: benchmarks)."""
-        self.index.clear_cache()
+        self._index.clear_cache()
         self._rows.clear_cache()
         self._tails.clear_cache()
         self.table_cache.clear()
 
-    def close(self) -> None:
-        """Release clients and reader threads."""
-        self.index.close()
-        self.objects.close()
+    def close(self, *, keep_objects: bool = False) -> None:
+        """Release reader threads and the backend's clients (``keep_objects``: not the backend, which another
+        ``Store`` over the same ``objects`` still uses)."""
+        self._index.close()
+        if not keep_objects:
+            self.objects.close()
 
     def __repr__(self) -> str:
         return f"Store({self.describe()})"
@@ -138,10 +141,10 @@ class Store:
         """Keys of the index files of ``kind``: "checkpoints" or "sessions" (per-session append files), or
         "table" (the compacted table's partition files, see :mod:`storage.table`)."""
         if kind == "table":
-            return self.index.list_files(layout.TABLE_INDEX)
+            return self._index.list_files(layout.TABLE_INDEX)
         if kind not in ("checkpoints", "sessions"):
             raise ValueError(f"index kind must be 'checkpoints', 'sessions' or 'table', got {kind!r}")
-        return self.index.list_files(f"index/{kind}/")
+        return self._index.list_files(f"index/{kind}/")
 
     # -- maintenance -------------------------------------------------------
     def compact(self, *, tombstone_grace: timedelta | None = None, users: list[str | None] | None = None
