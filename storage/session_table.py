@@ -83,8 +83,7 @@ def _own_rows(store: Store, key: str, table: pa.Table) -> list[SessionRow]:
     """The status rows of index file ``key`` that speak for its own session; none from a foreign file (skipped
     with a warning, as every reader of the index skips it; compaction moves it to quarantine)."""
     try:
-        own = conform(store.sessions.own_rows(key, table), SESSION_SCHEMA)
-        return session_rows_from_table(own)
+        return session_rows_from_table(conform(table, SESSION_SCHEMA))
     except (KeyError, ValueError, TypeError, pa.ArrowException) as e:
         log.warning("session table: skipping %s, not a session status file (%s: %s)", store.describe(key),
                     type(e).__name__, e)

@@ -34,12 +34,10 @@ from types import EllipsisType
 from typing import TypeAlias
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from . import layout, session_changes
 from .ids import user_from_segment, user_segment, validate_id
 from .index import ParquetIndex
-from .index_guard import text_column
 from .objects import ObjectStore
 from .rows import SESSION_SCHEMA, SessionRow, as_utc, session_rows_from_table, session_rows_table
 
@@ -119,41 +117,9 @@ class Sessions:
             self.objects.delete(keys=keys)
 
     def _session_table(self, prefix: str) -> pa.Table:
-        """Session rows under ``prefix``; rows whose ids differ from their file's partition are dropped.
-
-        A row in ``user=u/session=s/`` speaks for that session only: one that
-        names another (copied or forged by whoever can write the bucket) must
-        never make a reader, such as the supervisor, act on that other session.
-        """
-        tables: dict[str, pa.Table] = {}
-
-        def read(keys: builtins.list[str], vanished: builtins.list[str]) -> None:
-            for key, table in self._index.read_files([k for k in keys if k not in tables], vanished=vanished):
-                tables[key] = table
-
-        keys, _ = self._index.read_listed(prefix, read)
-        pairs = [(k, self.own_rows(k, tables[k])) for k in keys if k in tables]
-        return self._index.concat(pairs, SESSION_SCHEMA)[1]
-
-    def own_rows(self, key: str, table: pa.Table) -> pa.Table:
-        """The rows of index file ``key`` whose (user, session) match the hive partition the file is in."""
-        parts = dict(seg.split("=", 1) for seg in key.split("/") if "=" in seg)
-        if "session" not in parts or "user" not in parts or not {"session_id", "user_id"} <= set(table.column_names):
-            return table  # not a partition file, or a foreign schema that the reader skips anyway
-        user = user_from_segment(parts["user"])
-        try:
-            sids, uids = text_column(table, "session_id"), text_column(table, "user_id")
-        except ValueError as e:  # ids that are not text: another schema (pc.equal would raise Arrow's own error)
-            log.warning("skipping index file with a foreign schema: %s: %s", self.objects.describe(key), e)
-            return table.slice(0, 0)
-        same = pc.equal(sids, parts["session"])
-        same = pc.and_(same, pc.is_null(uids) if user is None else pc.equal(uids, user))
-        same = pc.fill_null(same, False)
-        if pc.all(same).as_py():
-            return table
-        log.warning("ignoring %d session row(s) that name another session than their partition: %s",
-                    table.num_rows - pc.sum(same).as_py(), self.objects.describe(key))
-        return table.filter(same)
+        """Session rows under ``prefix``; a row whose ids differ from its file's partition is dropped by every
+        index read (:func:`storage.index_guard.own_rows`)."""
+        return self._index.read_prefix(prefix, SESSION_SCHEMA)[1]
 
     def get(self, session_id: str, *, user_id: str | None = None) -> SessionRow | None:
         """The session's latest status row, or None."""

@@ -95,7 +95,6 @@ class Store:
     def __repr__(self) -> str:
         return f"Store({self.describe()})"
 
-    # -- leases ------------------------------------------------------------
     # -- queries -----------------------------------------------------------
     def query(self, *, user_id: UserFilter = ANY, session_id: str | None = None, status: str | None = None,
               since: datetime | None = None, until: datetime | None = None, min_cost: float | None = None,
