@@ -1,28 +1,16 @@
 """``store.sessions`` (the session index) and ``store.active`` (active-session markers).
 
 Session status rows are appended to ``index/sessions/user={u}/session={s}/``
-on every status change; the latest ``updated_at`` wins. An active marker is
-one small object per session a supervisor currently owns (``active/{u}/{s}.json``),
-deleted when it finishes, so "what is active" is one LIST whose size follows
-the active sessions, not every session ever run.
-
-Listing by a live status (``pending``, ``running``) must not read every
-session ever run either (a ``loomray supervise`` on a cold store of 2,000
-finished sessions read 2,001 objects). :meth:`Sessions.put` therefore keeps a live
-marker, an empty object ``live/{u}/{s}``: written *before* a live row, deleted
-*after* a finished one, so a session whose latest row is live always has one.
-``sessions.list(status="running")`` is then one LIST of the markers plus the
-rows of the marked sessions (a marker is a hint, the row decides). A marker a
-crash left behind costs a read until the session's next finished row removes
-it. Sessions of a store written before markers existed are listed by a
-live status only once they write a row again.
-
-Listing every session must not read every session either: the compacted
-session-status table (:mod:`storage.session_table`) holds each session's
-latest row as of the last compaction, and :meth:`Sessions.put` leaves a change
-marker after each row (:mod:`storage.session_changes`), so the table plus
-:meth:`Sessions.changed_rows` is every session's latest row, read with
-work that follows the rows written since the last compaction.
+on every status change; the latest ``updated_at`` wins. Listings must not read
+every session ever run (a ``loomray supervise`` on a cold store of 2,000
+finished sessions read 2,001 objects), so :meth:`Sessions.put` keeps two
+markers beside the rows: ``live/{u}/{s}``, written *before* a live row and
+deleted *after* a finished one (``list(status="running")`` reads only the
+marked sessions: a marker is a hint, the row decides), and a change marker
+after each row (:mod:`storage.session_changes`: the compacted session-status
+table plus :meth:`Sessions.changed_rows` is every session's latest row). An
+active marker (``active/{u}/{s}.json``) is one small object per session a
+supervisor owns. The keys are in docs/design.md ("Object layout").
 """
 
 from __future__ import annotations
