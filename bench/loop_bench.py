@@ -184,7 +184,7 @@ def read_latest(runtime: LocalRuntime, messages) -> dict:
     ms = (time.perf_counter() - t0) * 1000
     assert ckpt is not None and ckpt.messages == messages
     ops = [op for op, _, _ in recorder.calls]
-    reader.index.close()
+    reader.close(keep_objects=True)
     return {"read_latest_ms": ms, "read_latest_round_trips": round_trips(recorder.calls),
             "read_latest_gets": ops.count("get"), "read_latest_lists": ops.count("list")}
 

@@ -56,7 +56,7 @@ from loomray.storage import CheckpointInfo, Store, open_store  # noqa: E402
 from loomray.storage.layout import CHECKPOINT_INDEX, checkpoint_key, index_partition  # noqa: E402
 from loomray.storage.rows import CHECKPOINT_SCHEMA, CheckpointRow, checkpoint_rows_table  # noqa: E402
 from loomray.storage.table import staleness  # noqa: E402
-from loomray.storage.testing import MotoS3Server, write_checkpoint  # noqa: E402
+from loomray.storage.testing import MotoS3Server, write_checkpoint, write_index_file  # noqa: E402
 
 T0 = datetime(2026, 7, 1, tzinfo=timezone.utc)
 
@@ -153,8 +153,8 @@ def bench_listing(store, backend, sessions, per_session, threads):
                             execution_status="active", message_count=0, epoch=0,
                             key=checkpoint_key(sid, None, "c0000"), size=8, sha256="0" * 64)
         store.objects.put(key=row.key, data=b'{"x": 1}')
-        store.index.write(index_partition(CHECKPOINT_INDEX, sid, None),
-                          checkpoint_rows_table([row], tombstone=False, written_at=T0), cache=False)
+        write_index_file(store, index_partition(CHECKPOINT_INDEX, sid, None),
+                         checkpoint_rows_table([row], tombstone=False, written_at=T0))
 
     def measure(sid, reps=5 if sessions < 1000 else 20):
         lat = []
@@ -234,8 +234,7 @@ def bench_query(store, backend, sessions, files_per_session, rows_per_file, user
     def fill(s):
         for f in range(files_per_session):
             table = _rows_table(s, files_per_session, rows_per_file, f, users)
-            store.index.write(index_partition(CHECKPOINT_INDEX, f"s{s:06d}", f"u{s % users:03d}"), table,
-                              cache=False)
+            write_index_file(store, index_partition(CHECKPOINT_INDEX, f"s{s:06d}", f"u{s % users:03d}"), table)
 
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(fill, range(sessions)))
@@ -254,7 +253,7 @@ def bench_query(store, backend, sessions, files_per_session, rows_per_file, user
         out = fn(fresh)
         took, cpu = time.perf_counter() - t, time.process_time() - c
         requests = dict(counter.counts)
-        fresh.index.close()
+        fresh.close(keep_objects=True)
         return took, out, requests, cpu
 
     def run_query(reps):

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from loomray.storage import CheckpointInfo, SessionRow, open_store  # noqa: E402
 from loomray.storage.layout import SESSION_INDEX, index_partition  # noqa: E402
 from loomray.storage.rows import session_rows_table  # noqa: E402
-from loomray.storage.testing import write_checkpoint
+from loomray.storage.testing import write_checkpoint, write_index_file
 
 GOAL_MS = 300.0
 PAGES = {"first page": "/", "second page": "/?page=2", "filtered": "/?status=completed&min_spend=1.5",
@@ -59,8 +59,8 @@ def build(root: str, sessions: int, users: int, tail: int, threads: int) -> dict
     def fill(s: int) -> None:
         at = start + s * step
         rows = [_row(s, users, at - timedelta(minutes=5), "running"), _row(s, users, at, _STATUSES[s % 10])]
-        store.index.write(index_partition(SESSION_INDEX, f"s{s:06d}", f"u{s % users:03d}"),
-                          session_rows_table(rows), cache=False)
+        write_index_file(store, index_partition(SESSION_INDEX, f"s{s:06d}", f"u{s % users:03d}"),
+                         session_rows_table(rows))
 
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(fill, range(sessions)))

@@ -1,26 +1,14 @@
 """Checkpoint format 2.0: each checkpoint holds what changed since its parent; reading one puts the chain together.
 
 A 2.0 checkpoint object holds only what changed since the checkpoint it
-builds on (its *base*, the checkpoint its run wrote before, or restored):
-the base's first ``keep`` messages stay, ``messages`` follow them. Its
-``chain`` (in the index row the object carries, see :mod:`storage.envelope`)
-names every object it is read from, oldest first, each the base of the next;
-consecutive links of one writer are one range (:func:`storage.chains.expand`),
-so the header stays small. A pass that adds 2 KB to a 2 MB transcript thus
-writes about 2 KB, and reading any checkpoint is one parallel fetch of its
-chain (:meth:`storage.checkpoints.Checkpoints.get_chain`), like Akka Persistence's
-snapshot plus the events after it.
-
-A full snapshot (no base) starts a new chain: the first checkpoint of a
-session; the one after a failed write (never a link on an object that may
-not exist); when the chain reaches ``CheckpointConfig.full_every`` links; or
-when the chain holds much more than the transcript (messages were dropped or
-rewritten, e.g. by condensing).
-
-A fork's first checkpoint builds on its parent's checkpoint, in the parent
-session (refs ``"{session_id}/{checkpoint_id}"``): forks share the parent's
-chain, pinned for them (:mod:`storage.chains`). Objects of format 1.0 (a
-whole transcript each, no chain) keep loading, and are the base of a chain.
+builds on (its *base*): the base's first ``keep`` messages stay, ``messages``
+follow them, and its ``chain`` (in the index row the object carries,
+:mod:`storage.envelope`) names every object it is read from, oldest first. A
+pass that adds 2 KB to a 2 MB transcript writes about 2 KB, and reading any
+checkpoint is one parallel fetch of its chain
+(:meth:`storage.checkpoints.Checkpoints.get_chain`). When a full snapshot
+starts a new chain, how forks share their parent's chain, and the 1.0 objects
+that keep loading: docs/design.md, "Checkpoints: incremental objects in chains".
 """
 
 from __future__ import annotations

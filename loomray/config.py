@@ -58,48 +58,24 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class Tuning:
-    """Knobs of the agent loop.
+    """Knobs of the agent loop (each field in full: docs/api.md, "``Tuning`` and ``CheckpointConfig``").
 
     - ``checkpoint``: ``False`` (default), ``True`` (= ``CheckpointConfig()``) or a
-      :class:`CheckpointConfig`. Anything else raises ``TypeError`` when the
-      Agent is built.
-    - ``max_turns``: passes (model call + its tools) one run may take before
-      :class:`~loomray.errors.MaxTurnsExceeded`.
-    - ``durability``: ``"sync"`` awaits each checkpoint upload before the loop
-      goes on; ``"async"`` overlaps the upload with the next model call while
-      model calls outlast uploads, and writes in line when the last call was
-      quicker than the last upload (nothing to hide it behind). Uploads stay
-      ordered and are all awaited before the run returns.
-    - ``journal``: record every model and tool step (needed for replay and
-      crash recovery without checkpoints). On by default.
-    - ``condense_after_tokens``: when the estimated transcript size passes
-      this many tokens, older messages are condensed into one digest before
-      the next checkpoint (:mod:`loomray.condense`). ``None`` (default) never
-      condenses. Formerly ``compact_after_tokens``: the old keyword still
-      works for one release, with a ``DeprecationWarning``.
-    - ``condense_keep_last``: how many recent messages condensing keeps
-      verbatim (formerly ``compact_keep_last``, likewise).
-    - ``output_retries``: how often the model is asked again when its final
-      answer does not validate against ``output_schema``.
-    - ``max_cost_usd`` / ``max_tokens``: spend limits (``None``: no limit).
-      Spend is the session's cumulative usage (``cost_usd`` and
-      ``input_tokens + output_tokens``) as the run's starting checkpoint
-      carried it plus this run's calls, so it counts across resumes (and a
-      fork starts with its parent's spend up to the fork point). A run that
-      starts a fresh transcript in a session that ran before starts with the
-      session's spend (docs/session-history.md), so a limit, once reached,
-      holds for the session until an agent with a higher limit runs it. Before every
-      model call the loop checks "would the next call exceed a limit?" with
-      the rule *the spend so far already reached the limit* (no estimate of
-      the next call: a call made just below the limit may end above it). Then
-      the run writes an ``after_tools`` checkpoint (when checkpointing is on
-      and the transcript changed since the last one) and returns with
-      ``RunResult.stop_reason == "budget_exceeded"``; the run stays
-      unfinished, so ``resume(None, session_id=...)`` on an agent with a
-      raised limit continues it without repeating a model call. An unknown
-      cost (a call without a price) is never guessed as zero: with
-      ``max_cost_usd`` set, the run stops as over budget. Negative or NaN
-      limits raise ``ValueError`` here.
+      :class:`CheckpointConfig`; anything else is a ``TypeError`` when the Agent is built.
+    - ``max_turns``: passes one run may take before :class:`~loomray.errors.MaxTurnsExceeded`.
+    - ``durability``: ``"sync"`` awaits each checkpoint upload; ``"async"`` overlaps it with
+      the next model call while model calls outlast uploads (uploads stay ordered).
+    - ``journal``: record every model and tool step (replay and crash recovery). On by default.
+    - ``condense_after_tokens`` / ``condense_keep_last``: condense older messages into one
+      digest once the transcript passes that many tokens, keeping the last ones verbatim
+      (:mod:`loomray.condense`; the old ``compact_*`` keywords work for one release, with a
+      ``DeprecationWarning``).
+    - ``output_retries``: how often the model is asked again when its final answer does not
+      validate against ``output_schema``.
+    - ``max_cost_usd`` / ``max_tokens``: the session's spend limits (``None``: no limit),
+      cumulative across resumes and runs: once the spend so far reached one, the run
+      checkpoints and returns ``stop_reason="budget_exceeded"`` before the next model call,
+      and an unknown cost counts as over budget. Negative or NaN limits raise ``ValueError``.
     """
 
     #: Any value is kept: a wrong type is the Agent constructor's ``TypeError`` (see above), not a dataclass's.

@@ -14,36 +14,11 @@ its own. It runs a request in four steps:
 4. finalize: the status rows the supervisor reads, and the run's end in the
    journal.
 
-Recovery rule (docs/contracts.md): a request whose spec equals the session's
-last, unfinished run continues that run under the same ``run_id``: the latest
-checkpoint of that run is restored (if any) and every journaled step with the
-same inputs is answered from the journal. Re-issuing the same ``run`` after a
-crash therefore bills no model call twice; ``resume()`` with no prompt from
-"latest" continues such a run the same way, with the run's own stored request.
-"Last" is what the store sequenced last (run records), never a node's clock.
-Each run's request is stored in its run record beside the session's objects,
-never in the session index, and a new owner fences the journal of the runs an
-old writer may still append to before it reads them (``storage.journal``).
-
-Sessions remember: a new ``run`` (not the continuation of an unfinished
-run) on a session whose latest checkpoint ended a run (``execution_status
-"completed"``) starts from that checkpoint's transcript, with its prompt
-appended, instead of an empty one; its ``run_start`` and run record name
-that checkpoint as the base, so recovery restores the same transcript.
-
-A run the loop stopped before its end (``RunResult.stop_reason`` other than
-"completed", e.g. "budget_exceeded", "awaiting_approval", "paused") records
-no ``run_end``: it stays unfinished, its status row says why it stopped, and
-``resume(None)`` or the same ``run`` continues it.
-
-Control (:mod:`loomray.control`): a run registers itself for in-process
-cancels, watches ``cancel.json`` (one GET every few seconds) and hands the
-loop the session's control requests, minus those whose consumption the run
-it continues or the session's last run journaled. The loop runs in its own
-task, so a cancel abandons the step in flight; the run then waits for the
-store writes already started, writes the status row "cancelled" and only
-then lets the cancel be acknowledged. A cancelled session runs no more: a
-request on it returns ``stop_reason="cancelled"`` and writes nothing.
+The recovery rule (a request whose spec equals the session's last,
+unfinished run continues that run, its journaled steps answered from the
+journal) is in docs/contracts.md; how a run starts from a finished
+conversation, stops early and obeys control requests is in docs/design.md
+("A run, end to end", "Control requests") and :mod:`loomray.control`.
 """
 
 from __future__ import annotations

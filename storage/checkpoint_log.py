@@ -94,7 +94,6 @@ class CheckpointLog:
         #: Rows this writer's tombstones retired whose objects wait for the next proof (see :meth:`flush`).
         self._unsettled: list[CheckpointRow] = []
         self._flushes = 0
-        self.puts = 0
 
     def put(self, data: bytes, info: CheckpointInfo) -> list[CheckpointRow]:
         """Write one checkpoint object (``data``: the caller's JSON object); the rows this call acknowledged
@@ -116,7 +115,6 @@ class CheckpointLog:
         self._rows.wrote(key, self._rows.objects.put(key=key, data=obj))
         self.pending.append(replace(draft, size=len(obj), sha256=hashlib.sha256(obj).hexdigest()))
         self._unindexed += 1
-        self.puts += 1
         if self._unindexed < self.batch:
             return []
         try:

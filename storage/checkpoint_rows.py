@@ -1,11 +1,7 @@
-"""The checkpoint index as rows: parsed index files, each session's live rows, retirement and retention.
+"""The checkpoint index as rows: parsed index files, each session's live rows, and retirement.
 
 Index files are immutable, so a parsed file is cached by key (LRU) for as
-long as a LIST shows it. Retention needs a session's live rows after every
-write: a per-session view of them, refreshed by a full partition LIST on
-first use and every ``_VIEW_REFRESH`` writes and kept current by every write
-through this object in between, spares a LIST on most writes. Deleting a
-checkpoint never trusts the view: it collects on a fresh LIST.
+long as a LIST shows it.
 """
 
 from __future__ import annotations
@@ -14,13 +10,11 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from . import chains, layout
-from .errors import IndexChangedError
 from .index import ParquetIndex, conform
 from .objects import ObjectStore
 from .rows import CHECKPOINT_SCHEMA, CheckpointRow, checkpoint_rows_from_table, checkpoint_rows_table, utcnow
@@ -28,13 +22,6 @@ from .visibility import FileRows, Tops, Visibility, live_of, merge_tops, retired
 
 log = logging.getLogger("storage")
 _ROW_CACHE_FILES = 16384
-_VIEW_REFRESH = 32
-@dataclass
-class _View:
-    """A session's live rows as this process knows them, and the writes since they were last listed."""
-
-    rows: dict[str, CheckpointRow]
-    writes: int = 0
 
 
 class CheckpointRows:
@@ -48,8 +35,6 @@ class CheckpointRows:
         self._files: OrderedDict[str, FileRows] = OrderedDict()
         #: The deletion watermarks of parsed files that carry one (compacted ones), by key.
         self._retired: dict[str, Tops] = {}
-        #: Per-session live rows for retention.
-        self._views: dict[tuple[str | None, str], _View] = {}
         #: The session's visibility rule as its lease body sets it, read afresh (one GET, made only when the
         #: session's index holds a lease holder's tombstone; set by :class:`storage.tails.TailReader`, which
         #: reads lease bodies): which tombstones are honoured.
@@ -125,15 +110,6 @@ class CheckpointRows:
         key = self.index.write(partition, table, cache=False)
         with self._lock:
             self._remember(key, [(r, (retired_by or True) if t else False) for r, t in zip(rows, flags, strict=True)])
-            # The view holds the rows of its last LIST and every write of this store since, whoever wrote them
-            # through it (a checkpoint log, delete, prune): never a live set older than that.
-            view = self._views.get((user_id, session_id))
-            if view is not None:
-                for r, tomb in zip(rows, flags, strict=True):
-                    if tomb:
-                        view.rows.pop(r.checkpoint_id, None)
-                    else:
-                        view.rows[r.checkpoint_id] = r
 
     def partition_rows(self, session_id: str, user_id: str | None) -> list[FileRows]:
         """Rows and tombstones of every file of the session's partition, as of one fresh LIST.
@@ -146,13 +122,10 @@ class CheckpointRows:
         return self.index.read_listed(partition, self.file_rows)[1]
 
     def live(self, session_id: str, user_id: str | None, rule: Visibility | None = None) -> dict[str, CheckpointRow]:
-        """The session's live rows from a fresh LIST of its partition (strongly consistent); refreshes the view.
+        """The session's live rows from a fresh LIST of its partition (strongly consistent).
         ``rule``: the session's visibility rule (which tombstones are honoured), else read after the LIST."""
         files = self.partition_rows(session_id, user_id)
-        result = live_of(files, rule if rule is not None else self._rule_for(files, session_id, user_id))
-        with self._lock:
-            self._views[(user_id, session_id)] = _View(dict(result))
-        return result
+        return live_of(files, rule if rule is not None else self._rule_for(files, session_id, user_id))
 
     def _rule_for(self, files: list[FileRows], session_id: str, user_id: str | None) -> Visibility | None:
         """The session's rule when ``files`` hold a lease holder's tombstone (only those can be ignored); else
@@ -196,55 +169,7 @@ class CheckpointRows:
             prefix = layout.session_prefix(session_id, user_id) + "checkpoints/"
             present = {o.key for o in self.objects.list(prefix=prefix)}
             chains.collect(self, session_id, user_id, (), extra=dead & present, also_needed=also_needed, live=live)
-        with self._lock:
-            self._views[(user_id, session_id)] = _View(dict(live))
         return live
-
-    def apply_retention(self, row: CheckpointRow, keep: int, *, retired_by: tuple[int, str] | None = None,
-                        proven: Callable[[], bool] | None = None) -> None:
-        """Drop the oldest live checkpoints of ``row``'s session beyond ``keep``, ``row`` just written.
-
-        The session's live rows come from the view, refreshed by a full
-        partition LIST on first use and every ``_VIEW_REFRESH`` writes, so a
-        steady-state write costs no LIST. The view can only miss rows another
-        process wrote; it never deletes beyond the ``keep`` newest rows it knows,
-        so a session never drops below ``keep`` checkpoints. A lease holder's
-        retention (``retired_by``, see :meth:`encode`) deletes the objects only
-        once ``proven()`` says its lease was proven after the tombstones landed
-        (:mod:`storage.visibility` rule 5: else a takeover may ignore them).
-        """
-        rows = self.view_with(row.session_id, row.user_id, [row])
-        if rows is None:
-            return
-        doomed = over_keep(rows, keep)
-        if doomed:
-            gone = {r.checkpoint_id for r in doomed}
-            self.write(row.session_id, row.user_id, doomed, tombstone=True, retired_by=retired_by)
-            if proven is None or proven():
-                self.collect(row.session_id, row.user_id, doomed,
-                             live={cid: r for cid, r in rows.items() if cid not in gone})
-
-    def view_with(self, session_id: str, user_id: str | None, new: list[CheckpointRow]) -> dict[str, CheckpointRow] | None:
-        """The session's live rows as this process knows them, ``new`` (just indexed) added; None when a fresh
-        LIST was needed and failed (retention waits for the next write)."""
-        with self._lock:
-            view = self._views.get((user_id, session_id))
-            rows = None
-            if view is not None and view.writes < _VIEW_REFRESH:
-                for r in new:
-                    view.rows[r.checkpoint_id] = r
-                view.writes += 1
-                rows = dict(view.rows)
-        if rows is None:
-            try:
-                rows = self.live(session_id, user_id)
-            except IndexChangedError as e:
-                # The write itself is done; retention runs again on the next write.
-                log.warning("retention deferred: %s", e)
-                return None
-            for r in new:
-                rows.setdefault(r.checkpoint_id, r)
-        return rows
 
 
 def over_keep(rows: dict[str, CheckpointRow], keep: int) -> list[CheckpointRow]:

@@ -55,13 +55,9 @@ class Checkpoints(CheckpointReads):
         """Pin checkpoint ``checkpoint_id`` of ``session_id`` and its chain for session ``dependent`` (a fork of
         the same user that will build on them); returns the chain ``dependent``'s first checkpoint names.
 
-        The pins are written first, then the checkpoint is checked to be live
-        (:class:`ObjectNotFound` if it is not, and the pins are released): so
-        a collector either sees the pin or the fork never starts from the
-        checkpoint (:mod:`storage.chains`). A checkpoint ``dependent``'s pin
-        already holds is pinned again even if its row was retired since (the
-        fork resumes from its fork point). Pins go in every session the
-        chain reaches (a fork of a fork builds on its grandparent's objects too).
+        The pins are written first (in every session the chain reaches), then the checkpoint is checked to be
+        live, so a collector either sees the pin or the fork never starts from it (docs/contracts.md,
+        :mod:`storage.chains`).
         """
         validate_id(dependent, "session_id")
         snap = self._tails.snapshot(session_id, user_id)
@@ -89,16 +85,9 @@ class Checkpoints(CheckpointReads):
         return chains.compress(chains.ref_of(sid, cid, dependent) for sid, cid in links)
 
     def quarantine(self, session_id: str, checkpoint_id: str, *, user_id: str | None = None) -> str | None:
-        """Move a checkpoint (typically a corrupt one) aside and retire its index row.
-
-        The object's bytes are copied to ``sessions/{u}/{s}/quarantine/{id}.json``
-        (kept for inspection; nothing reads or prunes them), then the object is
-        deleted and its row tombstoned, so neither "latest" nor listings see it.
-        Returns the quarantine key, or ``None`` when the object was already gone
-        (the row is still retired). :class:`ObjectNotFound` when the session has
-        neither a row nor an object of that id. Crash-safe in that order: a rerun
-        finishes the job.
-        """
+        """Move a checkpoint (typically a corrupt one) aside to ``quarantine/{id}.json``, delete it and retire its
+        row; the quarantine key, or None when the object was already gone (docs/contracts.md). Crash-safe in
+        that order: a rerun finishes the job."""
         key = layout.checkpoint_key(session_id, user_id, checkpoint_id)
         row = self._rows.live(session_id, user_id).get(checkpoint_id)
         obj = self.objects.get(key=key)
@@ -130,6 +119,11 @@ class Checkpoints(CheckpointReads):
         self._rows.retire(session_id, user_id, [row],
                           also_needed=[*(r for r in snap.tails.values() if r != row), *snap.heads])
         return True
+
+    def latest_of(self, sessions: list[tuple[str, str | None]]) -> list[CheckpointRow | None]:
+        """The newest row :meth:`list` gives for each ``(session_id, user_id)`` (None: it has none), read in
+        parallel from a remote store."""
+        return self._rows.index.map_io(lambda s: next(iter(self.list(s[0], user_id=s[1], limit=1)), None), sessions)
 
     def rows(self, session_id: str, *, user_id: str | None = None) -> dict[str, CheckpointRow]:
         """The session's checkpoint rows no tombstone retires, by id, from a fresh LIST: the index's, and its

@@ -1,29 +1,12 @@
 """The storage conformance suite: what every :class:`~storage.objects.ObjectStore` backend must do under a Store.
 
-Everything above the object store (checkpoints, leases and fencing, the
-journal, the session index, queries, compaction, prune, corruption
-handling) is one code path for every backend, so a backend conforms when
-these tests pass on it. A new backend registers in a few lines, in any
-pytest module (the class name must start with ``Test``)::
-
-    from . import Store
-    from .conformance import ObjectStoreConformance
-
-    class TestMyBackend(ObjectStoreConformance):
-        def make_store(self, tmp_path):
-            return Store(MyObjectStore(tmp_path / "root"), "my://root")
-
-Each test gets a fresh, empty store from ``make_store`` and closes it after.
-A backend that needs a pytest fixture (a server) takes it in an autouse
-fixture of its class, which runs before ``make_store``::
-
-    class TestS3(ObjectStoreConformance):
-        @pytest.fixture(autouse=True)
-        def _server(self, s3_server):
-            self.server = s3_server
-
-        def make_store(self, tmp_path):
-            return self.server.open_store()
+Everything above the object store is one code path for every backend, so a
+backend conforms when these tests pass on it. A backend registers by
+subclassing :class:`ObjectStoreConformance` (a class name starting with
+``Test``) and giving it ``make_store(tmp_path)``, a fresh, empty ``Store``; a
+backend that needs a server takes its fixture in an autouse fixture of its
+class. The registration in full: docs/contracts.md, "The storage conformance
+suite" (``tests/storage/test_storage_conformance.py`` registers three).
 """
 
 from __future__ import annotations
@@ -286,7 +269,7 @@ class ObjectStoreConformance(CheckpointLogConformance):
         put_checkpoint(store, "s1", "c1", turn=1)
         put_checkpoint(store, "s1", "c2", turn=2)
         other = Store(store.objects, store.url)  # a second process's view of the same bucket/root
-        real = store.index.read_files
+        real = store._index.read_files
         done: list[CheckpointRow] = []
 
         def read_then_race(keys, **kw):
@@ -295,11 +278,11 @@ class ObjectStoreConformance(CheckpointLogConformance):
                 done.append(put_checkpoint(other, "s1", "c3", turn=3))
             return out
 
-        store.index.read_files = read_then_race
+        store._index.read_files = read_then_race
         try:
             store.compact()
         finally:
-            store.index.read_files = real
+            store._index.read_files = real
         assert done
         assert [r.checkpoint_id for r in store.checkpoints.list("s1")] == ["c3", "c2", "c1"]
         assert sorted(store.query()["checkpoint_id"].to_pylist()) == ["c1", "c2", "c3"]

@@ -260,10 +260,6 @@ class ParquetIndex:
         keys, _ = self.read_listed(prefix, read, key_filter=key_filter)
         return self.concat([(k, tables[k]) for k in keys if k in tables], schema)
 
-    def read_keys(self, keys: list[str], schema: pa.Schema, *, cache: bool = True) -> tuple[list[str], pa.Table]:
-        """Files ``keys`` as one table in ``schema``; files of a foreign schema are skipped with a warning."""
-        return self.concat(self.read_files(keys, cache=cache), schema)
-
     def concat(self, pairs: list[tuple[str, pa.Table]], schema: pa.Schema) -> tuple[list[str], pa.Table]:
         """The keys of ``pairs`` and their tables as one table in ``schema``; a table of a foreign schema is
         skipped with a warning naming its key."""

@@ -55,16 +55,18 @@ def checked(table: pa.Table) -> pa.Table:
     return table
 
 
-_PARTITION = re.compile(r"^index/(?:checkpoints|table)/user=([^/]+)/(?:session=([^/]+)/)?")
+_PARTITION = re.compile(r"^index/(?:checkpoints|sessions|table)/user=([^/]+)/(?:session=([^/]+)/)?")
 
 
 def own_rows(table: pa.Table, key: str) -> pa.Table:
-    """The rows of checkpoint index or table file ``key`` that belong to the partition its key names.
+    """The rows of index or table file ``key`` (checkpoint or session status rows) that belong to the partition
+    its key names.
 
     Anyone who may write one user's (or session's) partition could put rows of
     another user or session there, or a checkpoint row whose ``key`` is not
     its own checkpoint's; a reader of that partition would then follow them
-    to the other's objects. Such rows are dropped, with a warning. A
+    to the other's objects, or act on the other session (the supervisor). Such
+    rows are dropped, with a warning. A
     ``user_id``, ``session_id``, ``checkpoint_id`` or ``key`` column that is
     not text is another schema (``ValueError``: the file is skipped).
 

@@ -20,7 +20,7 @@ class Journal:
     def __init__(self, objects: ObjectStore, index: ParquetIndex, leases: LeaseKeeper) -> None:
         self.objects = objects
         #: The index's reader threads read many entries at once (the journal functions' ``JournalStore``).
-        self.index = index
+        self._index = index
         self._leases = leases
 
     def append(self, entry: JournalEntry, *, lease: Lease | None = None) -> None:
@@ -86,7 +86,7 @@ class Runs:
 
     def __init__(self, objects: ObjectStore, index: ParquetIndex) -> None:
         self.objects = objects
-        self.index = index
+        self._index = index
 
     def create(self, session_id: str, *, user_id: str | None = None, run_id: str,
                request: dict[str, Any] | None = None, spec_hash: str = "", base_session_id: str | None = None,

@@ -140,7 +140,7 @@ class _Helpers:
 
     def __init__(self, store: Store) -> None:
         self.store = store
-        local = store.objects.backend == "file" and not store.index.serial  # memory: nothing to wait for
+        local = store.objects.backend == "file" and not store._index.serial  # memory: nothing to wait for
         self.deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="storage-delete") if local else None
         self.writers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="storage-publish") if local else None
         self.pending: list[Future[None]] = []
@@ -210,7 +210,7 @@ class _Compaction:
         """Session status rows: the latest row per session; a one-file partition is compact already."""
         listed_wall, listed_at = utcnow(), _clock()
         listing = {o.key: o.modified for p in self.prefixes(layout.SESSION_INDEX)
-                   for o in self.store.index.list_infos(p)}
+                   for o in self.store._index.list_infos(p)}
         groups = _partitions(list(listing))
         self.files_before += sum(len(v) for v in groups.values())
         merger = PartitionMerger(self.store, SESSION_SCHEMA, self.grace, self.max_lag, listed_wall, listed_at,
@@ -225,7 +225,7 @@ class _Compaction:
             self.tables.update(load_tables(self.store, p))
         # Before the LIST: tombstones written during it are young.
         self.listed_wall, self.listed_at = utcnow(), _clock()
-        infos = [o for p in self.prefixes(layout.CHECKPOINT_INDEX) for o in self.store.index.list_infos(p)]
+        infos = [o for p in self.prefixes(layout.CHECKPOINT_INDEX) for o in self.store._index.list_infos(p)]
         listing = {o.key: o.modified for o in infos}
         groups = _partitions(list(listing))
         self.files_before += sum(len(v) for v in groups.values())

@@ -107,7 +107,7 @@ class PartitionMerger:
             return _Part(partition, [k for k in keys if k != base], for_table, known, base, self.listed_wall,
                          self.listed_at, self.listed_now, self.listing)
         wall, started = utcnow(), self.clock()
-        fresh = {o.key: o.modified for o in self.store.index.list_infos(partition)}
+        fresh = {o.key: o.modified for o in self.store._index.list_infos(partition)}
         now = listing_now({"": self.listed_now, **fresh})
         if base not in fresh:
             base = None
@@ -117,7 +117,7 @@ class PartitionMerger:
     def __call__(self, item: MergeItem) -> MergeResult:
         part = self._listed(item)
         vanished: list[str] = []
-        pairs = self.store.index.read_files(part.keys, cache=False, vanished=vanished)
+        pairs = self.store._index.read_files(part.keys, cache=False, vanished=vanished)
         if vanished:
             # Another compaction merged (and deleted) files of this listing: it owns the partition now.
             log.info("compaction skips %s: listed files vanished (another compaction merged them)",
@@ -199,7 +199,7 @@ class PartitionMerger:
             return (*unchanged, self._session_read(part, m, keys))
         merged_key = None
         if merged.num_rows or merged.schema.metadata:  # rows, or a deletion watermark (storage.visibility)
-            merged_key = self.store.index.write(part.partition, merged, suffix="-c", cache=False)
+            merged_key = self.store._index.write(part.partition, merged, suffix="-c", cache=False)
             if self._late(part):
                 # It landed too late after all (a pause between the check above and the PUT): a concurrent
                 # compaction may have dropped a tombstone this merge's rows predate. Take it back: every row
@@ -307,7 +307,7 @@ def _days_changed(known: SessionState | None, pairs: list[tuple[str, pa.Table]],
 def _reread(store: Store, partition: str, known: SessionState | None) -> SessionRead | None:
     """The session's live rows after a concurrent compaction merged its files (consistent with a fresh LIST)."""
     try:
-        keys, table = store.index.read_prefix(partition, CHECKPOINT_SCHEMA, cache=False)
+        keys, table = store._index.read_prefix(partition, CHECKPOINT_SCHEMA, cache=False)
     except IndexChangedError as e:
         log.info("table skips %s for now: %s", store.describe(partition), e)
         return None

@@ -52,7 +52,7 @@ def read_objects(store: Store, keys: list[str]) -> dict[str, bytes]:
         obj = store.objects.get(key=key)
         return None if obj is None else obj.data
 
-    datas = store.index.map(read, keys) if len(keys) > 2 else map(read, keys)
+    datas = store._index.map(read, keys) if len(keys) > 2 else map(read, keys)
     return {k: d for k, d in zip(keys, datas, strict=False) if d is not None}
 
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
-from typing import Any, get_args, get_origin, get_type_hints
+from typing import Annotated, Any, get_args, get_origin, get_type_hints
 
 import pyarrow as pa
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 _TS = pa.timestamp("us", tz="UTC")
 
@@ -30,6 +30,10 @@ def as_utc(value: datetime) -> datetime:
     if value.tzinfo is None:
         raise ValueError(f"datetime {value!r} must be timezone-aware")
     return value.astimezone(timezone.utc)
+
+
+#: A stored record's time: aware, as UTC (a naive one is ambiguous and would break ``prune(before=...)``).
+UtcTime = Annotated[datetime, AfterValidator(as_utc)]
 
 
 @dataclass(frozen=True)
@@ -164,14 +168,8 @@ class JournalEntry(BaseModel):
     kind: str
     input_hash: str = ""
     output: dict[str, Any] = Field(default_factory=dict)
-    created_at: datetime = Field(default_factory=utcnow)
+    created_at: UtcTime = Field(default_factory=utcnow)
     epoch: int = 0
-
-    @field_validator("created_at")
-    @classmethod
-    def _aware(cls, value: datetime) -> datetime:
-        # A naive time is ambiguous and would break prune(before=...) comparisons later.
-        return as_utc(value)
 
 
 class RunRecord(BaseModel):
@@ -200,12 +198,7 @@ class RunRecord(BaseModel):
     base_checkpoint_id: str | None = None
     replay_from: str | None = None
     epoch: int = 0
-    created_at: datetime = Field(default_factory=utcnow)
-
-    @field_validator("created_at")
-    @classmethod
-    def _aware(cls, value: datetime) -> datetime:
-        return as_utc(value)
+    created_at: UtcTime = Field(default_factory=utcnow)
 
 
 # -- Arrow schemas ---------------------------------------------------------

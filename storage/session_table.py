@@ -83,8 +83,7 @@ def _own_rows(store: Store, key: str, table: pa.Table) -> list[SessionRow]:
     """The status rows of index file ``key`` that speak for its own session; none from a foreign file (skipped
     with a warning, as every reader of the index skips it; compaction moves it to quarantine)."""
     try:
-        own = conform(store.sessions.own_rows(key, table), SESSION_SCHEMA)
-        return session_rows_from_table(own)
+        return session_rows_from_table(conform(table, SESSION_SCHEMA))
     except (KeyError, ValueError, TypeError, pa.ArrowException) as e:
         log.warning("session table: skipping %s, not a session status file (%s: %s)", store.describe(key),
                     type(e).__name__, e)
@@ -93,7 +92,7 @@ def _own_rows(store: Store, key: str, table: pa.Table) -> list[SessionRow]:
 
 def _latest_rows(store: Store, files: dict[str, list[str]]) -> pa.Table:
     """The latest own row of each session in ``files`` (session id -> its partition's files), with its source."""
-    tables = dict(store.index.read_files([k for keys in files.values() for k in keys]))
+    tables = dict(store._index.read_files([k for keys in files.values() for k in keys]))
     out: list[pa.Table] = []
     for keys in files.values():
         rows = []
@@ -117,7 +116,7 @@ def publish_session_tables(store: Store, segments: list[str] | None = None) -> i
     prefixes = [f"{layout.SESSION_INDEX}user={s}/" for s in segments] if segments is not None else [layout.SESSION_INDEX]
     listed: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
     for prefix in prefixes:
-        for key in store.index.list_files(prefix):
+        for key in store._index.list_files(prefix):
             ids = _partition_ids(key)
             if ids is not None:
                 listed[ids[0]][ids[1]].append(key)
@@ -165,7 +164,7 @@ def read_session_tables(store: Store, segment: str | None = None,
         cache[info.key] = (obj.etag, table)
         return table
 
-    tables = [t for t in store.index.map_io(one, infos) if t is not None]
+    tables = [t for t in store._index.map_io(one, infos) if t is not None]
     return pa.concat_tables(tables) if tables else schema.empty_table()
 
 

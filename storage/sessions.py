@@ -1,28 +1,16 @@
 """``store.sessions`` (the session index) and ``store.active`` (active-session markers).
 
 Session status rows are appended to ``index/sessions/user={u}/session={s}/``
-on every status change; the latest ``updated_at`` wins. An active marker is
-one small object per session a supervisor currently owns (``active/{u}/{s}.json``),
-deleted when it finishes, so "what is active" is one LIST whose size follows
-the active sessions, not every session ever run.
-
-Listing by a live status (``pending``, ``running``) must not read every
-session ever run either (a ``loomray supervise`` on a cold store of 2,000
-finished sessions read 2,001 objects). :meth:`Sessions.put` therefore keeps a live
-marker, an empty object ``live/{u}/{s}``: written *before* a live row, deleted
-*after* a finished one, so a session whose latest row is live always has one.
-``sessions.list(status="running")`` is then one LIST of the markers plus the
-rows of the marked sessions (a marker is a hint, the row decides). A marker a
-crash left behind costs a read until the session's next finished row removes
-it. Sessions of a store written before markers existed are listed by a
-live status only once they write a row again.
-
-Listing every session must not read every session either: the compacted
-session-status table (:mod:`storage.session_table`) holds each session's
-latest row as of the last compaction, and :meth:`Sessions.put` leaves a change
-marker after each row (:mod:`storage.session_changes`), so the table plus
-:meth:`Sessions.changed_rows` is every session's latest row, read with
-work that follows the rows written since the last compaction.
+on every status change; the latest ``updated_at`` wins. Listings must not read
+every session ever run (a ``loomray supervise`` on a cold store of 2,000
+finished sessions read 2,001 objects), so :meth:`Sessions.put` keeps two
+markers beside the rows: ``live/{u}/{s}``, written *before* a live row and
+deleted *after* a finished one (``list(status="running")`` reads only the
+marked sessions: a marker is a hint, the row decides), and a change marker
+after each row (:mod:`storage.session_changes`: the compacted session-status
+table plus :meth:`Sessions.changed_rows` is every session's latest row). An
+active marker (``active/{u}/{s}.json``) is one small object per session a
+supervisor owns. The keys are in docs/design.md ("Object layout").
 """
 
 from __future__ import annotations
@@ -34,12 +22,10 @@ from types import EllipsisType
 from typing import TypeAlias
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from . import layout, session_changes
 from .ids import user_from_segment, user_segment, validate_id
 from .index import ParquetIndex
-from .index_guard import text_column
 from .objects import ObjectStore
 from .rows import SESSION_SCHEMA, SessionRow, as_utc, session_rows_from_table, session_rows_table
 
@@ -79,7 +65,7 @@ class Sessions:
 
     def __init__(self, objects: ObjectStore, index: ParquetIndex) -> None:
         self.objects = objects
-        self.index = index
+        self._index = index
         self._changes = session_changes.ChangedRows(objects)
 
     def put(self, row: SessionRow) -> None:
@@ -89,7 +75,7 @@ class Sessions:
         partition = layout.index_partition(layout.SESSION_INDEX, row.session_id, row.user_id)
         if row.status in LIVE_STATUSES:
             self.objects.put(key=live, data=b"")
-        self.index.write(partition, session_rows_table([row]))
+        self._index.write(partition, session_rows_table([row]))
         key, body = session_changes.marker(row)
         self.objects.put(key=key, data=body)
         if row.status not in LIVE_STATUSES:
@@ -110,7 +96,7 @@ class Sessions:
         """The latest status row of each session :meth:`changed` names (or ``markers``, what it
         returned): one LIST, then one GET per session whose newest marker this store has not read yet."""
         markers = self.changed(user_id) if markers is None else markers
-        return self._changes.read(markers, self.index.map_io,
+        return self._changes.read(markers, self._index.map_io,
                                   lambda sid, user: self.get(sid, user_id=user))
 
     def forget_changes(self, keys: builtins.list[str]) -> None:
@@ -119,47 +105,20 @@ class Sessions:
             self.objects.delete(keys=keys)
 
     def _session_table(self, prefix: str) -> pa.Table:
-        """Session rows under ``prefix``; rows whose ids differ from their file's partition are dropped.
-
-        A row in ``user=u/session=s/`` speaks for that session only: one that
-        names another (copied or forged by whoever can write the bucket) must
-        never make a reader, such as the supervisor, act on that other session.
-        """
-        tables: dict[str, pa.Table] = {}
-
-        def read(keys: builtins.list[str], vanished: builtins.list[str]) -> None:
-            for key, table in self.index.read_files([k for k in keys if k not in tables], vanished=vanished):
-                tables[key] = table
-
-        keys, _ = self.index.read_listed(prefix, read)
-        pairs = [(k, self.own_rows(k, tables[k])) for k in keys if k in tables]
-        return self.index.concat(pairs, SESSION_SCHEMA)[1]
-
-    def own_rows(self, key: str, table: pa.Table) -> pa.Table:
-        """The rows of index file ``key`` whose (user, session) match the hive partition the file is in."""
-        parts = dict(seg.split("=", 1) for seg in key.split("/") if "=" in seg)
-        if "session" not in parts or "user" not in parts or not {"session_id", "user_id"} <= set(table.column_names):
-            return table  # not a partition file, or a foreign schema that the reader skips anyway
-        user = user_from_segment(parts["user"])
-        try:
-            sids, uids = text_column(table, "session_id"), text_column(table, "user_id")
-        except ValueError as e:  # ids that are not text: another schema (pc.equal would raise Arrow's own error)
-            log.warning("skipping index file with a foreign schema: %s: %s", self.objects.describe(key), e)
-            return table.slice(0, 0)
-        same = pc.equal(sids, parts["session"])
-        same = pc.and_(same, pc.is_null(uids) if user is None else pc.equal(uids, user))
-        same = pc.fill_null(same, False)
-        if pc.all(same).as_py():
-            return table
-        log.warning("ignoring %d session row(s) that name another session than their partition: %s",
-                    table.num_rows - pc.sum(same).as_py(), self.objects.describe(key))
-        return table.filter(same)
+        """Session rows under ``prefix``; a row whose ids differ from its file's partition is dropped by every
+        index read (:func:`storage.index_guard.own_rows`)."""
+        return self._index.read_prefix(prefix, SESSION_SCHEMA)[1]
 
     def get(self, session_id: str, *, user_id: str | None = None) -> SessionRow | None:
         """The session's latest status row, or None."""
-        prefix = layout.index_partition(layout.SESSION_INDEX, session_id, user_id)
-        rows = session_rows_from_table(self._session_table(prefix))
+        rows = self.history(session_id, user_id=user_id)
         return latest_sessions(rows)[0] if rows else None
+
+    def history(self, session_id: str, *, user_id: str | None = None) -> builtins.list[SessionRow]:
+        """Every status row the session's partition holds, in file order (its history until a compaction
+        merges it to the latest row)."""
+        prefix = layout.index_partition(layout.SESSION_INDEX, session_id, user_id)
+        return session_rows_from_table(self._session_table(prefix))
 
     def list(self, *, status: str | None = None, user_id: UserFilter = ANY) -> builtins.list[SessionRow]:
         """The latest row of every session (of ``user_id``; ``...`` = any user), filtered by status.

@@ -52,19 +52,20 @@ class Store:
                  checkpoint_batch: int | None = None) -> None:
         self.objects = objects
         self.url = url
+        #: The Parquet index files' reader and writer: the sub-stores' shared state, not part of the API.
         #: serial_reads: no reader threads; each storage call runs on the thread that asked (for tests).
-        self.index = ParquetIndex(objects, serial_reads=serial_reads)
+        self._index = ParquetIndex(objects, serial_reads=serial_reads)
         #: Parsed compacted-table manifests and partitions (see :mod:`storage.table`).
         self.table_cache = TableCache()
-        self._rows = CheckpointRows(objects, self.index)
+        self._rows = CheckpointRows(objects, self._index)
         self._tails = TailReader(self._rows)
         self._leases = LeaseKeeper(objects, self._rows, self._tails.snapshot)
         #: ``checkpoint_batch``: checkpoints a log indexes at once (None: ``storage.checkpoint_log.INDEX_BATCH``).
         self.checkpoints = Checkpoints(objects, self._rows, self._tails, self._leases, batch=checkpoint_batch)
-        self.journal = Journal(objects, self.index, self._leases)
-        self.runs = Runs(objects, self.index)
+        self.journal = Journal(objects, self._index, self._leases)
+        self.runs = Runs(objects, self._index)
         self.leases = Leases(self._leases)
-        self.sessions = Sessions(objects, self.index)
+        self.sessions = Sessions(objects, self._index)
         self.active = ActiveMarks(objects)
 
     def describe(self, key: str | None = None) -> str:
@@ -79,35 +80,29 @@ class Store:
 
     def drop_caches(self) -> None:
         """Forget every parsed index file and table partition, as a new process would (a cold reader: benchmarks)."""
-        self.index.clear_cache()
+        self._index.clear_cache()
         self._rows.clear_cache()
         self._tails.clear_cache()
         self.table_cache.clear()
 
-    def close(self) -> None:
-        """Release clients and reader threads."""
-        self.index.close()
-        self.objects.close()
+    def close(self, *, keep_objects: bool = False) -> None:
+        """Release reader threads and the backend's clients (``keep_objects``: not the backend, which another
+        ``Store`` over the same ``objects`` still uses)."""
+        self._index.close()
+        if not keep_objects:
+            self.objects.close()
 
     def __repr__(self) -> str:
         return f"Store({self.describe()})"
 
-    # -- leases ------------------------------------------------------------
     # -- queries -----------------------------------------------------------
     def query(self, *, user_id: UserFilter = ANY, session_id: str | None = None, status: str | None = None,
               since: datetime | None = None, until: datetime | None = None, min_cost: float | None = None,
               max_cost: float | None = None, columns: list[str] | None = None) -> pa.Table:
-        """Live checkpoint rows across sessions as an Arrow table (``user_id=...`` = any user).
-
-        ``since`` is inclusive, ``until`` exclusive (on ``created_at``); rows
-        with an unknown cost never match a cost filter. Reads the compacted
-        table's partitions of the days in range plus the uncompacted tail (the
-        sessions whose per-session files changed since the last compaction),
-        so it is as fresh as the per-session index; how stale the compacted part
-        was rides along in the schema metadata: ``storage.table.staleness(table)``.
-        The rows are the live ones of :mod:`storage.visibility`: a row a fenced
-        writer landed after a takeover is in neither part.
-        """
+        """Live checkpoint rows across sessions as an Arrow table (``user_id=...`` = any user; the filters and
+        staleness: docs/contracts.md). Reads the compacted table's partitions of the days in range plus the
+        uncompacted tail (the sessions whose per-session files changed since the last compaction), so it is as
+        fresh as the per-session index; the rows are the live ones of :mod:`storage.visibility`."""
         segment = None if isinstance(user_id, EllipsisType) else user_segment(user_id)
         if session_id is not None:
             validate_id(session_id, "session_id")
@@ -138,23 +133,17 @@ class Store:
         """Keys of the index files of ``kind``: "checkpoints" or "sessions" (per-session append files), or
         "table" (the compacted table's partition files, see :mod:`storage.table`)."""
         if kind == "table":
-            return self.index.list_files(layout.TABLE_INDEX)
+            return self._index.list_files(layout.TABLE_INDEX)
         if kind not in ("checkpoints", "sessions"):
             raise ValueError(f"index kind must be 'checkpoints', 'sessions' or 'table', got {kind!r}")
-        return self.index.list_files(f"index/{kind}/")
+        return self._index.list_files(f"index/{kind}/")
 
     # -- maintenance -------------------------------------------------------
     def compact(self, *, tombstone_grace: timedelta | None = None, users: list[str | None] | None = None
                 ) -> IndexCompactReport:
-        """Merge each partition's files into one, dropping retired rows, and bring the compacted table
-        (``index/table/``, deletes applied) up to date; incremental: only changed sessions are read.
-
-        Safe with concurrent writers and concurrent compactions; tombstones
-        younger than ``tombstone_grace`` (default one hour) stay (see
-        :func:`storage.maintenance.compact`); ``users`` limits the work to
-        those users (None = no user). Returns a
-        :class:`storage.maintenance.IndexCompactReport`.
-        """
+        """Merge each changed partition's files into one and bring the compacted table up to date; tombstones
+        younger than ``tombstone_grace`` (one hour) stay; ``users`` limits the work to those users (None = no
+        user). Safe with concurrent writers and compactions (:mod:`storage.maintenance`)."""
         return compact(self, tombstone_grace=tombstone_grace, users=users)
 
     def plan_prune(self, before: datetime | None = None, session_id: str | None = None,
@@ -168,17 +157,10 @@ class Store:
 
     def prune(self, before: datetime | None = None, session_id: str | None = None,
               user_id: str | None = None) -> PruneReport:
-        """Delete checkpoints, journal entries and run records matching all filters (None = any), nothing else.
-
-        The records of the explorations of the sessions in scope go once they are over (finished before
-        ``before``, when given); a running exploration's never do (:mod:`storage.prune_explorations`).
-
-        With ``before``, what recovery of an unfinished last run needs stays,
-        even for a run that starts while prune works, and the session's last
-        run stays its last run (see :func:`storage.pruning.prune`). Then
-        the compacted table of every user in scope that has one is compacted
-        (incrementally), so readers of the bucket no longer see pruned rows.
-        """
+        """Delete checkpoints, journal entries and run records matching all filters (None = any), nothing else,
+        and the records of those sessions' explorations once over (:mod:`storage.prune_explorations`); never
+        what recovery of an unfinished last run needs (:func:`storage.pruning.prune`). Then the compacted table
+        of every user in scope is compacted, so readers of the bucket no longer see pruned rows."""
         report = prune(self, before=before, session_id=session_id, user_id=user_id)
         try:
             prefix = layout.TABLE_INDEX if user_id is None else layout.table_user_prefix(user_id)

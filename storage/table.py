@@ -217,7 +217,7 @@ def for_each(store: Store, fn: Callable[[T], R], items: list[T]) -> list[R]:
     one (see :func:`storage.index.serial_backend`)."""
     if len(items) <= 2 or serial_backend(store.objects):
         return [fn(i) for i in items]
-    return store.index.map(fn, items)
+    return store._index.map(fn, items)
 
 
 def table_clock() -> datetime:

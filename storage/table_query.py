@@ -68,7 +68,7 @@ class _TailReader:
             else:
                 tail.add((seg, sid))
         todo = [k for k in keys if _session_of(k) in tail and k not in self.read]
-        for key, t in self.store.index.read_files(todo, cache=False, vanished=vanished):
+        for key, t in self.store._index.read_files(todo, cache=False, vanished=vanished):
             self.read[key] = t
         self.clean, self.tail, self.keys = clean, tail, [k for k in keys if _session_of(k) in tail]
 
@@ -132,8 +132,8 @@ def read_for_query(store: Store, *, segment: str | None, session_id: str | None,
     elif session_id is not None:
         key_filter = lambda k: f"/session={session_id}/" in k  # noqa: E731
     tail = _TailReader(store, tables)
-    store.index.read_listed(prefix, tail, key_filter=key_filter)
-    _, tail_rows = store.index.concat([(k, tail.read[k]) for k in tail.keys if k in tail.read], CHECKPOINT_SCHEMA)
+    store._index.read_listed(prefix, tail, key_filter=key_filter)
+    _, tail_rows = store._index.concat([(k, tail.read[k]) for k in tail.keys if k in tail.read], CHECKPOINT_SCHEMA)
     wanted, as_of = _wanted(tables, tail.clean, session_id, since, until)
 
     def part(item: tuple[str, str, str | None]) -> pa.Table:

@@ -234,11 +234,6 @@ class TailReader:
         mask = sessions_fenced_mask(table, dict(zip(pairs, self.rows.index.map_io(self._rule, pairs), strict=True)))
         return mask if mask is not None and pc.any(mask).as_py() else None
 
-    def hide_fenced(self, table: pa.Table) -> pa.Table:
-        """``table`` without the rows :meth:`fenced_mask` says are fenced."""
-        mask = self.fenced_mask(table)
-        return table if mask is None else table.filter(pc.invert(mask))
-
     def visible_rows(self, table: pa.Table) -> pa.Table:
         """The live rows of ``table`` (index rows and tombstones of any sessions, as files hold them) as every
         reader sees them: tombstones applied unless their session's fences ignore them, fenced rows hidden

@@ -24,6 +24,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import boto3
+import pyarrow as pa
 from botocore.awsrequest import AWSResponse
 from botocore.exceptions import ConnectionClosedError, ReadTimeoutError
 
@@ -215,6 +216,12 @@ def land_row(store: Store, data: bytes, info: CheckpointInfo, *, epoch: int) -> 
     store.objects.put(key=key, data=data)
     store._rows.write(info.session_id, info.user_id, [row], tombstone=False)
     return row
+
+
+def write_index_file(store: Store, partition: str, table: pa.Table) -> str:
+    """Append ``table`` to the index as one file under ``partition`` with no check of its rows: what an older
+    release, a bench's bulk fill or someone with write access to the bucket may leave; returns its key."""
+    return store._index.write(partition, table, cache=False)
 
 
 def put_checkpoint(store: Store, session_id: str, checkpoint_id: str, *, user_id=None, turn=1, keep=20, lease=None,

@@ -1,29 +1,11 @@
 """The ``loomray`` command line: the click group every command hangs on.
 
-Store-side commands (``checkpoints`` [``quarantine``], ``show``, ``query``,
-``prune``, ``compact``, ``lease repair``, ``tree``, ``timeline``, and the
-steering commands ``approve``, ``deny``, ``signal``, ``pause``, ``cancel``,
-``logs``, which write or read control objects and the journal in the store,
-so they need no cluster) are in :mod:`loomray.cli.store`,
-:mod:`loomray.cli.query`, :mod:`loomray.cli.prune` and
-:mod:`loomray.cli.steering`; cluster commands (``submit``, ``status``,
-``supervise``) in :mod:`loomray.cli.cluster`, ``resume`` and ``fork`` in
-:mod:`loomray.cli.runs`, ``explore`` in :mod:`loomray.cli.explore_cmd`; ``demo`` in :mod:`loomray.cli.demo`. Every command
-takes ``--store URL`` (or ``LOOMRAY_STORE``) and, where a cluster is
-involved, ``--address`` (or ``RAY_ADDRESS``), before or after the command's
-name. ``--json`` prints machine-readable output. Exit codes: 0 success, 2 a
-user mistake (one line on stderr), 1 a failed run or a store or cluster
-failure that retries did not cure, 130 interrupted; no traceback is printed
-(``LOOMRAY_DEBUG=1`` prints it).
-
-Output: tables fit the terminal's width (optional columns are dropped, ids,
-statuses and times are never cut); ``--json`` times are ISO 8601 with the
-"T" and a zone, dollars are rounded to 6 decimals. Long commands (``query``,
-``prune``, ``compact``) report progress on stderr when it is a terminal, or
-with ``--progress``.
-
-No command module imports Ray when it is imported: ``loomray --help`` and the
-store-side commands stay fast.
+The commands, their common options (``--store``, ``--address``, ``--json``,
+before or after the command's name) and exit codes are listed in docs/api.md
+("Command line"); each group lives in its own module (:mod:`loomray.cli.store`,
+``query``, ``prune``, ``steering``, ``cluster``, ``runs``, ``explore_cmd``,
+``demo``). No command module imports Ray when it is imported: ``loomray
+--help`` and the store-side commands stay fast.
 """
 
 from __future__ import annotations

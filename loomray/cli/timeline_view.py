@@ -27,7 +27,6 @@ from loomray.cli.output import iso_time, parse_iso, time_cells
 from loomray.cli.tables import Col, fit_table
 from loomray.run_errors import read_error
 from loomray.storage import RunRecord, Store, layout
-from loomray.storage.rows import SESSION_SCHEMA
 
 
 def _json_object(store: Store, key: str) -> dict[str, Any] | None:
@@ -132,19 +131,16 @@ class _Timeline:
     def read_status_rows(self) -> None:
         """The session's status rows (the history, until a compaction keeps only the latest)."""
         sid, uid = self.session_id, self.user_id
-        _, sessions = self.store.index.read_prefix(layout.index_partition(layout.SESSION_INDEX, sid, uid),
-                                                   SESSION_SCHEMA, cache=False)
-        status_rows = [r for r in sessions.to_pylist() if (r["session_id"], r["user_id"]) == (sid, uid)]
-        for r in sorted(status_rows, key=lambda r: r["updated_at"]):
-            i = self.at(r["epoch"])
+        for r in sorted(self.store.sessions.history(sid, user_id=uid), key=lambda r: r.updated_at):
+            i = self.at(r.epoch)
             if i is None:
                 continue
-            i.touch(r["updated_at"], r["run_id"])
-            i.node_id = i.node_id or r["node_id"]
-            if i.status_at is None or r["updated_at"] >= i.status_at:
-                i.status, i.status_at, i.error = r["status"], r["updated_at"], r["error"]
-                if r["status"] == "failed":  # the index holds the error's type only; its text is the session's
-                    i.error = read_error(self.store, sid, uid, r["run_id"]) or r["error"]
+            i.touch(r.updated_at, r.run_id)
+            i.node_id = i.node_id or r.node_id
+            if i.status_at is None or r.updated_at >= i.status_at:
+                i.status, i.status_at, i.error = r.status, r.updated_at, r.error
+                if r.status == "failed":  # the index holds the error's type only; its text is the session's
+                    i.error = read_error(self.store, sid, uid, r.run_id) or r.error
 
     def read_run_records(self) -> set[tuple[int, str]]:
         """Which run started in which epoch, and from where; returns the ``(epoch, run_id)`` pairs seen."""

@@ -20,13 +20,7 @@ def parse_variants(values: tuple[str, ...] | list[str]) -> list[Variant]:
     return [v for text in values for v in _parse(text)]
 
 
-def parse_variant(text: str) -> Variant:
-    """The variant ``text`` holds (``@path`` reads a file); :class:`CliError` when it is not exactly one."""
-    found = _parse(text, many=False)
-    return found[0]
-
-
-def _parse(text: str, many: bool = True) -> list[Variant]:
+def _parse(text: str) -> list[Variant]:
     source = "--variant"
     if text.startswith("@"):
         source = text[1:]
@@ -38,7 +32,7 @@ def _parse(text: str, many: bool = True) -> list[Variant]:
         data = json.loads(text)
     except ValueError as e:
         raise CliError(f"{source}: not JSON ({e})") from e
-    items = data if many and isinstance(data, list) else [data]
+    items = data if isinstance(data, list) else [data]
     # A VariantError (a user error) names what is wrong; a null field is as good as an absent one.
     return [Variant.from_json({k: v for k, v in item.items() if v is not None} if isinstance(item, dict) else item)
             for item in items]

@@ -1,15 +1,10 @@
 """Steering a session from outside: approvals, signals, pause and cancel, durable in the store.
 
-A control request is one create-only object under the session's prefix, so
-it is written by whoever steers (``Agent.signal``/``pause``/``cancel``,
-``Agent.resume(approvals=...)``, the ``loomray`` CLI), from any process,
-without a cluster::
-
-    sessions/{user or _}/{session}/control/
-        signal-{id}.json        a user message for the next pass boundary (one object per signal)
-        pause-{id}.json         stop at the next pass boundary (one object per request)
-        decision-{call}.json    approve or deny one tool call (create-only: the first decision wins)
-        cancel.json             the session is cancelled (sticky: every later run returns "cancelled")
+A control request is one create-only object under the session's
+``control/`` prefix (``signal-{id}``, ``pause-{id}``, ``decision-{call}``,
+``cancel``: docs/design.md, "Object layout"), so it is written by whoever
+steers (``Agent.signal``/``pause``/``cancel``, ``Agent.resume(approvals=...)``,
+the ``loomray`` CLI), from any process, without a cluster.
 
 Exactly once. The loop consumes a request at a defined point of the run (a
 signal or a pause at a pass boundary, a decision before its tool call) and

@@ -43,8 +43,6 @@ class SessionControls:
         self._inflight = inflight
         self._bodies: dict[str, dict[str, Any]] = {}
         self._queue: list[str] = []  # consumed by this run, deleted once provably durable
-        #: LIST calls made (the per-pass cost, for tests and benches).
-        self.lists = 0
 
     @property
     def cancel_requested(self) -> bool:
@@ -57,7 +55,6 @@ class SessionControls:
     def _look(self) -> tuple[ControlSnapshot, list[str]]:
         """One LIST and the GETs of requests not read yet (runs in a worker thread)."""
         prefix = layout.control_prefix(self.session_id, self.user_id)
-        self.lists += 1
         names = []
         for info in self.store.objects.list(prefix=prefix):
             if info.key.endswith(".json"):

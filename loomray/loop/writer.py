@@ -68,8 +68,6 @@ class CheckpointWriter:
         self._unacked: dict[str, Checkpoint] = {}
         #: The id of the last checkpoint acknowledged.
         self.last_ok_id: str | None = None
-        self.written = 0
-        self.bytes_written = 0
         #: How long the last upload and the loop's last model call took (s); None until measured.
         self.upload_s: float | None = None
         self.model_s: float | None = None
@@ -130,8 +128,6 @@ class CheckpointWriter:
             if ckpt is None:
                 continue
             self.last_ok_id = checkpoint_id
-            self.written += 1
-            self.bytes_written += size
             await self._event(ckpt, size, ok=True)
 
     async def _event(self, ckpt: Checkpoint, size: int, *, ok: bool, error: str | None = None) -> None:

@@ -55,7 +55,6 @@ class AnthropicModel(ProviderModel):
     extra = "anthropic"
     sdk_module = "anthropic"
     key_envs = ("ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN")
-    base_url_env = "ANTHROPIC_BASE_URL"
 
     def _make_client(self, sdk: Any, credential: tuple[str, str]) -> Any:
         source, value = credential

@@ -44,7 +44,6 @@ class OpenAIModel(ProviderModel):
     extra = "openai"
     sdk_module = "openai"
     key_envs = ("OPENAI_API_KEY",)
-    base_url_env = "OPENAI_BASE_URL"
 
     def _make_client(self, sdk: Any, credential: tuple[str, str]) -> Any:
         return sdk.AsyncOpenAI(

@@ -1,28 +1,11 @@
 """The cost of one model call: maintained prices, with local overrides.
 
-Prices come from ``genai-prices`` (pydantic's maintained price data): it knows
-when a price changed (a call is priced at the date it was made) and the
-long-context tiers some providers bill above a prompt size (for example above
-200k or 272k prompt tokens). Users override it model by model without
-touching code:
-
-- ``LOOMRAY_PRICES=/path/to/prices.json`` in the environment, and/or
-- ``prices=`` given to an adapter (or to ``resolve_model``): a path, a mapping
-  in the same format, or a :class:`PriceTable`.
-
-Later sources win per model: genai-prices < ``LOOMRAY_PRICES`` < ``prices=``.
-An override file is ``{"prices": {provider: {model: {"input": .., "output":
-.., "cache_read": .., "cache_write": ..}}}}`` in USD per million tokens.
-
-Token accounting convention (the same for every provider, and genai-prices'
-own): ``Usage.input_tokens`` counts *every* prompt token, cached or not;
-``cache_read_tokens`` and ``cache_write_tokens`` are the parts of it read from /
-written to the prompt cache.
-
-A model neither source knows costs ``None``: an unknown cost is never a guess.
-Every priced usage names where its price came from (``Usage.price_source``:
-``"genai-prices 0.2.3"`` or ``"override: <file or argument>"``), so a stored
-cost can be explained after prices change.
+Prices come from ``genai-prices`` (priced at the call's date, with
+long-context tiers); ``LOOMRAY_PRICES=/path/to/prices.json`` and ``prices=``
+override them model by model, later winning. An unknown model costs
+``None``, never a guess, and every priced usage names its price's source
+(``Usage.price_source``). The override format and the token accounting
+convention are in docs/providers.md ("Usage and cost").
 """
 
 from __future__ import annotations

@@ -42,8 +42,6 @@ class ProviderModel:
     sdk_module: str = ""
     #: Environment variables any one of which supplies the credential.
     key_envs: tuple[str, ...] = ()
-    #: Environment variable the SDK reads a base URL from.
-    base_url_env: str = ""
 
     def __init__(
         self,

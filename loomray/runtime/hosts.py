@@ -14,23 +14,13 @@ Ray actor per session costs a worker process (its memory, and its start on
 the session's path). A host pays that once for hundreds of sessions, and a fork becomes an
 activation on a warm host: no process start on its critical path.
 
-Isolation inside a host:
-
-- every activation runs in its own task; a failure in one (its tool raised,
-  its model failed, its lease was lost) ends that activation's outcome only;
-- sync tools and every store call run in threads (``asyncio.to_thread``),
-  and a host gives its event loop a large thread pool (:data:`HOST_THREADS`)
-  so a few slow blocking tools do not starve the others' I/O. CPU-heavy
-  tools still share the host's cores (and the GIL): give them their own
-  process (a Ray task from the tool, or ``placement="actor"``);
-- a host process that dies (its node, OOM) takes its sessions with it; the
-  supervisor reactivates each on surviving hosts from the store with a new
-  lease epoch, exactly as it restarts a session actor;
-- a host whose raylet dies stops its sessions at once, lets the writes under
-  way land and exits (:func:`~loomray.runtime.raylet_watch.watch_raylet`)
-  instead of running them on for the ~2 s a worker outlives its raylet: a
-  model call such a zombie makes and cannot journal before the takeover would
-  be made twice.
+Isolation inside a host: every activation runs in its own task, so a
+failure ends that activation's outcome only; sync tools and store calls run
+in a large thread pool (:data:`HOST_THREADS`), so a few slow blocking tools do
+not starve the others' I/O, but CPU-heavy tools share the host's cores (give
+them ``placement="actor"``). A host that dies takes its sessions with it and
+the supervisor reactivates them with a new epoch; one whose raylet dies stops
+them at once (docs/ray-notes.md, "Dense placement").
 
 An agent passed by value is unpickled once per activation (its own copy, as
 in a session actor); an agent reference is imported once per host and the

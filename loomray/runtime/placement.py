@@ -1,36 +1,15 @@
 """Where dense sessions run: the supervisor's pool of host actors and its placement rule.
 
-The pool lives in the supervisor. For each distinct set of host options (the
-runtime's ``actor_options``: resources, CPUs, scheduling strategy, runtime
-env) it keeps hosts on every node that can run them:
-
-- **Which nodes.** A node is eligible when its total resources cover what one
-  host asks for (``actor_options`` ``num_cpus``/``num_gpus``/``memory``/
-  ``resources``). Each eligible node gets ``hosts_per_node`` hosts (default:
-  one per CPU of the node, at least one), pinned with hard node affinity, so
-  sessions spread over nodes by construction. With a user
-  ``scheduling_strategy`` Ray places the hosts instead.
-- **Which host.** The least-loaded live host (sessions placed and not yet
-  collected), ties broken by the load of its node; a host still starting
-  counts :data:`STARTING_PENALTY` sessions busier, so a fork lands on a warm
-  host rather than wait for a process to start. A restarted session avoids
-  the node it was lost on when another node can take it. A reservation is
-  counted at once, so a burst of activations spreads instead of piling onto
-  the first host.
-- **Autoscaling.** Hosts are ordinary Ray actors with ordinary resource
-  requests: when every host is full (``sessions_per_host``) or no node is
-  eligible, the pool creates one more host without pinning it, which is a
-  pending resource demand the autoscaler acts on; a host left without
-  sessions for ``host_idle_s`` exits, so its node can be released; one that
-  holds a GPU or custom unit another session waits for exits at once
-  (:meth:`HostPool.make_room`). Nothing here starts or stops nodes.
-- **Loss.** A host whose call fails with ``ActorDiedError``, or whose node the
-  GCS reports dead, is dropped from the pool; its sessions' watchers
-  reactivate them elsewhere.
-
-After a supervisor restart the pool finds the hosts (named ``loomray/host/...``,
-detached) and their activations again, so live sessions are attached, not
-restarted.
+For each distinct set of host options (the runtime's ``actor_options``) the
+pool keeps ``hosts_per_node`` hosts, pinned, on every node whose totals cover
+one host; a session goes to the least-loaded live host (a host still starting
+counts :data:`STARTING_PENALTY` sessions busier; a restart avoids the node it
+was lost on). All hosts full or no node eligible: one more, unpinned host (a
+pending demand the autoscaler acts on); an idle host exits after
+``host_idle_s``, or at once when it holds a GPU or custom unit another session
+waits for (:meth:`HostPool.make_room`); a lost host is dropped and its
+sessions reactivated elsewhere; a restarted supervisor finds the hosts again.
+The rule in full, with its reasons: docs/ray-notes.md, "Dense placement".
 """
 
 from __future__ import annotations

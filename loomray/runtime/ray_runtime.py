@@ -88,39 +88,20 @@ def supervise(store_url: str, *, address: str | None = None, storage_options: di
 
 
 class RayRuntime(Runtime):
-    """Runs each session in its own Ray actor; checkpoints and journal live in ``store``.
+    """Runs each session in its own Ray actor, or many per host actor; checkpoints and journal live in ``store``.
 
-    ``store`` is a URL or path every node can reach (``s3://bucket/prefix`` with
-    ``storage_options`` such as ``endpoint_url``, ``key``, ``secret``).
+    ``store`` is a URL or path every node can reach (``storage_options`` such as
+    ``endpoint_url``, ``key``, ``secret``, ``sse`` go to the S3 backend);
     ``address`` is the cluster (default: ``RAY_ADDRESS``, else a local Ray).
-    ``actor_options`` go to each session actor's ``.options()`` (``num_cpus``,
-    ``resources``, ``scheduling_strategy``, ...). ``max_concurrent_forks``
-    bounds how many forks of one ``agent.fork`` run at once;
-    ``on_fork_progress`` is called with progress dicts meanwhile. Nothing
-    connects to Ray until the first run, so building an Agent with this
-    runtime is cheap anywhere.
-
-    ``placement="actor"`` (the default) runs each session in its own actor,
-    i.e. its own worker process: isolation, paid with a process start per
-    session (a fan-out waits for them). ``placement="dense"`` hosts sessions as
-    activations, many per host actor (:mod:`loomray.runtime.hosts`): same
-    identity, lease, journal, checkpoints, events and recovery, no process per
-    session; ``hosts_per_node`` (default one per CPU) and
-    ``sessions_per_host`` size the pool, and ``actor_options`` then apply to
-    each host actor. Fan-outs that must start fast want dense.
-
-    ``allowed_agents`` are agent references (``module:attr``, glob wildcards
-    allowed) a supervisor this runtime creates may import when it adopts a
-    session from the store; the references this runtime submits are added
-    (``self.config``), and nothing else is ever imported from the store.
-    ``storage_options`` include S3 server-side encryption (``sse``,
-    ``sse_kms_key_id``).
-
-    ``max_restarts_per_session`` bounds the starts charged to a session before it fails; a shared
-    host's crash is charged to none (:meth:`~loomray.runtime.watcher.SessionWatcher.after_death`).
-
-    Besides the ``Agent`` API: :meth:`submit` (fire and forget, by agent
-    reference), :meth:`wait`, :meth:`status`, :meth:`session`.
+    Nothing connects to Ray until the first run. ``placement="actor"`` (the
+    default) gives each session its own worker process (isolation, a process
+    start per session); ``placement="dense"`` hosts sessions as activations,
+    many per host actor (:mod:`loomray.runtime.hosts`), for fan-outs that must
+    start fast. ``actor_options`` go to each session (or host) actor;
+    ``allowed_agents`` are the agent references a supervisor it creates may
+    import. Every argument, and the methods beyond the ``Agent`` API
+    (:meth:`submit`, :meth:`wait`, :meth:`status`, :meth:`session`), is in
+    docs/api.md, "``RayRuntime``".
     """
 
     def __init__(self, store: str | os.PathLike[str], address: str | None = None, max_checkpoints_per_session: int = 20,

@@ -4,35 +4,14 @@ Every event a run emits (:mod:`loomray.events`) is also handed, in the process
 that executes the run (``loomray.session.execute_request``), to the observers
 registered here. With none registered that costs one function call.
 
-**Traces** (``pip install 'loomray[otel]'``): :func:`enable_tracing` registers
-an observer that turns each model call and tool call that really ran into an
-OpenTelemetry span with the GenAI semantic-convention attributes
-(``gen_ai.operation.name`` ``"chat"``/``"execute_tool"``,
-``gen_ai.request.model``, ``gen_ai.usage.input_tokens``/``output_tokens``,
-``gen_ai.tool.name``, ``gen_ai.tool.call.id``, ...) plus ``loomray.session_id``,
-``loomray.run_id``, ``loomray.epoch`` and ``loomray.turn``. A span opens at
-``model_call``/``tool_call`` and closes at the matching
-``model_response``/``tool_result`` (start and end are the events' times); its
-parent is the run's ``invoke_agent`` span (opened at ``run_start``, ended at
-``run_end``/``run_error``), itself a child of whatever span is current where
-the run was started. A step answered from the journal (``replayed=True``)
-emits no span, so a run re-issued after a crash traces each step once. A step
-still open when the run fails (``run_error``) ends with an error status; a step
-open when the process dies is never exported (nor is that run's span).
-
-**Metrics** (Ray): inside a Ray worker process (a session actor or a dense
-host) an observer feeding ``ray.util.metrics`` is registered automatically the
-first time a run emits an event (set ``LOOMRAY_RAY_METRICS=0`` to opt out;
-:func:`enable_metrics` registers it anywhere else, e.g. a driver running
-sessions in process). Ray exports them on each node's metrics port with a
-``ray_`` prefix (counters also get ``_total``): model calls, tokens, spend,
-tool calls, replayed steps, checkpoints written/failed, checkpoint bytes and
-latency, model and tool call durations, run stops by reason and lost leases,
-tagged with ``placement`` (``actor``/``dense``, else ``unknown``) and
-``store``. The supervisor reports restarts and active sessions with
-:func:`record_restart` and :func:`set_active_sessions`. Outside Ray,
-:func:`enable_otel_metrics` records the same series through OpenTelemetry's
-metrics API (:mod:`loomray.telemetry.metrics`).
+**Traces** (``pip install 'loomray[otel]'``): :func:`enable_tracing` turns
+each model call and tool call that really ran into an OpenTelemetry span
+(GenAI semantic conventions) under the run's ``invoke_agent`` span.
+**Metrics**: inside a Ray worker an observer feeding ``ray.util.metrics`` is
+registered on a run's first event (``LOOMRAY_RAY_METRICS=0`` opts out;
+:func:`enable_metrics` anywhere else); outside Ray :func:`enable_otel_metrics`
+records the same series through OpenTelemetry. The spans, their attributes,
+replays and crashes, and every metric are in docs/telemetry.md.
 
 Nothing here imports OpenTelemetry or Ray at module level: ``import loomray``
 works without either being importable.

@@ -178,14 +178,6 @@ def _filtered(table: pa.Table, q: ListQuery) -> pa.Table:
     return table if mask is None else table.filter(pc.fill_null(mask, False))
 
 
-def _with_latest_checkpoint(store: Store, row: SessionSummary) -> None:
-    """A running session's (or an old row's) turn and spend from its latest checkpoint, when it has one."""
-    latest = store.checkpoints.list(row.session_id, user_id=row.user_id, limit=1)
-    if latest:
-        row.turns, row.spend_usd = latest[0].turn, latest[0].cost_usd
-        row.last_activity = max(row.last_activity, latest[0].created_at)
-
-
 def list_sessions(store: Store, q: ListQuery, tables: TableCache | None = None) -> Page:
     """The page of sessions ``q`` asks for (see the module doc for what is read)."""
     sessions = _filtered(current_rows(store, q.user, tables), q)
@@ -198,6 +190,11 @@ def list_sessions(store: Store, q: ListQuery, tables: TableCache | None = None) 
     rows = [SessionSummary(session_id=r["session_id"], user_id=r["user_id"], status=r["status"], turns=r["turn"],
                            spend_usd=r["cost_usd"], last_activity=r["updated_at"], error=r["error"],
                            exploration_id=r["exploration_id"]) for r in page.to_pylist()]
+    # A running session's (or an old row's) turn and spend come from its latest checkpoint, when it has one.
     stale = [r for r in rows if r.status in _LIVE or r.turns is None]
-    store.index.map_io(lambda r: _with_latest_checkpoint(store, r), stale)
+    for row, latest in zip(stale, store.checkpoints.latest_of([(r.session_id, r.user_id) for r in stale]),
+                           strict=True):
+        if latest is not None:
+            row.turns, row.spend_usd = latest.turn, latest.cost_usd
+            row.last_activity = max(row.last_activity, latest.created_at)
     return Page(rows=rows, total=sessions.num_rows, query=q)

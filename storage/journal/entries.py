@@ -28,7 +28,7 @@ class JournalStore(Protocol):
     threads (to read many entries at once)."""
 
     objects: ObjectStore
-    index: ParquetIndex
+    _index: ParquetIndex
 
 
 #: Ranges of missing seqs a seal (or a lease note) names per run (see :func:`missing_ranges`).
@@ -174,7 +174,7 @@ def load_entries(store: JournalStore, keys: list[str]) -> dict[str, JournalEntry
 
     if not keys:
         return {}
-    entries = store.index.map(load, keys) if len(keys) > 2 else map(load, keys)
+    entries = store._index.map(load, keys) if len(keys) > 2 else map(load, keys)
     return {k: e for k, e in zip(keys, entries, strict=False) if e is not None}
 
 

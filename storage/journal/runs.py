@@ -114,7 +114,7 @@ def read_records(store: JournalStore, slots: list[tuple[int, str]], session_id: 
                   user_id: str | None) -> list[RunRecord | None]:
     if len(slots) <= 1:
         return [_read_record(store, key, n, session_id, user_id) for n, key in slots]
-    return list(store.index.map(lambda s: _read_record(store, s[1], s[0], session_id, user_id), slots))
+    return list(store._index.map(lambda s: _read_record(store, s[1], s[0], session_id, user_id), slots))
 
 
 def requests_held(store: JournalStore, slots: list[tuple[int, str]], session_id: str, user_id: str | None,

@@ -21,7 +21,7 @@ from loomray.models.scripted import count_calls
 from loomray.records import Message, Usage
 from loomray.storage import CheckpointInfo, layout
 from loomray.storage.rows import CHECKPOINT_SCHEMA, CheckpointRow, checkpoint_rows_from_table, checkpoint_rows_table
-from loomray.storage.testing import write_checkpoint
+from loomray.storage.testing import write_checkpoint, write_index_file
 
 PASSES = 4  # tool passes; one more pass gives the final answer
 tool_calls: dict[str, int] = {}
@@ -261,7 +261,7 @@ def test_an_old_index_file_still_lists(tmp_path):
         table = checkpoint_rows_table([old_row], tombstone=False, written_at=datetime.now(timezone.utc))
         old = table.drop_columns(["spend_usd"])
         assert old.schema != CHECKPOINT_SCHEMA and isinstance(old, pa.Table)
-        store.index.write(layout.index_partition(layout.CHECKPOINT_INDEX, "s", None), old, cache=False)
+        write_index_file(store, layout.index_partition(layout.CHECKPOINT_INDEX, "s", None), old)
         fresh = open_store(tmp_path / "d")  # no cached rows: reads the files as another process would
         try:
             listed = {r.checkpoint_id: r.spend_usd for r in fresh.checkpoints.list("s")}

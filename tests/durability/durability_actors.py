@@ -12,7 +12,7 @@ from datetime import datetime, timedelta, timezone
 
 from durability_explore import explorer
 from durability_moves import controller, corrupter, deleter, fork_resumer, forker, planter
-from durability_world import ReaderObs, World
+from durability_world import ReaderObs, World, close_readers
 
 from loomray.checkpoint_format import load_checkpoint
 from loomray.errors import LoomrayError
@@ -38,7 +38,7 @@ def compactor(world: World, name: str, rounds: int = 3, grace: float | None = No
                 outcome = f"{type(e).__name__}: {e}"
                 world.unexpected.append((name, traceback.format_exc()))
             world.compactions.append((name, start, world.faulty.call_count, outcome))
-        store.index.close()
+        close_readers(store)
     return fn
 
 def pruner(world: World, name: str, after_acks: int = 1, future: bool = False):
@@ -61,7 +61,7 @@ def pruner(world: World, name: str, after_acks: int = 1, future: bool = False):
             outcome = f"{type(e).__name__}: {e}"
             world.unexpected.append((name, traceback.format_exc()))
         world.prunes.append((name, start, world.faulty.call_count, before, outcome))
-        store.index.close()
+        close_readers(store)
     return fn
 
 def vandal(world: World, name: str):
@@ -110,7 +110,7 @@ def reader(world: World, name: str, rounds: int = 2):
                 obs.error = f"{type(e).__name__}: {e}"
             obs.end = world.faulty.call_count
             world.readers.append(obs)
-            store.index.close()
+            close_readers(store)
     return fn
 
 

@@ -43,7 +43,7 @@ from durability_index import check_index
 from durability_kinds import BUILDERS
 from durability_move_checks import check_moves
 from durability_views import check_views
-from durability_world import Spec, World
+from durability_world import Spec, World, close_readers
 
 from loomray.storage.faults import Fault, FaultPlan
 
@@ -198,7 +198,7 @@ def run_scenario(seed: int, kind: str, backend: str = "memory", *, s3_server: An
                 if v.invariant in ("acked-readable", "latest-epoch", "latest-fenced") and str(v) not in seen:
                     result.violations.append(Violation(v.invariant, f"after the final compaction: {v.detail}"))
             result.violations += _final_views(world, final)
-        final.index.close()
+        close_readers(final)
         result.calls = world.faulty.call_count
         result.injected = Counter(world.faulty.injected)
         result.summary = [f"note: {n}" for n in spec.notes] + [f"excused: {x}" for x in result.excused] + [

@@ -60,6 +60,14 @@ class _SerialPool:
         pass
 
 
+def close_readers(store: Store) -> None:
+    """Stop ``store``'s reader threads, leaving the shared faulty backend open for the other stores."""
+    try:
+        store.close(keep_objects=True)
+    except TypeError:  # a tree before that keyword: its index reader was a public attribute
+        store.index.close()
+
+
 def _untyped_storage_error(e: BaseException) -> BaseException | None:
     """A storage error in ``e``'s cause chain that no injected fault explains (a bare StorageError, a corrupt
     object, a missing key). Injected faults surface as TransientStorageError; fencing as LeaseLostError."""
@@ -232,7 +240,7 @@ class World:
 
     def close(self) -> None:
         for store in self.stores:
-            store.index.close()
+            close_readers(store)
         try:
             self.inner.close()
         finally:

@@ -75,7 +75,7 @@ def test_path01_cold_reader_racing_a_compaction_never_sees_an_empty_session(stor
     store.sessions.put(SessionRow("s1", None, "completed", T0 + timedelta(seconds=1)))
     newest = store.checkpoints.get("s1", "c2")
     reader = Store(store.objects, store.url)  # nothing cached: a restarted runtime, `loomray resume`, a new actor
-    real_list = reader.index.list_files
+    real_list = reader._index.list_files
     compactions = []
 
     def list_then_compact(prefix):
@@ -84,7 +84,7 @@ def test_path01_cold_reader_racing_a_compaction_never_sees_an_empty_session(stor
             compactions.append(store.compact())  # the supervisor's loop, or a `loomray compact` cron
         return keys
 
-    reader.index.list_files = list_then_compact  # type: ignore[method-assign]
+    reader._index.list_files = list_then_compact  # type: ignore[method-assign]
     if read == "latest":
         assert reader.checkpoints.get("s1") == newest
     elif read == "list":
@@ -102,7 +102,7 @@ def test_path01_retention_racing_a_cold_reader_never_hides_the_successor(store, 
     lease = store.leases.acquire("s1", owner="holder")
     put(store, "s1", "c0", turn=0, keep=1, lease=lease)
     reader = Store(store.objects, store.url)
-    real_list = reader.index.list_files
+    real_list = reader._index.list_files
     raced = []
 
     def list_then_write(prefix):
@@ -111,7 +111,7 @@ def test_path01_retention_racing_a_cold_reader_never_hides_the_successor(store, 
             raced.append(put(store, "s1", "c1", turn=1, keep=1, lease=lease))
         return keys
 
-    reader.index.list_files = list_then_write  # type: ignore[method-assign]
+    reader._index.list_files = list_then_write  # type: ignore[method-assign]
     if read == "latest":
         assert hashlib.sha256(reader.checkpoints.get("s1")).hexdigest() == raced[0].sha256
     else:  # c0's object goes with the writer's next flush: the list may still show it, after c1
@@ -459,7 +459,7 @@ def test_path04_repair_rewrites_the_lease_above_every_epoch_used(store):
 # -- path 9: two compactors ------------------------------------------------------------------------------------------
 
 def _index_rows(store: Store) -> list[tuple[str, bool]]:
-    _, table = store.index.read_prefix("index/checkpoints/", CHECKPOINT_SCHEMA, cache=False)
+    _, table = store._index.read_prefix("index/checkpoints/", CHECKPOINT_SCHEMA, cache=False)
     return sorted(zip(table["checkpoint_id"].to_pylist(), table["tombstone"].to_pylist(), strict=False))
 
 
@@ -468,7 +468,7 @@ def test_path09_two_compactors_never_resurrect_a_retired_row(store):
     put(store, "s1", "c2", turn=2, keep=0)
     a = Store(store.objects, store.url)  # the supervisor's compaction loop
     b = Store(store.objects, store.url)  # a `loomray compact` cron on another machine
-    real = a.index.read_files
+    real = a._index.read_files
     raced = []
 
     def read_then_race(keys, **kw):
@@ -479,7 +479,7 @@ def test_path09_two_compactors_never_resurrect_a_retired_row(store):
             raced.append(b.compact())
         return out
 
-    a.index.read_files = read_then_race  # type: ignore[method-assign]
+    a._index.read_files = read_then_race  # type: ignore[method-assign]
     a.compact()  # A writes its merged file (c1 included) after B is done
     assert raced and raced[0].tombstones_dropped == 1
     assert sorted(store.query()["checkpoint_id"].to_pylist()) == ["c2"]
@@ -508,7 +508,7 @@ def test_path09_a_compactor_whose_listed_files_vanished_abandons_the_partition(s
         put(store, "s1", f"c{i}", turn=i, keep=0)
     a = Store(store.objects, store.url)
     b = Store(store.objects, store.url)
-    real = a.index.read_files
+    real = a._index.read_files
     raced = []
 
     def read_one_at_a_time(keys, **kw):
@@ -519,7 +519,7 @@ def test_path09_a_compactor_whose_listed_files_vanished_abandons_the_partition(s
             out += real([key], **kw)
         return out
 
-    a.index.read_files = read_one_at_a_time  # type: ignore[method-assign]
+    a._index.read_files = read_one_at_a_time  # type: ignore[method-assign]
     a.compact()
     assert raced
     files = store.index_files()
@@ -532,18 +532,18 @@ def test_path09_a_compactor_lagging_past_half_the_grace_writes_nothing(store, mo
     put(store, "s1", "c2", turn=2, keep=0)
     clock = [1000.0]
     monkeypatch.setattr(maintenance_module, "_clock", lambda: clock[0], raising=False)
-    real = store.index.read_files
+    real = store._index.read_files
 
     def stalled_read(keys, **kw):
         out = real(keys, **kw)
         clock[0] += 31 * 60  # the compactor stalls for 31 minutes (GC pause, suspended VM)
         return out
 
-    store.index.read_files = stalled_read  # type: ignore[method-assign]
+    store._index.read_files = stalled_read  # type: ignore[method-assign]
     before = snapshot(store)
     store.compact()  # default grace one hour: a merge may land at most 30 minutes after its LIST
     assert snapshot(store) == before
-    store.index.read_files = real  # type: ignore[method-assign]
+    store._index.read_files = real  # type: ignore[method-assign]
     assert store.compact().files_after == 1
 
 
@@ -857,7 +857,7 @@ def test_review_r3_a_tombstone_stamped_by_a_slow_clock_survives_a_concurrent_com
     put(store, "s1", "c2", turn=2, keep=0)
     a = Store(store.objects, store.url)
     b = Store(store.objects, store.url)
-    real = a.index.read_files
+    real = a._index.read_files
     raced = []
 
     def read_then_race(keys, **kw):
@@ -869,7 +869,7 @@ def test_review_r3_a_tombstone_stamped_by_a_slow_clock_survives_a_concurrent_com
             raced.append(b.compact())
         return out
 
-    a.index.read_files = read_then_race  # type: ignore[method-assign]
+    a._index.read_files = read_then_race  # type: ignore[method-assign]
     a.compact()
     assert raced
     assert ("c1", True) in _index_rows(store)  # the tombstone outlived B's compaction
@@ -888,13 +888,13 @@ def test_review_r3_tombstones_old_by_the_store_and_the_writer_go(store, monkeypa
     store.compact()
     assert ("c0", True) in _index_rows(store)  # store's clock: seconds old, whatever written_at says
     put(store, "s2", "x", turn=1)
-    real = store.index.list_infos
+    real = store._index.list_infos
 
     def aged(prefix):  # the store wrote s1's files 2 h ago; s2's file (the store's "now") is fresh
         return [o if "session=s2" in o.key else replace(o, modified=o.modified - timedelta(hours=2))
                 for o in real(prefix)]
 
-    monkeypatch.setattr(store.index, "list_infos", aged)
+    monkeypatch.setattr(store._index, "list_infos", aged)
     store.compact()
     assert [r for r in _index_rows(store) if r[0].startswith("c")] == [("c2", False), ("c3", False)]
 
@@ -907,17 +907,17 @@ def test_review_r3_a_merge_that_lands_past_the_lag_limit_is_taken_back(store, mo
     put(store, "s1", "c2", turn=2, keep=0)
     clock = [1000.0]
     monkeypatch.setattr(maintenance_module, "_clock", lambda: clock[0], raising=False)
-    real = store.index.write
+    real = store._index.write
 
     def stalled_write(partition, table, **kw):
         clock[0] += 31 * 60  # after the lag check, before the PUT returns
         return real(partition, table, **kw)
 
-    store.index.write = stalled_write  # type: ignore[method-assign]
+    store._index.write = stalled_write  # type: ignore[method-assign]
     before = snapshot(store)
     store.compact()  # default grace one hour: a merge may land at most 30 minutes after its LIST
     assert snapshot(store) == before
-    store.index.write = real  # type: ignore[method-assign]
+    store._index.write = real  # type: ignore[method-assign]
     assert store.compact().files_after == 1
     assert sorted(store.query()["checkpoint_id"].to_pylist()) == ["c1", "c2"]
 

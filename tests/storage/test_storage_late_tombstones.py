@@ -68,7 +68,7 @@ def test_a_logs_tombstones_landing_after_a_takeovers_listing_are_ignored_by_ever
     cold.compact(tombstone_grace=timedelta(0))
     assert table_ids(cold) == ["c1", "c2", "c3", "c4"]
     # Compaction dropped the fenced writer's tombstones for good: no index file holds one any more.
-    _, index = cold.index.read_prefix(layout.index_partition(layout.CHECKPOINT_INDEX, "s1", None),
+    _, index = cold._index.read_prefix(layout.index_partition(layout.CHECKPOINT_INDEX, "s1", None),
                                       CHECKPOINT_SCHEMA, cache=False)
     assert not any(index["tombstone"].to_pylist())
     assert ids(Store(store.objects, "again").checkpoints.list("s1")) == ["c4", "c3", "c2", "c1"]

@@ -14,7 +14,7 @@ import pytest
 from loomray.storage import CheckpointInfo, SessionRow, open_store
 from loomray.storage.rows import session_rows_table
 from loomray.storage.session_table import read_session_table, read_session_tables, session_table_key
-from loomray.storage.testing import write_checkpoint
+from loomray.storage.testing import write_checkpoint, write_index_file
 
 T0 = datetime(2026, 12, 1, tzinfo=timezone.utc)
 
@@ -77,7 +77,7 @@ def test_a_forged_row_in_another_sessions_partition_never_reaches_the_table(stor
     forged = session_rows_table([SessionRow(session_id="victim", user_id="carol", status="cancelled",
                                             updated_at=T0 + timedelta(days=1), run_id="x", agent_ref=None,
                                             spec_json=None, epoch=9, node_id=None, error=None)])
-    store.index.write("index/sessions/user=carol/session=mallory/", forged)
+    write_index_file(store, "index/sessions/user=carol/session=mallory/", forged)
     store.compact()
     assert ("carol", "victim", "running") in _table_view(store)
     assert ("carol", "victim", "cancelled") not in _table_view(store)

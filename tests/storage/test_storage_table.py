@@ -201,7 +201,7 @@ def test_a_concurrent_compactor_never_resurrects_a_row_in_the_table(store):
     put(store, "s1", "c2", turn=2, keep=0)
     a = Store(store.objects, store.url)
     b = Store(store.objects, store.url)
-    real = a.index.read_files
+    real = a._index.read_files
     raced = []
 
     def read_then_race(keys, **kw):
@@ -211,7 +211,7 @@ def test_a_concurrent_compactor_never_resurrects_a_row_in_the_table(store):
             raced.append(b.compact())
         return out
 
-    a.index.read_files = read_then_race  # type: ignore[method-assign]
+    a._index.read_files = read_then_race  # type: ignore[method-assign]
     report = a.compact()
     assert raced and raced[0].table_users == 1
     assert report.table_skipped == 1 and report.table_users == 0  # B committed since A read the manifest
