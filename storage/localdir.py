@@ -86,19 +86,19 @@ class LocalObjectStore(ObjectStore):
                 os.fsync(f.fileno())
         return tmp
 
-    def _link_new(self, path: Path, data: bytes) -> bool:
-        """Write ``data`` to an unnamed file in ``path``'s directory and link it at ``path``; False when the system
-        has no unnamed files (then the caller uses a named temporary). Raises ``FileExistsError`` when ``path``
-        exists, ``FileNotFoundError`` when its directory does not."""
+    def _link_new(self, path: Path, data: bytes) -> str | None:
+        """Write ``data`` to an unnamed file in ``path``'s directory, link it at ``path`` and return its ETag; None
+        when the system has no unnamed files (then the caller uses a named temporary). Raises ``FileExistsError``
+        when ``path`` exists, ``FileNotFoundError`` when its directory does not."""
         if not _UNNAMED["ok"]:
-            return False
+            return None
         try:
             fd = os.open(path.parent, os.O_TMPFILE | os.O_WRONLY, 0o666)
         except (FileNotFoundError, NotADirectoryError):
             raise FileNotFoundError(path.parent) from None
         except OSError:  # the file system has no unnamed files (EOPNOTSUPP, EISDIR, EINVAL)
             _UNNAMED["ok"] = False
-            return False
+            return None
         try:
             with open(fd, "wb", closefd=False) as f:
                 f.write(data)
@@ -111,10 +111,11 @@ class LocalObjectStore(ObjectStore):
                 raise
             except OSError:  # no linkat through /proc here (a sandbox): named temporaries from now on
                 _UNNAMED["ok"] = False
-                return False
+                return None
+            # This very file's (a link changes neither its mtime nor its size), however soon it is replaced.
+            return _etag(os.fstat(fd))
         finally:
             os.close(fd)
-        return True
 
     def put(self, *, key: str, data: bytes, if_none_match: bool = False, if_match: str | None = None) -> str:
         path = self._path(key)
@@ -123,8 +124,9 @@ class LocalObjectStore(ObjectStore):
             try:
                 if if_match is None:
                     try:
-                        if self._link_new(path, data):
-                            return _etag(path.stat())
+                        etag = self._link_new(path, data)
+                        if etag is not None:
+                            return etag
                     except FileExistsError as e:
                         if if_none_match:
                             raise PreconditionFailed(f"{self.describe(key)} already exists (create-only put)") from e
@@ -176,9 +178,7 @@ class LocalObjectStore(ObjectStore):
     def list(self, *, prefix: str) -> Iterator[ObjectInfo]:
         base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         start = self.root / base if base else self.root
-        if not start.is_dir():
-            return
-        hits: list[ObjectInfo] = []
+        hits: list[ObjectInfo] = []  # os.walk of a missing directory (or a file) yields nothing
         for dirpath, dirnames, filenames in os.walk(start):
             rel_dir = os.path.relpath(dirpath, self.root)
             rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"
