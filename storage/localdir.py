@@ -21,9 +21,8 @@ target does not exist yet (a create-only put, and most plain ones: new index
 files, markers and checkpoints) writes an unnamed file in the target's
 directory and links it in place (``linkat``, which fails if the target
 exists): one directory entry made instead of three changes (the temporary's
-creation, the link or rename, its removal). Measured on ext4: about half the
-time of a put with a named temporary. A writer killed mid-write then leaves
-nothing behind. A plain put over an existing file, a compare-and-swap put, and
+creation, the link or rename, its removal; docs/benchmarks.md has the
+figures). A writer killed mid-write then leaves nothing behind. A plain put over an existing file, a compare-and-swap put, and
 any system without it use the named temporary.
 """
 
