@@ -24,6 +24,7 @@ from loomray.records import Checkpoint, Message, Usage
 from loomray.session_store import SessionStore
 from loomray.storage.chains import MAX_LINKS, compress, expand, extend, ref_of
 from loomray.storage.errors import InvalidIdError, StorageError
+from loomray.storage.tails import Snapshot
 
 SCHEMA_VERSION_V2 = "2.0"
 #: Links a chain may reach before a full snapshot starts a new one (``CheckpointConfig.full_every``).
@@ -213,7 +214,8 @@ def _checkpoint(doc: dict[str, Any], transcript: list[Message]) -> Checkpoint:
 
 
 def load_checkpoint(store: SessionStore, session_id: str, checkpoint_id: str = "latest", *,
-                    user_id: str | None = None, pinned_for: str | None = None) -> Checkpoint | None:
+                    user_id: str | None = None, pinned_for: str | None = None,
+                    snapshot: Snapshot | None = None) -> Checkpoint | None:
     """Read, put together and validate one checkpoint from ``store``; None when it
     does not exist. The result carries its chain (a run restoring it builds on it).
 
@@ -222,10 +224,13 @@ def load_checkpoint(store: SessionStore, session_id: str, checkpoint_id: str = "
     broken chain, an unknown schema version, invalid data, or a storage error
     (kept as ``__cause__``). An invalid id is the caller's mistake and stays a
     ``ValueError`` (``InvalidIdError``). ``pinned_for``: the fork reading its
-    fork point, which its pin keeps readable after the parent retired its row.
+    fork point, which its pin keeps readable after the parent retired its row. ``snapshot``: a look at the
+    session taken already (the pin's), read first (``store.checkpoints.get_chain``).
     """
     try:
-        pinned = {"pinned_for": pinned_for} if pinned_for is not None else {}
+        pinned: dict[str, Any] = {"pinned_for": pinned_for} if pinned_for is not None else {}
+        if snapshot is not None:
+            pinned["snapshot"] = snapshot
         objects = store.checkpoints.get_chain(session_id, checkpoint_id, user_id=user_id, **pinned)
     except InvalidIdError:
         raise

@@ -20,6 +20,7 @@ from loomray.storage.journal import JournalRun, Listing
 from loomray.storage.leases import LeaseNote
 from loomray.storage.objects import ObjectStore
 from loomray.storage.rows import CheckpointRow, JournalEntry, Lease, RunRecord, SessionRow
+from loomray.storage.tails import Snapshot
 
 
 class CheckpointStore(Protocol):
@@ -30,10 +31,13 @@ class CheckpointStore(Protocol):
     def get(self, session_id: str, checkpoint_id: str = "latest", *, user_id: str | None = None) -> bytes | None: ...
 
     def get_chain(self, session_id: str, checkpoint_id: str = "latest", *, user_id: str | None = None,
-                  pinned_for: str | None = None) -> builtins.list[bytes] | None: ...
+                  pinned_for: str | None = None, snapshot: Snapshot | None = None) -> builtins.list[bytes] | None: ...
 
     def pin(self, session_id: str, checkpoint_id: str, *, user_id: str | None = None,
             dependent: str) -> tuple[str, ...]: ...
+
+    def pin_and_look(self, session_id: str, checkpoint_id: str, *, user_id: str | None = None,
+                     dependent: str) -> tuple[tuple[str, ...], Snapshot | None]: ...
 
     def list(self, session_id: str, *, user_id: str | None = None,
              limit: int | None = 50) -> builtins.list[CheckpointRow]: ...

@@ -129,15 +129,19 @@ def _load(store: SessionStore, ref: CheckpointRef | None, user_id: str | None,
     if ref is None:
         return None
     pinned = for_session if ref.session_id != for_session and ref.checkpoint_id != "latest" else None
+    look = None
     if pinned is not None:
         try:
-            store.checkpoints.pin(ref.session_id, ref.checkpoint_id, user_id=user_id, dependent=pinned)
+            # The look that found the fork point live after the pin landed is the one it is read from.
+            _, look = store.checkpoints.pin_and_look(ref.session_id, ref.checkpoint_id, user_id=user_id,
+                                                     dependent=pinned)
         except ObjectNotFound:
             return None  # retired meanwhile: the fork finds no checkpoint to start from
         except StorageError as e:
             raise CheckpointException(f"checkpoint {ref.checkpoint_id!r} of session {ref.session_id!r} could not "
                                       f"be pinned for fork {for_session!r}: {e}") from e
-    return load_checkpoint(store, ref.session_id, ref.checkpoint_id, user_id=user_id, pinned_for=pinned)
+    return load_checkpoint(store, ref.session_id, ref.checkpoint_id, user_id=user_id, pinned_for=pinned,
+                           snapshot=look)
 
 
 def _record_run(store: SessionStore, plan: RunPlan, epoch: int) -> None:

@@ -199,25 +199,30 @@ class CheckpointReads:
         return None if found is None else found[-1]
 
     def get_chain(self, session_id: str, checkpoint_id: str = "latest", *,
-                  user_id: str | None = None, pinned_for: str | None = None) -> builtins.list[bytes] | None:
+                  user_id: str | None = None, pinned_for: str | None = None,
+                  snapshot: Snapshot | None = None) -> builtins.list[bytes] | None:
         """The objects a checkpoint is read from, oldest first: its chain's (``CheckpointRow.chain``, fetched in
         parallel), then its own; each verified. Like :meth:`get` otherwise, except that "latest"
         also skips a checkpoint whose chain is broken (an object missing or corrupt).
 
         ``pinned_for``: the fork session reading its fork point. A fork point
         whose row the parent retired since is still found while that fork's
-        pin holds it (rule 4 of :mod:`storage.visibility`)."""
-        return self._resolve(session_id, checkpoint_id, user_id, chain=True, pinned_for=pinned_for)
+        pin holds it (rule 4 of :mod:`storage.visibility`). ``snapshot``: a
+        look at the session this reader took already (:meth:`pin` returns the
+        one it took after the pin landed), read first instead of a new one; a
+        row whose object it does not find sends the reader to a fresh LIST,
+        as always."""
+        return self._resolve(session_id, checkpoint_id, user_id, chain=True, pinned_for=pinned_for, first=snapshot)
 
     def _resolve(self, session_id: str, checkpoint_id: str, user_id: str | None, *, chain: bool,
-                 pinned_for: str | None = None) -> builtins.list[bytes] | None:
+                 pinned_for: str | None = None, first: Snapshot | None = None) -> builtins.list[bytes] | None:
         if checkpoint_id != "latest":
             layout.checkpoint_key(session_id, user_id, checkpoint_id)  # validates the id
         read = _Reading(session_id, checkpoint_id)
         deadline = backoff.clock() + READ_TIMEOUT
         attempt = 0
         while True:
-            snap = self._tails.snapshot(session_id, user_id)
+            snap = first if first is not None and attempt == 0 else self._tails.snapshot(session_id, user_id)
             if checkpoint_id == "latest":
                 candidates = sorted(snap.live.values(), key=lambda r: r.order, reverse=True)
             elif pinned_for is not None:

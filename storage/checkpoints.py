@@ -51,7 +51,7 @@ class Checkpoints(CheckpointReads):
         return CheckpointLog(self._rows, self._leases, lease, keep=keep, batch=batch)
 
     def pin(self, session_id: str, checkpoint_id: str, *, user_id: str | None = None,
-                       dependent: str) -> tuple[str, ...]:
+            dependent: str) -> tuple[str, ...]:
         """Pin checkpoint ``checkpoint_id`` of ``session_id`` and its chain for session ``dependent`` (a fork of
         the same user that will build on them); returns the chain ``dependent``'s first checkpoint names.
 
@@ -59,6 +59,13 @@ class Checkpoints(CheckpointReads):
         live, so a collector either sees the pin or the fork never starts from it (docs/contracts.md,
         :mod:`storage.chains`).
         """
+        return self.pin_and_look(session_id, checkpoint_id, user_id=user_id, dependent=dependent)[0]
+
+    def pin_and_look(self, session_id: str, checkpoint_id: str, *, user_id: str | None = None,
+                     dependent: str) -> tuple[tuple[str, ...], Snapshot | None]:
+        """:meth:`pin`, and the look at ``session_id`` that found the checkpoint live after the pins landed (None
+        when ``dependent``'s pin held it already: no look was needed). A fork reads its fork point from that
+        look (``get_chain(..., snapshot=...)``) instead of listing the parent a third time."""
         validate_id(dependent, "session_id")
         snap = self._tails.snapshot(session_id, user_id)
         row = snap.live.get(checkpoint_id)
@@ -76,13 +83,14 @@ class Checkpoints(CheckpointReads):
         for sid, ids in needs.items():
             if sid != dependent:
                 pins.write(sid, user_id, dependent, ids)
-        if not held and checkpoint_id not in self._tails.snapshot(session_id, user_id).live:
+        after = None if held else self._tails.snapshot(session_id, user_id)
+        if after is not None and checkpoint_id not in after.live:
             for sid in needs:
                 if sid != dependent:
                     pins.release(sid, user_id, dependent)
             raise ObjectNotFound(f"session {session_id!r}: checkpoint {checkpoint_id!r} was retired while it was "
                                  "being pinned")
-        return chains.compress(chains.ref_of(sid, cid, dependent) for sid, cid in links)
+        return chains.compress(chains.ref_of(sid, cid, dependent) for sid, cid in links), after
 
     def quarantine(self, session_id: str, checkpoint_id: str, *, user_id: str | None = None) -> str | None:
         """Move a checkpoint (typically a corrupt one) aside to ``quarantine/{id}.json``, delete it and retire its

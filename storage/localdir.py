@@ -15,6 +15,15 @@ about a third of a dense host's busy time when 64 forks started at once);
 next to the target, writers of different sessions touch different
 directories. A writer killed mid-write leaves its temporary behind: listings
 never show it, and it keeps its (otherwise emptied) directory in place.
+
+Where the system allows it (Linux ``O_TMPFILE``, with ``/proc``), a put whose
+target does not exist yet (a create-only put, and most plain ones: new index
+files, markers and checkpoints) writes an unnamed file in the target's
+directory and links it in place (``linkat``, which fails if the target
+exists): one directory entry made instead of three changes (the temporary's
+creation, the link or rename, its removal; docs/benchmarks.md has the
+figures). A writer killed mid-write then leaves nothing behind. A plain put over an existing file, a compare-and-swap put, and
+any system without it use the named temporary.
 """
 
 from __future__ import annotations
@@ -35,6 +44,15 @@ from .objects import ObjectInfo, ObjectStore, StoredObject
 _TMP = ".tmp"
 #: The name prefix of a temporary file (``%`` never occurs in an id, see :func:`storage.ids.validate_id`).
 _TMP_PREFIX = "%tmp-"
+#: Unnamed temporaries (Linux); cleared for the process when the system refuses one.
+_UNNAMED = {"ok": hasattr(os, "O_TMPFILE") and os.path.isdir("/proc/self/fd")}
+_slash: list[int] = []  # a directory fd (any: the path is absolute) makes os.link use linkat, which follows /proc
+
+
+def _dir_fd() -> int:
+    if not _slash:
+        _slash.append(os.open("/", os.O_RDONLY))  # racing threads may open two; one stays unused
+    return _slash[0]
 
 
 def _etag(st: os.stat_result) -> str:
@@ -67,11 +85,50 @@ class LocalObjectStore(ObjectStore):
                 os.fsync(f.fileno())
         return tmp
 
+    def _link_new(self, path: Path, data: bytes) -> str | None:
+        """Write ``data`` to an unnamed file in ``path``'s directory, link it at ``path`` and return its ETag; None
+        when the system has no unnamed files (then the caller uses a named temporary). Raises ``FileExistsError``
+        when ``path`` exists, ``FileNotFoundError`` when its directory does not."""
+        if not _UNNAMED["ok"]:
+            return None
+        try:
+            fd = os.open(path.parent, os.O_TMPFILE | os.O_WRONLY, 0o666)
+        except (FileNotFoundError, NotADirectoryError):
+            raise FileNotFoundError(path.parent) from None
+        except OSError:  # the file system has no unnamed files (EOPNOTSUPP, EISDIR, EINVAL)
+            _UNNAMED["ok"] = False
+            return None
+        try:
+            with open(fd, "wb", closefd=False) as f:
+                f.write(data)
+                if self._fsync:
+                    f.flush()
+                    os.fsync(fd)
+            try:
+                os.link(f"/proc/self/fd/{fd}", path, src_dir_fd=_dir_fd())
+            except (FileExistsError, FileNotFoundError):
+                raise
+            except OSError:  # no linkat through /proc here (a sandbox): named temporaries from now on
+                _UNNAMED["ok"] = False
+                return None
+            # This very file's (a link changes neither its mtime nor its size), however soon it is replaced.
+            return _etag(os.fstat(fd))
+        finally:
+            os.close(fd)
+
     def put(self, *, key: str, data: bytes, if_none_match: bool = False, if_match: str | None = None) -> str:
         path = self._path(key)
         for attempt in range(3):
             tmp = None
             try:
+                if if_match is None:
+                    try:
+                        etag = self._link_new(path, data)
+                        if etag is not None:
+                            return etag
+                    except FileExistsError as e:
+                        if if_none_match:
+                            raise PreconditionFailed(f"{self.describe(key)} already exists (create-only put)") from e
                 tmp = self._write_tmp(path, data)
                 return self._publish(path, tmp, key, if_none_match, if_match)
             except FileNotFoundError:
@@ -120,9 +177,7 @@ class LocalObjectStore(ObjectStore):
     def list(self, *, prefix: str) -> Iterator[ObjectInfo]:
         base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         start = self.root / base if base else self.root
-        if not start.is_dir():
-            return
-        hits: list[ObjectInfo] = []
+        hits: list[ObjectInfo] = []  # os.walk of a missing directory (or a file) yields nothing
         for dirpath, dirnames, filenames in os.walk(start):
             rel_dir = os.path.relpath(dirpath, self.root)
             rel_dir = "" if rel_dir == "." else rel_dir.replace(os.sep, "/") + "/"

@@ -87,9 +87,9 @@ async def _run_rounds(ctx: Context, variants: Variants, rounds: int, live: dict[
     plan = ctx.docs["plan"]
     parents: list[Branch] = []
     for number in range(1, rounds + 1):
-        plans = await _round_plan(ctx, number, variants, parents, plan)
+        plans, fresh = await _round_plan(ctx, number, variants, parents, plan)
         live.update((p.session_id, p.variant) for p in plans)
-        run = RoundRun(ctx, number, plans)
+        run = RoundRun(ctx, number, plans, fresh=fresh)
         await run.run()
         if run.stop_reason is not None or "budget" in ctx.docs:
             return
@@ -103,15 +103,16 @@ async def _run_rounds(ctx: Context, variants: Variants, rounds: int, live: dict[
 
 
 async def _round_plan(ctx: Context, number: int, variants: Variants, parents: list[Branch],
-                      plan: dict[str, Any]) -> list[BranchPlan]:
-    """The round's branches: stored once; a continuation rebuilds the same (its variants must match)."""
+                      plan: dict[str, Any]) -> tuple[list[BranchPlan], bool]:
+    """The round's branches: stored once; a continuation rebuilds the same (its variants must match). Also
+    whether this call stored the plan: then no branch of the round can have started before it."""
     chosen = list(variants(number, list(parents)) if callable(variants) else variants)
     if not all(isinstance(v, Variant) for v in chosen):
         raise TypeError(f"variants for round {number} must be loomray.Variant values")
     for v in chosen:  # a tool name the agent lacks, a model that does not resolve: refused before any fork
         variant_agent(ctx.agent, v)
     name = f"r{number:03d}-plan"
-    stored = ctx.docs.get(name)
+    stored, planned_at = ctx.docs.get(name), None
     if stored is None:
         forks = [(plan["session_id"], plan["resolved_checkpoint"], plan["base_cost"], plan["base_turn"])]
         if number > 1:
@@ -119,13 +120,16 @@ async def _round_plan(ctx: Context, number: int, variants: Variants, parents: li
         branches = [{"session_id": f"{ctx.exploration_id}-r{number}-{i:03d}", "parent": parent,
                      "from_checkpoint": ckpt, "base_cost": cost, "base_turn": turn, "variant": variant_doc(v)}
                     for i, ((parent, ckpt, cost, turn), v) in enumerate((f, v) for f in forks for v in chosen)]
-        stored = await ctx.put(name, {"branches": branches, "planned_at": time.time()})
+        planned_at = time.time()
+        stored = await ctx.put(name, {"branches": branches, "planned_at": planned_at})
     docs = [variant_doc(v) for v in chosen]
     planned = stored["branches"]
     if [b["variant"] for b in planned[:len(docs)]] != docs or len(planned) % max(len(docs), 1):
         raise ValueError(f"exploration {ctx.exploration_id}: round {number}'s variants differ from the stored plan")
+    # The plan is ours when the create-only put stored our document (another driver's has its own time).
+    fresh = planned_at is not None and stored.get("planned_at") == planned_at
     return [BranchPlan(b["session_id"], b["parent"], b["from_checkpoint"], chosen[i % len(chosen)], b["base_cost"],
-                       b["base_turn"]) for i, b in enumerate(planned)]
+                       b["base_turn"]) for i, b in enumerate(planned)], fresh
 
 
 async def _fork_point(agent: Agent, session_id: str, checkpoint_id: str, user_id: str | None) -> tuple[str, int, float]:

@@ -11,6 +11,7 @@ scores and decisions are reused.
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,8 +37,10 @@ class _Live:
 class RoundRun:
     """Runs round ``number`` of the exploration in ``ctx`` over the branches ``plans``."""
 
-    def __init__(self, ctx: Context, number: int, plans: list[BranchPlan]) -> None:
+    def __init__(self, ctx: Context, number: int, plans: list[BranchPlan], *, fresh: bool = False) -> None:
         self.ctx, self.number = ctx, number
+        #: This process stored the round's plan just now: none of its branches has started yet.
+        self.fresh = fresh
         self.live = [_Live(p, Branch(session_id=p.session_id, variant=p.variant, round=number, parent=p.parent))
                      for p in plans]
         self.stop_reason: str | None = None
@@ -49,9 +52,9 @@ class RoundRun:
 
     async def run(self) -> list[Branch]:
         """Run the round to its end (or the budget's) and return its branches as they ended."""
-        for live in self.live:
-            self._restore(live)
-        await asyncio.gather(*(self._look(lv) for lv in self.live if not lv.done))
+        self._restore()
+        if not self.fresh:  # a round planned before (a dead driver's): its branches may have run, even finished
+            await asyncio.gather(*(self._look(lv) for lv in self.live if not lv.done))
         await self._check_budget()
         pending = [lv for lv in self.live if not lv.done and self.name("stop", lv) not in self.ctx.docs]
         if pending:
@@ -65,17 +68,23 @@ class RoundRun:
                 await self._end(live, None)
         return [lv.branch for lv in self.live]
 
-    def _restore(self, live: _Live) -> None:
-        """What the record already says about ``live``: its rung scores, and how it ended."""
+    def _restore(self) -> None:
+        """What the record already says about each branch: its rung scores, and how it ended (one pass over the
+        record: a third round's record holds hundreds of documents)."""
+        by_id = {live.plan.session_id: live for live in self.live}
+        rung_score = re.compile(rf"r{self.number:03d}-score-(.+)-k(\d+)")
         for name, doc in self.ctx.docs.items():
-            if name.startswith(self.name("score", live, "k")):
-                live.rung_scores[int(name.rsplit("-k", 1)[1])] = doc["value"]
+            match = rung_score.fullmatch(name)
+            live = by_id.get(match.group(1)) if match is not None else None
+            if match is not None and live is not None:
+                live.rung_scores[int(match.group(2))] = doc["value"]
                 live.branch.interim.append((doc["turn"], doc["value"]))
-        _fill_rungs(live)
-        done = self.ctx.docs.get(self.name("done", live))
-        if done is not None:
-            _apply_done(live.branch, done, self.ctx.docs.get(self.name("score", live, "final")))
-            live.done = True
+        for live in self.live:
+            _fill_rungs(live)
+            done = self.ctx.docs.get(self.name("done", live))
+            if done is not None:
+                _apply_done(live.branch, done, self.ctx.docs.get(self.name("score", live, "final")))
+                live.done = True
 
     async def _watch(self, task: asyncio.Future[Any]) -> None:
         """Until ``task`` ends: look at each running branch, decide rungs, keep to the budget."""

@@ -250,9 +250,9 @@ class Supervisor:
             await active.clear(self._store, w.session_id, w.user_id)
             raise
         w.task = asyncio.get_running_loop().create_task(self._watcher.watch(w))
-        learn = asyncio.get_running_loop().create_task(self._learn_node(w, w.handle))
-        self._learning.add(learn)
-        learn.add_done_callback(self._learning.discard)
+        if w.last_node is None:  # an activation's node is its host's (set by the start); a session actor is asked
+            self._learning.add(learn := asyncio.get_running_loop().create_task(self._learn_node(w, w.handle)))
+            learn.add_done_callback(self._learning.discard)
 
     @staticmethod
     async def _learn_node(w: WatchedSession, handle: Any) -> None:

@@ -131,6 +131,9 @@ class SessionWatcher:
                                                           avoid_node=avoid_node, stream_events=w.stream_events)
             w.incarnation += 1
             w.host = activation.host_name
+            # Where a first incarnation runs: its host's node, which placement knows (asking the host for it is
+            # one more call per fork to a host busy starting the rest of a fan-out). A restart keeps the lost node.
+            w.last_node = w.last_node or activation.host.node_id
             return activation
         return await self._start_own_actor(w, config, avoid_node=avoid_node)
 

@@ -128,3 +128,19 @@ async def test_a_missing_fork_point_fails_before_any_fork_starts(counted):
         await agent.resume("x", session_id="s1", from_checkpoint="ckpt-none")
     assert [c.key for c in counted.objects.calls if c.op in ("put", "delete")] == []  # no fork session began
     assert not counted.reads()
+
+
+async def test_a_fork_reads_its_fork_point_from_the_look_that_checked_its_pin(counted):
+    """A fork's takeover lists the parent's checkpoints to pin the fork point, then again to see it still live
+    after the pin; the fork point is read from that second look, not from a third listing."""
+    agent = make_agent(counted.runtime)
+    await agent.run("task", session_id="s1")
+    point = (await agent.list_checkpoints("s1"))[1].checkpoint_id
+    counted.objects.calls.clear()
+    [fork] = await agent.fork("s1", from_checkpoint=point, prompts=["go on"])
+    assert fork.forked_from == "s1" and fork.stop_reason == "completed"
+    looks = [c.n for c in counted.objects.calls if c.op == "list" and c.key == "sessions/_/s1/checkpoints/"]
+    pinned = [c.n for c in counted.objects.calls if c.op == "put" and c.key.startswith("sessions/_/s1/pins/")]
+    assert len(pinned) == 1
+    # The driver's own look finding the fork point, the pin's look before it writes the pin, the one after.
+    assert len([n for n in looks if n < pinned[0]]) == 2 and len([n for n in looks if n > pinned[0]]) == 1, looks

@@ -189,3 +189,31 @@ def test_a_branch_runs_its_variants_instructions_and_stores_its_variant(base):
     assert base.get_checkpoint_sync("base").messages[0].content != "Be brief."
     runs = base.runtime.store.runs.list(branch)
     assert runs[0].request["variant"]["instructions"] == "Be brief."
+
+
+def test_a_round_planned_here_starts_its_branches_without_reading_them_first(base, monkeypatch):
+    """No branch of a round whose plan this driver just stored can have run: the round starts them at once
+    (reading 64 branches' checkpoints first was most of a driver's start of a round)."""
+    runtime, events = base.runtime, []
+    real_list, real_many = runtime.list_checkpoints, runtime.execute_many
+
+    async def list_checkpoints(session_id, **kwargs):
+        events.append(("look", session_id))
+        return await real_list(session_id, **kwargs)
+
+    async def execute_many(agents, requests, **kwargs):
+        events.append(("start", [r.session_id for r in requests]))
+        return await real_many(agents, requests, **kwargs)
+
+    monkeypatch.setattr(runtime, "list_checkpoints", list_checkpoints)
+    monkeypatch.setattr(runtime, "execute_many", execute_many)
+    result = base.explore_sync("base", variants=[variant("a", 0.2, 1), variant("b", 0.5, 0)], judge=judge, rounds=2,
+                               keep=1)
+    assert result.stop_reason == "completed" and len(result.branches) == 4
+    starts = [i for i, (kind, _) in enumerate(events) if kind == "start"]
+    assert len(starts) == 2
+    for i in starts:
+        started = set(events[i][1])
+        assert not [sid for kind, sid in events[:i] if kind == "look" and sid in started], events[:i]
+    # Once started, each branch is read (how it ended) by the round that ran it.
+    assert {sid for kind, sid in events if kind == "look"} == {b.session_id for b in result.branches}

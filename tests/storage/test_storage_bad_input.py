@@ -114,3 +114,33 @@ def test_local_temporaries_are_never_listed_nor_named(tmp_path):
     with pytest.raises(StorageError, match="outside the root"):
         objects.put(key="sessions/_/s1/%tmp-0123", data=b"x")
     assert (tmp_path / "sessions" / "_" / "s1" / "%tmp-0123").read_bytes() == b"half"
+
+
+@pytest.mark.parametrize("unnamed", [True, False], ids=["unnamed-temporaries", "named-temporaries"])
+def test_local_puts_mean_the_same_with_or_without_unnamed_temporaries(tmp_path, monkeypatch, unnamed):
+    """A put through an unnamed file linked in place (Linux) and one through a named temporary (elsewhere, or a
+    plain put over an existing file) publish whole files with the same preconditions and leave nothing else."""
+    from loomray.storage import localdir
+    from loomray.storage.errors import PreconditionFailed
+
+    if unnamed and not localdir._UNNAMED["ok"]:
+        pytest.skip("no unnamed temporaries on this system")
+    monkeypatch.setitem(localdir._UNNAMED, "ok", unnamed)
+    objects = localdir.LocalObjectStore(tmp_path)
+    first = objects.put(key="a/b/c.json", data=b"one", if_none_match=True)  # its directories are made on the way
+    with pytest.raises(PreconditionFailed):
+        objects.put(key="a/b/c.json", data=b"two", if_none_match=True)
+    assert (objects.get(key="a/b/c.json").data, objects.get(key="a/b/c.json").etag) == (b"one", first)
+    second = objects.put(key="a/b/c.json", data=b"three")  # a plain put replaces
+    assert second != first and objects.get(key="a/b/c.json").data == b"three"
+    objects.put(key="a/b/d.json", data=b"four")
+    with pytest.raises(PreconditionFailed):
+        objects.put(key="a/b/c.json", data=b"x", if_match=first)
+    objects.put(key="a/b/c.json", data=b"five", if_match=second)
+    assert [(o.key, objects.get(key=o.key).data) for o in objects.list(prefix="a/")] == [
+        ("a/b/c.json", b"five"), ("a/b/d.json", b"four")]
+    assert sorted(p.name for p in (tmp_path / "a" / "b").iterdir()) == ["c.json", "d.json"]  # no temporary left
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "a" / "b" / "d.json").stat().st_mode & 0o777 == 0o666 & ~umask
+    assert localdir._UNNAMED["ok"] is unnamed  # the unnamed path did not turn itself off on this system
