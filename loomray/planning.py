@@ -215,6 +215,11 @@ class RunPlan:
         return final_result(self.restored, self.run_id)
 
 
+def cancelled_result(session_id: str, user_id: str | None, run_id: str | None = None) -> RunResult:
+    """The result of a run that a cancel stopped (or kept from starting): no output, ``stop_reason="cancelled"``."""
+    return RunResult(output="", session_id=session_id, user_id=user_id, run_id=run_id, stop_reason="cancelled")
+
+
 def final_result(ckpt: Checkpoint, run_id: str | None) -> RunResult:
     """The result of run ``run_id``, read back from its final checkpoint ``ckpt``."""
     return RunResult(output=ckpt.messages[-1].content if ckpt.messages else "", messages=list(ckpt.messages),

@@ -41,7 +41,7 @@ from loomray.fencing import fence_session, take_lease
 from loomray.ids import new_id, new_segment, segment_id
 from loomray.journal import StepRunner
 from loomray.loop import CheckpointWriter, LoopOptions, run_loop
-from loomray.planning import RunPlan
+from loomray.planning import RunPlan, cancelled_result
 from loomray.records import Checkpoint, RunResult, utcnow
 from loomray.run_errors import index_error, record_error
 from loomray.run_request import RunRequest
@@ -88,7 +88,7 @@ async def execute_request(
     handle = control.register(store, sid, uid)
     try:
         if handle.cancel_requested or await asyncio.to_thread(control.is_cancelled, store, sid, uid):
-            return _cancelled_result(request)
+            return cancelled_result(request.session_id, request.user_id)
         lease, fence = await asyncio.to_thread(take_lease, store, request, owner or _owner())
         plan = await asyncio.to_thread(plan_takeover, store, request, lease, fence, _new_run_id)
         # A fork of a variant runs the variant's agent: the driver's copy, else rebuilt from the stored request.
@@ -107,11 +107,6 @@ def _new_run_id() -> str:
 
 def _owner() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
-
-
-def _cancelled_result(request: RunRequest, run_id: str | None = None) -> RunResult:
-    return RunResult(output="", session_id=request.session_id, user_id=request.user_id, run_id=run_id,
-                     stop_reason="cancelled")
 
 
 async def _cancelled(store: SessionStore, sid: str, uid: str | None) -> bool:
@@ -193,7 +188,7 @@ class _SessionRun:
                                                                  self.request.user_id):
                 # Fenced by the cancel itself (loomray cancel takes the lease): the run ends as cancelled.
                 await self.inflight.drain()
-                return _cancelled_result(self.request, self.plan.run_id)
+                return cancelled_result(self.request.session_id, self.request.user_id, self.plan.run_id)
             raise  # fenced: a newer incarnation owns the session and its status rows
         except BaseException as e:
             if self.handle.cancel_requested and isinstance(e, (Exception, asyncio.CancelledError)):
@@ -201,7 +196,7 @@ class _SessionRun:
                 await self.status("cancelled")
                 if isinstance(e, asyncio.CancelledError):
                     raise
-                return _cancelled_result(self.request, self.plan.run_id)
+                return cancelled_result(self.request.session_id, self.request.user_id, self.plan.run_id)
             # The index is read across users: it gets the error's type only; the text stays with the session.
             await asyncio.to_thread(record_error, self.store, self.request.session_id, self.request.user_id,
                                     self.plan.run_id, e)
@@ -241,7 +236,7 @@ class _SessionRun:
             if not (loop_task.cancelled() and self.handle.cancel_requested and me is not None
                     and not _cancel_pending(me)):
                 raise
-            return _cancelled_result(self.request, self.plan.run_id)  # cancelled before its first step
+            return cancelled_result(self.request.session_id, self.request.user_id, self.plan.run_id)  # cancelled before its first step
         finally:
             self.handle.task = None
 

@@ -31,7 +31,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from loomray.checkpoint_format import load_checkpoint
 from loomray.errors import LoomrayRunError, LoomrayUserError
-from loomray.planning import final_result
+from loomray.planning import cancelled_result, final_result
 from loomray.records import RunResult
 from loomray.runtime.connection import NAMESPACE
 from loomray.runtime.stored_options import REDACTED, without_secrets
@@ -327,8 +327,7 @@ def ended_result(store: SessionStore, session_id: str, user_id: str | None) -> R
     if row is None or row.status not in ("completed", "cancelled"):
         return None
     if row.status == "cancelled":
-        return RunResult(output="", session_id=session_id, user_id=user_id, run_id=row.run_id,
-                         stop_reason="cancelled")
+        return cancelled_result(session_id, user_id, row.run_id)
     ckpt = load_checkpoint(store, session_id, user_id=user_id)
     return None if ckpt is None else final_result(ckpt, row.run_id)
 

@@ -39,7 +39,7 @@ import ray
 from ray import cloudpickle
 
 from loomray import control
-from loomray.records import RunResult
+from loomray.planning import cancelled_result
 from loomray.runtime.actors import (
     NAMESPACE,
     AgentSpec,
@@ -148,8 +148,7 @@ class SessionActor:
         except asyncio.CancelledError:
             # Only a cancel of this session stops the task here (a lost node's stop never answers): the run
             # ends as every cancelled run does, with a result saying so, not as a failure of the caller's wait.
-            cancelled = RunResult(output="", session_id=self._request.session_id, user_id=self._request.user_id,
-                                  run_id=self._request.run_id, stop_reason="cancelled")
+            cancelled = cancelled_result(self._request.session_id, self._request.user_id, self._request.run_id)
             outcome = Outcome(status="completed", result_json=cancelled.model_dump_json(), stop_reason="cancelled",
                               node_id=self._node_id)
         except Exception as e:  # the run's own failure: reported, never retried (it would fail again)
