@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from types import TracebackType
-from typing import TypeVar
+from typing import IO, TypeVar
 
 import click
 from rich.progress import BarColumn, Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
@@ -23,20 +23,16 @@ progress_option = click.option(
     help="Report progress on stderr even when it is not a terminal (on a terminal it always is).")
 
 
-def stderr_is_tty() -> bool:
-    """Whether stderr is a terminal (a live progress display makes sense there)."""
+def _is_tty(stream: IO[str] | None) -> bool:
     try:
-        return sys.stderr.isatty()
-    except (AttributeError, ValueError):
+        return bool(stream and stream.isatty())
+    except (AttributeError, ValueError):  # replaced or closed streams
         return False
 
 
 def stdin_is_tty() -> bool:
     """Whether stdin is a terminal (someone can answer a question)."""
-    try:
-        return sys.stdin.isatty()
-    except (AttributeError, ValueError):
-        return False
+    return _is_tty(sys.stdin)
 
 
 def run_progress() -> Progress:
@@ -55,7 +51,7 @@ class Activity:
 
     def __init__(self, what: str, force: bool = False) -> None:
         self.what = what
-        self.live = stderr_is_tty()
+        self.live = _is_tty(sys.stderr)  # a live display only where someone watches
         self.enabled = self.live or force
         self._started = time.monotonic()
         self._progress: Progress | None = None

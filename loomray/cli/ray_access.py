@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from loomray.cli.common import CliError
+from loomray.cli.common import CliError, actor_error
 from loomray.runtime.connection import connect
 
 #: ``--placement``: how the cluster hosts the sessions a command starts (see RayRuntime).
@@ -77,7 +77,4 @@ def ray_get(ref: Any, timeout: float | None = None) -> Any:
     try:
         return ray.get(ref, timeout=timeout)
     except ray.exceptions.RayTaskError as e:
-        cause = getattr(e, "cause", None)
-        if isinstance(cause, Exception):
-            raise cause from None
-        raise
+        raise actor_error(e) from None

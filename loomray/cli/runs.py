@@ -27,6 +27,7 @@ from loomray.cli.common import (
     first_line,
     guarded,
     json_option,
+    open_session_store,
     open_store_or_fail,
     store_option,
     store_url_or_fail,
@@ -64,16 +65,11 @@ def load_agent(ref: str) -> Agent:
     return obj
 
 
-def in_process_runtime(store_url: str) -> LocalRuntime:
-    """The runtime of ``resume``/``fork`` without a cluster: this process (a bound agent's reference is stored
-    with its sessions, so they stay resumable by reference)."""
-    return LocalRuntime(store_url)
-
-
 def runtime_for(store_url: str, address: str | None, placement: str = "actor") -> Runtime:
-    """The cluster at ``address`` (checked and joined), else :func:`in_process_runtime`."""
+    """The cluster at ``address`` (checked and joined), else this process (a bound agent's reference is stored
+    with its sessions, so they stay resumable by reference)."""
     if not address:
-        return in_process_runtime(store_url)
+        return LocalRuntime(store_url)
     require_address(address)
     join_cluster(address)
     from loomray.runtime.ray_runtime import RayRuntime  # imports Ray
@@ -166,11 +162,9 @@ async def with_progress(work: Callable[[EmitFn], Awaitable[list[RunResult]]],
 def resume(session_id: str, prompt: str | None, from_checkpoint: str, agent_ref: str | None, user_id: str | None,
            store_url: str | None, address: str | None, as_json: bool) -> None:
     """Continue a session (on the cluster with --address, else in this process) and print the result."""
-    check_id(session_id, "session_id")
-    check_id(user_id, "user_id")
     if from_checkpoint != "latest":
         check_id(from_checkpoint, "checkpoint_id")
-    store = open_store_or_fail(store_url)
+    store = open_session_store(store_url, session_id, user_id)
     agent, ref = agent_for(session_id, user_id, store, agent_ref)
     bound = bind(agent, ref, runtime_for(store_url_or_fail(store_url), address))
 

@@ -111,10 +111,8 @@ def checkpoints_quarantine(session_id: str, checkpoint_id: str, store_url: str |
 
     "latest" and listings no longer see it; the bytes stay for inspection.
     """
-    check_id(session_id, "session_id")
-    check_id(user_id, "user_id")
     check_id(checkpoint_id, "checkpoint_id")
-    store = open_store_or_fail(store_url)
+    store = open_session_store(store_url, session_id, user_id)
     moved = store.checkpoints.quarantine(session_id, checkpoint_id, user_id=user_id)
     if as_json:
         emit_json({"session_id": session_id, "user_id": user_id, "checkpoint_id": checkpoint_id,
@@ -138,11 +136,9 @@ def checkpoints_quarantine(session_id: str, checkpoint_id: str, store_url: str |
 def show(session_id: str, checkpoint_id: str, store_url: str | None, user_id: str | None,
          messages: bool, raw_object: bool, as_json: bool) -> None:
     """Show one checkpoint (default: the latest) with its whole transcript."""
-    check_id(session_id, "session_id")
-    check_id(user_id, "user_id")
     if checkpoint_id != "latest":
         check_id(checkpoint_id, "checkpoint_id")
-    store = open_store_or_fail(store_url)
+    store = open_session_store(store_url, session_id, user_id)
     if raw_object:
         try:
             raw = store.checkpoints.get(session_id, checkpoint_id, user_id=user_id)

@@ -155,32 +155,21 @@ class ProviderModel:
         where = f"{self.provider} model {self.model!r}"
         status = getattr(err, "status_code", None)
         detail = _error_detail(err)
+        who: dict[str, Any] = {"provider": self.provider, "model": self.model}
         if isinstance(err, sdk.APIStatusError) and status is not None:
             if status in _AUTH_STATUSES:
-                return ModelAuthError(
-                    f"{where}: authentication failed ({status}): {detail}; check {' / '.join(self.key_envs)}",
-                    provider=self.provider, model=self.model, status=status,
-                )
+                return ModelAuthError(f"{where}: authentication failed ({status}): {detail}; check "
+                                      f"{' / '.join(self.key_envs)}", status=status, **who)
             if status in _BAD_REQUEST_STATUSES:
-                return ModelBadRequestError(
-                    f"{where}: request rejected ({status}): {detail}",
-                    provider=self.provider, model=self.model, status=status,
-                )
-            return ModelError(
-                f"{where}: call failed ({status}) after {self.max_retries} retries: {detail}",
-                provider=self.provider, model=self.model, status=status,
-            )
+                return ModelBadRequestError(f"{where}: request rejected ({status}): {detail}", status=status, **who)
+            return ModelError(f"{where}: call failed ({status}) after {self.max_retries} retries: {detail}",
+                              status=status, **who)
         if isinstance(err, sdk.APITimeoutError):
-            return ModelError(
-                f"{where}: timed out after {self.timeout}s per attempt ({self.max_retries} retries)",
-                provider=self.provider, model=self.model,
-            )
+            return ModelError(f"{where}: timed out after {self.timeout}s per attempt ({self.max_retries} retries)",
+                              **who)
         if isinstance(err, sdk.APIConnectionError):
-            return ModelError(
-                f"{where}: cannot reach the API ({self.max_retries} retries): {detail}",
-                provider=self.provider, model=self.model,
-            )
-        return ModelError(f"{where}: {type(err).__name__}: {detail}", provider=self.provider, model=self.model)
+            return ModelError(f"{where}: cannot reach the API ({self.max_retries} retries): {detail}", **who)
+        return ModelError(f"{where}: {type(err).__name__}: {detail}", **who)
 
 
 def _error_detail(err: BaseException) -> str:

@@ -24,6 +24,7 @@ import functools
 import logging
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlparse
 
@@ -130,34 +131,31 @@ def disable_metrics() -> None:
             remove_observer(o)
 
 
-def record_restart(placement: str | None = None, store: str | None = None) -> None:
-    """Count one session restarted by the supervisor (no-op unless Ray is initialized in this process)."""
+def _set_ray_metric(what: str, record: Callable[[Instruments], None]) -> None:
+    """``record`` into this process's Ray instruments; nothing without Ray, and a failure only logged."""
     try:
         m = ray_instruments()
         if m is not None:
-            m.restarts.inc(1, tags={"placement": placement or "unknown", "store": store or "unknown"})
+            record(m)
     except Exception as e:
-        log.debug("could not record a restart: %s", e)
+        log.debug("could not record %s: %s", what, e)
+
+
+def record_restart(placement: str | None = None, store: str | None = None) -> None:
+    """Count one session restarted by the supervisor (no-op unless Ray is initialized in this process)."""
+    tags = {"placement": placement or "unknown", "store": store or "unknown"}
+    _set_ray_metric("a restart", lambda m: m.restarts.inc(1, tags=tags))
 
 
 def set_active_sessions(placement: str | None, n: int, store: str | None = None) -> None:
     """Report how many sessions the supervisor of ``store`` keeps running with ``placement`` (no-op without Ray)."""
-    try:
-        m = ray_instruments()
-        if m is not None:
-            m.active_sessions.set(n, tags={"placement": placement or "unknown", "store": store or "unknown"})
-    except Exception as e:
-        log.debug("could not record active sessions: %s", e)
+    tags = {"placement": placement or "unknown", "store": store or "unknown"}
+    _set_ray_metric("active sessions", lambda m: m.active_sessions.set(n, tags=tags))
 
 
 def set_awaiting_approval(n: int, store: str | None = None) -> None:
     """Report how many sessions of ``store`` wait for a person's decision on a tool call (no-op without Ray)."""
-    try:
-        m = ray_instruments()
-        if m is not None:
-            m.awaiting_approval.set(n, tags={"store": store or "unknown"})
-    except Exception as e:
-        log.debug("could not record sessions awaiting approval: %s", e)
+    _set_ray_metric("sessions awaiting approval", lambda m: m.awaiting_approval.set(n, tags={"store": store or "unknown"}))
 
 
 async def hold_gauges(every_s: float = 5.0) -> None:

@@ -8,12 +8,13 @@ from typing import Any
 
 import ui_agents
 
-from loomray.cli.runs import bind, in_process_runtime
+from loomray.cli.runs import bind
+from loomray.runtime import LocalRuntime
 
 
 def bound(store_url: str, name: str) -> Any:
     """``ui_agents.NAME`` on the in-process runtime, remembering its reference (so the UI can resume it)."""
-    return bind(getattr(ui_agents, name), f"ui_agents:{name}", in_process_runtime(store_url))
+    return bind(getattr(ui_agents, name), f"ui_agents:{name}", LocalRuntime(store_url))
 
 
 def wait_for(check: Callable[[], Any], what: str, timeout: float = 30.0) -> Any:
