@@ -1,14 +1,5 @@
-"""Commands on a Ray cluster: ``submit``, ``status`` and ``supervise``.
-
-- ``submit`` hands a run to the cluster's supervisor by importable agent
-  reference (``module:attr``) and returns as soon as the session actor is
-  created; the detached supervisor owns the run, so it goes on after this
-  process exits, and the session row keeps the reference, so even a
-  supervisor that dies with the actor can restart it.
-- ``status`` asks the store's supervisor when a cluster is reachable (and lists
-  every supervisor on it: one per store) and falls back to the store's session
-  index otherwise.
-- ``supervise`` keeps the supervisor alive until Ctrl-C.
+"""Commands on a Ray cluster: ``submit`` (hand a run to the store's supervisor by agent reference and return),
+``status`` (from the supervisor when a cluster answers, else the store's index) and ``supervise``.
 
 Ray is imported only inside the commands that need it.
 """

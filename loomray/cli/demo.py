@@ -1,29 +1,7 @@
 """``loomray demo``: a durable research session on a 3-node Ray cluster, on this machine, offline.
 
-What a person watching sees, step by step:
-
-1. a 3-node Ray cluster starts on 127.0.0.1 (``loomray.testing.cluster.local_cluster``);
-2. a long research session (``model="demo:research"``, a few seconds per pass)
-   is submitted to the supervisor, which starts its actor on a worker node;
-3. mid-run, while a tool call is in flight, that node's raylet is SIGKILLed;
-   the supervisor restarts the session on the other worker from its latest
-   checkpoint, and the journal answers every step already taken;
-4. the proof: every model reply index was served exactly once (a call log
-   written by the model wrapper in whichever process made the call, checked
-   against the journal's model entries per lease epoch);
-5. three forks fan out from the checkpoint taken before the report was
-   written, each with its own follow-up prompt, one actor each;
-6. a small publishing session is steered while it runs: a signal sent
-   during a tool call reaches the model once, at the next pass boundary; its
-   ``publish`` call waits for approval with no process of its own, and once
-   approved a new actor continues the same run and publishes once;
-7. the Parquet index is queried with DuckDB (a table);
-8. the cluster is shut down and checked gone; the data stays on disk.
-
-``--model claude-opus-4-7`` (with ``ANTHROPIC_API_KEY``) swaps in a real
-provider; a missing key is one clear line before any cluster starts.
-``--fast`` shortens every delay for the test suite. The steps themselves are
-in :mod:`loomray.cli.demo_steps`.
+Kill a node mid-run, recover with no model call repeated, fork, steer, query (step by step in docs/api.md,
+"Command line"); the steps are in :mod:`loomray.cli.demo_steps`. ``--fast`` shortens every delay for tests.
 """
 
 from __future__ import annotations

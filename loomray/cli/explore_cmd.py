@@ -1,19 +1,8 @@
 """``loomray explore``: run variants of a session from one checkpoint, judge them, keep the best, durably.
 
-    loomray explore SESSION --variant '{"prompt": "try A"}' --variant @b.json --judge mymod:judge \\
-        [--rounds N --keep K --score-every P --adopt --budget-usd X --budget-s S --id ID]
-    loomray explore --resume ID --judge mymod:judge
-    loomray explore SESSION ... --submit --address HOST:PORT
-
-Without ``--address`` it runs in this process against the store; with it, on
-the cluster. The agent is ``--agent module:attr``, else the one stored with
-the session. The judge is imported from ``--judge`` on every call, also for
-``--resume`` (the store never decides what code runs): it must be the judge
-the exploration started with. ``--resume`` takes everything else from the
-stored plan. ``--submit`` hands the exploration to the store's supervisor on the
-cluster and returns at once (:mod:`loomray.runtime.explorations`): like a
-submitted session it outlives this process, and a recreated supervisor
-continues it from the store.
+In this process, on the cluster (``--address``), or handed to the store's supervisor (``--submit``). The
+judge is imported from ``--judge`` on every call, ``--resume`` included: the store never names code to run
+(docs/exploration.md, "Command line").
 """
 
 from __future__ import annotations

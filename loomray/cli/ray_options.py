@@ -1,13 +1,7 @@
 """``--actor-options``, ``--resources`` and ``--runtime-env``: how a command's sessions ask Ray for a place.
 
-Each takes JSON, or ``@path`` to a YAML or JSON file (YAML is a superset of
-JSON). They merge into one dict of Ray actor options: ``--resources`` is its
-``resources`` and ``--runtime-env`` its ``runtime_env``, overriding the same
-keys of ``--actor-options``. The result is checked the way Ray's
-``.options()`` will check it, before anything reaches the cluster, and is
-stored with each session the command starts, so every later incarnation of
-the session (a restart after node loss, an adoption by a new supervisor) asks
-for the same place.
+Merged and checked here (docs/api.md, "Command line"), then stored with each session the command starts, so
+every later incarnation of it (a restart after node loss, an adoption) asks for the same place.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
 """What ``loomray timeline`` shows: a session's incarnations, one per lease epoch.
 
-It reads only what the store keeps, through public :class:`storage.Store`
-calls and the documented object layout (``storage.layout``), and groups by
-lease epoch: the epoch markers (owner, when it was acquired), ``lease.json``
-(the current owner and the owners its fence chain remembers), the session
-status rows (node, status, error), the run records (which run started, from
-where), the journal (steps, seals of a takeover) and the live checkpoint rows.
-A compaction keeps only the latest status row of a session, and
-prune/retention delete old objects: what is gone is shown as unknown, never
-guessed.
+Read only from what the store keeps, through public :class:`storage.Store` calls and the documented layout;
+what is gone is shown as unknown, never guessed (the sources: docs/api.md, "Command line").
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
-"""What ``loomray tree`` shows: a session's forks, their forks, and so on.
+"""What ``loomray tree`` shows: a session's forks, their forks, and so on (how each fact is read: docs/api.md,
+"Command line"), as a terminal table, a JSON document or a self-contained HTML page.
 
-The tree comes from the checkpoint index, through public :class:`storage.Store`
-calls: every checkpoint row of a fork names the session it was forked from
-(``forked_from``) and the first one its base checkpoint
-(``parent_checkpoint_id``); when retention has dropped that row, the fork's
-first run record names the base (``base_session_id``/``base_checkpoint_id``).
-A session's own spend is its cumulative cost minus the cost its base
-checkpoint carried over. A fork of a :class:`~loomray.Variant` shows what the
-variant changed, from the request its run record stores.
-
-Branches of an exploration (``loomray explore``) carry its marks: round,
-score, stop reason, and a star on the winner (read from the exploration's
-record, see :mod:`loomray.cli.explore_view`).
-
-Rendering: a terminal table (branches drawn with box characters) that fits
-the terminal, a JSON document, and a self-contained HTML page (inline CSS, no
-scripts, no external assets).
+Branches of an exploration carry its marks: round, score, stop reason, a star on the winner
+(:mod:`loomray.cli.explore_view`).
 """
 
 from __future__ import annotations

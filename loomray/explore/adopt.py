@@ -1,14 +1,8 @@
-"""Adopting a winner: the explored session continues in place from the winning branch.
+"""Adopting a winner: the explored session continues in place from the winning branch (docs/exploration.md).
 
-The session gets a new checkpoint whose transcript, turn and spend are the
-winner's latest; the object builds on the winner's chain (pinned for the
-session, as a fork's first checkpoint builds on its parent's), so it adds a
-few hundred bytes, not a copy of the transcript. Its ``forked_from`` names the
-winner; the exploration's ``adopt`` record says what was chosen and why. The
-checkpoint's id is chosen and stored before it is written, so a driver that
-dies in between writes that same checkpoint when the exploration continues.
-Writing it takes the session's lease: a run of the session still going on
-elsewhere is fenced, as ``loomray cancel`` fences one.
+The new checkpoint builds on the winner's chain (pinned for the session), so it adds a few hundred bytes,
+not a copy of the transcript. Its id is stored before it is written, so a driver that dies in between
+writes that same checkpoint on continuing; writing it takes the session's lease, fencing a run elsewhere.
 """
 
 from __future__ import annotations

@@ -1,19 +1,7 @@
 """An exploration as JSON objects in the store: written once each, read back whole by whoever continues it.
 
-Layout (under the explored session's prefix, see :func:`storage.layout.exploration_prefix`)::
-
-    explorations/{id}/plan.json                      what was asked: variants, judge, rounds, keep, budget, ...
-    explorations/{id}/r001-plan.json                 the round's branches (session ids, parents, variants)
-    explorations/{id}/r001-score-{branch}-t0003.json a judge's score of a branch after 3 passes
-    explorations/{id}/r001-score-{branch}-final.json its score once finished
-    explorations/{id}/r001-stop-{branch}.json        the decision to cancel it (early stopping, budget)
-    explorations/{id}/r001-done-{branch}.json        how it ended: stop reason, spend, turns, output
-    explorations/{id}/r001-keep.json                 the round's decision: the branches the next round forks
-    explorations/{id}/adopt.json                     the winner the session adopted, and its new checkpoint
-    explorations/{id}/result.json                    the finished exploration
-
-Every object is create-only: the first writer wins and a second attempt reads
-what the first wrote, so a decision is never taken twice, whichever process
+The layout is in docs/exploration.md ("Durable, resumable"). Every object is create-only: the first writer
+wins and a second attempt reads what the first wrote, so a decision is never taken twice, whichever process
 continues the exploration. Nothing here is ever pickled or imported.
 """
 

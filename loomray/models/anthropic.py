@@ -1,21 +1,8 @@
 """Anthropic Messages API adapter (``pip install 'loomray[anthropic]'``).
 
-Mapping between loomray's provider-neutral transcript and the Messages API:
-
-- ``system`` messages -> the top-level ``system`` parameter (joined by blank lines);
-- ``user`` -> a user turn with a text block;
-- ``assistant`` -> a text block (when there is text) then one ``tool_use``
-  block per :class:`~loomray.records.ToolCall` (``id``, ``name``, ``input``);
-- ``tool`` -> a ``tool_result`` block (``tool_use_id``, ``content``, ``is_error``)
-  in a user turn; consecutive tool results share one user turn, as the API wants.
-
-:func:`from_anthropic` inverts :func:`to_anthropic` exactly (a tool message's
-``name`` is recovered from the ``tool_use`` it answers), so a transcript can be
-carried to OpenAI and back without loss. Thinking blocks in a reply are not
-kept: the transcript holds what the model said and did, nothing provider-only.
-
-``output_schema`` -> ``output_config.format`` (``json_schema``); ``effort`` ->
-``output_config.effort``. The ``anthropic`` SDK is imported only here, lazily.
+What maps to what: docs/providers.md. :func:`from_anthropic` inverts :func:`to_anthropic` exactly (a tool
+message's ``name`` is recovered from the ``tool_use`` it answers); thinking blocks are not kept. The SDK is
+imported only here, lazily.
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
-"""OpenAI Chat Completions adapter (``pip install 'loomray[openai]'``).
+"""OpenAI Chat Completions adapter (``pip install 'loomray[openai]'``); works with any server that speaks the API.
 
-Mapping between loomray's provider-neutral transcript and Chat Completions:
-
-- ``system`` / ``user`` -> messages of the same role, in place;
-- ``assistant`` -> ``content`` (None when empty with tool calls) and
-  ``tool_calls`` of ``type: function`` with the arguments as a JSON string;
-- ``tool`` -> ``{"role": "tool", "tool_call_id", "content"}``.
-
-:func:`from_openai` inverts :func:`to_openai` (a tool message's ``name`` is
-recovered from the call it answers). One field has no place on this wire:
-``Message.is_error`` of a tool result; the model sees the error text only, and
-the flag stays in loomray's own transcript, which is what checkpoints hold.
-
-``output_schema`` -> ``response_format`` (``json_schema``, ``strict`` when the
-schema allows it); ``effort`` -> ``reasoning_effort``. Works with any server
-that speaks this API (``base_url=`` or ``OPENAI_BASE_URL``). The ``openai``
-SDK is imported only here, lazily.
+What maps to what, and the one field the wire has no place for (a tool result's ``is_error``):
+docs/providers.md. :func:`from_openai` inverts :func:`to_openai`. The SDK is imported only here, lazily.
 """
 
 from __future__ import annotations

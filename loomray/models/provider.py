@@ -1,16 +1,8 @@
 """What the provider adapters share: settings, lazy clients, typed errors, cost.
 
-An adapter holds only its model name and plain settings. The SDK client is
-built on first use (one per running event loop, since an async HTTP pool
-belongs to the loop that opened it) and dropped when the adapter is pickled,
-so shipping an agent to a Ray actor never ships a client, a socket or a key.
-An ``api_key=`` given in code is therefore not carried across a pickle either:
-the receiving process reads the provider's environment variable, and fails
-with :class:`~loomray.errors.ModelConfigError` if it has none.
-
-Retries are the SDK's own (``max_retries``: 429, 408, 409 and 5xx with
-exponential backoff, honouring ``retry-after``); ``timeout`` bounds each
-attempt. What is left after them becomes a typed error naming provider and model.
+The SDK client is built on first use, one per running event loop (an async HTTP pool belongs to the loop
+that opened it), and dropped when the adapter is pickled: shipping an agent to a Ray actor never ships a
+client or a key (docs/providers.md). Retries are the SDK's own; what is left becomes a typed error.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
-"""OpenTelemetry GenAI spans from a run's events (see :mod:`loomray.telemetry`, Traces).
+"""OpenTelemetry GenAI spans from a run's events: the trace of a session, its incarnations' links and what
+content is recorded are in docs/telemetry.md ("Traces").
 
-A run's ``invoke_agent`` span continues the trace it was requested under (the
-request's ``traceparent``), else the session's own trace
-(:func:`loomray.telemetry.context.session_root`): every incarnation of a
-session, on whichever node and after however many restarts or resumes, lands
-in one trace. It links to the session's root when it has another parent, and
-a fork's to its base session's root. Its span id is derived from the session
-and the lease epoch, so an incarnation that continues a run links to the
-run span of the one before it (which its process never exported, but whose
-steps name it as their parent). Message content (model outputs, tool
-arguments and results) is recorded only when asked for
-(``enable_tracing(capture_content=True)`` or
-``OTEL_INSTRUMENTATION_GENAI_CAPTURE_MESSAGE_CONTENT=true``).
-
-OpenTelemetry is an optional extra (``loomray[otel]``): it is imported when
-tracing is enabled, never at module level, so ``import loomray`` works without it.
+OpenTelemetry is an optional extra (``loomray[otel]``): it is imported when tracing is enabled, never at
+module level, so ``import loomray`` works without it.
 """
 
 from __future__ import annotations

@@ -1,38 +1,11 @@
 """A multi-node Ray cluster on one machine, for tests, examples, benches and ``loomray demo``.
 
-``local_cluster()`` starts several raylets on this machine with
-:class:`ray.cluster_utils.Cluster`, all bound to 127.0.0.1, and connects this
-process to it. Nodes can be added and removed while tests run; removing a node
-kills its raylet and, with it, every actor process it hosted -- the closest
-thing to pulling a machine's plug that fits on a laptop or a CI runner.
-
-Failure detection is tuned (see :data:`FAST_FAILURE_DETECTION`): with Ray's
-defaults a SIGKILLed raylet is declared dead only after ~15 s (five missed
-3 s health checks), and in between callers see ``ActorUnavailableError``
-rather than ``ActorDiedError``. Measured numbers are in docs/ray-notes.md.
-
-Example::
-
-    from loomray.testing.cluster import local_cluster, wait_until_dead
+What it starts, how its failure detection is tuned and how teardown checks it: docs/testing.md. Example::
 
     with local_cluster(num_nodes=3) as lc:
         actor = MyActor.options(scheduling_strategy=lc.pin(lc.workers[0])).remote()
         lc.remove_node(lc.workers[0])
         wait_until_dead(actor, timeout=10)
-
-``LocalCluster.reset(num_workers)`` makes a cluster that several test modules
-share look freshly started to the next one: every loomray actor killed, and
-that many live workers.
-
-Teardown kills loomray's supervisors (so none starts a worker process as
-the nodes go), disconnects the driver,
-stops every node and then checks that no
-process this helper started (raylets, GCS, workers) is left; stragglers are
-killed by pid and reported as a warning.
-
-Importing this module imports Ray; it applies loomray's Ray environment
-defaults first, so a process that only uses this module still binds to
-127.0.0.1.
 """
 
 from __future__ import annotations

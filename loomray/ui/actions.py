@@ -1,18 +1,7 @@
 """What the session page's buttons do: each goes through :mod:`loomray.control`, as the CLI's commands do.
 
-A decision, signal, pause or cancel is a create-only object in the store
-(``control/``), consumed exactly once by the session at its next pass
-boundary (a decision: before its call runs), wherever it runs; a click that
-is sent twice (a browser retry, a double click) records nothing new. Resume
-continues the session as ``loomray resume`` does (its stored agent, on the
-cluster given to the server, else in the server's process). Every action
-needs this server's CSRF token in its form and a same-origin request (see
-:mod:`loomray.ui.security`), and answers with a redirect back to the page
-(POST, redirect, GET) that says what happened.
-
-A call waiting for approval can be approved, approved with edited
-arguments (a JSON object), denied with a reason, or answered in the tool's
-place (the tool does not run; the model gets the text).
+Each is a create-only object in the store, so a click sent twice records nothing new; every action answers
+with a redirect back to the page that says what happened (docs/ui.md, "Acting").
 """
 
 from __future__ import annotations

@@ -1,24 +1,8 @@
 """The sessions list: one row per session from the compacted session-status table, filtered, newest first, paged.
 
-What one page reads, whatever the store holds:
-
-- the session-status table (:mod:`storage.session_table`): one LIST and one
-  Parquet file per user, each session's latest status row as of the last
-  compaction (its status, when, its error, the turn and running cost the
-  run last checkpointed, its exploration); a file already parsed at the
-  ETag listed is not read again;
-- the tail: one LIST of the change markers (:meth:`storage.sessions.Sessions.changed`)
-  naming the sessions with a status row newer than the table, and those
-  sessions' own status rows (work that follows the rows written since the
-  last compaction, not the sessions stored);
-- for the rows shown only: a running session's latest checkpoint (its turn
-  and spend move while it runs; its status row has them as of its start),
-  and the same for a row written before status rows carried them.
-
-Filters, search and paging are Arrow operations over that table. A session
-is listed once it has a status row (every run writes one as it starts);
-a session only written through the storage API, or a fork that never ran,
-has none and is opened by its URL.
+A page reads the table (a file already parsed at the ETag listed is not read again), the change markers since
+the last compaction, and for the rows shown only a running session's latest checkpoint: never every session.
+Filters, search and paging are Arrow operations over that table (docs/ui.md, "Pages").
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """Live updates of a session page: server-sent events over the session's journal and status.
 
-One stream per open page. It sends each journal entry once, as an
-``entry`` event whose id is ``{run_id}/{entry}`` (:func:`event_id`), and a
-``status`` event whenever the session's status or latest checkpoint
-changes. A stream closes after :attr:`UiState.stream_s`; the browser's
-``EventSource`` reconnects by itself and sends the last id it saw
-(``Last-Event-ID``), so the new stream starts after it: nothing is lost or
-shown twice across a reconnect (a page opened fresh passes the last entry it
-rendered as ``?after=``).
+Each journal entry is sent once, with id ``{run_id}/{entry}`` (:func:`event_id`); a reconnecting
+``EventSource`` sends ``Last-Event-ID`` and the new stream starts after it (docs/ui.md, "Live").
 """
 
 from __future__ import annotations

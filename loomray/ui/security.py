@@ -1,19 +1,5 @@
-"""Who may reach the session browser, and which requests may act.
-
-- **Binding.** Loopback by default; any other address needs a token
-  (:func:`check_binding` refuses to start without one).
-- **Token.** When set, every request carries it: ``Authorization: Bearer T``,
-  or the ``loomray_ui`` cookie that ``/?token=T`` sets (HttpOnly,
-  SameSite=Strict) before redirecting to a URL without it. Compared in
-  constant time.
-- **Host.** A loopback server answers only to loopback ``Host`` names, so a
-  page on another site cannot reach it through DNS rebinding.
-- **Cross-site requests.** A POST must come from this server's own pages:
-  its ``Origin`` (or, without one, ``Sec-Fetch-Site``) says same-origin, and
-  its form carries this server's CSRF token (random per process).
-- **Headers.** A content security policy that allows only this server's own
-  script and style files (no inline script runs, whatever a transcript
-  holds), no framing, no referrer to other sites, no MIME sniffing.
+"""Who may reach the session browser, and which requests may act: binding, token, ``Host``, same-origin and
+CSRF checks, and the response headers (docs/ui.md, "Safe by default").
 """
 
 from __future__ import annotations
