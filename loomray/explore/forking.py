@@ -1,15 +1,8 @@
 """Starting an exploration's branches: forks whose session ids the exploration chose and stored first.
 
-The ids are chosen before anything runs (``{exploration}-r{round}-{n}``) and
-stored in the round's plan, so a driver that dies mid-round finds its
-branches again: re-issuing the very same fork request continues a branch's
-unfinished run (journaled steps replay, no model call is billed twice), and a
-finished branch is read from its final checkpoint, never run again.
-
-``Agent.fork`` picks new session ids itself, so this module builds the fork
-requests as ``Agent.fork`` does (a variant's stored form in the request, the
-agent :meth:`~loomray.Agent.with_variant` makes for it), with the ids the plan
-chose.
+A driver that dies mid-round finds its branches again by those ids: re-issuing the same fork request
+continues an unfinished run (journaled steps replay) and a finished branch is read from its final
+checkpoint. ``Agent.fork`` picks ids itself, so the requests are built here as ``Agent.fork`` builds them.
 """
 
 from __future__ import annotations

@@ -46,29 +46,19 @@ class AnthropicModel(ProviderModel):
     def _make_client(self, sdk: Any, credential: tuple[str, str]) -> Any:
         source, value = credential
         auth = {"auth_token": value} if source == "ANTHROPIC_AUTH_TOKEN" else {"api_key": value}
-        return sdk.AsyncAnthropic(
-            **auth, base_url=self.base_url, max_retries=self.max_retries, timeout=self.timeout
-        )
+        return sdk.AsyncAnthropic(**auth, base_url=self.base_url, max_retries=self.max_retries, timeout=self.timeout)
 
     def request_params(self, request: ModelRequest) -> dict[str, Any]:
         """The keyword arguments of ``messages.create`` for ``request`` (pure; no I/O)."""
         system, messages = to_anthropic(request.messages)
-        params: dict[str, Any] = {
-            "model": self.model,
-            "max_tokens": self.max_tokens or DEFAULT_MAX_TOKENS,
-            "messages": messages,
-        }
+        params: dict[str, Any] = {"model": self.model, "max_tokens": self.max_tokens or DEFAULT_MAX_TOKENS,
+                                  "messages": messages}
         if system:
             params["system"] = system
         if request.tools:
-            params["tools"] = [
-                {
-                    "name": t["name"],
-                    "description": t.get("description") or "",
-                    "input_schema": t.get("parameters") or {"type": "object", "properties": {}},
-                }
-                for t in request.tools
-            ]
+            params["tools"] = [{"name": t["name"], "description": t.get("description") or "",
+                                "input_schema": t.get("parameters") or {"type": "object", "properties": {}}}
+                               for t in request.tools]
         output_config: dict[str, Any] = {}
         if request.output_schema is not None:
             output_config["format"] = {"type": "json_schema", "schema": closed_schema(request.output_schema)}
@@ -110,26 +100,18 @@ class AnthropicModel(ProviderModel):
     def _response(self, reply: Any) -> ModelResponse:
         data = reply.model_dump() if hasattr(reply, "model_dump") else dict(reply)
         message = assistant_from_blocks(data.get("content") or [])
-        return ModelResponse(
-            message=message,
-            usage=self.priced(usage_from_anthropic(data.get("usage") or {}), served_by=data.get("model")),
-            stop_reason=data.get("stop_reason"),
-            model=data.get("model"),
-            id=data.get("id"),
-        )
+        usage = self.priced(usage_from_anthropic(data.get("usage") or {}), served_by=data.get("model"))
+        return ModelResponse(message=message, usage=usage, stop_reason=data.get("stop_reason"), model=data.get("model"),
+                             id=data.get("id"))
 
 
 def usage_from_anthropic(usage: dict[str, Any]) -> Usage:
     """Anthropic's usage block in loomray's convention (``input_tokens`` includes cached tokens)."""
     read = int(usage.get("cache_read_input_tokens") or 0)
     write = int(usage.get("cache_creation_input_tokens") or 0)
-    return Usage(
-        input_tokens=int(usage.get("input_tokens") or 0) + read + write,
-        output_tokens=int(usage.get("output_tokens") or 0),
-        cache_read_tokens=read,
-        cache_write_tokens=write,
-        requests=1,
-    )
+    return Usage(input_tokens=int(usage.get("input_tokens") or 0) + read + write,
+                 output_tokens=int(usage.get("output_tokens") or 0), cache_read_tokens=read, cache_write_tokens=write,
+                 requests=1)
 
 
 def wire_id(call_id: str | None) -> str:
@@ -157,10 +139,8 @@ def to_anthropic(messages: Iterable[Message]) -> tuple[str | None, list[dict[str
             blocks: list[dict[str, Any]] = []
             if m.content:
                 blocks.append({"type": "text", "text": m.content})
-            blocks.extend(
-                {"type": "tool_use", "id": wire_id(c.id), "name": c.name, "input": dict(c.arguments)}
-                for c in m.tool_calls
-            )
+            blocks.extend({"type": "tool_use", "id": wire_id(c.id), "name": c.name, "input": dict(c.arguments)}
+                          for c in m.tool_calls)
             wire.append({"role": "assistant", "content": blocks})
         elif m.role == "tool":
             block: dict[str, Any] = {"type": "tool_result", "tool_use_id": wire_id(m.tool_call_id),
@@ -208,15 +188,8 @@ def from_anthropic(system: str | None, messages: Iterable[dict[str, Any]]) -> li
                 result = b.get("content")
                 if isinstance(result, list):
                     result = "".join(x.get("text", "") for x in result if isinstance(x, dict))
-                out.append(
-                    Message(
-                        role="tool",
-                        content=result or "",
-                        tool_call_id=b["tool_use_id"],
-                        name=names.get(b["tool_use_id"]),
-                        is_error=bool(b.get("is_error", False)),
-                    )
-                )
+                out.append(Message(role="tool", content=result or "", tool_call_id=b["tool_use_id"],
+                                   name=names.get(b["tool_use_id"]), is_error=bool(b.get("is_error", False))))
             elif b.get("type") == "text":
                 texts.append(b.get("text") or "")
         if texts:

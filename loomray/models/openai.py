@@ -32,36 +32,21 @@ class OpenAIModel(ProviderModel):
     key_envs = ("OPENAI_API_KEY",)
 
     def _make_client(self, sdk: Any, credential: tuple[str, str]) -> Any:
-        return sdk.AsyncOpenAI(
-            api_key=credential[1], base_url=self.base_url, max_retries=self.max_retries, timeout=self.timeout
-        )
+        return sdk.AsyncOpenAI(api_key=credential[1], base_url=self.base_url, max_retries=self.max_retries,
+                               timeout=self.timeout)
 
     def request_params(self, request: ModelRequest) -> dict[str, Any]:
         """The keyword arguments of ``chat.completions.create`` for ``request`` (pure; no I/O)."""
         params: dict[str, Any] = {"model": self.model, "messages": to_openai(request.messages)}
         if request.tools:
-            params["tools"] = [
-                {
-                    "type": "function",
-                    "function": {
-                        "name": t["name"],
-                        "description": t.get("description") or "",
-                        "parameters": t.get("parameters") or {"type": "object", "properties": {}},
-                    },
-                }
-                for t in request.tools
-            ]
+            params["tools"] = [{"type": "function", "function": {
+                "name": t["name"], "description": t.get("description") or "",
+                "parameters": t.get("parameters") or {"type": "object", "properties": {}}}} for t in request.tools]
         if request.output_schema is not None:
             schema = closed_schema(request.output_schema)
-            params["response_format"] = {
-                "type": "json_schema",
-                "json_schema": {
-                    "name": _schema_name(schema),
-                    "schema": schema,
-                    # Strict mode rejects optional properties; fall back to best effort for those.
-                    "strict": all_required(schema),
-                },
-            }
+            # Strict mode rejects optional properties; fall back to best effort for those.
+            params["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": _schema_name(schema), "schema": schema, "strict": all_required(schema)}}
         if request.effort is not None:
             params["reasoning_effort"] = request.effort
         if self.max_tokens:
@@ -79,13 +64,9 @@ class OpenAIModel(ProviderModel):
             raise self.translate_error(sdk, e) from e
         data = reply.model_dump()
         choice = (data.get("choices") or [{}])[0]
-        return ModelResponse(
-            message=assistant_from_openai(choice.get("message") or {}),
-            usage=self.priced(usage_from_openai(data.get("usage")), served_by=data.get("model")),
-            stop_reason=choice.get("finish_reason"),
-            model=data.get("model"),
-            id=data.get("id"),
-        )
+        return ModelResponse(message=assistant_from_openai(choice.get("message") or {}),
+                             usage=self.priced(usage_from_openai(data.get("usage")), served_by=data.get("model")),
+                             stop_reason=choice.get("finish_reason"), model=data.get("model"), id=data.get("id"))
 
     async def stream(self, request: ModelRequest, on_delta: DeltaCallback) -> ModelResponse:
         """Stream text deltas to ``on_delta`` as they arrive; return the whole reply once."""
@@ -123,22 +104,11 @@ class OpenAIModel(ProviderModel):
                             slot["arguments"] += part.function.arguments or ""
         except sdk.APIError as e:
             raise self.translate_error(sdk, e) from e
-        message = assistant_from_openai(
-            {
-                "content": "".join(text),
-                "tool_calls": [
-                    {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-                    for _, c in sorted(calls.items())
-                ],
-            }
-        )
-        return ModelResponse(
-            message=message,
-            usage=self.priced(usage_from_openai(usage), served_by=served_by),
-            stop_reason=finish,
-            model=served_by,
-            id=reply_id,
-        )
+        message = assistant_from_openai({"content": "".join(text), "tool_calls": [
+            {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+            for _, c in sorted(calls.items())]})
+        return ModelResponse(message=message, usage=self.priced(usage_from_openai(usage), served_by=served_by),
+                             stop_reason=finish, model=served_by, id=reply_id)
 
 
 def _schema_name(schema: dict[str, Any]) -> str:
@@ -152,14 +122,11 @@ def usage_from_openai(usage: dict[str, Any] | None) -> Usage:
     usage = usage or {}
     details = usage.get("prompt_tokens_details") or {}
     output_details = usage.get("completion_tokens_details") or {}
-    return Usage(
-        input_tokens=int(usage.get("prompt_tokens") or 0),
-        output_tokens=int(usage.get("completion_tokens") or 0),
-        cache_read_tokens=int(details.get("cached_tokens") or 0),
-        cache_write_tokens=int(details.get("cache_write_tokens") or 0),
-        reasoning_tokens=int(output_details.get("reasoning_tokens") or 0),
-        requests=1,
-    )
+    return Usage(input_tokens=int(usage.get("prompt_tokens") or 0),
+                 output_tokens=int(usage.get("completion_tokens") or 0),
+                 cache_read_tokens=int(details.get("cached_tokens") or 0),
+                 cache_write_tokens=int(details.get("cache_write_tokens") or 0),
+                 reasoning_tokens=int(output_details.get("reasoning_tokens") or 0), requests=1)
 
 
 def _arguments(raw: str | None) -> dict[str, Any]:
@@ -196,14 +163,8 @@ def to_openai(messages: Iterable[Message]) -> list[dict[str, Any]]:
         elif m.role == "assistant":
             out: dict[str, Any] = {"role": "assistant", "content": m.content or (None if m.tool_calls else "")}
             if m.tool_calls:
-                out["tool_calls"] = [
-                    {
-                        "id": c.id,
-                        "type": "function",
-                        "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)},
-                    }
-                    for c in m.tool_calls
-                ]
+                out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                    "name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}} for c in m.tool_calls]
             wire.append(out)
         elif m.role == "tool":
             wire.append({"role": "tool", "tool_call_id": m.tool_call_id, "content": m.content})
@@ -223,10 +184,8 @@ def from_openai(messages: Iterable[dict[str, Any]]) -> list[Message]:
             names.update({c.id: c.name for c in msg.tool_calls})
             out.append(msg)
         elif role == "tool":
-            out.append(
-                Message(role="tool", content=_text(m.get("content")), tool_call_id=m["tool_call_id"],
-                        name=names.get(m["tool_call_id"]))
-            )
+            out.append(Message(role="tool", content=_text(m.get("content")), tool_call_id=m["tool_call_id"],
+                               name=names.get(m["tool_call_id"])))
         else:
             out.append(Message(role=role, content=_text(m.get("content"))))
     return out

@@ -35,18 +35,9 @@ class ProviderModel:
     #: Environment variables any one of which supplies the credential.
     key_envs: tuple[str, ...] = ()
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        api_key: str | None = None,
-        base_url: str | None = None,
-        max_retries: int = 4,
-        timeout: float = 300.0,
-        max_tokens: int | None = None,
-        prices: Any = None,
-        extra_body: Mapping[str, Any] | None = None,
-    ):
+    def __init__(self, model: str, *, api_key: str | None = None, base_url: str | None = None, max_retries: int = 4,
+                 timeout: float = 300.0, max_tokens: int | None = None, prices: Any = None,
+                 extra_body: Mapping[str, Any] | None = None):
         if not isinstance(model, str) or not model.strip():
             raise ModelConfigError(f"{self.provider} model name must be a non-empty string, got {model!r}")
         if not isinstance(max_retries, int) or max_retries < 0:
@@ -100,10 +91,8 @@ class ProviderModel:
         try:
             return importlib.import_module(self.sdk_module)
         except ImportError as e:
-            raise ModelConfigError(
-                f"model {self.provider}:{self.model} needs the {self.sdk_module!r} SDK: "
-                f"pip install 'loomray[{self.extra}]' ({e})"
-            ) from e
+            raise ModelConfigError(f"model {self.provider}:{self.model} needs the {self.sdk_module!r} SDK: "
+                                   f"pip install 'loomray[{self.extra}]' ({e})") from e
 
     def _credential(self) -> tuple[str, str]:
         """``(env var or 'api_key', value)`` of the credential to use; ModelConfigError if none."""
@@ -113,10 +102,8 @@ class ProviderModel:
             value = os.environ.get(var)
             if value:
                 return var, value
-        raise ModelConfigError(
-            f"model {self.provider}:{self.model} needs credentials: set {' or '.join(self.key_envs)} "
-            f"(or pass api_key=...)"
-        )
+        raise ModelConfigError(f"model {self.provider}:{self.model} needs credentials: set "
+                               f"{' or '.join(self.key_envs)} (or pass api_key=...)")
 
     def _make_client(self, sdk: Any, credential: tuple[str, str]) -> Any:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -1,20 +1,8 @@
-"""Traces and metrics for loomray sessions: observers of the run's events.
+"""Traces and metrics for loomray sessions: observers of the run's events (docs/telemetry.md).
 
-Every event a run emits (:mod:`loomray.events`) is also handed, in the process
-that executes the run (``loomray.session.execute_request``), to the observers
-registered here. With none registered that costs one function call.
-
-**Traces** (``pip install 'loomray[otel]'``): :func:`enable_tracing` turns
-each model call and tool call that really ran into an OpenTelemetry span
-(GenAI semantic conventions) under the run's ``invoke_agent`` span.
-**Metrics**: inside a Ray worker an observer feeding ``ray.util.metrics`` is
-registered on a run's first event (``LOOMRAY_RAY_METRICS=0`` opts out;
-:func:`enable_metrics` anywhere else); outside Ray :func:`enable_otel_metrics`
-records the same series through OpenTelemetry. The spans, their attributes,
-replays and crashes, and every metric are in docs/telemetry.md.
-
-Nothing here imports OpenTelemetry or Ray at module level: ``import loomray``
-works without either being importable.
+Every event a run emits is also handed, in the process that executes the run, to the observers registered
+here; with none registered that costs one function call. Nothing here imports OpenTelemetry or Ray at module
+level: ``import loomray`` works without either being importable.
 """
 
 from __future__ import annotations
@@ -155,7 +143,8 @@ def set_active_sessions(placement: str | None, n: int, store: str | None = None)
 
 def set_awaiting_approval(n: int, store: str | None = None) -> None:
     """Report how many sessions of ``store`` wait for a person's decision on a tool call (no-op without Ray)."""
-    _set_ray_metric("sessions awaiting approval", lambda m: m.awaiting_approval.set(n, tags={"store": store or "unknown"}))
+    tags = {"store": store or "unknown"}
+    _set_ray_metric("sessions awaiting approval", lambda m: m.awaiting_approval.set(n, tags=tags))
 
 
 async def hold_gauges(every_s: float = 5.0) -> None:

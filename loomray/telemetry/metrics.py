@@ -1,17 +1,9 @@
-"""loomray's metrics: one set of instruments, recorded into Ray's metrics or OpenTelemetry's.
+"""loomray's metrics: one set of instruments, recorded into Ray's metrics or OpenTelemetry's (docs/telemetry.md).
 
-:class:`MetricsObserver` turns a run's events into counts, spend, durations
-and stop reasons. The instruments come from a module with Ray's metric API
-(``Counter``/``Histogram``/``Gauge`` taking ``tag_keys``): ``ray.util.metrics``
-in Ray processes (exported on each node's Prometheus port), or
-:class:`OtelInstruments` over an OpenTelemetry ``Meter`` for runs outside Ray
-(``LocalRuntime``, ``InProcRuntime``), so both report the same series.
-
-Every series carries ``placement`` (``actor``/``dense``, ``local`` for
-:func:`enable_otel_metrics`, else ``unknown``) and ``store`` (the store's URL),
-so two stores on one cluster never share a series. Labels never hold message
-content, tool arguments, ids of sessions or anything a user typed: only model
-and tool names, which the agent's author chose.
+The instruments come from a module with Ray's metric API (``Counter``/``Histogram``/``Gauge`` taking
+``tag_keys``): ``ray.util.metrics`` in Ray processes, or :class:`OtelInstruments` over an OpenTelemetry
+``Meter`` elsewhere, so both report the same series. Labels never hold content or ids a user typed: only
+placement, store, and model and tool names, which the agent's author chose.
 """
 
 from __future__ import annotations
