@@ -89,14 +89,6 @@ class CountingModel:
 def demo_tools(fetch_s: float = 0.0, log_path: str | None = None) -> list[Tool]:
     """The research tools; ``fetch_page`` takes ``fetch_s`` (a slow network) and logs when it starts."""
 
-    def search(query: str) -> str:
-        """Search the offline corpus.
-
-        Args:
-            query: what to look for.
-        """
-        return research_search(query)
-
     async def fetch_page(url: str, max_kb: float = 3.0) -> str:
         """Fetch a page of the offline corpus as text.
 
@@ -109,16 +101,7 @@ def demo_tools(fetch_s: float = 0.0, log_path: str | None = None) -> list[Tool]:
         await asyncio.sleep(fetch_s)
         return research_fetch_page(url, max_kb)
 
-    def take_note(title: str, text: str) -> str:
-        """Keep a note for the final report.
-
-        Args:
-            title: a short heading.
-            text: the note.
-        """
-        return research_take_note(title, text)
-
-    return [tool(search), tool(fetch_page), tool(take_note)]
+    return [tool(research_search), tool(fetch_page), tool(research_take_note)]
 
 
 def build_agent(model: str, *, pace: Pace | None = None, log_path: str | None = None) -> Agent:

@@ -50,27 +50,19 @@ class Price(BaseModel):
         if usage.cache_write_tokens and self.cache_write is None:
             return None
         plain_input = max(usage.input_tokens - usage.cache_read_tokens - usage.cache_write_tokens, 0)
-        micro = (
-            plain_input * self.input
-            + usage.output_tokens * self.output
-            + usage.cache_read_tokens * (self.cache_read or 0.0)
-            + usage.cache_write_tokens * (self.cache_write or 0.0)
-        )
+        micro = (plain_input * self.input + usage.output_tokens * self.output
+                 + usage.cache_read_tokens * (self.cache_read or 0.0)
+                 + usage.cache_write_tokens * (self.cache_write or 0.0))
         return micro / 1_000_000
 
 
 def maintained_cost(provider: str, model: str, usage: Usage, at: datetime | None = None) -> float | None:
     """USD for ``usage`` from genai-prices at the date ``at`` (now when None); None for a model it does not know."""
-    counts = genai_prices.Usage(
-        input_tokens=usage.input_tokens,
-        output_tokens=usage.output_tokens,
-        cache_read_tokens=usage.cache_read_tokens,
-        cache_write_tokens=usage.cache_write_tokens,
-    )
+    counts = genai_prices.Usage(input_tokens=usage.input_tokens, output_tokens=usage.output_tokens,
+                                cache_read_tokens=usage.cache_read_tokens, cache_write_tokens=usage.cache_write_tokens)
     try:
-        calc = genai_prices.calc_price(
-            counts, model, provider_id=provider.lower(), genai_request_timestamp=at or datetime.now(timezone.utc)
-        )
+        calc = genai_prices.calc_price(counts, model, provider_id=provider.lower(),
+                                       genai_request_timestamp=at or datetime.now(timezone.utc))
     except LookupError:
         return None
     return float(calc.total_price)
@@ -81,8 +73,7 @@ class PriceTable:
 
     def __init__(self, prices: Mapping[str, Mapping[str, Price]] | None = None, *, source: str = "prices= argument"):
         self._prices: dict[str, dict[str, tuple[Price, str]]] = {
-            p.lower(): {m: (price, source) for m, price in models.items()} for p, models in (prices or {}).items()
-        }
+            p.lower(): {m: (price, source) for m, price in models.items()} for p, models in (prices or {}).items()}
 
     @classmethod
     def from_data(cls, data: Any, *, source: str) -> PriceTable:
@@ -91,9 +82,8 @@ class PriceTable:
             raise ModelConfigError(f"price table {source}: expected a JSON object, got {type(data).__name__}")
         table = data.get("prices")
         if not isinstance(table, Mapping):
-            raise ModelConfigError(
-                f'price table {source}: expected a "prices" object mapping provider -> model -> prices'
-            )
+            raise ModelConfigError(f'price table {source}: expected a "prices" object mapping provider -> model '
+                                   '-> prices')
         found = data.get("sources")
         sources: Mapping[str, Any] = found if isinstance(found, Mapping) else {}
         out = cls()
@@ -131,18 +121,13 @@ class PriceTable:
             out._prices.setdefault(provider, {}).update(models)
         return out
 
-    def lookup(self, provider: str, model: str) -> Price | None:
-        """The override price of ``model`` at ``provider``, trying an undated id for a dated snapshot."""
-        entry = self._entry(provider, model)
-        return None if entry is None else entry[0]
-
     def _entry(self, provider: str, model: str) -> tuple[Price, str] | None:
+        """The override of ``model`` at ``provider`` and its source, trying an undated id for a dated snapshot."""
         models = self._prices.get(provider.lower(), {})
         return models.get(model) or models.get(_DATE_SUFFIX.sub("", model))
 
-    def quote(
-        self, provider: str, model: str, usage: Usage, *, at: datetime | None = None
-    ) -> tuple[float | None, str | None]:
+    def quote(self, provider: str, model: str, usage: Usage, *,
+              at: datetime | None = None) -> tuple[float | None, str | None]:
         """``(USD, source)`` for ``usage``: an override if one names the model, else genai-prices at ``at``."""
         entry = self._entry(provider, model)
         if entry is not None:
@@ -150,16 +135,10 @@ class PriceTable:
         cost = maintained_cost(provider, model, usage, at)
         return cost, (MAINTAINED_SOURCE if cost is not None else None)
 
-    def cost(self, provider: str, model: str, usage: Usage, *, at: datetime | None = None) -> float | None:
-        """USD for ``usage`` on ``model``, or None when neither an override nor genai-prices knows it."""
-        return self.quote(provider, model, usage, at=at)[0]
-
     def to_data(self) -> dict[str, Any]:
         """The overrides in the file format, with each entry's source."""
-        return {
-            "prices": {p: {m: v[0].model_dump() for m, v in ms.items()} for p, ms in self._prices.items()},
-            "sources": {p: {m: v[1] for m, v in ms.items()} for p, ms in self._prices.items()},
-        }
+        return {"prices": {p: {m: v[0].model_dump() for m, v in ms.items()} for p, ms in self._prices.items()},
+                "sources": {p: {m: v[1] for m, v in ms.items()} for p, ms in self._prices.items()}}
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, PriceTable) and other._prices == self._prices
@@ -186,6 +165,5 @@ def load_prices(prices: PriceTable | Mapping[str, Any] | str | os.PathLike | Non
         return table.merged(PriceTable.from_file(prices))
     if isinstance(prices, Mapping):
         return table.merged(PriceTable.from_data(prices, source="prices= argument"))
-    raise ModelConfigError(
-        f"prices must be a path, a mapping in the override format or a PriceTable, got {type(prices).__name__}"
-    )
+    raise ModelConfigError(f"prices must be a path, a mapping in the override format or a PriceTable, "
+                           f"got {type(prices).__name__}")

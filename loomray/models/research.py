@@ -137,11 +137,8 @@ def search(query: str) -> str:
     Args:
         query: what to look for.
     """
-    hits = []
-    for i in range(5):
-        slug = _slug(query)
-        hits.append(f"[{i + 1}] https://docs.example/{slug}/{i} -- {_prose(query + str(i), 180)}")
-    return "\n".join(hits)
+    slug = _slug(query)
+    return "\n".join(f"[{i + 1}] https://docs.example/{slug}/{i} -- {_prose(query + str(i), 180)}" for i in range(5))
 
 
 def fetch_page(url: str, max_kb: float = 3.0) -> str:

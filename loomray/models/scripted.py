@@ -49,11 +49,7 @@ def reply_index(messages: Sequence[Message]) -> int:
             if hit:
                 return int(hit.group(1)) + 1 + after
         after += 1
-    folded = 0
-    for m in messages:
-        if m.role == "user":
-            for hit in _CONDENSED.finditer(m.content):
-                folded += int(hit.group(1))
+    folded = sum(int(hit.group(1)) for m in messages if m.role == "user" for hit in _CONDENSED.finditer(m.content))
     return after + folded
 
 
@@ -69,13 +65,9 @@ def _to_message(reply: Any, index: int) -> Message:
             specs: list[Any] = [{"name": reply["tool"], "arguments": reply.get("args", reply.get("arguments", {}))}]
         else:
             specs = list(reply.get("tool_calls", []))
-        calls = []
-        for j, spec in enumerate(specs):
-            if isinstance(spec, ToolCall):
-                calls.append(spec)
-            else:
-                calls.append(ToolCall(id=spec.get("id") or f"s{index:04d}_{j}", name=spec["name"],
-                                      arguments=dict(spec.get("arguments", spec.get("args", {})))))
+        calls = [spec if isinstance(spec, ToolCall) else
+                 ToolCall(id=spec.get("id") or f"s{index:04d}_{j}", name=spec["name"],
+                          arguments=dict(spec.get("arguments", spec.get("args", {})))) for j, spec in enumerate(specs)]
         return Message(role="assistant", content=str(reply.get("content", "")), tool_calls=calls)
     raise TypeError(f"ScriptedModel reply {index} has unsupported type {type(reply).__name__}")
 
@@ -87,15 +79,9 @@ class ScriptedModel:
     ``delay`` (seconds) simulates model latency for benchmarks.
     """
 
-    def __init__(
-        self,
-        responses: Sequence[Any],
-        *,
-        name: str = "scripted",
-        counter_path: str | os.PathLike[str] | None = None,
-        price_per_mtok: float = 1.0,
-        delay: float = 0.0,
-    ) -> None:
+    def __init__(self, responses: Sequence[Any], *, name: str = "scripted",
+                 counter_path: str | os.PathLike[str] | None = None, price_per_mtok: float = 1.0,
+                 delay: float = 0.0) -> None:
         self.responses = list(responses)
         self.name = name
         self.calls = 0
@@ -125,12 +111,9 @@ class ScriptedModel:
         tokens_in = estimate_tokens(request.messages)
         tokens_out = estimate_tokens([message])
         cost = (tokens_in + tokens_out) * self.price_per_mtok / 1_000_000
-        return ModelResponse(
-            message=message,
-            usage=Usage(input_tokens=tokens_in, output_tokens=tokens_out, requests=1, cost_usd=cost),
-            stop_reason="tool_use" if message.tool_calls else "end_turn",
-            model=self.name,
-        )
+        return ModelResponse(message=message,
+                             usage=Usage(input_tokens=tokens_in, output_tokens=tokens_out, requests=1, cost_usd=cost),
+                             stop_reason="tool_use" if message.tool_calls else "end_turn", model=self.name)
 
 
 def _append_line(path: str, line: str) -> None:

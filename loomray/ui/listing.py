@@ -140,12 +140,6 @@ def _with_tail(table: pa.Table, rows: list[SessionRow]) -> pa.Table:
     return pa.concat_tables([table, tail]) if table.num_rows else tail
 
 
-def current_rows(store: Store, user: UserFilter, tables: TableCache | None = None) -> pa.Table:
-    """Each session's latest status row (of ``user``; ``ANY``: every user): the session-status table, with the
-    tail's rows in place of the table's for the sessions the change markers name."""
-    return (tables or TableCache()).current(store, user)
-
-
 def _filtered(table: pa.Table, q: ListQuery) -> pa.Table:
     ts = table.schema.field("updated_at").type
     mask = None
@@ -164,7 +158,7 @@ def _filtered(table: pa.Table, q: ListQuery) -> pa.Table:
 
 def list_sessions(store: Store, q: ListQuery, tables: TableCache | None = None) -> Page:
     """The page of sessions ``q`` asks for (see the module doc for what is read)."""
-    sessions = _filtered(current_rows(store, q.user, tables), q)
+    sessions = _filtered((tables or TableCache()).current(store, q.user), q)
     # Newest first; the session id (then the user) breaks ties, so a page's rows do not move between requests.
     keys = [("updated_at", "descending"), ("session_id", "ascending"), ("user_id", "ascending")]
     top = sessions

@@ -11,6 +11,7 @@ pytest.importorskip("openai", reason="the openai SDK is not installed: pip insta
 from model_wire import anthropic_message  # noqa: E402
 
 from loomray.models.pricing import PriceTable  # noqa: E402
+from loomray.records import Usage  # noqa: E402
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "providers.md"
 
@@ -48,11 +49,11 @@ def test_settings_snippet_runs(monkeypatch, capsys):
     model = scope["model"]
     assert (model.base_url, model.max_retries, model.timeout, model.max_tokens) == (
         "http://127.0.0.1:11434/v1", 2, 60.0, 4096)
-    assert model.prices.lookup("openai", "llama3.1") is not None
+    assert model.prices.quote("openai", "llama3.1", Usage(input_tokens=1))[1].startswith("override: ")
 
 
 def test_price_file_snippet_is_a_valid_table():
     import json
 
     table = PriceTable.from_data(json.loads(blocks("json")[0]), source="docs/providers.md")
-    assert table.lookup("openai", "my-finetune").output == 12.0
+    assert table.quote("openai", "my-finetune", Usage(output_tokens=1_000_000))[0] == 12.0

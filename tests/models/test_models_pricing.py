@@ -20,8 +20,8 @@ def no_env_prices(monkeypatch):
 def test_known_models_are_priced_by_genai_prices_and_name_their_source():
     table = load_prices()
     usage = Usage(input_tokens=1_000_000, output_tokens=1_000_000)
-    assert table.cost("anthropic", "claude-opus-4-7", usage) == pytest.approx(30.0)
-    assert table.cost("openai", "gpt-4o", usage) == pytest.approx(12.5)
+    assert table.quote("anthropic", "claude-opus-4-7", usage)[0] == pytest.approx(30.0)
+    assert table.quote("openai", "gpt-4o", usage)[0] == pytest.approx(12.5)
     cost, source = table.quote("openai", "gpt-4o", usage)
     assert source == MAINTAINED_SOURCE == f"genai-prices {genai_prices.__version__}"
 
@@ -30,8 +30,8 @@ def test_a_price_change_by_date_prices_each_call_at_its_own_date():
     # Claude Sonnet 4.6 had a long-context tier until 2026-03-12 and flat prices from 2026-03-13.
     table = load_prices()
     long_prompt = Usage(input_tokens=300_000, output_tokens=1_000)
-    before = table.cost("anthropic", "claude-sonnet-4-6", long_prompt, at=datetime(2026, 3, 1, tzinfo=timezone.utc))
-    after = table.cost("anthropic", "claude-sonnet-4-6", long_prompt, at=datetime(2026, 3, 20, tzinfo=timezone.utc))
+    before = table.quote("anthropic", "claude-sonnet-4-6", long_prompt, at=datetime(2026, 3, 1, tzinfo=timezone.utc))[0]
+    after = table.quote("anthropic", "claude-sonnet-4-6", long_prompt, at=datetime(2026, 3, 20, tzinfo=timezone.utc))[0]
     assert before == pytest.approx((300_000 * 6 + 1_000 * 22.5) / 1e6)
     assert after == pytest.approx((300_000 * 3 + 1_000 * 15) / 1e6)
 
@@ -39,8 +39,8 @@ def test_a_price_change_by_date_prices_each_call_at_its_own_date():
 def test_a_long_context_tier_bills_the_whole_prompt_at_its_rate():
     # GPT-5.4 bills prompts over 272,000 tokens at its long-context rates.
     table = load_prices()
-    short = table.cost("openai", "gpt-5.4", Usage(input_tokens=200_000, output_tokens=1_000))
-    long = table.cost("openai", "gpt-5.4", Usage(input_tokens=300_000, output_tokens=1_000))
+    short = table.quote("openai", "gpt-5.4", Usage(input_tokens=200_000, output_tokens=1_000))[0]
+    long = table.quote("openai", "gpt-5.4", Usage(input_tokens=300_000, output_tokens=1_000))[0]
     assert short == pytest.approx((200_000 * 2.5 + 1_000 * 15) / 1e6)
     assert long == pytest.approx((300_000 * 5 + 1_000 * 22.5) / 1e6)
 
@@ -48,18 +48,18 @@ def test_a_long_context_tier_bills_the_whole_prompt_at_its_rate():
 def test_unknown_model_costs_none_never_a_guess():
     table = load_prices()
     usage = Usage(input_tokens=10, output_tokens=10)
-    assert table.cost("anthropic", "claude-unreleased-9", usage) is None
-    assert table.cost("mystery", "gpt-4o", usage) is None
+    assert table.quote("anthropic", "claude-unreleased-9", usage)[0] is None
+    assert table.quote("mystery", "gpt-4o", usage)[0] is None
     assert table.quote("anthropic", "claude-unreleased-9", usage) == (None, None)
 
 
 def test_dated_snapshot_uses_its_alias_but_no_other_fuzzy_match():
     table = PriceTable.from_data({"prices": {"openai": {"gpt-4o": {"input": 1, "output": 2}}}}, source="t")
     usage = Usage(input_tokens=1_000_000)
-    assert table.cost("openai", "gpt-4o-2024-08-06", usage) == pytest.approx(1.0)
+    assert table.quote("openai", "gpt-4o-2024-08-06", usage)[0] == pytest.approx(1.0)
     # the override of gpt-4o never reaches gpt-4o-mini, which keeps its own maintained price
     assert table.quote("openai", "gpt-4o-mini", usage) == (pytest.approx(0.15), MAINTAINED_SOURCE)
-    assert table.cost("openai", "my-model-mini", usage) is None
+    assert table.quote("openai", "my-model-mini", usage)[0] is None
 
 
 def test_cache_tokens_are_priced_as_parts_of_the_input():
@@ -85,14 +85,14 @@ def test_env_file_overrides_genai_prices_and_argument_overrides_env(tmp_path, no
     usage = Usage(input_tokens=1_000_000)
 
     table = load_prices()
-    assert table.cost("anthropic", "claude-opus-4-7", usage) == pytest.approx(1.0)
-    assert table.cost("openai", "my-finetune", usage) == pytest.approx(2.0)
-    assert table.cost("openai", "gpt-4o", usage) == pytest.approx(2.5)  # untouched models keep genai-prices
+    assert table.quote("anthropic", "claude-opus-4-7", usage)[0] == pytest.approx(1.0)
+    assert table.quote("openai", "my-finetune", usage)[0] == pytest.approx(2.0)
+    assert table.quote("openai", "gpt-4o", usage)[0] == pytest.approx(2.5)  # untouched models keep genai-prices
     assert table.quote("openai", "my-finetune", usage)[1] == f"override: {env_file}"
 
     table = load_prices({"prices": {"openai": {"my-finetune": {"input": 3, "output": 3}}}})
-    assert table.cost("openai", "my-finetune", usage) == pytest.approx(3.0)
-    assert table.cost("anthropic", "claude-opus-4-7", usage) == pytest.approx(1.0)
+    assert table.quote("openai", "my-finetune", usage)[0] == pytest.approx(3.0)
+    assert table.quote("anthropic", "claude-opus-4-7", usage)[0] == pytest.approx(1.0)
 
     assert load_prices(env_file) == load_prices()  # a path works as the argument too
     assert table.quote("openai", "my-finetune", usage)[1] == "override: prices= argument"
