@@ -102,9 +102,7 @@ def story(sid: str, done: RunResult, log_path: str) -> tuple[str, Table]:
     body = (f"session [bold]{sid}[/]: a signal sent while check_facts ran reached the model at the next pass "
             f"boundary; the publish call stopped the run ([bold]awaiting_approval[/], its actor exited); "
             f"approved, a new actor continued the same run and published once; {served}.")
-    table = Table(title="the publishing session, as the model saw it")
-    for col in ("#", "role", "content"):
-        table.add_column(col)
+    table = Table("#", "role", "content", title="the publishing session, as the model saw it")
     for i, m in enumerate(m for m in done.messages if m.role != "system"):
         table.add_row(str(i + 1), m.role, _describe(m)[:70])
     return body, table

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -126,9 +127,7 @@ def run_demo(agent: Agent, store_url: str, log_path: str, *, pace: Pace, nodes: 
 
 
 def _show_cluster(lc: LocalCluster, took_s: float) -> None:
-    table = Table(title=f"cluster up in {took_s:.1f} s")
-    for col in ("node", "id", "address", "runs sessions"):
-        table.add_column(col)
+    table = Table("node", "id", "address", "runs sessions", title=f"cluster up in {took_s:.1f} s")
     for n in lc.nodes:
         table.add_row(_node_label(lc, n.node_id).split(" ")[0], n.node_id[:16], lc.address.split(":")[0],
                       "no (supervisor)" if n is lc.head else "yes")
@@ -233,18 +232,11 @@ class _DemoRun:
     def _prove(self, sid: str, result: RunResult, watch: _Watch) -> None:
         lines = _log_lines(self.log_path)
         indices = [int(x[1]) for x in lines if x[0] == "model"]
-        by_pid: dict[int, int] = {}
-        for x in lines:
-            if x[0] == "model":
-                by_pid[int(x[2])] = by_pid.get(int(x[2]), 0) + 1
-        journal: dict[int, int] = {}
-        for run in self.store.journal.runs(sid):
-            for e in self.store.journal.list(sid, run):
-                if e.kind == "model":
-                    journal[e.epoch] = journal.get(e.epoch, 0) + 1
-        table = Table(title="who called the model")
-        for col in ("incarnation", "node", "lease epoch", "model calls (call log)", "model steps (journal)"):
-            table.add_column(col)
+        by_pid = Counter(int(x[2]) for x in lines if x[0] == "model")
+        journal = Counter(e.epoch for run in self.store.journal.runs(sid) for e in self.store.journal.list(sid, run)
+                          if e.kind == "model")
+        table = Table("incarnation", "node", "lease epoch", "model calls (call log)", "model steps (journal)",
+                      title="who called the model")
         for n, info in enumerate(watch.incarnations, start=1):
             table.add_row(str(n), _node_label(self.lc, info["node_id"]), str(n), str(by_pid.get(info["pid"], 0)),
                           str(journal.get(n, 0)))
@@ -260,7 +252,7 @@ class _DemoRun:
         _step(3, "the proof: no model call repeated", body)
         console.print(table)
         if not (once and agree):
-            raise LoomrayRunError(f"model calls {sorted(indices)} vs journal {journal} vs turns {result.turns}")
+            raise LoomrayRunError(f"model calls {sorted(indices)} vs journal {dict(journal)} vs turns {result.turns}")
 
     def _forks(self, sid: str) -> None:
         rows = self.store.checkpoints.list(sid, limit=50)
@@ -273,9 +265,7 @@ class _DemoRun:
             ray_get(self.supervisor.submit.remote(self.spec, r.model_dump_json()))
         refs = [self.supervisor.result.remote(r.session_id, None) for r in requests]
         nodes = self._follow_forks(requests, refs, base.turn)
-        table = Table(title="forks")
-        for col in ("fork", "node", "turns", "model calls", "the report's new last note"):
-            table.add_column(col)
+        table = Table("fork", "node", "turns", "model calls", "the report's new last note", title="forks")
         for r, ref in zip(requests, refs, strict=False):
             outcome = ray_get(ref)
             where = nodes.get(r.session_id, "?")
@@ -341,9 +331,7 @@ def _query(store: Store) -> None:
         sql = _SQL
     _step(6, "query the Parquet index", f"{len(store.index_files())} index files, {table.num_rows} live checkpoint "
           f"rows, read straight from the store with DuckDB over Arrow:\n[dim]{sql}[/]")
-    t = Table()
-    for name in out.column_names:
-        t.add_column(name)
+    t = Table(*out.column_names)
     for row in out.to_pylist():
         t.add_row(*("" if v is None else str(v) for v in row.values()))
     console.print(t)

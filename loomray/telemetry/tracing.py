@@ -276,9 +276,10 @@ class TracingObserver:
             return  # answered from the journal: the call that really ran was traced when it ran
         end = _ns(event.at)
         u = event.usage
-        attrs = self._attrs(event, info, **{
-            "gen_ai.operation.name": "chat", "gen_ai.request.model": info.model,
-            "gen_ai.provider.name": info.provider, "gen_ai.agent.name": info.agent_name,
+        content: dict[str, str] = {}
+        if self.capture_content:
+            content["gen_ai.output.messages"] = json.dumps([event.message.model_dump(mode="json")], ensure_ascii=False)
+        span = self._chat_span(run, event, info, pending.start_ns if pending else end, **{
             "gen_ai.usage.input_tokens": u.input_tokens, "gen_ai.usage.output_tokens": u.output_tokens,
             "gen_ai.usage.cache_read.input_tokens": u.cache_read_tokens or None,
             "gen_ai.usage.cache_creation.input_tokens": u.cache_write_tokens or None,
@@ -287,13 +288,16 @@ class TracingObserver:
             "gen_ai.response.finish_reasons": [event.finish_reason] if event.finish_reason else None,
             "server.address": info.server_address,
             "loomray.usage.cost_usd": u.cost_usd, "loomray.step_key": pending.step_key if pending else None,
-            "loomray.tool_calls": len(event.message.tool_calls),
+            "loomray.tool_calls": len(event.message.tool_calls), **content,
         })
-        if self.capture_content:
-            attrs["gen_ai.output.messages"] = json.dumps([event.message.model_dump(mode="json")], ensure_ascii=False)
-        name = f"chat {info.model}" if info.model else "chat"
-        span = self._child(run, name, self._trace.SpanKind.CLIENT, pending.start_ns if pending else end, attrs)
         span.end(end_time=end)
+
+    def _chat_span(self, run: _RunSpans | None, event: Event, info: RunInfo, start_ns: int, **extra: Any) -> Any:
+        attrs = self._attrs(event, info, **{"gen_ai.operation.name": "chat", "gen_ai.request.model": info.model,
+                                            "gen_ai.provider.name": info.provider,
+                                            "gen_ai.agent.name": info.agent_name, **extra})
+        name = f"chat {info.model}" if info.model else "chat"
+        return self._child(run, name, self._trace.SpanKind.CLIENT, start_ns, attrs)
 
     def _tool_span(self, run: _RunSpans | None, pending: _ToolStep, event: Event, info: RunInfo, name: str) -> Any:
         call = pending.call
@@ -326,12 +330,8 @@ class TracingObserver:
         end = _ns(event.at)
         # Steps the failure interrupted: they started (e.g. the model call that raised), so they are traced.
         for model_step in run.model.values():
-            attrs = self._attrs(event, info, **{
-                "gen_ai.operation.name": "chat", "gen_ai.request.model": info.model,
-                "gen_ai.provider.name": info.provider, "gen_ai.agent.name": info.agent_name,
-                "loomray.turn": model_step.turn, "loomray.step_key": model_step.step_key})
-            span = self._child(run, f"chat {info.model}" if info.model else "chat", self._trace.SpanKind.CLIENT,
-                               model_step.start_ns, attrs)
+            span = self._chat_span(run, event, info, model_step.start_ns,
+                                   **{"loomray.turn": model_step.turn, "loomray.step_key": model_step.step_key})
             self._error(span, event.error_type)
             span.end(end_time=end)
         for tool_step in run.tools.values():
