@@ -19,7 +19,7 @@ from loomray import control
 from loomray.errors import LoomrayUserError
 from loomray.loop import ToolDecision
 from loomray.storage import Store
-from loomray.ui.state import UiState
+from loomray.ui.state import UiState, session_of
 
 SOURCE = "ui"
 
@@ -100,9 +100,7 @@ def back(sid: str, user: str | None, **note: str) -> RedirectResponse:
 
 async def act(request: Request) -> Response:
     """POST /session/{id}/{action}: check the CSRF token, then do the action (see the module doc)."""
-    state: UiState = request.app.state.ui
-    sid = state.session_id(request.path_params["session_id"])
-    user = state.user_of(request.query_params.get("user"))
+    state, sid, user = session_of(request)
     action = request.path_params["action"]
     if action not in (*_STORED, "resume"):
         raise HTTPException(404, f"no action {action!r}")

@@ -36,7 +36,7 @@ from loomray.ui import actions, charts, live
 from loomray.ui.listing import STATUSES, ListQuery, list_sessions
 from loomray.ui.security import GuardMiddleware
 from loomray.ui.session_view import read_session
-from loomray.ui.state import UiState
+from loomray.ui.state import UiState, session_of
 
 _HERE = Path(__file__).parent
 PAGE_SIZE = 50
@@ -104,9 +104,7 @@ async def sessions_page(request: Request) -> Response:
 
 
 async def session_page(request: Request) -> Response:
-    state: UiState = request.app.state.ui
-    sid = state.session_id(request.path_params["session_id"])
-    user = state.user_of(request.query_params.get("user"))
+    state, sid, user = session_of(request)
     view = await asyncio.to_thread(read_session, state.store, sid, user)
     if view is None:
         raise HTTPException(404, f"no session {sid!r}" + (f" of user {user!r}" if user else ""))
@@ -117,18 +115,14 @@ async def session_page(request: Request) -> Response:
 
 
 async def session_events(request: Request) -> Response:
-    state: UiState = request.app.state.ui
-    sid = state.session_id(request.path_params["session_id"])
-    user = state.user_of(request.query_params.get("user"))
+    state, sid, user = session_of(request)
     last = request.headers.get("last-event-id") or request.query_params.get("after") or None
     return StreamingResponse(live.stream(state, sid, user, last), media_type="text/event-stream",
                              headers={"x-accel-buffering": "no"})
 
 
 async def cancel_confirm(request: Request) -> Response:
-    state: UiState = request.app.state.ui
-    sid = state.session_id(request.path_params["session_id"])
-    user = state.user_of(request.query_params.get("user"))
+    state, sid, user = session_of(request)
     return render(request, "confirm.html", session_id=sid, user_id=user)
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.exceptions import HTTPException
+from starlette.requests import Request
 
 from loomray.cli.common import CliError
 from loomray.cli.runs import agent_for, bind, runtime_for
@@ -111,3 +112,9 @@ class UiState:
             return validate_id(given, "session_id")
         except ValueError as e:
             raise HTTPException(400, str(e)) from e
+
+
+def session_of(request: Request) -> tuple[UiState, str, str | None]:
+    """The server's state, and the session and user a request names, checked as the store checks them."""
+    state: UiState = request.app.state.ui
+    return state, state.session_id(request.path_params["session_id"]), state.user_of(request.query_params.get("user"))
