@@ -150,8 +150,8 @@ def set_awaiting_approval(n: int, store: str | None = None) -> None:
 async def hold_gauges(every_s: float = 5.0) -> None:
     """Set this process's supervisor gauges again every ``every_s`` seconds, until cancelled.
 
-    Ray stops exporting a gauge series nobody sets again (about 20 s on Ray 2.60), and the supervisor sets
-    active sessions and sessions awaiting approval only when they change. Never raises but to cancel.
+    Ray stops exporting a gauge series nobody sets again (docs/telemetry.md), and the supervisor sets active
+    sessions and sessions awaiting approval only when they change. Never raises but to cancel.
     """
     while True:
         await asyncio.sleep(every_s)

@@ -233,11 +233,8 @@ def ray_instruments() -> Instruments | None:
 class HeldGauge:
     """A Ray gauge that remembers its last value per label set, to set them all again (:meth:`again`).
 
-    Ray stops exporting a gauge series that is not set again for a while (about
-    20 s on Ray 2.60, measured: docs/telemetry.md), and the supervisor sets its
-    gauges only when a count changes: a steady count would vanish from
-    Prometheus. The supervisor's event loop calls :meth:`again` every few
-    seconds (:func:`loomray.telemetry.hold_gauges`).
+    Ray stops exporting a gauge series not set again for a while, and the supervisor sets its gauges only when
+    a count changes; :func:`loomray.telemetry.hold_gauges` calls :meth:`again` (docs/telemetry.md).
     """
 
     def __init__(self, gauge: Any) -> None:
