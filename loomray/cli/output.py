@@ -18,6 +18,8 @@ from typing import Any
 
 import click
 
+from loomray.cli.common import console
+
 #: Decimals a dollar amount keeps in ``--json`` (float noise such as 0.22175700000000004 goes).
 MONEY_DECIMALS = 6
 
@@ -63,6 +65,14 @@ def _tidy(obj: Any, dollars: bool = False) -> Any:
 def emit_json(obj: Any) -> None:
     """Print ``obj`` as indented JSON: times ISO 8601 (``2026-05-01T12:00:00+00:00``), dollars to 6 decimals."""
     click.echo(json.dumps(_tidy(obj), default=_json_default, indent=2))
+
+
+def tell(as_json: bool, data: dict[str, Any], text: str) -> None:
+    """What a command that did one thing prints: ``data`` as JSON for scripts, else ``text``, one line for people."""
+    if as_json:
+        emit_json(data)
+    else:
+        console.print(text, highlight=False, soft_wrap=True)
 
 
 def row_dict(row: Any) -> dict[str, Any]:

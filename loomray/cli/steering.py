@@ -18,7 +18,6 @@ from loomray import control
 from loomray.cli.common import (
     EXIT_RUN,
     CliError,
-    console,
     err_console,
     guarded,
     json_option,
@@ -28,7 +27,7 @@ from loomray.cli.common import (
     unknown_session,
     user_option,
 )
-from loomray.cli.output import emit_json, excerpt, iso_time, short_time
+from loomray.cli.output import excerpt, iso_time, short_time, tell
 from loomray.cli.progress import stdin_is_tty
 from loomray.run_errors import read_errors
 from loomray.storage import JournalEntry, Store
@@ -39,14 +38,6 @@ def _resume_hint(session_id: str, user_id: str | None) -> str:
     return f"loomray resume {session_id}" + (f" --user {user_id}" if user_id else "")
 
 
-def _tell(as_json: bool, data: dict[str, Any], text: str) -> None:
-    """What a steering command prints: ``data`` as JSON for scripts, else ``text``, one line for people."""
-    if as_json:
-        emit_json(data)
-    else:
-        console.print(text, highlight=False, soft_wrap=True)
-
-
 def _decide(session_id: str, call_id: str, decision: Any, store_url: str | None, user_id: str | None,
             as_json: bool) -> None:
     store = open_session_store(store_url, session_id, user_id)
@@ -55,7 +46,7 @@ def _decide(session_id: str, call_id: str, decision: Any, store_url: str | None,
     what = control.describe_decision(decided)
     again = "" if written else " (already recorded)"
     extra = {k: v for k, v in (("arguments", decided.arguments), ("response", decided.response)) if v is not None}
-    _tell(as_json, {"session_id": session_id, "user_id": user_id, "call_id": call_id, "approved": decided.approved,
+    tell(as_json, {"session_id": session_id, "user_id": user_id, "call_id": call_id, "approved": decided.approved,
                     "reason": decided.reason, **extra, "recorded": written},
           f"tool call {call_id} of session {session_id} {what}{again}; `{_resume_hint(session_id, user_id)}` "
           "continues the session")
@@ -134,7 +125,7 @@ def signal_cmd(session_id: str, text: str, store_url: str | None, user_id: str |
     """Send TEXT to a session as a user message, delivered once at its next pass boundary."""
     store = open_session_store(store_url, session_id, user_id)
     name = control.send_signal(store, session_id, user_id, text, source="cli")
-    _tell(as_json, {"session_id": session_id, "user_id": user_id, "signal": name},
+    tell(as_json, {"session_id": session_id, "user_id": user_id, "signal": name},
           f"signal {name} stored for session {session_id}: delivered at its next pass boundary")
 
 
@@ -148,7 +139,7 @@ def pause(session_id: str, store_url: str | None, user_id: str | None, as_json: 
     """Ask a session to stop at its next pass boundary (with a checkpoint); `loomray resume` continues it."""
     store = open_session_store(store_url, session_id, user_id)
     name = control.request_pause(store, session_id, user_id, source="cli")
-    _tell(as_json, {"session_id": session_id, "user_id": user_id, "pause": name},
+    tell(as_json, {"session_id": session_id, "user_id": user_id, "pause": name},
           f"session {session_id} is paused already; `{_resume_hint(session_id, user_id)}` continues it"
           if name is None else f"pause {name} stored for session {session_id}: it stops at its next pass boundary")
 
@@ -179,7 +170,7 @@ def cancel(session_id: str, store_url: str | None, user_id: str | None, yes: boo
             err_console.print("not cancelled", highlight=False)
             sys.exit(EXIT_RUN)
     epoch = control.cancel_session(store, session_id, user_id, source="cli")
-    _tell(as_json, {"session_id": session_id, "user_id": user_id, "cancelled": True, "epoch": epoch},
+    tell(as_json, {"session_id": session_id, "user_id": user_id, "cancelled": True, "epoch": epoch},
           f"session {session_id} cancelled; writers fenced at epoch {epoch}")
 
 
@@ -226,12 +217,9 @@ class LogReader:
         self._done: set[str] = set()
 
     def _run_ids(self) -> list[str]:
-        records = self.store.runs.list(self.session_id, user_id=self.user_id)
-        ids = [r.run_id for r in records]
-        for run_id in self.store.journal.runs(self.session_id, user_id=self.user_id):  # runs without records
-            if run_id not in ids:
-                ids.append(run_id)
-        return ids
+        ids = [r.run_id for r in self.store.runs.list(self.session_id, user_id=self.user_id)]
+        journaled = self.store.journal.runs(self.session_id, user_id=self.user_id)
+        return ids + [run_id for run_id in journaled if run_id not in ids]  # and runs without records
 
     def new_entries(self) -> list[JournalEntry]:
         """The entries written since the last call (all of them on the first), oldest run first."""

@@ -31,7 +31,7 @@ from loomray.cli.common import (
     user_option,
     who,
 )
-from loomray.cli.output import emit_json, money, row_dict, time_cells
+from loomray.cli.output import emit_json, money, row_dict, tell, time_cells
 from loomray.cli.progress import Activity, progress_option
 from loomray.cli.tables import Col, fit_table
 from loomray.cli.timeline_view import session_timeline, timeline_table
@@ -114,13 +114,10 @@ def checkpoints_quarantine(session_id: str, checkpoint_id: str, store_url: str |
     check_id(checkpoint_id, "checkpoint_id")
     store = open_session_store(store_url, session_id, user_id)
     moved = store.checkpoints.quarantine(session_id, checkpoint_id, user_id=user_id)
-    if as_json:
-        emit_json({"session_id": session_id, "user_id": user_id, "checkpoint_id": checkpoint_id,
-                   "quarantine_key": moved})
-        return
     where = f"bytes moved to {store.describe(moved)}" if moved else "its object was already gone"
-    console.print(f"checkpoint {checkpoint_id} of session {session_id} quarantined: {where}; "
-                  "its index row is retired", highlight=False, soft_wrap=True)
+    tell(as_json, {"session_id": session_id, "user_id": user_id, "checkpoint_id": checkpoint_id,
+                   "quarantine_key": moved},
+         f"checkpoint {checkpoint_id} of session {session_id} quarantined: {where}; its index row is retired")
 
 
 @click.command()
@@ -239,16 +236,11 @@ def lease_repair(session_id: str, store_url: str | None, user_id: str | None, as
     repaired = state != "ok"
     if repaired:
         epoch = store.leases.repair(session_id, user_id=user_id, owner="loomray lease repair").epoch
-    if as_json:
-        emit_json({"session_id": session_id, "user_id": user_id, "state": state, "repaired": repaired,
-                   "epoch": epoch, "problem": problem})
-    elif not repaired:
-        console.print(f"the lease of session {session_id} is healthy (epoch {epoch}): nothing to repair",
-                      highlight=False, soft_wrap=True)
-    else:
-        console.print(f"{store.describe(key)} was {state}" + (f" ({problem})" if problem else "")
-                      + f"; rewritten at epoch {epoch}, above every epoch the session used", highlight=False,
-                      soft_wrap=True)
+    rewritten = (f"{store.describe(key)} was {state}" + (f" ({problem})" if problem else "")
+                 + f"; rewritten at epoch {epoch}, above every epoch the session used")
+    tell(as_json, {"session_id": session_id, "user_id": user_id, "state": state, "repaired": repaired,
+                   "epoch": epoch, "problem": problem},
+         rewritten if repaired else f"the lease of session {session_id} is healthy (epoch {epoch}): nothing to repair")
 
 
 @click.command()
