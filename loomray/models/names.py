@@ -23,7 +23,5 @@ def provider_for(name: str) -> tuple[str, str]:
         return "anthropic", name
     if _OPENAI_NAME.match(name):
         return "openai", name
-    raise ModelConfigError(
-        f"cannot tell which provider serves model {name!r}; use 'anthropic:NAME', 'openai:NAME' "
-        "or pass a Model instance"
-    )
+    raise ModelConfigError(f"cannot tell which provider serves model {name!r}; use 'anthropic:NAME', "
+                           "'openai:NAME' or pass a Model instance")

@@ -1,14 +1,8 @@
-"""Model name resolution: a string becomes a :class:`Model`, chosen explicitly by name.
+"""Model name resolution: a string becomes a :class:`Model`, chosen explicitly by name (the rules:
+docs/providers.md, "Which provider serves a name").
 
-- a :class:`Model` instance passes through;
-- ``"provider:model"`` picks the provider explicitly (``anthropic:``, ``openai:``, ``demo:``);
-- ``claude-*`` resolves to Anthropic, ``gpt-*`` / ``o1*`` / ``o3*`` / ``o4*`` to OpenAI;
-- anything else is a :class:`~loomray.errors.ModelConfigError` raised when the Agent is built.
-
-Provider SDKs are optional extras; a missing extra or credential is a clear
-:class:`~loomray.errors.ModelConfigError` raised here, when the Agent is built,
-not at the first model call. ``settings`` (``base_url``, ``max_retries``,
-``timeout``, ``max_tokens``, ``prices``, ``api_key``...) go to the adapter.
+A missing SDK extra or credential is a :class:`~loomray.errors.ModelConfigError` raised here, when the
+Agent is built, not at the first model call; ``settings`` go to the adapter.
 """
 
 from __future__ import annotations
