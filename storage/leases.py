@@ -6,7 +6,7 @@ epoch ``n`` with the create-only marker ``epochs/{n}``, then swaps
 create-only when it read none), so every epoch that ever reached
 ``lease.json`` has its marker and the highest marker is a safe floor when
 ``lease.json`` is missing. The protocol, its costs and its guarantees are
-described on :meth:`storage.leasing.Leases.acquire`.
+in docs/design.md "Taking the lease".
 """
 
 from __future__ import annotations
