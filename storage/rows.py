@@ -245,12 +245,7 @@ def encode_chain(chain: tuple[str, ...]) -> str | None:
 
 def decode_chain(value: str | None) -> tuple[str, ...]:
     """A ``chain`` column value back as refs (null, or a file written before the column: no chain)."""
-    if not value:
-        return ()
-    refs = json.loads(value)
-    if not isinstance(refs, list) or not all(isinstance(r, str) for r in refs):
-        raise ValueError(f"chain must be a JSON array of strings, got {value[:80]!r}")
-    return tuple(refs)
+    return strings(json.loads(value)) if value else ()
 
 
 def strings(value: Any) -> tuple[str, ...]:

@@ -1,19 +1,11 @@
 """S3 object store on boto3: conditional writes, botocore retries, typed errors.
 
-boto3 is used (not s3fs) for object operations because conditional PUTs
-(``If-None-Match: *`` and ``If-Match: <etag>``) and botocore's retry modes are
-first-class there. Transient failures (503 SlowDown, 500, timeouts,
-connection resets) are retried by botocore's ``standard`` (default) or
-``adaptive`` mode with exponential backoff and jitter; what survives the
-retries becomes :class:`~storage.errors.TransientStorageError`. Missing,
-wrong or expired credentials (and a refused permission) are no transient
-failure: they surface at once, unretried, as :class:`S3CredentialsError`
-naming the problem and its fix. Nothing in this module leaks a botocore type
-to callers.
-
-Region: the ``region`` option, else ``AWS_REGION``, else what the boto3
-session finds (``AWS_DEFAULT_REGION`` or the region of the AWS profile in
-use), else ``us-east-1``.
+boto3 (not s3fs) because conditional PUTs (``If-None-Match: *``, ``If-Match``)
+and botocore's retry modes are first-class there. What survives the retries
+becomes :class:`~storage.errors.TransientStorageError`; missing, wrong or
+expired credentials (or a refused permission) surface at once, unretried, as
+:class:`S3CredentialsError`. No botocore type leaks to callers. Region:
+docs/storage.md.
 """
 
 from __future__ import annotations
