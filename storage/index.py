@@ -85,13 +85,19 @@ def serial_backend(objects: ObjectStore) -> bool:
     return objects.backend in ("memory", "file")
 
 
-class _SerialPool:
-    """The ``map``/``shutdown`` of a thread pool, run on the caller's thread."""
+class SerialPool:
+    """A thread pool's ``map`` (results as a list), ``shutdown`` and ``with``, run on the caller's thread."""
 
     def map(self, fn, *iterables):
         return list(map(fn, *iterables))
 
     def shutdown(self, wait: bool = True) -> None:
+        pass
+
+    def __enter__(self) -> SerialPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
         pass
 
 
@@ -105,7 +111,7 @@ class ParquetIndex:
         # serial_reads: every read runs on the caller's thread, one at a time (deterministic
         # fault-injection tests attribute each storage call to the actor that made it).
         self.serial = serial_reads
-        self._pool = _SerialPool() if serial_reads else ThreadPoolExecutor(
+        self._pool = SerialPool() if serial_reads else ThreadPoolExecutor(
             max_workers=_READ_THREADS, thread_name_prefix="storage-index")
         #: Reads of a local store run on the caller's thread (see serial_backend).
         self._local = serial_backend(objects)

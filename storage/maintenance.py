@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from . import layout
 from .ids import user_segment
-from .index import serial_backend
+from .index import SerialPool, serial_backend
 from .partition_merge import MergeItem, MergeResult, PartitionMerger, base_file, listing_now
 from .rows import CHECKPOINT_SCHEMA, SESSION_SCHEMA, CompactReport, as_utc, utcnow
 from .session_table import publish_session_tables
@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     from .store import Store
 
 log = logging.getLogger("storage")
-T = TypeVar("T")
 R = TypeVar("R")
 
 #: A compaction keeps tombstones younger than this (see the module docstring).
@@ -64,23 +63,10 @@ class IndexCompactReport(CompactReport):
     table_skipped: int = 0
 
 
-class _InOrder:
-    """A pool's ``map`` on the calling thread (for local stores: see :func:`storage.index.serial_backend`)."""
-
-    def __enter__(self) -> _InOrder:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-    def map(self, fn: Callable[[T], R], items: Iterable[T]) -> Iterator[R]:
-        return map(fn, items)
-
-
-def _pool(store: Store) -> ThreadPoolExecutor | _InOrder:
+def _pool(store: Store) -> ThreadPoolExecutor | SerialPool:
     """Where a compaction merges partitions: 4 threads for a remote store, the calling thread for a local one."""
     if serial_backend(store.objects):
-        return _InOrder()
+        return SerialPool()
     return ThreadPoolExecutor(max_workers=4, thread_name_prefix="storage-compact")
 
 

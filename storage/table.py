@@ -19,10 +19,9 @@ import logging
 import threading
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import date, datetime, timedelta, timezone
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -31,15 +30,13 @@ import pyarrow.parquet as pq
 from . import layout
 from .errors import StorageError
 from .ids import user_from_segment
-from .index import DICTIONARY_COLUMNS, conform, parquet_table, serial_backend
+from .index import DICTIONARY_COLUMNS, conform, parquet_table
 from .rows import CHECKPOINT_SCHEMA, INDEX_BOOKKEEPING, as_utc, strings, utcnow
 
 if TYPE_CHECKING:
     from .store import Store
 
 log = logging.getLogger("storage.table")
-T = TypeVar("T")
-R = TypeVar("R")
 
 #: Columns of the compacted table: a checkpoint row without the index's bookkeeping (tombstone, written_at, ...).
 TABLE_SCHEMA = pa.schema([f for f in CHECKPOINT_SCHEMA if f.name not in INDEX_BOOKKEEPING])
@@ -159,14 +156,6 @@ class UserTable:
         return None
 
 
-def for_each(store: Store, fn: Callable[[T], R], items: list[T]) -> list[R]:
-    """``fn`` over ``items``: on the index's reader threads for a remote store, in order on this thread for a local
-    one (see :func:`storage.index.serial_backend`)."""
-    if len(items) <= 2 or serial_backend(store.objects):
-        return [fn(i) for i in items]
-    return store._index.map(fn, items)
-
-
 def table_clock() -> datetime:
     """Now, by the clock write-phase intents are judged with (module-level ``utcnow``, so tests can move it)."""
     return utcnow()
@@ -245,7 +234,7 @@ def load_tables(store: Store, prefix: str = layout.TABLE_INDEX) -> dict[str, Use
         cache[key] = (obj.etag, manifest)
         users[seg].manifest, users[seg].manifest_etag = manifest, obj.etag
 
-    for_each(store, load, manifests)
+    store._index.map_io(load, manifests)
     return users
 
 # -- rows ------------------------------------------------------------------------------------------------------------
