@@ -1,16 +1,11 @@
 """``store.sessions`` (the session index) and ``store.active`` (active-session markers).
 
-Session status rows are appended to ``index/sessions/user={u}/session={s}/``
-on every status change; the latest ``updated_at`` wins. Listings must not read
-every session ever run (a ``loomray supervise`` on a cold store of 2,000
-finished sessions read 2,001 objects), so :meth:`Sessions.put` keeps two
-markers beside the rows: ``live/{u}/{s}``, written *before* a live row and
-deleted *after* a finished one (``list(status="running")`` reads only the
-marked sessions: a marker is a hint, the row decides), and a change marker
-after each row (:mod:`storage.session_changes`: the compacted session-status
-table plus :meth:`Sessions.changed_rows` is every session's latest row). An
-active marker (``active/{u}/{s}.json``) is one small object per session a
-supervisor owns. The keys are in docs/design.md ("Object layout").
+Status rows are appended to ``index/sessions/user={u}/session={s}/`` on every
+status change; the latest ``updated_at`` wins. So that listings need not read
+every session ever run, :meth:`Sessions.put` keeps two markers beside the
+rows: ``live/{u}/{s}``, written *before* a live row and deleted *after* a
+finished one (a hint: the row decides), and a change marker after each row
+(:mod:`storage.session_changes`). Keys: docs/design.md "Object layout".
 """
 
 from __future__ import annotations
