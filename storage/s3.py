@@ -80,11 +80,8 @@ class S3ObjectStore(ObjectStore):
     ``connect_timeout`` / ``read_timeout`` in seconds, ``client`` (a ready
     boto3 S3 client, e.g. with fault-injection hooks registered).
 
-    Server-side encryption: ``sse="AES256"`` (SSE-S3) or ``sse="aws:kms"``
-    (SSE-KMS, with ``sse_kms_key_id`` naming the key, else the bucket's AWS
-    managed key) is sent with every PUT, so every object the store writes
-    (checkpoints, journal, run records, leases, index files) is encrypted
-    at rest that way whatever the bucket's default. Reads need no option.
+    ``sse="AES256"`` or ``sse="aws:kms"`` (``sse_kms_key_id``: the key, else the
+    bucket's AWS managed key) is sent with every PUT; reads need no option.
     """
 
     backend = "s3"
