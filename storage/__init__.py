@@ -18,10 +18,7 @@ backend, so the conformance suite on the local directory means something for
 S3 and the reverse. :func:`Store.fsspec` hands external readers an fsspec
 filesystem (local or s3fs) over the same root.
 
-The object layout, the index's two tiers (and why it is partitioned by
-user, then session), compaction, fencing and damaged checkpoints are in
-docs/design.md and docs/contracts.md; each module's docstring has its part
-(``layout.py``, ``maintenance.py``, ``leases.py``, ``checkpoint_reads.py``).
+The object layout, the index, compaction and fencing: docs/design.md and docs/contracts.md.
 """
 
 from __future__ import annotations

@@ -1,41 +1,13 @@
 """Checkpoint chains: which objects a checkpoint needs, the pins forks hold, and collecting what nothing needs.
 
-An incremental checkpoint's object holds only what changed since the last
-link of its ``chain`` (``CheckpointInfo.chain``, oldest first), so reading it
-fetches the chain's objects too. A chain entry is a checkpoint id of the same
-session, or ``"{session_id}/{checkpoint_id}"`` in another session of the same
-user (a fork shares its parent's chain instead of copying it), or a range
-``"{first}..{last}"`` of consecutive links of one writer's segment (checkpoint
-ids ``ckpt{segment}{link}``, see :func:`expand`), so a header names a chain of
-hundreds of links in a few entries.
-
-So an object is deleted only when nothing needs it, never merely because its
-own row was retired:
-
-- a retired row's object stays while a live row of its session, or a row the
-  session's writer has not indexed yet, names it in its chain;
-- an object another session's chain names is *pinned*: that session wrote
-  ``sessions/{u}/{s}/pins/{dependent}.json`` (the refs it needs) before it
-  first read the object, and removes the pin once none of its live rows needs
-  them (:func:`release_pins`), collecting what the pin alone kept.
-- a running writer builds its next checkpoint on the head it holds in
-  memory, whatever a delete or prune retired meanwhile: so those keep the
-  objects of the session's *heads* and their chains
-  (:attr:`storage.tails.Snapshot.heads`: the newest row of the highest
-  epoch, indexed, live or retired, or tail; and the newest live row, what a
-  new owner restores from). Delete always does; prune while the session's
-  last run has not finished (a finished session's prune removes everything;
-  a run that starts after it finds its base gone). Their rows are tombstoned
-  as usual, so a kept object never reads as live: its retired row names it
-  (never a tail), and after compaction the deletion watermark does
-  (:mod:`storage.visibility`). A later delete, prune, retention or writer's
-  sweep collects them once no head names them any more: the writer moved on
-  to a full snapshot, or its run finished.
-
-Collecting reads the pins after the tombstones it relies on are written, and a
-fork writes its pin before it checks that its fork point is live, so a
-collector either sees the pin or the fork sees its fork point retired (and
-does not start from it).
+A chain entry is a checkpoint id of the same session, ``"{session_id}/{id}"``
+in another session of the user (a fork shares its parent's chain), or a
+range ``"{first}..{last}"`` of one writer's consecutive links (:func:`expand`).
+An object is deleted only when nothing needs it: no live or unindexed row's
+chain, no pin, no session head a running writer builds on; collection reads
+the pins after the tombstones it relies on are written, and a fork pins
+before it checks its fork point is live (docs/design.md "Checkpoints:
+incremental objects in chains").
 """
 
 from __future__ import annotations
@@ -67,12 +39,6 @@ def ref_parts(ref: str, session_id: str) -> tuple[str, str]:
     """``(session_id, checkpoint_id)`` a single chain ref of session ``session_id`` names."""
     sid, sep, cid = ref.rpartition("/")
     return (validate_id(sid, "chain session_id") if sep else session_id), validate_id(cid, "chain checkpoint_id")
-
-
-def ref_key(ref: str, session_id: str, user_id: str | None) -> str:
-    """The object key of single chain ref ``ref`` written by session ``session_id``."""
-    sid, cid = ref_parts(ref, session_id)
-    return layout.checkpoint_key(sid, user_id, cid)
 
 
 def ref_of(session_id: str, checkpoint_id: str, from_session_id: str) -> str:

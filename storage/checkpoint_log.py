@@ -1,38 +1,13 @@
 """A lease holder's checkpoint writes, at one PUT each: rows, retention and the lease re-check come in batches.
 
-Writing one checkpoint at a time would pay, per checkpoint, a lease GET, the
-object, an index file, a LIST of the epoch markers and retention's tombstone
-file. Every writer writes through a :class:`CheckpointLog` instead
-(``store.checkpoints.log``; a batch of one acknowledges each write):
-
-- :meth:`CheckpointLog.put` is one PUT of a self-describing object
-  (:mod:`storage.envelope`: the index row rides in the object, with a digest),
-  which readers find and order even before an index file names it: a
-  checkpoint is recoverable once its PUT returns. No lease read: the epoch is
-  part of what is written, "latest" is the highest ``(epoch, checkpoint_id)``,
-  and a takeover's fence (``lease.json``) hides whatever a fenced writer
-  lands after it;
-- every ``batch`` puts, and on :meth:`CheckpointLog.flush`, the writer first
-  proves its lease (:meth:`storage.leases.LeaseKeeper.confirm`: one LIST of the
-  epoch markers and one GET of ``lease.json``), and only then indexes the
-  pending rows in one file together with retention's tombstones: the pending
-  checkpoints are *acknowledged*. No takeover raced them, so they stay
-  readable until retention or prune removes them. A writer that learns it was
-  fenced raises :class:`LeaseLostError` before it has written any row or
-  tombstone (what it had not acknowledged stays as it is: see
-  :meth:`CheckpointLog._abandon`); an unreadable ``lease.json`` raises
-  :class:`storage.errors.LeaseCorruptError`, and nothing is indexed either.
-
-So a fenced writer may land up to ``batch`` objects before it learns so; it
-never indexes them, nor retires anything any reader honours (its last
-batch's tombstones, if a takeover came between their proof and their
-write, are ignored: :mod:`storage.visibility` rule 5), and none of them is
-acknowledged. The objects retention retired are deleted one flush later,
-after the proof that settles their tombstones: deferral keeps at most one
-flush's retired checkpoints per session beyond ``keep`` (a run's last flush
-leaves them for the next writer's sweep, or prune).
-Which unindexed objects a reader still admits (the current epoch's tail) is
-:mod:`storage.tails`' rule.
+Every writer writes through a :class:`CheckpointLog` (``store.checkpoints.log``;
+a batch of one acknowledges each write). A put is one PUT of a
+self-describing object (:mod:`storage.envelope`), recoverable once it returns;
+every ``batch`` puts, and on flush, the writer proves its lease and only then
+indexes the pending rows with retention's tombstones in one file. A fenced
+writer may land up to ``batch`` objects but indexes none and retires nothing
+any reader honours. The protocol and why it holds: docs/design.md
+"Ownership and fencing" and docs/contracts.md (the checkpoint log).
 """
 
 from __future__ import annotations
@@ -131,14 +106,10 @@ class CheckpointLog:
         the previous flush's retention freed; returns the rows acknowledged (every pending one). Safe to call
         again after a storage error: what was not indexed is indexed next time.
 
-        The proof comes first: a writer publishes rows and tombstones only for a batch whose objects all
-        landed before it proved that no takeover had claimed an epoch (:meth:`LeaseKeeper.confirm`, which also
-        reads ``lease.json``). A takeover claims its epoch before it lists the session, so it saw every
-        object of such a batch; a fenced writer publishes nothing, and its retention retires nothing. The
-        tombstones carry this writer's epoch and newest checkpoint (``retired_by``): should a takeover claim
-        its epoch between the proof and the write, its fence makes every reader ignore them
-        (:mod:`storage.visibility` rule 5). So the objects they retire are deleted only after the next
-        proof (that of the next flush), which settles them.
+        The proof comes first because a takeover claims its epoch before it lists the session: it saw every
+        object of a proven batch. The tombstones carry this writer's epoch and newest checkpoint
+        (``retired_by``) so a takeover between proof and write makes readers ignore them (visibility rule 5);
+        hence the objects they retire are deleted only after the next proof, which settles them.
         """
         if not self.pending:
             return []

@@ -1,11 +1,9 @@
 """Checkpoint reads of :class:`~storage.checkpoints.Checkpoints` (``store.checkpoints``): list, get, get a chain.
 
-A checkpoint is one object (``sessions/{u}/{s}/checkpoints/{id}.json``) plus
-one index row carrying its size and sha256; "latest" is the highest
-``(epoch, checkpoint_id)``. Readers never fall back to an older checkpoint,
-or to none, because a LIST went stale: a row whose object is missing is
-looked up again in a fresh LIST (retention writes a row's successor before it
-deletes the row's object), for up to ``READ_TIMEOUT`` seconds.
+Readers never fall back to an older checkpoint, or to none, because a LIST
+went stale: a row whose object is missing is looked up again in a fresh LIST
+(retention writes a row's successor before it deletes the row's object), for
+up to ``READ_TIMEOUT`` seconds.
 """
 
 from __future__ import annotations
@@ -56,27 +54,15 @@ class CheckpointReads:
 
     def list(self, session_id: str, *, user_id: str | None = None,
              limit: int | None = 50) -> builtins.list[CheckpointRow]:
-        """Newest first by (epoch, checkpoint_id); rows whose object is missing or not of its written size are
-        skipped, and so is a newest one whose bytes do not match its sha256, so the first is what "latest" reads.
+        """Newest first by (epoch, checkpoint_id), index rows and tail; damaged rows skipped (docs/contracts.md).
 
-        The rows are the index's and the tail's (checkpoints written, not yet
-        indexed: :mod:`storage.tails`), read with one LIST of the objects.
-        When the newest rows have no object, they were retired after the index
-        LIST (retention writes a row's successor before it deletes the row's
-        object, so a fresh index LIST shows the successor) or deleted for good:
-        the index is listed again, after a short jittered backoff. A row a
-        fresh LIST still shows, whose object is still missing, was deleted for
-        good and is skipped. So a writer moving on between the two LISTs never
-        makes the list start at an older checkpoint, or come out empty; if the
-        newest rows keep being retired before they are read for
-        ``READ_TIMEOUT`` seconds, :class:`IndexChangedError`.
-
-        What is checked: every row's object is listed at its written size (the
-        LIST shows sizes); the first row's object is read and checked against
-        its sha256 (one GET; not again while its ETag stays the same). An
-        older object overwritten with bytes of its own length stays listed
-        until it is read. A row the list finds damaged is retired for every
-        reader (:meth:`_record_damage`: one tombstone file).
+        Rows whose object is missing or not of its written size are skipped, and
+        so is a newest one whose bytes do not match its sha256, so the first is
+        what "latest" reads. Newest rows without an object were retired after
+        the index LIST (retention writes a successor before it deletes), so the
+        index is listed again; a row a fresh LIST still shows without its
+        object was deleted for good. :class:`IndexChangedError` after
+        ``READ_TIMEOUT`` seconds of that.
         """
         objects_prefix = layout.session_prefix(session_id, user_id) + "checkpoints/"
         deadline = backoff.clock() + READ_TIMEOUT
@@ -133,10 +119,11 @@ class CheckpointReads:
         return None
 
     def _present(self, snap: Snapshot, bad: set[str], limit: int | None) -> builtins.list[CheckpointRow]:
-        """The live rows whose object was listed at its written size and is not known ``bad``, newest first, at
-        most ``limit`` (< 1: all). The others are damaged: retired (:meth:`_record_damage`) when a readable one
-        is left, which is then what "latest" returns before and after; a session with no readable checkpoint
-        keeps its rows, so that "latest" goes on raising instead of reading as a session without one."""
+        """The live rows listed at their written size and not ``bad``, newest first, at most ``limit`` (< 1: all).
+
+        The damaged ones are retired only when a readable one is left, so a
+        session with no readable checkpoint keeps raising for "latest".
+        """
         out: builtins.list[CheckpointRow] = []
         damaged: builtins.list[CheckpointRow] = []
         for row in sorted(snap.live.values(), key=lambda r: r.order, reverse=True):
@@ -154,16 +141,12 @@ class CheckpointReads:
         return out
 
     def _record_damage(self, snap: Snapshot, rows: builtins.list[CheckpointRow]) -> None:
-        """Retire the indexed ``rows`` whose object the list found missing, not of its written size, or not
-        matching its sha256, so that every view drops them: ``Store.query`` and, from the next compaction, the
-        table (which read index rows only). One tombstone file (create-only, no lease: honoured by every
-        reader); the objects stay (``store.checkpoints.quarantine`` moves them aside). Only the list records
-        damage: "latest" and get by id skip or raise, and write nothing.
+        """Retire the damaged indexed ``rows`` for every view: one tombstone file (no lease: always honoured).
 
-        Only a hand or a bug damages a live row's object: every writer that deletes one tombstones its row
-        first (quarantine right after), and retention deletes only once its tombstones are settled (no fence
-        can ignore them), so a row retired meanwhile only gets a second tombstone. A reader that may not write
-        only warns (the next list tries again)."""
+        Only a hand or a bug damages a live row's object (every writer that
+        deletes one tombstones its row first), and only the list records damage.
+        The objects stay for ``quarantine``; a reader that may not write warns.
+        """
         doomed = [r for r in rows if r.key in snap.indexed]
         if not doomed:
             return
@@ -178,22 +161,14 @@ class CheckpointReads:
                     "index's back", snap.session_id, names)
 
     def get(self, session_id: str, checkpoint_id: str = "latest", *, user_id: str | None = None) -> bytes | None:
-        """The checkpoint's object, verified against the size and sha256 recorded at write time (and its own
-        digest, for a self-describing object).
+        """The checkpoint's object, verified against its recorded size and sha256 (and its own digest).
 
-        What is live is :mod:`storage.visibility`'s rule: an id a fenced
-        writer landed after a takeover (hidden by the takeover's fence) is not
-        a checkpoint of the session, so it reads as ``None``, as a retired one
-        does. An explicit id whose object is corrupt or truncated raises
-        :class:`CorruptObjectError` naming the key. ``"latest"`` skips such a
-        checkpoint with a warning and returns the newest readable one (the
-        journal replays what followed it); it raises only when no checkpoint
-        is readable and at least one is corrupt. ``None``: no such checkpoint.
-        A "latest" whose object was retired after the index LIST (a writer's
-        retention) is looked up again in a fresh LIST, never replaced by an
-        older one or by ``None``; if that keeps happening for ``READ_TIMEOUT``
-        seconds, :class:`IndexChangedError`. An incremental checkpoint's object
-        holds only what changed since its chain: see :meth:`get_chain`.
+        A fenced or retired id reads as ``None``. An explicit corrupt id raises
+        :class:`CorruptObjectError`; ``"latest"`` skips a corrupt one with a
+        warning and raises only when none is readable. A "latest" retired after
+        the index LIST is looked up in a fresh LIST, never replaced by an older
+        one (:class:`IndexChangedError` after ``READ_TIMEOUT``). An incremental
+        object holds only what changed: see :meth:`get_chain`.
         """
         found = self._resolve(session_id, checkpoint_id, user_id, chain=False)
         return None if found is None else found[-1]
@@ -201,17 +176,13 @@ class CheckpointReads:
     def get_chain(self, session_id: str, checkpoint_id: str = "latest", *,
                   user_id: str | None = None, pinned_for: str | None = None,
                   snapshot: Snapshot | None = None) -> builtins.list[bytes] | None:
-        """The objects a checkpoint is read from, oldest first: its chain's (``CheckpointRow.chain``, fetched in
-        parallel), then its own; each verified. Like :meth:`get` otherwise, except that "latest"
-        also skips a checkpoint whose chain is broken (an object missing or corrupt).
+        """The objects a checkpoint is read from, oldest first (its chain's, then its own), each verified.
 
-        ``pinned_for``: the fork session reading its fork point. A fork point
-        whose row the parent retired since is still found while that fork's
-        pin holds it (rule 4 of :mod:`storage.visibility`). ``snapshot``: a
-        look at the session this reader took already (:meth:`pin` returns the
-        one it took after the pin landed), read first instead of a new one; a
-        row whose object it does not find sends the reader to a fresh LIST,
-        as always."""
+        Like :meth:`get`; "latest" also skips a checkpoint whose chain is broken.
+        ``pinned_for``: the fork reading its fork point, found while its pin
+        holds it (visibility rule 4). ``snapshot``: a look already taken (what
+        :meth:`pin` returns), read before a fresh LIST.
+        """
         return self._resolve(session_id, checkpoint_id, user_id, chain=True, pinned_for=pinned_for, first=snapshot)
 
     def _resolve(self, session_id: str, checkpoint_id: str, user_id: str | None, *, chain: bool,

@@ -91,20 +91,12 @@ class CheckpointRows:
         with self._lock:
             return merge_tops(*(self._retired[k] for k in keys if k in self._retired))
 
-    @staticmethod
-    def encode(rows: list[CheckpointRow], *, tombstone: bool | list[bool],
-               retired_by: tuple[int, str] | None = None) -> pa.Table:
-        """``rows`` (or tombstones for them; or one flag per row) as one index table, stamped ``written_at`` now;
-        ``retired_by``: the lease holder's retention writes the tombstones (see :func:`checkpoint_rows_table`)."""
-        return checkpoint_rows_table(rows, tombstone=tombstone, written_at=utcnow(), retired_by=retired_by)
-
     def write(self, session_id: str, user_id: str | None, rows: list[CheckpointRow], *, tombstone: bool | list[bool],
-              table: pa.Table | None = None, retired_by: tuple[int, str] | None = None) -> None:
-        """Append ``rows`` as one file in the session's partition (``tombstone``: for all rows, or one flag per
-        row; ``retired_by``: a lease holder's retention writes them, see :meth:`encode`); ``table``: them
-        already :meth:`encode`-d."""
-        if table is None:
-            table = self.encode(rows, tombstone=tombstone, retired_by=retired_by)
+              retired_by: tuple[int, str] | None = None) -> None:
+        """Append ``rows`` as one file in the session's partition, stamped ``written_at`` now (``tombstone``: for
+        all rows, or one flag per row; ``retired_by``: a lease holder's retention writes the tombstones, see
+        :func:`checkpoint_rows_table`)."""
+        table = checkpoint_rows_table(rows, tombstone=tombstone, written_at=utcnow(), retired_by=retired_by)
         flags = tombstone if isinstance(tombstone, list) else [tombstone] * len(rows)
         partition = layout.index_partition(layout.CHECKPOINT_INDEX, session_id, user_id)
         key = self.index.write(partition, table, cache=False)
@@ -135,15 +127,10 @@ class CheckpointRows:
 
     def retire(self, session_id: str, user_id: str | None, rows: list[CheckpointRow], *, collect: bool = True,
                also_needed: Iterable[CheckpointRow] = (), live: dict[str, CheckpointRow] | None = None) -> None:
-        """Tombstone ``rows``, then delete their objects (and their chains' objects) that nothing needs any more.
-
-        Objects a live row's chain (``live``: the rows that stay, else a
-        fresh LIST), ``also_needed`` (a writer's rows not indexed yet) or
-        another session's pin names stay (see :mod:`storage.chains`);
-        ``collect=False`` keeps every object. A crash between the tombstones
-        and the deletes leaves objects no row names: prune of the session
-        removes them.
-        """
+        """Tombstone ``rows``, then (with ``collect``) delete their objects and their chains' that nothing needs:
+        no row that stays (``live``, else a fresh LIST), no ``also_needed`` row (a writer's unindexed ones), no
+        pin (:mod:`storage.chains`). A crash between tombstones and deletes leaves garbage a sweep or prune
+        removes."""
         if not rows:
             return
         self.write(session_id, user_id, rows, tombstone=True)

@@ -1,14 +1,9 @@
 """``store.checkpoints``: write checkpoints through a batched log, read, list, pin, quarantine, delete, retire.
 
-A checkpoint is one object (``sessions/{u}/{s}/checkpoints/{id}.json``) plus
-one index row carrying its size and sha256; "latest" is the highest
-``(epoch, checkpoint_id)``. A writer opens a
-:class:`~storage.checkpoint_log.CheckpointLog` with :meth:`Checkpoints.log`
-(one PUT per checkpoint; rows, retention and the lease re-check in
-batches); that is the one write path. Reads are in
-:mod:`storage.checkpoint_reads`. Retiring a checkpoint tombstones its row;
-its object goes once no live row's chain and no fork's pin needs it
-(:mod:`storage.chains`).
+A writer opens a :class:`~storage.checkpoint_log.CheckpointLog` with
+:meth:`Checkpoints.log`: the one write path. Reads are in
+:mod:`storage.checkpoint_reads`. Retiring a checkpoint tombstones its row; its
+object goes once nothing needs it (:mod:`storage.chains`).
 """
 
 from __future__ import annotations

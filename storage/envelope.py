@@ -1,23 +1,16 @@
 """The self-describing checkpoint object: an index header first, the caller's body, a digest last.
 
-A checkpoint written through a :class:`storage.checkpoint_log.CheckpointLog`
-may be read before any index file names it (its writer indexes rows in
-batches, and may die first). So the object carries what its index row says
-and proves its own integrity, without the index:
+A checkpoint may be read before any index file names it, so the object
+carries its index row and proves its own integrity::
 
-```
-{"index":{...the row: CheckpointInfo fields, epoch...},
-...the caller's JSON object, without its braces...,
-"sha256":"<sha256 of every byte before this member>"}
-```
+    {"index":{...the row: CheckpointInfo fields, epoch...},
+    ...the caller's JSON object, without its braces...,
+    "sha256":"<sha256 of every byte before this member>"}
 
-It is one JSON object (``jq`` works; the caller's members keep their names).
-The header is on the first line (JSON text never holds a raw newline), so a
-reader parses it without parsing the body. Storage never looks inside the
-body; the digest covers header and body. Objects written by
-earlier releases one at a time (``Store.put_checkpoint``, since removed) are
-stored as given, without an envelope: their index row carries their size and
-sha256; readers still read them.
+One JSON object (``jq`` works); the header is on the first line, so a reader
+parses it without the body, which storage never looks inside. Objects the
+removed one-at-a-time write path stored have no envelope: their index row
+carries their size and sha256, and readers still read them.
 """
 
 from __future__ import annotations

@@ -1,28 +1,16 @@
 """Fault injection for any :class:`~storage.objects.ObjectStore`: the storage half of the durability checker.
 
-``FaultyObjectStore(inner, plan)`` wraps a backend and numbers every call
-(``put``, ``get``, ``list``, ``list_dirs``, ``delete``) in the order the calls
-reach the store. A :class:`FaultPlan` decides, at chosen call numbers (global,
-or the n-th call of one actor) or with a seeded probability per call kind,
-what goes wrong:
-
-- ``fail``: raise :class:`~storage.errors.TransientStorageError` *before* the
-  operation (a 503 or a reset that outlived the client's retries);
-- ``drop``: do the operation, then raise the same error, as if the connection
-  dropped before the reply arrived (the caller cannot tell it happened);
-- ``delay``: hold the call while other actors' calls go first (with a
-  scheduler ``gate``), or sleep briefly (without one);
-- ``crash``: raise :class:`ActorCrashed` in the calling actor, a
-  ``BaseException`` no ``except Exception`` handler swallows, and refuse every
-  later call of that actor, like a SIGKILL; whether the operation happened
-  first is a seeded coin (or fixed by the fault).
-
-Actors are named through the :data:`current_actor` context variable
-(``asyncio.to_thread`` propagates it), or by an ``actor`` callable given to the
-wrapper. The wrapper also counts calls by kind and logs every call with its
-outcome, the keys it wrote and deleted, and (optionally) the bytes it wrote,
-so a checker can rebuild what happened in which order. Nothing here knows
-about agents or the layers above the object store.
+``FaultyObjectStore(inner, plan)`` wraps a backend, numbers every call in the
+order it reaches the store, and logs it with its outcome and the keys it
+wrote or deleted, so a checker can rebuild what happened in which order. A
+:class:`FaultPlan` injects, at chosen call numbers or with a seeded
+probability: ``fail`` (raise :class:`~storage.errors.TransientStorageError`
+before the operation), ``drop`` (do it, then raise: the reply was lost),
+``delay`` (park behind other actors' calls with a scheduler ``gate``, else
+sleep briefly) or ``crash`` (raise :class:`ActorCrashed` and refuse every
+later call of that actor, like a SIGKILL; whether the operation happened
+first is a seeded coin unless the fault fixes it). Actors are named by the
+:data:`current_actor` context variable or an ``actor`` callable.
 """
 
 from __future__ import annotations
@@ -90,15 +78,11 @@ class Rule:
     last: int | None = None
 
     def matches(self, call: Call) -> bool:
-        if self.ops is not None and call.op not in self.ops:
-            return False
-        if self.actors is not None and call.actor not in self.actors:
-            return False
-        if self.key_contains is not None and self.key_contains not in (call.key or ""):
-            return False
-        if self.first is not None and call.actor_n < self.first:
-            return False
-        return self.last is None or call.actor_n <= self.last
+        return ((self.ops is None or call.op in self.ops)
+                and (self.actors is None or call.actor in self.actors)
+                and (self.key_contains is None or self.key_contains in (call.key or ""))
+                and (self.first is None or call.actor_n >= self.first)
+                and (self.last is None or call.actor_n <= self.last))
 
 
 @dataclass

@@ -1,18 +1,12 @@
 """Checkpoint fences: what a lease takeover records of the checkpoint index, and the rows it retires.
 
-Earlier releases also wrote checkpoints one at a time (``Store.put_checkpoint``,
-since removed), checking the lease before the write and the epoch markers after
-it; a writer that died between its row and that re-check left a fenced row
-that could be "latest", and buckets may still hold such rows.
-A :class:`storage.checkpoint_log.CheckpointLog` proves its lease before it
-indexes a batch, so it never indexes a fenced row; its objects, though, may
-land after a takeover's listing. So every
-takeover lists the session's live rows right before its swap and records a
-fence in the new ``lease.json`` (``"checkpoints"``: the highest row it listed
-and up to ``_CHECKPOINT_FENCES`` earlier owners' fences); right after its
-swap it retires the older-epoch rows it did not list, and readers skip rows
-that a recorded fence says landed after a takeover (the rule readers apply is
-:mod:`storage.visibility`'s).
+A checkpoint log never indexes a fenced row, but its objects may land after
+a takeover's listing, and buckets may still hold fenced rows from the
+removed one-at-a-time write path. So every takeover lists the session's live
+rows right before its swap and records a fence in the new ``lease.json``
+(``"checkpoints"``: the highest row it listed and up to ``_CHECKPOINT_FENCES``
+earlier owners' fences); right after its swap it retires the older-epoch rows
+it did not list. Readers apply the fences through :mod:`storage.visibility`.
 """
 
 from __future__ import annotations
@@ -50,12 +44,9 @@ def kept_lease_body(objects: ObjectStore, session_id: str, user_id: str | None, 
     """The newest readable copy of a ``lease.json`` body a swap kept (``leases/{epoch}.json``; only epochs
     below ``below`` when given), or None when there is none.
 
-    What ``lease.json`` said, whatever became of it since: an acquire carries
-    its fences on from here, and readers judge the session's rows by it too
-    (a fence lives as long as its copy, so deleting or rewriting
-    ``lease.json`` shows no fenced row again). One LIST, and a GET of the
-    newest copy (up to 3 if those are unreadable); ``cache``: copies already
-    read, by key and ETag (a copy is written once), not read again.
+    A fence lives as long as its copy, so deleting or rewriting ``lease.json``
+    shows no fenced row again. One LIST and a GET of the newest copy (up to 3
+    if unreadable); ``cache``: copies already read, by key and ETag.
     """
     prefix = layout.lease_copy_prefix(session_id, user_id)
     listed = []
@@ -97,17 +88,14 @@ class CheckpointFences:
 
     def view(self, session_id: str, user_id: str | None, previous: dict[str, Any] | None,
              kept: dict[str, Any] | None = None) -> tuple[set[str], dict[str, Any]]:
-        """What an acquire lists of the session's checkpoint rows right before its swap.
+        """What an acquire lists right before its swap: the live checkpoint ids (what :meth:`retire_fenced`
+        spares) and the fence the swap records under ``"checkpoints"``.
 
-        Returns the live checkpoint ids (what :meth:`retire_fenced` spares)
-        and the fence the swap records in the new ``lease.json`` under
-        ``"checkpoints"``: ``top``, the highest live ``[epoch, checkpoint_id]``
-        listed that no earlier fence covers (None: no such row), and ``prev``,
-        the fences of up to ``_CHECKPOINT_FENCES`` earlier owners taken from
-        ``previous`` (the body being replaced) and ``kept`` (the newest copy a
-        swap kept: a body rewritten by hand or restored from an older copy
-        drops no fence it holds), newest epoch first. One LIST, plus GETs of
-        index files this Store has not parsed.
+        The fence: ``top``, the highest live ``[epoch, checkpoint_id]`` no earlier
+        fence covers; ``tombs``, the highest honoured leased tombstone listed;
+        ``prev``, up to ``_CHECKPOINT_FENCES`` earlier fences from ``previous``
+        (the body being replaced) and ``kept`` (the newest kept copy: a body
+        rewritten by hand drops no fence), newest epoch first.
         """
         both = [*_chain_of(previous), *_chain_of(kept)]
         unique = {json.dumps(c, sort_keys=True): c for c in both}.values()
@@ -134,18 +122,11 @@ class CheckpointFences:
     def retire_fenced(self, lease: Lease, seen: set[str], fence: dict[str, Any]) -> Lease:
         """Right after ``lease`` was taken: retire the checkpoint rows fenced writers landed; returns ``lease``.
 
-        The claim of ``lease``'s epoch precedes the listing in :meth:`view`, so
-        every row a writer's re-check acknowledged is listed and spared. A new
-        owner retires every live row of an older epoch that it did not list
-        right before its swap (its own fence), and every row of an epoch below
-        an earlier owner's that ranks above what that owner listed before its
-        swap (the fences its ``lease.json`` carried: a new owner that died
-        before this step is covered by the next one). Rows of epoch 0 were
-        written without a lease and are fenced by nothing. A row that lands
-        after this LIST is retired by its writer's re-check or by the next
-        takeover; until then any row of this owner outranks it. One LIST
-        (cached index files are not read again), plus a DELETE and a PUT when
-        there is something to retire.
+        Retired: every live row of an older epoch this owner did not list before
+        its swap, and every row an earlier owner's carried fence hides (a new
+        owner that died before this step is covered by the next). Rows of epoch
+        0 are fenced by nothing. A row landing after this LIST is retired by the
+        next takeover; until then any row of this owner outranks it.
         """
         earlier = fenced_by(parse_fences(fence.get("prev")))
         rule = Visibility.of({"epoch": lease.epoch, "checkpoints": fence})

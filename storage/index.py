@@ -50,17 +50,8 @@ def new_file_name(suffix: str = "") -> str:
 
 
 def encode(table: pa.Table) -> bytes:
-    """One Parquet file's bytes.
-
-    A write's own file (a row or a batch of them) skips dictionaries and
-    statistics (they cost ~1 ms and bytes for nothing on a few rows) but not
-    snappy: ids, keys and digests repeat their prefixes, and a batch file of 16
-    rows and 16 tombstones shrinks from 15 to 8 KB at no measurable cost (0.28
-    ms to encode either way), a quarter of what a pass writes. Compacted
-    files get snappy, statistics (so readers can skip row groups) and
-    dictionaries for the low-cardinality columns: half of zstd's encoding time
-    (0.75 vs 1.7 ms for 1,000 rows), 1.6x its bytes.
-    """
+    """One Parquet file's bytes: snappy always (ids and keys repeat their prefixes); a write's few rows skip
+    dictionaries and statistics, compacted files get both, for readers that skip row groups."""
     sink = io.BytesIO()
     if table.num_rows < 1000:
         # The Arrow schema is stored only for a file with metadata of its own (a compacted file's deletion
@@ -74,17 +65,10 @@ def encode(table: pa.Table) -> bytes:
 
 
 def parquet_table(data: bytes) -> pa.Table:
-    """One Parquet file's table, from its bytes.
+    """One Parquet file's table, from its bytes, :func:`checked` (``pyarrow.ArrowInvalid`` otherwise).
 
-    The low-level reader without inner threads or pre-buffering: for an index
-    file of a few hundred rows that is 20-25% cheaper than ``ParquetFile.read``
-    and ~4x cheaper than ``read_table`` (what is left, ~6 us per column, is
-    the column readers' own setup). Parallelism comes from reading many files
-    at once.
-
-    The table is :func:`checked` (``pyarrow.ArrowInvalid`` otherwise): a
-    file with flipped bytes must not hand a caller rows that fail only when it
-    converts them. That costs a few microseconds per file.
+    The low-level reader without inner threads or pre-buffering is the cheapest
+    for small index files; parallelism comes from reading many files at once.
     """
     reader = pq.ParquetReader()
     reader.open(pa.py_buffer(data), pre_buffer=False)
@@ -97,18 +81,23 @@ DICTIONARY_COLUMNS = ("session_id", "user_id", "position", "execution_status", "
 
 
 def serial_backend(objects: ObjectStore) -> bool:
-    """True for in-process and local-directory stores: a request costs microseconds, so reading or writing many
-    small files on threads only adds contention for the interpreter lock (measured: serial is ~20% faster)."""
+    """True for in-process and local-directory stores: threads only add contention for the interpreter lock."""
     return objects.backend in ("memory", "file")
 
 
-class _SerialPool:
-    """The ``map``/``shutdown`` of a thread pool, run on the caller's thread."""
+class SerialPool:
+    """A thread pool's ``map`` (results as a list), ``shutdown`` and ``with``, run on the caller's thread."""
 
     def map(self, fn, *iterables):
         return list(map(fn, *iterables))
 
     def shutdown(self, wait: bool = True) -> None:
+        pass
+
+    def __enter__(self) -> SerialPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
         pass
 
 
@@ -122,7 +111,7 @@ class ParquetIndex:
         # serial_reads: every read runs on the caller's thread, one at a time (deterministic
         # fault-injection tests attribute each storage call to the actor that made it).
         self.serial = serial_reads
-        self._pool = _SerialPool() if serial_reads else ThreadPoolExecutor(
+        self._pool = SerialPool() if serial_reads else ThreadPoolExecutor(
             max_workers=_READ_THREADS, thread_name_prefix="storage-index")
         #: Reads of a local store run on the caller's thread (see serial_backend).
         self._local = serial_backend(objects)
@@ -218,15 +207,11 @@ class ParquetIndex:
 
     def read_listed(self, prefix: str, read: Callable[[list[str], list[str]], T], *,
                     key_filter: Callable[[str], bool] | None = None) -> tuple[list[str], T]:
-        """LIST ``prefix`` and call ``read(keys, vanished)``; return the keys of the LIST whose reads all held
-        and what ``read`` returned for them.
+        """LIST ``prefix`` and call ``read(keys, vanished)``; the keys of the LIST whose reads all held, and the result.
 
-        ``read`` notes in ``vanished`` every listed file that was gone at GET
-        time. That means a compaction merged it into a file this LIST predates,
-        so the LIST is stale: LIST again (with a short jittered backoff) and let
-        ``read`` fetch what it has not read yet. After ``_RELIST_ATTEMPTS``
-        stale LISTs, :class:`IndexChangedError`: a vanished file is never read
-        as "no rows".
+        A file gone at GET time was merged into one this LIST predates: LIST again
+        (jittered backoff) and let ``read`` fetch what it lacks; after
+        ``_RELIST_ATTEMPTS`` stale LISTs, :class:`IndexChangedError`, never "no rows".
         """
         for attempt in range(_RELIST_ATTEMPTS):
             keys = self.list_files(prefix)

@@ -1,13 +1,10 @@
 """What a reader takes from an index file it did not write: values it can convert, and its partition's rows only.
 
 Every index file a reader GETs passes through :func:`checked` and
-:func:`own_rows` before anything uses its rows. A session's own files hold a
-few rows each (one write's, or one batch's), and there Arrow's per-call cost
-(~10 us per compute call, a dozen calls per file) outweighed the rest of a
-file's parse: below ``_FEW_ROWS`` rows both checks look at the values in
-Python and accept a file that passes; only a file that fails, or a large one
-(a compacted file, a table partition), takes the column-wide path, which is
-the one that decides what is dropped.
+:func:`own_rows`. Below ``_FEW_ROWS`` rows (a session's own files) Arrow's
+per-call cost outweighs the rest of a parse, so both look at the values in
+Python and accept a file that passes; a file that fails, or a large one,
+takes the column-wide path, which decides what is dropped.
 """
 
 from __future__ import annotations

@@ -78,18 +78,13 @@ def compact_checkpoint_partition(table: pa.Table, *, keep_tombstones_since: date
                                  ) -> tuple[pa.Table, int]:
     """Merged rows of one partition and the number of rows tombstones retired.
 
-    Retired rows are dropped. A tombstone written at or after
-    ``keep_tombstones_since`` stays in the merged set, applied or not: another
-    compactor may have read its target row before the tombstone existed and not
-    have written its merged file yet, and only this tombstone keeps that copy
-    dead (see :func:`storage.maintenance.compact`). So does a tombstone of a
-    checkpoint id in ``young_ids`` (its file is young by the store's clock: the
-    writer's ``written_at`` may be skewed). Older tombstones go, since their
-    targets are gone or are dropped here; ``None`` keeps none. The merged
-    table carries the deletion watermark (:func:`storage.visibility.with_retired_tops`:
-    per epoch, the highest row a tombstone it read retired, and ``retired``,
-    the merged files' own), so dropping tombstones never lets a retired
-    checkpoint whose object a pin keeps read as a not-yet-indexed one.
+    A tombstone written at or after ``keep_tombstones_since``, or of an id in
+    ``young_ids`` (its file is young by the store's clock), stays: another
+    compactor may still write a copy of its row read before it existed
+    (:mod:`storage.maintenance`); ``None`` keeps none. The merged table carries
+    the deletion watermark (:func:`storage.visibility.with_retired_tops`, with
+    ``retired``, the merged files' own), so a dropped tombstone never lets a
+    pinned, retired checkpoint read as a tail.
     """
     tombs = table.filter(pc.fill_null(table["tombstone"], False)) if table.num_rows else table
     fast = _one_session_merge(table, keep_tombstones_since, young_ids)

@@ -94,15 +94,10 @@ class Runs:
                epoch: int = 0) -> RunRecord:
         """Record a run starting now at the session's next store-sequenced slot (see :class:`RunRecord`).
 
-        A run that starts from a checkpoint (``base_checkpoint_id``, in
-        ``base_session_id`` or this session) looks for that checkpoint's
-        object once more right after its record landed (one LIST):
-        :class:`ObjectNotFound` when it is gone, so the run stops before its
-        first step. A concurrent ``prune`` deletes checkpoint objects before it
-        checks the run records again and puts back what a recorded run needs
-        (see :func:`storage.pruning.prune`): so either prune saw this
-        record, or this look sees the deletion, and a run never works from a
-        base that prune deletes (its recovery would restart from that base).
+        A run that starts from a checkpoint looks for its object once more right
+        after its record landed (one LIST): :class:`ObjectNotFound` when a
+        concurrent prune deleted it, so the run stops before its first step
+        (docs/design.md "Prune and a run that starts meanwhile").
         """
         rec = journal.create_run(self, session_id, user_id, run_id=run_id, request=request, spec_hash=spec_hash,
                                  base_session_id=base_session_id, base_checkpoint_id=base_checkpoint_id,

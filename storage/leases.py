@@ -6,7 +6,7 @@ epoch ``n`` with the create-only marker ``epochs/{n}``, then swaps
 create-only when it read none), so every epoch that ever reached
 ``lease.json`` has its marker and the highest marker is a safe floor when
 ``lease.json`` is missing. The protocol, its costs and its guarantees are
-described on :meth:`storage.leasing.Leases.acquire`.
+in docs/design.md "Taking the lease".
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from .checkpoint_rows import CheckpointRows
 from .errors import LeaseCorruptError, LeaseLostError, PreconditionFailed, StorageError
 from .fencing import CheckpointFences, kept_lease_body, lease_body
 from .journal.fences import carried_note
-from .objects import ObjectStore
+from .objects import ObjectStore, StoredObject
 from .rows import SESSION_SCHEMA, Lease, utcnow
 
 log = logging.getLogger("storage")
@@ -54,6 +54,14 @@ def _epoch_of(body: dict[str, Any]) -> int:
     """A lease body's epoch (-1 when it has none)."""
     epoch = body.get("epoch")
     return epoch if layout.is_epoch(epoch) else -1
+
+
+def _member(obj: StoredObject | None, name: str) -> Any:
+    """Member ``name`` of a stored JSON object (None when missing or unreadable)."""
+    try:
+        return json.loads(obj.data).get(name) if obj is not None else None
+    except (ValueError, AttributeError, RecursionError):
+        return None
 
 
 @dataclass
@@ -156,11 +164,7 @@ class LeaseKeeper:
 
     def _entry_epoch(self, key: str) -> int:
         """The epoch a journal entry carries (0 when missing or unreadable)."""
-        obj = self.objects.get(key=key)
-        try:
-            epoch = json.loads(obj.data).get("epoch") if obj is not None else None
-        except (ValueError, AttributeError, RecursionError):
-            epoch = None
+        epoch = _member(self.objects.get(key=key), "epoch")
         return epoch if layout.is_epoch(epoch) else 0
 
     def claimed_above(self, session_id: str, user_id: str | None, n: int, etag: str) -> int:
@@ -173,11 +177,7 @@ class LeaseKeeper:
             if epoch is None or epoch <= n or epoch <= top:
                 continue
             obj = self.objects.get(key=info.key)
-            try:
-                base = json.loads(obj.data).get("base") if obj is not None else None
-            except (ValueError, AttributeError, RecursionError):
-                base = None
-            if obj is None or base != etag:
+            if obj is None or _member(obj, "base") != etag:
                 top = epoch
         return top
 
@@ -266,7 +266,7 @@ class LeaseKeeper:
         # The fences the last swap recorded (the journal's listing, the checkpoints') survive in its copy, so
         # they reach the new body although lease.json is missing, unreadable, or older than the copy (restored
         # by hand); the checkpoint fences of both are carried on (a body rewritten without them drops none).
-        kept = self._last_copy(acq.session_id, acq.user_id, n)
+        kept = kept_lease_body(self.objects, acq.session_id, acq.user_id, n)
         if kept is not None and (previous is None or _epoch_of(kept) > _epoch_of(previous)):
             previous = kept
         carried = note(previous) if note is not None else carried_note(previous)
@@ -305,10 +305,6 @@ class LeaseKeeper:
             log.warning("session %r: the copy of lease epoch %d was not written (%s); only a deleted lease.json "
                         "would need it", lease.session_id, lease.epoch, e)
 
-    def _last_copy(self, session_id: str, user_id: str | None, below: int) -> dict[str, Any] | None:
-        """The newest lease body copy of an epoch below ``below`` (None: none, or unreadable)."""
-        return kept_lease_body(self.objects, session_id, user_id, below)
-
     # -- checking ------------------------------------------------------------
     def current_epoch(self, session_id: str, user_id: str | None) -> int:
         """The session's epoch: lease.json's, else the highest marker (see ``store.leases.current_epoch``)."""
@@ -327,16 +323,12 @@ class LeaseKeeper:
 
     def confirm(self, lease: Lease, *, read_lease: bool = False) -> None:
         """The re-check after a fenced write landed: :class:`LeaseLostError` if an acquire has claimed an epoch
-        above ``lease``'s, even one that has not swapped ``lease.json`` yet (one LIST of the epoch markers);
-        with ``read_lease``, ``lease.json`` is read as well (one GET), so that the re-check is a full proof
-        of ownership: :class:`LeaseCorruptError` when it is unreadable.
+        above ``lease``'s, even one not swapped in yet (one LIST of the markers); with ``read_lease`` also one
+        GET of ``lease.json``, a full proof of ownership (:class:`LeaseCorruptError` when unreadable).
 
-        An acquire claims its epoch marker before it lists the checkpoint
-        index for its fence (see :mod:`storage.fencing`), so a write this
-        re-check acknowledges landed before that listing and is spared by the
-        takeover; a write the listing may have missed is never acknowledged
-        (its writer retires it). With no marker for ``lease``'s epoch (a
-        session whose markers were removed), ``lease.json`` decides (one GET).
+        An acquire claims its marker before it lists the index for its fence,
+        so a write this re-check acknowledges is spared by the takeover. With no
+        marker for ``lease``'s epoch (markers removed), ``lease.json`` decides.
         """
         prefix = layout.epoch_prefix(lease.session_id, lease.user_id)
         epochs = {self.marker_epoch(o.key, prefix) for o in self.objects.list(prefix=prefix)}

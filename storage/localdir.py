@@ -1,29 +1,17 @@
 """Local-directory object store: one file per key under a root directory.
 
-Writes go to a temporary file next to their target first (``%tmp-{hex}`` in
-the target's directory: ids never hold ``%``, so no key can name one, and
-listings skip them), then appear atomically: ``os.replace`` for a plain put, ``os.link`` (fails if the target
-exists) for a create-only put, and a compare-and-swap under ``flock`` on the
-parent directory for ``if_match``. Readers never see a half-written file.
-The ETag is ``mtime_ns-size-inode`` of the file, which changes on every
-replace without hashing the bytes a second time.
-
-Why next to the target and not in one shared directory: creating and
-removing a file locks its directory, so with every writer of the store
-going through one ``.tmp/`` each write waited on all the others' (measured:
-about a third of a dense host's busy time when 64 forks started at once);
-next to the target, writers of different sessions touch different
-directories. A writer killed mid-write leaves its temporary behind: listings
-never show it, and it keeps its (otherwise emptied) directory in place.
-
-Where the system allows it (Linux ``O_TMPFILE``, with ``/proc``), a put whose
-target does not exist yet (a create-only put, and most plain ones: new index
-files, markers and checkpoints) writes an unnamed file in the target's
-directory and links it in place (``linkat``, which fails if the target
-exists): one directory entry made instead of three changes (the temporary's
-creation, the link or rename, its removal; docs/benchmarks.md has the
-figures). A writer killed mid-write then leaves nothing behind. A plain put over an existing file, a compare-and-swap put, and
-any system without it use the named temporary.
+Writes go to a temporary next to their target (``%tmp-{hex}``: ids never
+hold ``%``, so no key names one, and listings skip them), then appear
+atomically: ``os.replace`` for a plain put, ``os.link`` (fails if the target
+exists) for a create-only put, a compare-and-swap under ``flock`` on the
+parent directory for ``if_match``. The ETag is ``mtime_ns-size-inode``.
+Next to the target, not in one shared directory, because creating and
+removing a file locks its directory: writers of different sessions then
+touch different directories. Where Linux offers ``O_TMPFILE`` (with
+``/proc``), a put whose target does not exist yet writes an unnamed file and
+links it in place (``linkat``): one directory entry instead of three
+changes, and nothing left behind by a writer killed mid-write
+(docs/benchmarks.md has the figures).
 """
 
 from __future__ import annotations

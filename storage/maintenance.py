@@ -1,40 +1,19 @@
-"""Maintenance over a :class:`~storage.store.Store`: ``compact`` and ``prune``.
+"""Maintenance over a :class:`~storage.store.Store`: ``compact``.
 
-Compaction is safe against concurrent writers: it merges only the files it
-listed, writes the merged file, then deletes exactly those files. A row
-written meanwhile lives in a file compaction never saw, so it survives; a
-crash between write and delete leaves duplicates that readers drop.
-
-It is safe against concurrent compactions too (the supervisor's loop and a
-``loomray compact`` cron, or two clusters on one store). Compactor A may read
-a row, compactor B then merge that row with its new tombstone, and A write
-its merged file afterwards: only the tombstone keeps A's copy dead, so a
-compaction keeps every tombstone younger than a grace period (default one
-hour) and drops older ones. A tombstone's age is judged by the store's clock:
-it goes only when the file it was read from was last modified more than the
-grace before the newest file of the LIST (the store's time, not a node's:
-the ``written_at`` a writer stamps may be skewed), and its ``written_at`` is
-that old too. A compactor bounds its own lag to match: it abandons a
-partition whose merge would be written more than half the grace after its
-LIST, and one whose listed files vanish before it reads them (another
-compaction merged them first), writing and deleting nothing there; a merge
-that landed later than that anyway (the compactor paused between its check
-and its PUT) is deleted again before any of its sources.
-
-A file in an index partition that is not of the index's schema (readers
-skip it) is moved to :func:`storage.layout.index_quarantine_key` with a
-warning, and the partition's other files are merged as usual: one foreign
-file never stops a compaction (nor the table refresh that ends a prune).
-
-The session-status table (:mod:`storage.session_table`) follows the merge of
-the session status partitions, reading only the sessions whose files changed.
-The compacted table (:mod:`storage.table`) is brought up to date by the same
-pass, from the same reads: the user's manifest is read before the per-session
-LIST, the partitions it absorbed are compared with that LIST, and only the
-sessions that changed are read. A merge that leaves a partition's compacted
-file out (appends only since) keeps every tombstone it reads, so it can never
-drop one whose row is in that file; the rows it hands the table are filtered
-by the tombstones the manifest recorded for that file.
+Compaction merges only the files it listed, writes the merged file, then
+deletes exactly those, so a row written meanwhile survives and a crash
+between write and delete leaves duplicates readers drop. Against concurrent
+compactions it keeps every tombstone younger than a grace period, judged by
+the store's modification times (a writer's ``written_at`` may be skewed),
+and bounds its own lag to half the grace: a partition whose merge would land
+later, or whose listed files vanished, is abandoned, and a merge that landed
+late anyway is deleted again before any of its sources. A foreign file in an
+index partition is quarantined with a warning; the rest merges as usual.
+The compacted table (:mod:`storage.table`) and the session-status table are
+brought up to date by the same pass, reading only sessions that changed; a
+merge that leaves a partition's compacted file out keeps every tombstone it
+reads, so it never drops one whose row is in that file (docs/design.md
+"The index: two tiers").
 """
 
 from __future__ import annotations
@@ -42,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -50,7 +29,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from . import layout
 from .ids import user_segment
-from .index import serial_backend
+from .index import SerialPool, serial_backend
 from .partition_merge import MergeItem, MergeResult, PartitionMerger, base_file, listing_now
 from .rows import CHECKPOINT_SCHEMA, SESSION_SCHEMA, CompactReport, as_utc, utcnow
 from .session_table import publish_session_tables
@@ -61,7 +40,6 @@ if TYPE_CHECKING:
     from .store import Store
 
 log = logging.getLogger("storage")
-T = TypeVar("T")
 R = TypeVar("R")
 
 #: A compaction keeps tombstones younger than this (see the module docstring).
@@ -85,23 +63,10 @@ class IndexCompactReport(CompactReport):
     table_skipped: int = 0
 
 
-class _InOrder:
-    """A pool's ``map`` on the calling thread (for local stores: see :func:`storage.index.serial_backend`)."""
-
-    def __enter__(self) -> _InOrder:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-    def map(self, fn: Callable[[T], R], items: Iterable[T]) -> Iterator[R]:
-        return map(fn, items)
-
-
-def _pool(store: Store) -> ThreadPoolExecutor | _InOrder:
+def _pool(store: Store) -> ThreadPoolExecutor | SerialPool:
     """Where a compaction merges partitions: 4 threads for a remote store, the calling thread for a local one."""
     if serial_backend(store.objects):
-        return _InOrder()
+        return SerialPool()
     return ThreadPoolExecutor(max_workers=4, thread_name_prefix="storage-compact")
 
 
@@ -123,19 +88,13 @@ def _ids_of(partition: str) -> tuple[str | None, str]:
 class _Helpers:
     """A local compaction's helper threads: one deletes the files it merged, two write users' tables.
 
-    Deletes (each issued after its merged file was written) run on their own
-    thread while the compaction goes on, all done (the first failure raised)
-    before ``compact()`` returns: deleting a file whose pages the kernel is
-    still writing back waits for that I/O (seconds for the bench's 10,000
-    files right after they were written), and that wait need not hold up the
-    merges and the table. Until then a merged session just has its old files
-    too: readers drop the repeated rows, as after a compaction that crashed
-    between write and delete. A user's write phase is mostly Parquet encoding
-    and file creation (its partitions, its manifest twice), outside the
-    interpreter lock, so two users' overlap (while merges, mostly Python, do
-    not). Users' tables are independent: each has its own manifest and its
-    own compare-and-swap. Remote stores (merges and partition writes on
-    threads already), memory stores and ``serial_reads`` use no helpers.
+    Deleting a file whose pages the kernel is still writing back waits for that
+    I/O, so deletes run beside the merges and all finish (the first failure
+    raised) before ``compact()`` returns; until then readers drop the repeated
+    rows, as after a crash between write and delete. Users' table writes are
+    mostly Parquet encoding outside the interpreter lock, and each user has its
+    own manifest and compare-and-swap, so two overlap. Remote and memory stores
+    and ``serial_reads`` use no helpers.
     """
 
     def __init__(self, store: Store) -> None:
@@ -301,21 +260,15 @@ def compact(store: Store, *, tombstone_grace: timedelta | None = None,
             users: list[str | None] | None = None) -> IndexCompactReport:
     """Merge index partitions and bring the compacted table up to date; only what changed is read.
 
-    Per-session partitions: a partition whose files changed since the table
-    absorbed them (or whose tombstones may go) is merged into one file, as the
-    module docstring says; when only appends came since, and they are smaller
-    than its compacted file, they are merged among themselves and the
-    compacted file is not read (see :func:`storage.partition_merge.base_file`).
-    Table (:mod:`storage.table`): each user's ``(user, day)`` partitions on
-    which changed sessions' rows changed are rewritten, deletes applied. A
-    session whose files equal what the table's manifest absorbed, holding no
-    droppable tombstones, is not read at all. ``users`` (user ids, None = no
-    user) limits both to those users.
-
-    ``tombstone_grace`` (default :data:`TOMBSTONE_GRACE`): how long tombstones
-    outlive their rows; ``timedelta(0)`` drops them at once and is safe only
-    when no other compaction can run at the same time. ``rows`` in the report
-    counts live rows kept, not the tombstones kept.
+    A partition whose files changed since the table absorbed them (or whose
+    tombstones may go) is merged into one file; when only appends came since,
+    smaller than its compacted file, they are merged among themselves
+    (:func:`storage.partition_merge.base_file`). Each user's table partitions
+    on which changed sessions' rows changed are rewritten. ``users`` (user ids,
+    None = no user) limits both to those users. ``tombstone_grace`` (default
+    :data:`TOMBSTONE_GRACE`): ``timedelta(0)`` drops tombstones at once, safe
+    only when no other compaction can run meanwhile. The report's ``rows``
+    counts live rows kept.
     """
     grace = TOMBSTONE_GRACE if tombstone_grace is None else tombstone_grace
     if not isinstance(grace, timedelta) or grace < timedelta(0):

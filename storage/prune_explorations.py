@@ -1,26 +1,11 @@
 """What prune does to a session's explorations: the records of those that are over go, running ones stay.
 
-An exploration's record (``sessions/{u}/{s}/explorations/{id}/``, see
-:func:`storage.layout.exploration_prefix`) is the list of decisions it took,
-each a create-only object: a process that continues it reads a decision back
-instead of taking it again. Deleting the record of an exploration still
-under way would let whoever continues it take every decision a second time
-(re-run branches, re-bill judges). So prune deletes an exploration only once
-it is over, which its ``result.json`` says:
-
-- without ``before``: every exploration of a session in scope that is over;
-- with ``before``: those whose ``result.json`` was written before the cutoff.
-
-An exploration without a result (running, or left by a driver that died and
-not continued yet) stays whatever the filters: continue it to its end (a
-budget ends it early), then prune. With the record go the id's pointer
-(``explorations/{u}/{id}.json``, when it names this session) and a leftover
-submitted mark. ``result.json`` is deleted last, so a prune that fails
-half-way leaves an exploration that still reads as over (its result intact),
-and the next prune finds it again by listing the session.
-
-The branches are sessions of their own (``{id}-r001-000``, ...): a prune
-whose filters match them deletes their checkpoints like any session's.
+Deleting the record of an exploration still under way would let whoever
+continues it take every decision again (re-run branches, re-bill judges), so
+only one whose ``result.json`` exists goes (with ``before``: written before
+the cutoff), with its id's pointer and a leftover submitted mark.
+``result.json`` is deleted last, so a prune that fails half-way leaves an
+exploration that still reads as over (docs/exploration.md "Prune").
 """
 
 from __future__ import annotations

@@ -1,35 +1,12 @@
 """Prune: delete checkpoints, journal entries and run records matching every given filter, and nothing else.
 
-(And the records of the explorations of the sessions in scope that are over: :mod:`storage.prune_explorations`.)
-
-With ``before``, recovery of an unfinished run is never broken: when a
-session's last run has not finished, its journal, its run record, the
-journal it replays, the checkpoint it started from (also in another session
-being pruned, for a fork) and the session's latest checkpoint all stay,
-whatever their age; so do the run records the session's last run is chosen
-among (:func:`storage.journal.last_run_window`), so prune never changes which
-run is last, and the last run's ``run_end`` (a finished run must not read as
-unfinished). Those records keep no request: a matching record that recovery
-does not need loses its ``request`` and ``spec_hash`` (context and metadata may
-hold secrets), keeping only ids, slot, epoch and start time. Without
-``before`` everything matching goes (objects without an index row too), but
-for the chain a still unfinished last run builds on next (its rows are
-retired all the same: :mod:`storage.chains`).
-
-What prune deletes is chosen by one planner, :func:`plan_prune` for a dry run
-and :func:`prune` for the real thing, so the two never disagree: ``prune``
-plans each session right before it deletes what that plan names.
-
-A run may start while prune works (a ``resume`` from an old checkpoint).
-So, with ``before``, a session's checkpoint objects are read, then deleted,
-and only then are its recovery needs checked again (with the run records
-then in the store): what a run recorded meanwhile is put back (objects, and
-journal entries its run replays) before the remaining rows are tombstoned. A
-run that records itself after that check finds its base checkpoint gone when
-:meth:`storage.journaling.Runs.create` looks for it right after its record,
-and stops before its first step; so a run never works from a base that
-prune deletes. Each deleted checkpoint costs one more GET than its DELETE;
-forks started during the prune into other sessions are not looked for.
+(And the explorations of the sessions in scope that are over: :mod:`storage.prune_explorations`.)
+With ``before``, what recovery of an unfinished last run needs stays, and
+so do the run records the last run is chosen among, stripped of their
+request (docs/contracts.md ``prune``). One planner chooses what goes, for a
+dry run (:func:`plan_prune`) and for :func:`prune`, which plans each session
+right before it deletes. How prune stays safe against a run that starts
+meanwhile: docs/design.md "Checkpoints: incremental objects in chains".
 """
 
 from __future__ import annotations

@@ -55,18 +55,13 @@ ADDED_LATER: dict[str, bool] = {"added_later": True}
 class CheckpointInfo:
     """What a caller says about a checkpoint it writes (:meth:`storage.checkpoint_log.CheckpointLog.put`).
 
-    The fields, in order, are the leading columns of the checkpoint index
-    (``CHECKPOINT_SCHEMA`` is derived from them), so a new index column is one
-    new field here (with ``metadata=ADDED_LATER`` and a default, so files
-    written before it still read).
-
-    ``cost_usd`` is the session's running total as of this checkpoint (a
-    fork's rows include its parent's spend up to the fork point);
-    ``spend_usd`` is what the model calls made since the previous checkpoint
-    of the same lineage cost (the checkpoint the run last wrote, or the one it
-    started from, in whichever session), so summing ``spend_usd`` over a fork
-    tree counts every billed call once. ``None``: unknown (an unpriced call)
-    or a row written before the column existed.
+    The fields, in order, are the leading columns of the checkpoint index, so
+    a new column is one new field (``metadata=ADDED_LATER`` and a default, so
+    older files still read). ``cost_usd``: the session's running total (a
+    fork's includes its parent's spend up to the fork point); ``spend_usd``:
+    what model calls cost since the previous checkpoint of the same lineage,
+    so summing it over a fork tree counts every billed call once; ``None``:
+    unknown.
     """
 
     session_id: str
@@ -245,12 +240,7 @@ def encode_chain(chain: tuple[str, ...]) -> str | None:
 
 def decode_chain(value: str | None) -> tuple[str, ...]:
     """A ``chain`` column value back as refs (null, or a file written before the column: no chain)."""
-    if not value:
-        return ()
-    refs = json.loads(value)
-    if not isinstance(refs, list) or not all(isinstance(r, str) for r in refs):
-        raise ValueError(f"chain must be a JSON array of strings, got {value[:80]!r}")
-    return tuple(refs)
+    return strings(json.loads(value)) if value else ()
 
 
 def strings(value: Any) -> tuple[str, ...]:

@@ -1,19 +1,11 @@
 """S3 object store on boto3: conditional writes, botocore retries, typed errors.
 
-boto3 is used (not s3fs) for object operations because conditional PUTs
-(``If-None-Match: *`` and ``If-Match: <etag>``) and botocore's retry modes are
-first-class there. Transient failures (503 SlowDown, 500, timeouts,
-connection resets) are retried by botocore's ``standard`` (default) or
-``adaptive`` mode with exponential backoff and jitter; what survives the
-retries becomes :class:`~storage.errors.TransientStorageError`. Missing,
-wrong or expired credentials (and a refused permission) are no transient
-failure: they surface at once, unretried, as :class:`S3CredentialsError`
-naming the problem and its fix. Nothing in this module leaks a botocore type
-to callers.
-
-Region: the ``region`` option, else ``AWS_REGION``, else what the boto3
-session finds (``AWS_DEFAULT_REGION`` or the region of the AWS profile in
-use), else ``us-east-1``.
+boto3 (not s3fs) because conditional PUTs (``If-None-Match: *``, ``If-Match``)
+and botocore's retry modes are first-class there. What survives the retries
+becomes :class:`~storage.errors.TransientStorageError`; missing, wrong or
+expired credentials (or a refused permission) surface at once, unretried, as
+:class:`S3CredentialsError`. No botocore type leaks to callers. Region:
+docs/storage.md.
 """
 
 from __future__ import annotations
@@ -88,11 +80,8 @@ class S3ObjectStore(ObjectStore):
     ``connect_timeout`` / ``read_timeout`` in seconds, ``client`` (a ready
     boto3 S3 client, e.g. with fault-injection hooks registered).
 
-    Server-side encryption: ``sse="AES256"`` (SSE-S3) or ``sse="aws:kms"``
-    (SSE-KMS, with ``sse_kms_key_id`` naming the key, else the bucket's AWS
-    managed key) is sent with every PUT, so every object the store writes
-    (checkpoints, journal, run records, leases, index files) is encrypted
-    at rest that way whatever the bucket's default. Reads need no option.
+    ``sse="AES256"`` or ``sse="aws:kms"`` (``sse_kms_key_id``: the key, else the
+    bucket's AWS managed key) is sent with every PUT; reads need no option.
     """
 
     backend = "s3"

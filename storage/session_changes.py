@@ -1,19 +1,13 @@
 """Change markers: which sessions have a status row newer than the compacted session-status table.
 
 ``sessions.put`` writes, *after* each status row, a marker
-``changed/{u}/{s}/{written_ns}-{rand}.json`` holding a copy of that row (JSON,
-never pickled). A compaction lists the markers before it lists the status rows
-it absorbs into the table (:mod:`storage.session_table`), and deletes the
-markers it listed once the user's table is written: each marker's row was
-written before the marker, so before that LIST. The markers are therefore as
-many as the status changes since the last compaction, and the table plus the
-markers name every session whose latest row the table may not hold: what a
-listing of every session reads (one LIST, one GET per changed session, none for
-a marker read before: a marker is never rewritten). A writer that crashes
-between its row and its marker leaves a row only the next compaction's table
-shows. The row is what the index holds; a marker that does not parse, or names
-another session than its key, is skipped with a warning and its session's row
-read from the index.
+``changed/{u}/{s}/{written_ns}-{rand}.json`` holding a copy of that row. A
+compaction lists the markers before the status rows it absorbs
+(:mod:`storage.session_table`) and deletes those it listed once the user's
+table is written, so table plus markers name every session whose latest row
+the table may not hold. A crash between row and marker leaves a row only the
+next compaction's table shows; a marker that does not parse, or names
+another session than its key, is skipped with a warning.
 """
 
 from __future__ import annotations

@@ -2,27 +2,14 @@
 
     index/session_table/user={u}/part-0.parquet
 
-Beside the checkpoint table (:mod:`storage.table`), for the questions asked of
-sessions rather than checkpoints (what runs, what failed, what waits for a
-decision) by outside readers (DuckDB, polars, pyarrow: ``user`` is a hive
-key) and by listings that must not read every session. Each compaction
-brings it up to date after merging the session status partitions: for every
-user whose partitions changed, the rows of the sessions whose partition file
-differs from the one the table absorbed (its ``source`` column) are read
-again, sessions no longer listed are dropped, and the file is replaced whole
-by one PUT. So a compaction that changed nothing reads and writes nothing,
-and one that changed k sessions of a user reads k files and that user's
-table. A row that names another session than its partition is ignored, as
-every reader of status rows does.
-
-The file is as of one compaction: two compactions racing may publish in
-either order, and the next compaction corrects whichever lost (its sources
-differ from the listing). What came since is named by the change markers
-``sessions.put`` leaves (:meth:`storage.sessions.Sessions.changed`): a
-compaction lists them before the status rows and deletes those it listed
-once the user's table is written, so table plus markers name every session
-whose latest row the table may not hold (:func:`read_session_tables` and
-the markers are what a listing of every session reads).
+For outside readers (docs/readers.md "Sessions") and listings that must not
+read every session. Each compaction re-reads, per user whose partitions
+changed, only the sessions whose partition file differs from the one the
+table absorbed (its ``source`` column), drops sessions no longer listed, and
+replaces the file by one PUT. Two racing compactions may publish in either
+order; the next corrects whichever lost. What came since is named by the
+change markers (:mod:`storage.session_changes`). A row that names another
+session than its partition is ignored, as every reader of status rows does.
 """
 
 from __future__ import annotations

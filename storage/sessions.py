@@ -1,16 +1,11 @@
 """``store.sessions`` (the session index) and ``store.active`` (active-session markers).
 
-Session status rows are appended to ``index/sessions/user={u}/session={s}/``
-on every status change; the latest ``updated_at`` wins. Listings must not read
-every session ever run (a ``loomray supervise`` on a cold store of 2,000
-finished sessions read 2,001 objects), so :meth:`Sessions.put` keeps two
-markers beside the rows: ``live/{u}/{s}``, written *before* a live row and
-deleted *after* a finished one (``list(status="running")`` reads only the
-marked sessions: a marker is a hint, the row decides), and a change marker
-after each row (:mod:`storage.session_changes`: the compacted session-status
-table plus :meth:`Sessions.changed_rows` is every session's latest row). An
-active marker (``active/{u}/{s}.json``) is one small object per session a
-supervisor owns. The keys are in docs/design.md ("Object layout").
+Status rows are appended to ``index/sessions/user={u}/session={s}/`` on every
+status change; the latest ``updated_at`` wins. So that listings need not read
+every session ever run, :meth:`Sessions.put` keeps two markers beside the
+rows: ``live/{u}/{s}``, written *before* a live row and deleted *after* a
+finished one (a hint: the row decides), and a change marker after each row
+(:mod:`storage.session_changes`). Keys: docs/design.md "Object layout".
 """
 
 from __future__ import annotations
@@ -20,8 +15,6 @@ import logging
 from datetime import datetime
 from types import EllipsisType
 from typing import TypeAlias
-
-import pyarrow as pa
 
 from . import layout, session_changes
 from .ids import user_from_segment, user_segment, validate_id
@@ -104,11 +97,6 @@ class Sessions:
         if keys:
             self.objects.delete(keys=keys)
 
-    def _session_table(self, prefix: str) -> pa.Table:
-        """Session rows under ``prefix``; a row whose ids differ from its file's partition is dropped by every
-        index read (:func:`storage.index_guard.own_rows`)."""
-        return self._index.read_prefix(prefix, SESSION_SCHEMA)[1]
-
     def get(self, session_id: str, *, user_id: str | None = None) -> SessionRow | None:
         """The session's latest status row, or None."""
         rows = self.history(session_id, user_id=user_id)
@@ -118,7 +106,8 @@ class Sessions:
         """Every status row the session's partition holds, in file order (its history until a compaction
         merges it to the latest row)."""
         prefix = layout.index_partition(layout.SESSION_INDEX, session_id, user_id)
-        return session_rows_from_table(self._session_table(prefix))
+        # A row whose ids differ from its file's partition is dropped by every index read (index_guard.own_rows).
+        return session_rows_from_table(self._index.read_prefix(prefix, SESSION_SCHEMA)[1])
 
     def list(self, *, status: str | None = None, user_id: UserFilter = ANY) -> builtins.list[SessionRow]:
         """The latest row of every session (of ``user_id``; ``...`` = any user), filtered by status.
@@ -127,11 +116,11 @@ class Sessions:
         live marker; any other reads the whole session index.
         """
         if status in LIVE_STATUSES:
-            rows = [r for r in map(self._marked_row, self._live_sessions(user_id)) if r is not None]
+            rows = [r for uid, sid in self._live_sessions(user_id) if (r := self.get(sid, user_id=uid)) is not None]
             return [r for r in sorted(rows, key=lambda r: r.updated_at, reverse=True) if r.status == status]
         prefix = layout.SESSION_INDEX if isinstance(user_id, EllipsisType) else \
             f"{layout.SESSION_INDEX}user={user_segment(user_id)}/"
-        rows = latest_sessions(session_rows_from_table(self._session_table(prefix)))
+        rows = latest_sessions(session_rows_from_table(self._index.read_prefix(prefix, SESSION_SCHEMA)[1]))
         return [r for r in rows if status is None or r.status == status]
 
     def _live_sessions(self, user_id: UserFilter) -> builtins.list[tuple[str | None, str]]:
@@ -146,9 +135,6 @@ class Sessions:
             except ValueError:
                 log.warning("ignoring a live marker that names no session: %s", self.objects.describe(info.key))
         return out
-
-    def _marked_row(self, key: tuple[str | None, str]) -> SessionRow | None:
-        return self.get(key[1], user_id=key[0])
 
 
 class ActiveMarks:

@@ -1,66 +1,13 @@
 """The compacted checkpoint table: live rows only, one Parquet file per (user, UTC day), readable without loomray.
 
-Two tiers hold the checkpoint index. The per-session append files
-(``index/checkpoints/user={u}/session={s}/*.parquet``) are what a write
-costs and what ``list_checkpoints`` reads. For reads across sessions,
-users, costs and time, ``compact()`` maintains a second tier::
+``compact()`` maintains it beside the per-session append files::
 
     index/table/user={u}/day={YYYY-MM-DD}/part-0.parquet   live rows created that UTC day, retired rows gone
     index/table/user={u}/_manifest.json.gz                  what each partition absorbed (loomray's bookkeeping)
 
-Every object of a user, table and manifest included, lives under a prefix
-that names the user (``user=_`` is "no user"), so an IAM policy on
-``index/table/user={u}/`` isolates it. Ids stay ordinary columns
-(``session_id``, ``checkpoint_id``, ``user_id``); only the user segment and
-the day appear in keys, so ids never have to survive a hive path.
-
-Why one file per partition, replaced in place. A reader with only DuckDB,
-polars or pyarrow globs ``index/table/**/*.parquet`` and applies no
-manifest, no tombstones and no deletion vectors. Each partition is a single
-key overwritten by one PUT (atomic on S3 and with ``os.replace``), never
-deleted (an emptied day is a 0-row file), so a glob sees each partition
-either before or after a compaction, never a row twice, never a row whose
-retirement a committed compaction applied. Delta Lake and Iceberg keep
-removed files until a vacuum and need their own reader (DuckDB's ``delta``
-and ``iceberg`` extensions are downloads, polars' ``read_delta`` needs
-``deltalake``): a plain-Parquet glob over a Delta table in which 1% of
-100,000 rows were deleted read 199,000 rows, not 99,000.
-
-The manifest records, per session, the per-session index file names whose
-live rows the partitions hold (``files``), the days it has rows on, and
-the checkpoint ids the tombstones in those files retire; per partition, the
-ETag of the file a compaction wrote. It is what makes compaction incremental (a
-session whose files equal its ``files`` is not read again; only the days of
-changed sessions are rewritten) and what ``Store.query`` uses to find the
-tail: a session whose listed files differ from ``files`` (new appends,
-tombstones, a merge by another compactor, or no record at all) is read from
-its per-session files, and its rows in the table are ignored.
-
-Concurrency. A compaction reads the user's manifest before it lists the
-per-session files, reads them, and only then starts its write phase with a
-compare-and-swap of the manifest (``If-Match`` the ETag it read; create-only
-when there was none) that records its intent: so nothing was committed since
-it read the manifest, its view of every session is at least as new as the
-manifest's, and a second compactor's CAS fails (it skips the user's table:
-"busy"). Each partition PUT is itself a CAS on the ETag the manifest
-recorded (or, in a rebuild, the one listed), after checking that the file
-read is that one: a partition someone else rewrote meanwhile fails the PUT
-and the compaction gives up, leaving the partitions it did write (built from
-a view newer than the manifest's) for the next run, which sees ETags the
-manifest does not record and rebuilds the user's table from the per-session
-files. Partition files embed the writer's generation and a random token, so
-every write has a new ETag (S3's is the MD5 of the bytes). An intent older
-than :data:`INTENT_TTL` belongs to a compactor that died or stalled: the
-next one takes the manifest over (CAS) and rebuilds every partition, so a
-stalled compactor's later PUTs fail on the ETags it expected. Two compactors
-therefore never resurrect a row a committed compaction removed, and never
-lose a live row: a session whose rows a failed write phase left behind is
-still tail for ``Store.query``.
-
-Staleness. The table is as fresh as its last compaction: rows written or
-retired since then are the tail. ``Store.query`` reads both and reports, in
-the returned table's schema metadata (:func:`staleness`), when the table's
-sources were listed and how many files and sessions the tail held.
+Why one file per partition replaced in place, what the manifest records and
+how two compactors take turns on it: docs/design.md "The compacted table".
+``Store.query`` reports how stale the table was (:func:`staleness`).
 """
 
 from __future__ import annotations
@@ -72,10 +19,9 @@ import logging
 import threading
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import date, datetime, timedelta, timezone
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -84,15 +30,13 @@ import pyarrow.parquet as pq
 from . import layout
 from .errors import StorageError
 from .ids import user_from_segment
-from .index import DICTIONARY_COLUMNS, conform, parquet_table, serial_backend
+from .index import DICTIONARY_COLUMNS, conform, parquet_table
 from .rows import CHECKPOINT_SCHEMA, INDEX_BOOKKEEPING, as_utc, strings, utcnow
 
 if TYPE_CHECKING:
     from .store import Store
 
 log = logging.getLogger("storage.table")
-T = TypeVar("T")
-R = TypeVar("R")
 
 #: Columns of the compacted table: a checkpoint row without the index's bookkeeping (tombstone, written_at, ...).
 TABLE_SCHEMA = pa.schema([f for f in CHECKPOINT_SCHEMA if f.name not in INDEX_BOOKKEEPING])
@@ -212,14 +156,6 @@ class UserTable:
         return None
 
 
-def for_each(store: Store, fn: Callable[[T], R], items: list[T]) -> list[R]:
-    """``fn`` over ``items``: on the index's reader threads for a remote store, in order on this thread for a local
-    one (see :func:`storage.index.serial_backend`)."""
-    if len(items) <= 2 or serial_backend(store.objects):
-        return [fn(i) for i in items]
-    return store._index.map(fn, items)
-
-
 def table_clock() -> datetime:
     """Now, by the clock write-phase intents are judged with (module-level ``utcnow``, so tests can move it)."""
     return utcnow()
@@ -298,7 +234,7 @@ def load_tables(store: Store, prefix: str = layout.TABLE_INDEX) -> dict[str, Use
         cache[key] = (obj.etag, manifest)
         users[seg].manifest, users[seg].manifest_etag = manifest, obj.etag
 
-    for_each(store, load, manifests)
+    store._index.map_io(load, manifests)
     return users
 
 # -- rows ------------------------------------------------------------------------------------------------------------

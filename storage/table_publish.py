@@ -27,7 +27,6 @@ from .table import (
     days_of,
     decode_partition,
     encode_partition,
-    for_each,
     sort_rows,
     table_clock,
 )
@@ -252,7 +251,7 @@ def publish(store: Store, ut: UserTable, listed: dict[str, tuple[str, ...]], rea
         return Published("busy")
     mkey = layout.table_manifest_key(ut.user_id)
     try:
-        results = for_each(store, parts.write, sorted(changes.days))
+        results = store._index.map_io(parts.write, sorted(changes.days))
     except (_Conflict, PreconditionFailed) as e:
         log.warning("table of user %r: write phase given up (%s); the next compaction rebuilds it", ut.segment, e)
         _release(store, mkey, base, held)

@@ -20,7 +20,7 @@ from .errors import StorageError
 from .ids import user_from_segment
 from .index_guard import own_rows
 from .rows import CHECKPOINT_SCHEMA, as_utc
-from .table import TABLE_SCHEMA, Staleness, UserTable, decode_partition, for_each, load_tables
+from .table import TABLE_SCHEMA, Staleness, UserTable, decode_partition, load_tables
 
 if TYPE_CHECKING:
     from .store import Store
@@ -141,7 +141,7 @@ def read_for_query(store: Store, *, segment: str | None, session_id: str | None,
         ids = pa.array(sorted(tail.clean[item[0]]), pa.string())
         return rows.filter(pc.is_in(rows["session_id"], value_set=ids))
 
-    parts = for_each(store, part, wanted)
+    parts = store._index.map_io(part, wanted)
     table_part = pa.concat_tables(parts) if parts else TABLE_SCHEMA.empty_table()
     without = sum(1 for seg in {s for s, _ in tail.tail} if tables.get(seg) is None or tables[seg].manifest is None)
     st = Staleness(min(as_of) if as_of else None, len(tail.keys), len(tail.tail), without)

@@ -1,20 +1,13 @@
 """A session's checkpoints as readers see them: the index rows, plus the objects not indexed yet.
 
-A :class:`storage.checkpoint_log.CheckpointLog` indexes its rows in batches,
-so the newest checkpoints of a running (or crashed) writer exist as objects
-before any index file names them: its *tail*. Their objects are
-self-describing (:mod:`storage.envelope`), so a reader lists the session's
-checkpoint objects beside its index partition, reads the objects no index row
-(live or retired) names, and takes as tail rows those the visibility rule
-admits (:func:`storage.visibility.tail_admitted`: the session's current
-epoch, newer than every row that epoch indexed or a compaction recorded as
-retired). What readers see of a snapshot is :attr:`Snapshot.live`.
-
-One snapshot costs, besides the index LIST and the GETs of index files not
-parsed yet: one LIST of ``checkpoints/``, one GET of ``lease.json`` and, for
-a leased session, one LIST and one GET of its kept copies (all in parallel
-with the index LIST on a remote store) and one GET per object without a row
-(a tail is at most one batch per writer; parsed tails are cached).
+A checkpoint log indexes in batches, so a writer's newest checkpoints exist
+as self-describing objects before any index file names them: its *tail*. A
+reader lists the objects beside the index partition and admits as tail rows
+those the visibility rule does (:func:`storage.visibility.tail_admitted`).
+A snapshot costs, besides the index LIST and unparsed index files: one LIST
+of ``checkpoints/``, one GET of ``lease.json`` (for a leased session one LIST
+and one GET of its kept copies), in parallel on a remote store, and one GET
+per object without a row (parsed tails are cached).
 """
 
 from __future__ import annotations

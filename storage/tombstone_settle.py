@@ -1,23 +1,14 @@
 """What a compaction may do with a session's leased tombstones (rule 5 of :mod:`storage.visibility`).
 
-A compaction applies a tombstone for good: it drops the row the tombstone
-retires (and later the tombstone). So it may apply only a tombstone whose
-fate is settled. A tombstone written without a lease always is. A leased
-one (a lease holder's retention) is settled when the session's fences judge
-it (a takeover above its epoch listed it, or did not: then it is a fenced
-writer's and is dropped here, so no reader ever honours it), or when a LIST
-of the epoch markers made after the files were read shows no epoch claimed
-above its writer's (any later takeover lists it). Otherwise a takeover is
-under way (claimed, not swapped yet, or its acquirer died) and may be about
-to ignore it: the partition's files are left as they are, and the table
-gets the session's rows as the rule reads them now, recorded as absorbing
-none of its files, so the query reads the session from its files (the
-rule's view at that time) and every later compaction reads it again until
-its tombstones are settled.
-
-Costs per merged partition that holds a leased tombstone: one GET of
-``lease.json`` (a LIST and a GET more when it is missing or unreadable), and
-one LIST of the epoch markers when a tombstone is of the current epoch.
+A compaction applies a tombstone for good, so only a settled one: written
+without a lease, judged by the session's fences (one a fence ignores is
+dropped here), or older than every epoch a LIST of the markers made after
+the files were read shows claimed. Otherwise a takeover is under way: the
+partition's files stay as they are and the table gets the session's rows as
+the rule reads them now, absorbing none of its files, so every later
+compaction reads it again until its tombstones are settled. Cost per merged
+partition holding one: a GET of ``lease.json`` (a LIST and a GET more when it
+is unreadable) and a LIST of the markers for a current-epoch tombstone.
 """
 
 from __future__ import annotations

@@ -1,81 +1,11 @@
 """The one visibility rule: which checkpoint rows and objects of a session are live.
 
-Every reader and writer of checkpoints decides with this module, so
-``checkpoints.list``, "latest", ``checkpoints.get(<id>)``, fork,
-``Store.query``, compaction and the table it publishes, retention, delete,
-prune and recovery see one and the same history. For one session:
-
-1. **Rows.** An index row is live unless a tombstone (in any index file)
-   that rule 5 honours names its checkpoint id (:func:`live_of`).
-2. **Fences.** A takeover records in ``lease.json`` the highest row it
-   listed right before its swap (``"checkpoints"``: ``top``, with up to 8
-   earlier owners' fences under ``prev``). A row of an epoch below a fence's
-   that ranks above that fence's ``top`` landed after the takeover: a fenced
-   writer's, never live, whatever index file or table holds it
-   (:meth:`Visibility.fenced`, :meth:`Visibility.fenced_mask` for Arrow
-   tables). Rows of epoch 0 were written without a lease: nothing fences them.
-   ``lease.json`` is not trusted to keep its fences: a body deleted,
-   garbled, rewritten by hand without them, or restored from an older copy
-   would show fenced rows again. So the rule is the union of the fences of
-   ``lease.json`` and of the newest copy of a body a swap kept
-   (``leases/{epoch}.json``, create-only, :func:`storage.fencing.kept_lease_body`),
-   at the higher of their epochs (:meth:`Visibility.of`), and the next
-   takeover carries both on: a fence lasts as long as its copy, so no fenced
-   row or tail is shown again. The copies themselves are trusted.
-3. **Tails.** A checkpoint object no index row names (live or retired) is a
-   not-yet-indexed tail only when its header is intact, its epoch is the
-   session's current one, and it ranks above every row, live *or retired*,
-   its epoch indexed (:func:`tail_admitted`): a writer indexes in the order
-   it writes, so an older object without a row is one it saw fail, or one
-   retired and kept by a pin. A compaction that drops tombstones records, per
-   epoch, the highest row they retired in the merged file's metadata
-   (:data:`RETIRED_META`, carried by every later merge): that deletion
-   watermark keeps a pruned or deleted checkpoint, whose object a fork's pin
-   still holds, from ever reading as a tail again.
-4. **Pins.** A fork's pin (``pins/{fork}.json``) keeps the objects it names,
-   and the fork point itself stays resolvable *for that fork*
-   (``pinned_for=``) after its row was retired: it is never live for anyone
-   else (not listed, not "latest", not found by id).
-5. **Tombstones.** A tombstone is a copy of the row it retires. One that
-   prune, delete, quarantine or a takeover wrote (without a lease, or
-   retiring only what a fence hides already) is always honoured. One that a
-   lease holder's retention wrote carries its writer (``tomb_epoch``, the
-   lease epoch, and ``tomb_mark``, that writer's newest checkpoint id when it
-   proved its lease: :data:`storage.rows.Retired`), and is honoured only if
-   its writer still held the lease when it landed (:meth:`Visibility.ignores`).
-   The writer proves its lease before it writes them, so what can go wrong is
-   the file in flight: a takeover claims its epoch right after the proof and
-   lists the index before the tombstones land. So a takeover records in its
-   fence (``tombs``) the highest ``(tomb_epoch, tomb_mark)`` among the
-   honoured leased tombstones it listed, and a leased tombstone of an epoch
-   below a fence's that ranks above that fence's ``tombs`` (or any, when it
-   listed none) is a fenced writer's: ignored by every reader, its row stays
-   live, and compaction drops it. Why that is exact: one lease holder writes
-   its batches one after another and each batch's mark is its newest
-   checkpoint, which ranks above every earlier batch's (checkpoint ids of one
-   writer rise, as "latest" assumes); a takeover lists after its claim, so
-   every batch that landed before the listing is listed, and the one that
-   lands after it (there is at most one: the next proof sees the claim) ranks
-   above all of them (a batch whose PUT seemed to fail is written again with
-   the next, which ranks above it). Between the takeover's listing and its
-   swap a reader finds no fence yet and honours such a tombstone; from the
-   swap on none does (compaction applies none meanwhile, see below, and the
-   retired objects are still there). A fence from before this rule (no
-   ``tombs``) judges no tombstone. Like rule 2 this lasts as long as the fence is among the 8 a
-   lease body carries; compaction drops an ignored tombstone for good.
-
-   A leased tombstone no fence judges yet is honoured, and is *settled* (no
-   fence can ever ignore it) once a proof of a lease finds no higher epoch
-   claimed after it landed: its writer's next proof, or an epoch-marker LIST
-   made after reading it that shows no claim above its epoch (what compaction
-   does before it applies one: :mod:`storage.tombstone_settle`). So retention
-   deletes the objects it retired only after such a proof
-   (:mod:`storage.checkpoint_log`): a checkpoint an
-   ignored tombstone names keeps its object.
-
-The rule here is pure: it reads nothing, so callers decide what to read
-(one LIST of the index, one of the objects, one GET of ``lease.json``, one
-LIST and one GET of its copies) and it never keeps a cache.
+Every reader and writer of checkpoints decides with this module, so listing,
+"latest", get by id, fork, ``Store.query``, compaction, retention, delete,
+prune and recovery see one history. The five rules (rows, fences, tails,
+pins, tombstones) and why each is exact are in docs/design.md "One
+visibility rule"; the numbers below refer to them. The rule is pure: it
+reads nothing, so callers decide what to read, and it never keeps a cache.
 """
 
 from __future__ import annotations

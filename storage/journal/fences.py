@@ -56,18 +56,14 @@ def list_for_fence(store: JournalStore, session_id: str, user_id: str | None, ru
 class FenceNote:
     """What a new owner's lease swap records, so that its fence survives it (``store.leases.acquire(note=...)``).
 
-    A new owner seals the runs it listed before taking the lease right after
-    taking it; a crash or a failed write in between would leave the old
-    writer unfenced, and no later owner could tell which of its entries came
-    after the takeover. So the lease body itself, written by the very swap
-    that takes the epoch, holds the listing (``runs``: run id -> highest seq
-    seen; ``missing``: run id -> the seqs below it the listing lacked, for
-    runs with gaps; ``records``: the highest run record slot) and those of up to
-    :data:`_FENCE_CHAIN` owners before it (``prev``); each new owner writes
-    whatever of those seals is missing (:func:`complete_fences`). Each swap
-    also keeps a create-only copy of the body it wrote (``leases/{epoch}.json``),
-    so a deleted or unreadable ``lease.json`` loses no fence: the next acquire
-    takes the chain from the newest copy.
+    A crash between taking the lease and sealing would leave the old writer
+    unfenced, so the lease body, written by the very swap that takes the
+    epoch, holds the listing (``runs``: run id -> highest seq seen;
+    ``missing``: the seqs below it the listing lacked; ``records``: the highest
+    run record slot) and up to :data:`_FENCE_CHAIN` earlier owners' (``prev``);
+    each new owner writes whichever of those seals is missing
+    (:func:`complete_fences`), the chain read from the newest kept copy when
+    ``lease.json`` is gone.
     """
 
     def __init__(self, lister: Callable[[], Listing]) -> None:

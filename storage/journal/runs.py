@@ -112,9 +112,7 @@ def last_run_window(store: JournalStore, session_id: str, user_id: str | None,
 
 def read_records(store: JournalStore, slots: list[tuple[int, str]], session_id: str,
                   user_id: str | None) -> list[RunRecord | None]:
-    if len(slots) <= 1:
-        return [_read_record(store, key, n, session_id, user_id) for n, key in slots]
-    return list(store._index.map(lambda s: _read_record(store, s[1], s[0], session_id, user_id), slots))
+    return store._index.map_io(lambda s: _read_record(store, s[1], s[0], session_id, user_id), slots)
 
 
 def requests_held(store: JournalStore, slots: list[tuple[int, str]], session_id: str, user_id: str | None,

@@ -398,7 +398,7 @@ class World:
         # A compaction merges partitions on 4 threads of a remote store's own pool; threads without an actor's
         # name cannot be scheduled one call at a time, so every merge runs on its actor's thread, as on local.
         saved = maintenance._pool
-        maintenance._pool = lambda store: maintenance._InOrder()
+        maintenance._pool = lambda store: maintenance.SerialPool()
         try:
             run_with_clocks(self)
         finally:
