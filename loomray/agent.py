@@ -1,8 +1,5 @@
-"""``Agent``: the user-facing API (run, resume, fork, checkpoints), runtime-agnostic.
-
-Every call becomes a :class:`~loomray.session.RunRequest` executed by the
-agent's runtime; the Agent itself holds only configuration (instructions,
-model, tools, tuning), so it can be rebuilt in another process.
+"""``Agent``: the user-facing API. Every call becomes a :class:`~loomray.run_request.RunRequest` for the
+agent's runtime; the Agent holds only configuration, so it can be rebuilt in another process.
 """
 
 from __future__ import annotations
@@ -52,20 +49,10 @@ def _run_sync(coro: Coroutine[Any, Any, T]) -> T:
 
 
 class Agent:
-    """An LLM agent: instructions, a model, tools, a runtime and tuning.
+    """An LLM agent: instructions, a model, tools, a runtime and tuning (arguments: docs/api.md).
 
-    ``model`` is a name (``"claude-opus-4-7"``, ``"demo:research"``) resolved
-    when the Agent is built, or a :class:`~loomray.models.Model` instance.
-    ``tools`` are plain functions (sync or async) or ``@tool`` objects.
-    ``runtime`` defaults to a fresh :class:`~loomray.runtime.InProcRuntime`.
-    ``tuning`` must be a :class:`Tuning`; a wrong ``Tuning.checkpoint`` type is a
-    ``TypeError`` here, not later. ``name`` (default ``"agent"``) is stored with
-    every checkpoint, so it must be a valid id; an invalid one raises
-    :class:`~loomray.errors.InvalidIdError` here.
-
-    Ids passed to the methods follow the storage id rules; an invalid one (the
-    empty string included) raises :class:`~loomray.errors.InvalidIdError`, a
-    ``ValueError``. ``session_id=None`` in :meth:`run` means a new id.
+    Bad arguments fail here, not at the first run; ids passed to the methods that break the id rules
+    raise :class:`~loomray.errors.InvalidIdError`, a ``ValueError``.
     """
 
     def __init__(
@@ -119,25 +106,8 @@ class Agent:
     ) -> RunResult:
         """Run ``prompt`` in ``session_id`` (a new ``sess...`` id when omitted) until the model answers.
 
-        Sessions remember: when the session's latest checkpoint ended a run
-        (its last run finished, with checkpointing on), ``prompt`` is appended
-        to that checkpoint's transcript, so the model sees the earlier
-        conversation (and the session's spend carries on). Otherwise the run
-        starts from an empty transcript (plus ``instructions``). Without
-        checkpoints there is no transcript to continue from.
-
-        Re-issuing the same call while the session's last run is unfinished
-        (a crash, a budget stop) continues that run instead: journaled steps
-        replay instead of calling the model or tools again. A different prompt
-        on such a session starts a new run (from an empty transcript unless
-        the latest checkpoint ended a run); ``resume(prompt, ...)`` appends it
-        to the latest checkpoint instead.
-
-        ``RunResult.stop_reason`` says why the call returned: "completed", or
-        e.g. "budget_exceeded" (``Tuning.max_cost_usd``/``max_tokens``: the
-        run checkpointed and stopped before the model call that would exceed
-        the limit; ``resume(None, session_id=...)`` with a raised limit
-        continues it without repeating a model call).
+        A finished session's conversation continues; the same call on an unfinished run continues that
+        run, replaying its journal. Which run a call starts: docs/api.md; why it returned: ``stop_reason``.
         """
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
@@ -157,27 +127,11 @@ class Agent:
         approvals: dict[str, Any] | None = None,
         **run_kwargs: Any,
     ) -> RunResult:
-        """Continue ``session_id`` from a checkpoint.
+        """Continue ``session_id`` from a checkpoint; an older checkpoint than the newest forks a new session.
 
-        ``"latest"`` or the latest checkpoint's id continues in place; an older
-        id forks into a new ``sess...`` session (the original stays untouched).
-        ``prompt=None`` appends "Continue the interrupted task.", except when
-        the session's last run is unfinished (a crash, a budget stop, a pause,
-        a wait for approval): then ``resume(None)`` continues that very run
-        (nothing appended, journaled steps replayed). With no checkpoint this
-        falls back to ``run`` against the session's last run, replaying its
-        journaled steps.
-
-        ``approvals`` decides tool calls a run stopped for
-        (``stop_reason="awaiting_approval"``, ``RunResult.pending_approvals``):
-        ``{call_id: True}`` approves, ``False`` or a reason (a str) denies (the
-        model gets the denial as that call's error result);
-        ``Approve(arguments={...})`` runs the tool with those arguments instead of
-        the model's, ``Respond("text")`` answers in the tool's place (it never runs). The decisions are
-        stored first (``control/decision-*``, create-only: a call decided
-        differently before raises ``LoomrayUserError``), so they survive a crash;
-        the run journals each before acting on it, so each applies once. Calls
-        still undecided stop the run again with "awaiting_approval".
+        ``resume(None)`` continues an unfinished run as it was. ``approvals`` decides the tool calls a run
+        stopped for; they are stored first (create-only), so they survive a crash and apply once. See
+        docs/api.md.
         """
         emit, extra_tools, output_schema, fields = split_kwargs(run_kwargs)
         check_ids(session_id, user_id, from_checkpoint)
@@ -213,19 +167,10 @@ class Agent:
         user_id: str | None = None,
         **run_kwargs: Any,
     ) -> list[RunResult]:
-        """Fan out: one new session per prompt or variant, each from ``from_checkpoint``, all at once.
+        """Fan out: one new session per prompt or variant (exactly one of the two), all from ``from_checkpoint``.
 
-        Pass exactly one of ``prompts`` and ``variants`` (a ``TypeError``
-        otherwise). A :class:`~loomray.Variant` fork runs this agent with the
-        model, instructions, tools and tuning the variant sets, from the
-        checkpoint's transcript with the variant's edits applied (and its
-        instructions as the system message); the source session and its
-        checkpoints stay untouched. A variant that cannot apply (an edit's
-        index outside the transcript, an unknown model or tool name) raises
-        :class:`~loomray.variants.VariantError` before any fork starts. The
-        variant is stored with its fork (in the fork's run record, as JSON), so
-        a restart runs the same agent. Results come back in the order given.
-        On Ray each fork is its own actor (or activation, dense placement).
+        A variant that cannot apply raises :class:`~loomray.variants.VariantError` before any fork starts.
+        Results come back in the order given. See docs/forks.md.
         """
         arms = fork_arms(prompts, variants)
         emit, extra_tools, output_schema, fields = split_kwargs(run_kwargs)
@@ -251,15 +196,10 @@ class Agent:
                                                output_type=output_type(output_schema))
 
     def with_variant(self, variant: Variant) -> Agent:
-        """The agent a fork with ``variant`` runs: a copy with the variant's model, instructions, tools and tuning.
-
-        This agent is untouched. Continuing a fork with it uses the very objects the variant named; this
-        agent would rebuild them from the stored form (by name, see :mod:`loomray.variants`).
-        """
+        """The agent a fork with ``variant`` runs: a copy with the variant's model, instructions, tools and tuning."""
         if not isinstance(variant, Variant):
             raise TypeError(f"with_variant takes a loomray.Variant, got {type(variant).__name__}")
-        clone: Agent = variant_agent(self, variant)
-        return clone
+        return variant_agent(self, variant)
 
     async def explore(self, session_id: str, *, variants: Variants, judge: Judge, from_checkpoint: str = "latest",
                       rounds: int = 1, keep: int = 1, score_every: int | None = None, stop_rule: StopRule | None = None,
@@ -281,31 +221,17 @@ class Agent:
 
     # -- steering --------------------------------------------------------------
     async def signal(self, session_id: str, text: str, user_id: str | None = None) -> str:
-        """Send ``text`` to the session as a user message, delivered at its next pass boundary; returns its id.
-
-        Stored first (``control/signal-*``), so it reaches a running session,
-        a waiting one (when it resumes) or one that crashes meanwhile, exactly
-        once (see :mod:`loomray.control`).
-        """
+        """Send ``text`` as a user message, delivered once at the session's next pass boundary; returns its id."""
         check_ids(session_id, user_id)
         return await self.runtime.signal(session_id, text, user_id=user_id)
 
     async def pause(self, session_id: str, user_id: str | None = None) -> str | None:
-        """Ask the session to stop at its next pass boundary (``stop_reason="paused"``); ``resume()`` continues.
-
-        Returns the request's id, or None when the session is paused already.
-        """
+        """Stop the session at its next pass boundary; the request's id, or None when it is paused already."""
         check_ids(session_id, user_id)
         return await self.runtime.pause(session_id, user_id=user_id)
 
     async def cancel(self, session_id: str, user_id: str | None = None) -> None:
-        """Cancel the session now: the step in flight is abandoned, the session is marked "cancelled".
-
-        Returns once the cancel is acknowledged: a run in this process has
-        stopped writing, and any writer elsewhere is fenced (see
-        :mod:`loomray.control`); nothing the session does afterwards is made
-        durable. Every later run of the session returns ``stop_reason="cancelled"``.
-        """
+        """Cancel the session for good; returns once every writer has stopped or is fenced (:mod:`loomray.control`)."""
         check_ids(session_id, user_id)
         await self.runtime.cancel(session_id, user_id=user_id)
 
@@ -326,11 +252,7 @@ class Agent:
 
     async def get_checkpoint(self, session_id: str, checkpoint_id: str = "latest", *,
                              user_id: str | None = None) -> Checkpoint | None:
-        """One checkpoint (``"latest"`` by default) or None.
-
-        Any failure to load it (corrupt or truncated data, an unknown schema, a
-        storage error) raises ``CheckpointException``.
-        """
+        """One checkpoint (``"latest"`` by default) or None; any failure to load it raises ``CheckpointException``."""
         check_ids(session_id, user_id, checkpoint_id)
         return await self.runtime.get_checkpoint(session_id, checkpoint_id, user_id=user_id)
 

@@ -77,12 +77,8 @@ def _kept(base: tuple[Message, ...], messages: list[Message]) -> int:
 
 
 class ChainEncoder:
-    """Turns each checkpoint into the smallest object that reads back whole (see the module docstring).
-
-    :meth:`encode` decides; :meth:`commit` advances once the object is
-    written; :meth:`reset` after a failed write makes the next one a full
-    snapshot.
-    """
+    """Turns each checkpoint into the smallest object that reads back whole: :meth:`encode` decides,
+    :meth:`commit` advances once it is written, :meth:`reset` after a failed write makes the next one full."""
 
     def __init__(self, state: ChainState | None, *, full_every: int = FULL_EVERY) -> None:
         if not 1 <= full_every <= MAX_LINKS:
@@ -216,16 +212,12 @@ def _checkpoint(doc: dict[str, Any], transcript: list[Message]) -> Checkpoint:
 def load_checkpoint(store: SessionStore, session_id: str, checkpoint_id: str = "latest", *,
                     user_id: str | None = None, pinned_for: str | None = None,
                     snapshot: Snapshot | None = None) -> Checkpoint | None:
-    """Read, put together and validate one checkpoint from ``store``; None when it
-    does not exist. The result carries its chain (a run restoring it builds on it).
+    """Read, put together and validate one checkpoint from ``store`` (None when it does not exist), carrying
+    its chain, which a run restoring it builds on.
 
-    Every place that loads a checkpoint goes through here, so every failure to
-    load one is a :class:`CheckpointException`: corrupt or truncated bytes, a
-    broken chain, an unknown schema version, invalid data, or a storage error
-    (kept as ``__cause__``). An invalid id is the caller's mistake and stays a
-    ``ValueError`` (``InvalidIdError``). ``pinned_for``: the fork reading its
-    fork point, which its pin keeps readable after the parent retired its row. ``snapshot``: a look at the
-    session taken already (the pin's), read first (``store.checkpoints.get_chain``).
+    Every load goes through here, so every failure to load is a :class:`CheckpointException` (a storage error
+    kept as ``__cause__``); an invalid id stays the caller's ``InvalidIdError``. ``pinned_for``: the fork
+    reading its fork point; ``snapshot``: a look at the session taken already (the pin's).
     """
     try:
         pinned: dict[str, Any] = {"pinned_for": pinned_for} if pinned_for is not None else {}

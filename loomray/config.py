@@ -1,9 +1,7 @@
-"""Run configuration: :class:`Tuning` and :class:`CheckpointConfig`.
+"""Run configuration: :class:`Tuning` and :class:`CheckpointConfig`, plain frozen dataclasses.
 
-Both are plain frozen dataclasses. ``Tuning`` accepts anything for
-``checkpoint`` so that a wrong type is reported by the :class:`~loomray.Agent`
-constructor as a ``TypeError`` naming the field (our configuration contract), not as a
-pydantic validation error from deep inside a run.
+``Tuning`` accepts anything for ``checkpoint`` so the :class:`~loomray.Agent` constructor reports a wrong
+type as a ``TypeError`` naming the field, not a validation error from deep inside a run.
 """
 
 from __future__ import annotations
@@ -26,17 +24,8 @@ _DURABILITY = ("sync", "async")
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """Which loop boundaries write a checkpoint.
-
-    ``position`` is ``"after_tools"`` (default: after the tool calls of a pass),
-    ``"after_model"`` (right after the model answered, before its tools run) or
-    ``"both"``. A checkpoint holds what changed since the one before it
-    (:mod:`loomray.checkpoint_format`); ``full_every`` bounds how many links
-    a chain reaches before a full snapshot starts a new one: what reading a
-    checkpoint fetches (in parallel) against what a full snapshot costs to
-    write. It is at most ``storage.chains.MAX_LINKS`` (4096): a reader refuses a
-    longer chain as one no writer wrote.
-    """
+    """Which loop boundaries write a checkpoint (``position``) and how many links a chain reaches before a full
+    snapshot (``full_every``, at most ``MAX_LINKS``: a reader refuses a longer chain); docs/api.md."""
 
     position: Literal["after_tools", "after_model", "both"] = "after_tools"
     full_every: int = 500
@@ -58,24 +47,10 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class Tuning:
-    """Knobs of the agent loop (each field in full: docs/api.md, "``Tuning`` and ``CheckpointConfig``").
+    """Knobs of the agent loop; each field in full: docs/api.md, "``Tuning`` and ``CheckpointConfig``".
 
-    - ``checkpoint``: ``False`` (default), ``True`` (= ``CheckpointConfig()``) or a
-      :class:`CheckpointConfig`; anything else is a ``TypeError`` when the Agent is built.
-    - ``max_turns``: passes one run may take before :class:`~loomray.errors.MaxTurnsExceeded`.
-    - ``durability``: ``"sync"`` awaits each checkpoint upload; ``"async"`` overlaps it with
-      the next model call while model calls outlast uploads (uploads stay ordered).
-    - ``journal``: record every model and tool step (replay and crash recovery). On by default.
-    - ``condense_after_tokens`` / ``condense_keep_last``: condense older messages into one
-      digest once the transcript passes that many tokens, keeping the last ones verbatim
-      (:mod:`loomray.condense`; the old ``compact_*`` keywords work for one release, with a
-      ``DeprecationWarning``).
-    - ``output_retries``: how often the model is asked again when its final answer does not
-      validate against ``output_schema``.
-    - ``max_cost_usd`` / ``max_tokens``: the session's spend limits (``None``: no limit),
-      cumulative across resumes and runs: once the spend so far reached one, the run
-      checkpoints and returns ``stop_reason="budget_exceeded"`` before the next model call,
-      and an unknown cost counts as over budget. Negative or NaN limits raise ``ValueError``.
+    A bad value raises ``ValueError`` when built; a wrong ``checkpoint`` type is a ``TypeError`` when the
+    Agent is built. The old ``compact_*`` keywords work for one release, with a ``DeprecationWarning``.
     """
 
     #: Any value is kept: a wrong type is the Agent constructor's ``TypeError`` (see above), not a dataclass's.
@@ -119,10 +94,7 @@ class Tuning:
         return self.condense_keep_last
 
     def over_budget(self, usage: Usage) -> str | None:
-        """Why the next model call would exceed a limit given ``usage`` (the spend so far), or None.
-
-        See the class docstring: a limit is exceeded once the spend so far reached it.
-        """
+        """Why the next model call would exceed a limit given ``usage`` (the spend so far, at or above it), or None."""
         if self.max_cost_usd is not None:
             if usage.cost_usd is None:
                 return f"max_cost_usd={self.max_cost_usd} is set but the cost so far is unknown (unpriced model calls)"
@@ -133,10 +105,7 @@ class Tuning:
         return None
 
     def checkpoint_config(self) -> CheckpointConfig | None:
-        """The effective checkpoint config, or None when checkpointing is off.
-
-        Raises ``TypeError`` for anything but ``bool`` or :class:`CheckpointConfig`.
-        """
+        """The effective checkpoint config, or None when off; ``TypeError`` for anything but a bool or config."""
         value = self.checkpoint
         if value is False or value is None:
             return None
@@ -144,10 +113,7 @@ class Tuning:
             return CheckpointConfig()
         if isinstance(value, CheckpointConfig):
             return value
-        raise TypeError(
-            "Tuning.checkpoint takes True, False or CheckpointConfig(position=...), "
-            f"got {type(value).__name__}"
-        )
+        raise TypeError(f"Tuning.checkpoint takes True, False or CheckpointConfig(position=...), got {type(value).__name__}")
 
 
 #: Tuning fields renamed in this release: old keyword -> new field. The old keywords work for one more release

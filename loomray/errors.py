@@ -33,12 +33,9 @@ class InvalidIdError(LoomrayUserError, _StorageInvalidIdError):
 
 
 class DurabilityLost(LoomrayRunError):
-    """The run stopped because it could no longer prove that it owns its session.
+    """The run stopped before its next step because its lease could not be read to prove it owns its session.
 
-    A write failed and the session's lease could not be read afterwards (the
-    store is unreachable, or the lease object is unreadable), so nothing the
-    run did from then on could be made durable or fenced. The run stops before
-    its next step; the session is recoverable from its last durable state.
+    The session is recoverable from its last durable state.
     """
 
 
@@ -94,20 +91,14 @@ class SessionNotHosted(LoomrayRunError):
 
 
 class SessionStartError(LoomrayUserError, LoomrayRunError):
-    """A session could not be activated: its agent, request or store is unusable.
-
-    A user error for the caller of ``submit`` and a run error for a restart
-    (the supervisor marks the session failed instead of retrying).
-    """
+    """A session could not be activated: its agent, request or store is unusable (the caller's error; for a
+    restart, a run error that marks the session failed)."""
 
 
 class ToolAborted(LoomrayRunError):
     """A tool tried to end its process or thread (``SystemExit``, ``KeyboardInterrupt``, ``GeneratorExit``).
 
-    Not information for the model, and not the host's business: the run of the
-    session that called the tool ends with this error (its checkpoints stay),
-    and every other session of the process runs on. ``tool`` names the tool,
-    ``raised`` the exception type it raised.
+    The calling session's run ends with this error; every other session of the process runs on.
     """
 
     def __init__(self, message: str, *, tool: str | None = None, raised: str | None = None) -> None:

@@ -1,52 +1,33 @@
 """Fencing a session: take its lease and seal the runs an older owner may still append to.
 
-Both a run's takeover (:mod:`loomray.takeover`) and ``loomray cancel``
-(:mod:`loomray.control.cancel`) fence; this module needs neither of them.
-Taking the lease fences whatever older writer may still be alive: the runs
-that writer may append to are listed right before the lease swap and sealed
-right after it (:mod:`storage.journal`), so whatever it appends from then on
-is never replayed.
+Both a run's takeover (:mod:`loomray.takeover`) and ``loomray cancel`` fence. The runs an older writer may
+append to are listed right before the lease swap and sealed right after it (:mod:`storage.journal`), so
+whatever it appends from then on is never replayed.
 """
 
 from __future__ import annotations
 
 from loomray.run_request import RunRequest
 from loomray.session_store import SessionStore
-from loomray.storage.journal import FenceNote, Listing
+from loomray.storage.journal import FenceNote
 from loomray.storage.rows import Lease
-
-
-def pre_lease_listing(store: SessionStore, request: RunRequest) -> Listing:
-    """What a new owner must fence, listed right before its lease swap.
-
-    The session's last run (the run its old owner may still be appending to)
-    and the run the request names. Right after the lease, each is sealed
-    above its listed keys, so whatever the old owner appends from then on is
-    never replayed.
-    """
-    return store.journal.listing(request.session_id, user_id=request.user_id, run_id=request.run_id)
 
 
 def take_lease(store: SessionStore, request: RunRequest, owner: str) -> tuple[Lease, FenceNote]:
     """Take the session's lease; the note holds the listing the swap recorded and the predecessors' fences.
 
-    Listed right before the lease swap (what the seals go above), and
-    recorded by that swap, so the fence survives this process dying between
-    taking the lease and sealing (``storage.journal.FenceNote``).
+    The session's last run and the run the request names are listed right before the lease swap (what the
+    seals go above) and recorded by that swap, so the fence survives this process dying before it seals.
     """
-    fence = FenceNote(lambda: pre_lease_listing(store, request))
+    fence = FenceNote(lambda: store.journal.listing(request.session_id, user_id=request.user_id,
+                                                    run_id=request.run_id))
     lease = store.leases.acquire(request.session_id, user_id=request.user_id, owner=owner, note=fence)
     return lease, fence
 
 
 def fence_session(store: SessionStore, session_id: str, user_id: str | None, *, owner: str) -> Lease:
-    """Take the session's lease and seal the runs its old owner may still append to; return the lease.
-
-    What a new owner does before its first step, without running anything:
-    afterwards whatever an older writer does is not durable (its checkpoint
-    writes are refused or retired, its journal entries above the seals are
-    never replayed). ``loomray cancel`` uses it.
-    """
+    """Take the session's lease and seal the runs its old owner may still append to, running nothing (what
+    ``loomray cancel`` does): afterwards nothing an older writer does is durable. Returns the lease."""
     lease, fence = take_lease(store, RunRequest(session_id=session_id, user_id=user_id), owner)
     seal_listed(store, session_id, user_id, lease, fence)
     return lease

@@ -1,29 +1,9 @@
-"""The journal: durable wrappers around the model and the tools.
+"""The journal: durable wrappers around the model and the tools, outside the loop's logic.
 
-Like pydantic-ai's durable_exec wrappers, this sits *outside* the loop's logic:
-the loop asks :class:`StepRunner` for "the model's answer to this request at
-step ``t0003-model``" and does not care whether it was computed or replayed.
-
-- Every step is recorded (``sink.append``) *before* its result is returned to
-  the loop, with a hash of its inputs.
-- A step whose key was recorded before (in the run being continued, or in the
-  run being replayed) with the same input hash returns the recorded output:
-  no model call, no tool call, nothing billed twice.
-- A step whose inputs changed re-executes, and a ``determinism_violation``
-  event says so; a stale output is never returned.
-- A tool that declares an idempotency key is matched by that key instead of
-  its step key, so the same effect is not repeated even if the model re-asked
-  for it under a new call id.
-
-Windows that remain (inherent, and covered by tests): a model call whose
-process dies after the answer arrived but before its record was written is
-made again on recovery; a tool is at-least-once (it may run again if the
-process dies between its effect and its record) -- declare an idempotency
-key and pass it on to the external system. Idempotency keys are matched
-within the run being continued or replayed, not across a session's runs.
-
-Nothing here knows about storage: persistence is the injected
-:class:`JournalSink`; ``loomray.run_writes`` adapts the store to it.
+The loop asks :class:`StepRunner` for "the model's answer at step ``t0003-model``" and does not care whether
+it was computed or replayed. Every step is recorded *before* its result is returned, with a hash of its
+inputs; a step journaled with the same hash is answered from the journal. What may still repeat:
+docs/design.md. Persistence is the injected :class:`JournalSink` (``loomray.run_writes`` adapts the store).
 """
 
 from __future__ import annotations
@@ -131,13 +111,9 @@ def boundary_step_key(turn: int, control: str) -> str:
 class StepRunner:
     """Runs model and tool steps, journaling them when a sink is given.
 
-    ``prior`` are the records a replay may answer from; ``next_seq`` is where
-    this run's own records continue. ``before_model_call``, when given, is
-    awaited right before every model call that is not answered from the
-    journal, and ``before_tools`` right before a pass's tools run (the
-    session reads its lease there when nothing else proved it recently);
-    whatever they raise stops the run before the call is billed or the
-    tools act.
+    ``prior`` are the records a replay may answer from; ``next_seq`` is where this run's own records
+    continue. Whatever ``before_model_call`` (before every live model call) or ``before_tools`` (before a
+    pass's tools) raises stops the run before the call is billed or the tools act.
     """
 
     def __init__(
@@ -272,11 +248,8 @@ class StepRunner:
     def request_hash(self, request: ModelRequest) -> str:
         """``input_hash(request)``'s job, in O(new messages) per call instead of O(transcript).
 
-        The hash covers each message's canonical JSON digest in order, plus the
-        rest of the request. Transcripts only grow between condensings, so the
-        hash state over the previous call's messages is kept and, when this
-        request starts with the very same message objects, only the new ones
-        are digested. Same inputs give the same hash in any process.
+        Transcripts only grow between condensings, so the hash state over the previous call's messages is
+        kept and, when this request starts with the very same message objects, only the new ones are digested.
         """
         messages = request.messages
         prev, state = self._prefix

@@ -1,13 +1,8 @@
 """A run's plan: what the takeover read (:class:`SessionReads`), the pure decision on it (:func:`decide`), and
 the frozen :class:`RunPlan` the run then follows.
 
-The takeover (:mod:`loomray.takeover`) reads and writes; nothing here does.
-:func:`decide` answers with the plan, or with the one thing it still needs
-read (a :class:`~loomray.recovery.CheckpointRef` or a :class:`JournalRef`):
-the takeover reads it, adds it to the reads and asks again. So a plan is a
-function of values a test can build by hand, each object is read at most
-once (the session's latest checkpoint also answers for its own id), and
-nothing is read that the decision does not use.
+:func:`decide` answers with the plan, or with the one thing it still needs read; the takeover reads it and
+asks again. So each object is read at most once, and only when the decision uses it.
 """
 
 from __future__ import annotations
@@ -233,14 +228,9 @@ def plan_run(request: RunRequest, run_id: str, start: Start, *, journal: Journal
              pending: Sequence[JournalRecord] = (), last_entries: Sequence[JournalEntry] = ()) -> RunPlan:
     """The plan of run ``run_id`` executing ``request``.
 
-    ``journal`` is the journal of the unfinished run it continues (None: a
-    new run); with a ``run_start`` in it the run continues (its ``start``
-    came from there), else the run begins as new and its journaled steps
-    replay. ``latest`` is the session's latest checkpoint: when this run
-    wrote it, the run restores it as is. ``replay`` are the entries of the
-    run ``start`` replays, ``pending`` the journaled results of the start
-    checkpoint's dangling tool calls, ``last_entries`` the session's last
-    run as replay sees it (for the control requests it consumed).
+    ``journal``: the continued run's (None: a new run); ``latest``: restored as is when this run wrote it;
+    ``replay``: entries of the run ``start`` replays; ``pending``: journaled results of the start checkpoint's
+    dangling tool calls; ``last_entries``: the session's last run (for the control requests it consumed).
     """
     continuing = journal is not None and journal.start is not None
     own = continuing and written_by(latest, run_id)

@@ -91,16 +91,9 @@ class Usage(BaseModel):
             return NotImplemented
         cost = None if self.cost_usd is None or other.cost_usd is None else self.cost_usd + other.cost_usd
         sources = {s for s in (self.price_source, other.price_source) if s}
-        return Usage(
-            input_tokens=self.input_tokens + other.input_tokens,
-            output_tokens=self.output_tokens + other.output_tokens,
-            cache_read_tokens=self.cache_read_tokens + other.cache_read_tokens,
-            cache_write_tokens=self.cache_write_tokens + other.cache_write_tokens,
-            reasoning_tokens=self.reasoning_tokens + other.reasoning_tokens,
-            requests=self.requests + other.requests,
-            cost_usd=cost,
-            price_source=sources.pop() if len(sources) == 1 else ("mixed" if sources else None),
-        )
+        counts = {k: getattr(self, k) + getattr(other, k) for k, f in Usage.model_fields.items() if f.annotation is int}
+        return Usage(**counts, cost_usd=cost,
+                     price_source=sources.pop() if len(sources) == 1 else ("mixed" if sources else None))
 
     @property
     def total_tokens(self) -> int:

@@ -1,26 +1,8 @@
 """Recovery planning: where a run starts, decided from what the store holds, without reading it.
 
-The recovery rule (docs/contracts.md): a request whose spec equals the
-session's last, unfinished run continues that run under the same
-``run_id``: the latest checkpoint of that run is restored (if any) and every
-journaled step with the same inputs is answered from the journal.
-``resume(None)`` from "latest" continues such a run the same way, with the
-run's own stored request. Any other request starts a new run: from the
-checkpoint it names (a resume or fork), from the session's latest checkpoint
-when that one ended a run (sessions remember), from a fresh transcript, or,
-for a resume with no checkpoint at all, from a fresh transcript that replays
-the session's last run.
-
-Everything here is a pure function of values the takeover read
-(:mod:`loomray.takeover`): the session's last run, the continued run's
-journal, the latest checkpoint, run records and the request. The functions
-come in the order they are needed: the session's last run as read
-(:func:`last_run_of`), which run the request continues
-(:func:`run_to_continue`), which checkpoint a new run may start from
-(:func:`new_run_checkpoint`) and where it starts (:func:`new_run_start`),
-where a continued run first started (:func:`recorded_start`,
-:func:`restart`). :func:`loomray.planning.decide` puts them together into
-the frozen :class:`~loomray.planning.RunPlan`.
+The recovery rule is in docs/contracts.md; which run each call starts, in docs/api.md. Everything here
+is a pure function of values the takeover read (:mod:`loomray.takeover`), in the order
+:func:`loomray.planning.decide` needs them.
 """
 
 from __future__ import annotations
@@ -53,9 +35,8 @@ def journal_records(entries: Iterable[JournalEntry], keys: Iterable[str] | None 
 class LastRun:
     """The session's last run, by store order (its run record), else by sorted journal run id (old sessions).
 
-    ``start``, ``done`` and ``entries`` are the run as replay sees it once
-    this incarnation sealed it: what a fenced writer appended during the
-    takeover, a ``run_end`` included, does not decide whether it finished.
+    ``start``, ``done`` and ``entries`` are the run as replay sees it once this incarnation sealed it: what
+    a fenced writer appended during the takeover, a ``run_end`` included, does not decide whether it finished.
     """
 
     run_id: str | None = None
@@ -95,11 +76,8 @@ def last_run_of(record: RunRecord | None, journal: JournalRun | None, *, lease: 
 
 
 def run_to_continue(request: RunRequest, last: LastRun, known_runs: Sequence[str]) -> tuple[str | None, RunRequest]:
-    """The run ``request`` continues (None: it starts a new one), and the request that run executes.
-
-    ``known_runs`` are the session's journaled run ids; they matter only for
-    a request naming a ``run_id`` other than the last run's.
-    """
+    """The run ``request`` continues (None: a new one), and the request it executes; ``known_runs`` (journaled
+    run ids) matter only for a request naming a ``run_id`` other than the last run's."""
     if request.run_id is not None:
         known = request.run_id == last.run_id or request.run_id in known_runs
         return (request.run_id if known else None), request
@@ -196,12 +174,8 @@ def new_run_start(request: RunRequest, found: Checkpoint | None, last: LastRun) 
 
 
 def session_spend(latest: Checkpoint | None, last: LastRun) -> Usage:
-    """What the session spent before a new run that starts a fresh transcript: a budget is per session.
-
-    The ``latest`` checkpoint's cumulative usage, whatever its status (a
-    budget stop, a pause); without one, what the last run started with (its
-    ``run_start``'s ``spent``) plus every model call it journaled.
-    """
+    """What the session spent before a new run on a fresh transcript (a budget is per session): ``latest``'s
+    cumulative usage whatever its status; without one, the last run's starting spend plus its journaled calls."""
     if latest is not None:
         return latest.cumulative_usage
     if last.start is None:
@@ -235,12 +209,8 @@ def _with_spend(output: dict[str, Any], spent: Usage) -> dict[str, Any]:
 
 
 def recorded_start(request: RunRequest, record: RunRecord | None) -> dict[str, Any] | None:
-    """The ``run_start`` output of a recorded run whose ``run_start`` is missing (None: begin it as new).
-
-    A crash right after the run record, or a failed write that was only a
-    warning, leaves such a run. A run that continued a finished conversation
-    begins from the checkpoint its record names, not from today's latest.
-    """
+    """The ``run_start`` output of a recorded run whose ``run_start`` is missing (a crash right after the
+    record); None: begin it as new. It begins from the checkpoint its record names, not today's latest."""
     if request.kind == "run" and record is not None and record.base_checkpoint_id:
         return {"kind": "run", "prompt": request.prompt, "base_checkpoint_id": record.base_checkpoint_id,
                 "source_session": record.base_session_id or request.session_id}
@@ -254,10 +224,8 @@ def start_checkpoint(start_output: dict[str, Any], session_id: str) -> Checkpoin
 
 
 def restart(request: RunRequest, run_id: str, start_output: dict[str, Any], found: Checkpoint | None) -> Start:
-    """Where a continued run without a checkpoint of its own begins: where its first attempt began.
-
-    ``found`` is the checkpoint :func:`start_checkpoint` named, as read.
-    """
+    """Where a continued run without a checkpoint of its own begins: where its first attempt began (``found``:
+    the checkpoint :func:`start_checkpoint` named, as read)."""
     base = start_checkpoint(start_output, request.session_id)
     if base is None:  # a fresh transcript (a fallback one replays its source run)
         return Start(start_output)
@@ -274,11 +242,8 @@ def written_by(checkpoint: Checkpoint | None, run_id: str) -> bool:
 
 
 def pending_tool_steps(checkpoint: Checkpoint) -> tuple[str, frozenset[str]] | None:
-    """The run whose journal may hold the results of ``checkpoint``'s dangling tool calls, and their step keys.
-
-    Those results are replayed so the calls do not run twice; None when
-    there are none to look up.
-    """
+    """The run whose journal may hold the results of ``checkpoint``'s dangling tool calls (replayed, so they do
+    not run twice), and their step keys; None when there are none."""
     pending = dangling_tool_calls(list(checkpoint.messages))
     source_run = run_of_cursor(checkpoint.cursor)
     if not pending or not source_run:

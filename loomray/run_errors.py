@@ -1,15 +1,8 @@
 """What a failed run leaves behind: a content-free line in the session index, the full text under its session.
 
-The session index, the table compacted from it and ``loomray status`` (which
-lists every user's sessions) are read across sessions and users, so an
-exception's text does not belong there: pydantic's ``ValidationError`` quotes
-the input it refused (a model's answer, perhaps a card number), a provider's
-error may echo the prompt, a tool's exception may say anything. An index row
-therefore carries the error's type and a fixed note chosen by that type
-(:func:`index_error`, at most :data:`INDEX_ERROR_MAX` characters). The full
-text is written to ``sessions/{u}/{s}/errors/{run_id}.json``, beside the
-session's journal, where the session's own prefix (and its IAM policy)
-applies (:func:`record_error`; ``loomray logs`` prints it).
+Places read across users get the error's type and a fixed note (:func:`index_error`): an exception's text
+may quote a model's answer or the prompt. The full text goes under the session's own prefix
+(:func:`record_error`). docs/tenancy.md, "Errors in shared places".
 """
 
 from __future__ import annotations

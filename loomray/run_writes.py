@@ -1,11 +1,8 @@
 """A run's writes to its store: the journal sink, the write guard, and the writes in flight.
 
-Every failed checkpoint or journal write is judged by one :class:`WriteGuard`:
-a warning while the writer can prove it owns the session, else the run
-stops before its next step. :class:`StoreJournalSink` adapts the store to
-the journal seam (``loomray.journal.JournalSink``) and re-reads the lease so
-that a fenced run stops soon. :class:`InflightWrites` lets a cancel wait for
-the writes a run already started.
+Every failed checkpoint or journal write is judged by one :class:`WriteGuard`; :class:`StoreJournalSink`
+proves the lease so that a fenced run stops soon; :class:`InflightWrites` lets a cancel wait for the writes
+a run already started.
 """
 
 from __future__ import annotations
@@ -83,21 +80,11 @@ class InflightWrites:
 class WriteGuard:
     """Decides what a failed checkpoint or journal write means for the run.
 
-    A transient failure while the writer can still prove it holds the lease is
-    a warning: the run goes on and recovery redoes what was not recorded. Any
-    other failure stops the run before its next step, and the guard remembers
-    it so the loop sees it even when the write happened in the background or
-    the journal sink swallowed it:
-
-    - fencing (``LeaseLostError``): a newer owner exists;
-    - a non-transient error (``InvalidIdError``, ``TypeError``, ...): retrying
-      cannot help, and logging it as an ordinary failed write would hide it;
-    - the lease cannot be read after the failure, or when the journal sink
-      re-reads it (store unreachable, lease unreadable): ownership is
-      unprovable, so :class:`DurabilityLost`;
-    - ``CorruptObjectError`` on a write, once ownership is proven.
-
-    The lease is read only after a failure, so the happy path costs nothing.
+    A transient failure while the lease still reads as ours is a warning: recovery redoes what was not
+    recorded. Fencing, a non-transient error (retrying cannot help), an unreadable lease
+    (:class:`DurabilityLost`) or ``CorruptObjectError`` stops the run before its next step, and the guard
+    remembers it so the loop sees it even when the write was in the background. The lease is read only
+    after a failure, so the happy path costs nothing.
     """
 
     def __init__(self, store: SessionStore, lease: Lease) -> None:
@@ -108,10 +95,8 @@ class WriteGuard:
         self.undurable = 0
 
     def failed(self, what: str, error: BaseException) -> None:
-        """Classify ``error`` raised by writing ``what``: return if it is only a warning, else raise.
-
-        Synchronous (it may read the lease): call it from a worker thread.
-        """
+        """Classify ``error`` raised by writing ``what``: return if it is only a warning, else raise (it may read
+        the lease: call it from a worker thread)."""
         if self.fatal is not None:
             raise self.fatal
         if isinstance(error, (LeaseLostError, *_NON_TRANSIENT)):
@@ -163,11 +148,8 @@ class JournalTarget(Protocol):
 
 
 class GuardedJournal:
-    """The store as the journal sink sees it: failed appends and lease re-reads go through the :class:`WriteGuard`.
-
-    The sink logs and swallows ordinary failures; the guard remembers the
-    ones that must stop the run, and the loop checks it before every step.
-    """
+    """The store as the journal sink sees it: failed appends and lease re-reads go through the :class:`WriteGuard`,
+    which remembers the failures that must stop the run though the sink swallows them."""
 
     def __init__(self, store: SessionStore, guard: WriteGuard) -> None:
         self._store, self._guard = store, guard
@@ -189,28 +171,12 @@ class GuardedJournal:
 
 
 class StoreJournalSink:
-    """The journal seam: one create-only object per step, stamped with the lease's epoch.
+    """The journal seam: one create-only object per step, stamped with the lease's epoch; it does not read the lease.
 
-    An append is one PUT: it does not read the lease. Fencing is the next
-    incarnation's job: its seal makes replay ignore whatever this writer
-    appends once fenced (``storage.journal``). So that a fenced run stops
-    anyway, and soon, the run proves it still owns the session. A proof is
-    one GET of ``lease.json`` (:meth:`before_step`, :meth:`prove`), or a
-    batch of checkpoints acknowledged by the store (:meth:`proven`: the store
-    listed the epoch markers and read ``lease.json`` after they landed). The
-    run proves it:
-
-    - before every step it starts, a model call or a pass's tools
-      (:meth:`before_step`), once ``check_writes`` writes (appends and
-      checkpoints, :meth:`wrote`) or ``check_s`` seconds have passed since the
-      last proof. So a fenced run starts no step later than that after its
-      last proof; the steps it had started finish and their results are
-      written (a journal entry the new owner's seal makes replay ignore, a
-      checkpoint object that is never indexed). A run pays about one lease
-      read per ``check_writes`` writes, or per ``check_s`` seconds of slow
-      steps, instead of one per step;
-    - after an append once ``recheck_s`` seconds passed (a long pass);
-    - before it reports its end (:meth:`prove`).
+    Fencing is the next incarnation's seal; so that a fenced run stops anyway, and soon, the run proves its
+    lease (docs/design.md, "Proving the lease during a run"): before a step once ``check_writes`` writes or
+    ``check_s`` seconds passed since the last proof (:meth:`before_step`), after an append once ``recheck_s``
+    passed, and before it reports its end (:meth:`prove`).
     """
 
     def __init__(self, target: JournalTarget, request: RunRequest, run_id: str, lease: Lease,

@@ -1,24 +1,8 @@
 """Executing one run request against a store: the entry point every runtime uses.
 
-``execute_request(agent, request, store)`` is what ``InProcRuntime`` and
-``LocalRuntime`` call in this process and what the Ray session actor calls in
-its own. It runs a request in four steps:
-
-1. take the session's lease; every write carries it, and a
-   :class:`storage.errors.LeaseLostError` stops the run;
-2. plan where the run starts (fresh, a checkpoint, a fork, or the
-   continuation of an unfinished run): :mod:`loomray.takeover` fences the
-   old owner's runs, reads and records, :mod:`loomray.planning` decides;
-3. run the loop, with the store adapted to its journal and checkpoint seams
-   (:mod:`loomray.run_writes`);
-4. finalize: the status rows the supervisor reads, and the run's end in the
-   journal.
-
-The recovery rule (a request whose spec equals the session's last,
-unfinished run continues that run, its journaled steps answered from the
-journal) is in docs/contracts.md; how a run starts from a finished
-conversation, stops early and obeys control requests is in docs/design.md
-("A run, end to end", "Control requests") and :mod:`loomray.control`.
+``execute_request`` takes the session's lease, plans where the run starts (:mod:`loomray.takeover` reads,
+:mod:`loomray.planning` decides), runs the loop with the store behind its seams (:mod:`loomray.run_writes`)
+and records how it ended. docs/design.md, "A run, end to end", walks through it.
 """
 
 from __future__ import annotations
@@ -77,10 +61,9 @@ async def execute_request(
     agent_ref: str | None = None,
     node_id: str | None = None,
 ) -> RunResult:
-    """Run ``request`` for ``agent`` against ``store``, holding the session lease. See the module docstring.
+    """Run ``request`` for ``agent`` against ``store``, holding the session lease.
 
-    ``extra_tools`` and ``output_type`` (a pydantic class) are live objects and
-    only work in the process that holds them; ``request.output_schema`` is
+    ``extra_tools`` and ``output_type`` are live objects for this process only; ``request.output_schema`` is
     the JSON form that crosses process boundaries.
     """
     sid, uid = request.session_id, request.user_id

@@ -1,12 +1,7 @@
 """``SessionStore``: the part of :class:`storage.Store` a session run and the runtimes use.
 
-A run takes the session's lease, fences and reads the journal, records its
-run, writes checkpoints, journal entries and status rows; a runtime lists and
-reads checkpoints; both hand the store to :mod:`loomray.control` for control
-requests (objects under ``control/``, status rows). Typing those callers with
-these protocols instead of the whole ``Store`` keeps the seam visible: a store
-wrapper (fault injection, a write counter) needs only these sub-stores and
-methods to stand in for the real one.
+Typing those callers with these protocols instead of the whole ``Store`` keeps the seam visible: a store
+wrapper (fault injection, a write counter) needs only these sub-stores and methods to stand in for the real one.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""What a new owner of a session does before a run's first step: lease, fence, read, plan, record.
+"""What a new owner of a session does before a run's first step: fence, read, plan, record, prove.
 
-A run owns its session's lease for as long as it runs (every write carries
-it). Taking it fences whatever older writer may still be alive: the runs
-that writer may append to are listed right before the lease swap and sealed
-right after it (:mod:`storage.journal`), so whatever it appends from then
-on is never replayed. Then the takeover reads the session's last run, seals
-the runs an old writer may still append to, and reads what the decision
-asks for (:func:`loomray.planning.decide`: pure code, given what was read)
-until it has a plan. It records a run that is not the session's last one
-yet (store order) and proves it still holds the lease before the run's
-first step.
+The runs an older writer may append to were listed right before the lease swap and are sealed right after
+it (:mod:`storage.journal`), so nothing it appends from then on is replayed. Then the takeover reads what
+:func:`loomray.planning.decide` (pure code) asks for until it has a plan, records the run, and proves the
+lease before the run's first step.
 """
 
 from __future__ import annotations
@@ -37,8 +31,7 @@ Seen = dict[str, frozenset[str]]
 
 
 def _seen_keys(seen: Seen, run_id: str) -> frozenset[str]:
-    """The run's keys in the pre-lease listing; a run that listing did not show was empty then (all of it
-    is new)."""
+    """The run's keys in the pre-lease listing (a run it did not show was empty then)."""
     return seen.get(run_id, frozenset())
 
 

@@ -1,19 +1,7 @@
-"""Tools: plain functions (sync or async) or ``@tool``-decorated ones.
+"""Tools: plain functions (sync or async) or ``@tool``-decorated ones (docs/api.md, "Tools").
 
-A tool's JSON schema comes from its signature and docstring through pydantic,
-and the model's arguments are validated by the same pydantic model before the
-function runs. A tool that raises does not kill the run: the error goes back
-to the model as a tool message with ``is_error=True``.
-
-A parameter annotated with :class:`ToolContext` is not part of the schema; the
-loop passes the run's context there (session, user, ``context=`` value, and
-the step's idempotency key).
-
-``@tool(requires_approval=True)`` (or a policy ``callable(call) -> bool``)
-makes a call wait for a human decision: the run stops with
-``stop_reason="awaiting_approval"`` before the call runs, and
-``Agent.resume(None, session_id=..., approvals={call_id: True | False | "reason"})``
-continues it (see :mod:`loomray.control`).
+A tool's JSON schema comes from its signature and docstring through pydantic, which also validates the
+model's arguments. A tool that raises does not kill the run: the model gets an error tool message.
 """
 
 from __future__ import annotations
@@ -81,10 +69,7 @@ def _parse_docstring(doc: str | None) -> tuple[str, dict[str, str]]:
 
 
 class Tool:
-    """A callable the model may invoke, with its JSON schema.
-
-    Build one with :func:`tool` or let the Agent wrap a plain function.
-    """
+    """A callable the model may invoke, with its JSON schema; built by :func:`tool` or from a plain function."""
 
     def __init__(
         self,
@@ -157,10 +142,7 @@ class Tool:
             return True
 
     async def invoke(self, arguments: dict[str, Any], ctx: ToolContext) -> str:
-        """Validate ``arguments`` and run the tool; return its result as text.
-
-        Raises ``ValidationError`` for bad arguments and whatever the tool raises.
-        """
+        """Validate ``arguments`` and run the tool; its result as text (``ValidationError``, or what it raises)."""
         parsed = self.args_model.model_validate(arguments)
         kwargs = {k: getattr(parsed, k) for k in type(parsed).model_fields}
         if self._context_param:
@@ -207,16 +189,10 @@ def tool(
     idempotency_key: Callable[[dict[str, Any]], str] | None = None,
     requires_approval: bool | Callable[[ToolCall], bool] = False,
 ):
-    """Make a function a :class:`Tool`; usable bare (``@tool``) or with options.
+    """Make a function a :class:`Tool`; usable bare (``@tool``) or with options (docs/api.md, "Tools").
 
-    ``idempotency_key(arguments) -> str`` names the effect a call has: a call
-    whose key was already journaled in this run returns the journaled result
-    instead of running again, and the key reaches the tool as
-    ``ToolContext.idempotency_key`` so it can be passed to an external API.
-
-    ``requires_approval=True`` (or ``requires_approval=policy``, a
-    ``callable(call: ToolCall) -> bool``) stops the run before such a call
-    runs, with ``stop_reason="awaiting_approval"``; see :mod:`loomray.control`.
+    ``idempotency_key(arguments) -> str``: a call whose key was journaled in this run returns the journaled
+    result. ``requires_approval`` (a bool or a policy) stops the run before such a call runs.
     """
 
     def wrap(f: Callable[..., Any]) -> Tool:
@@ -240,11 +216,8 @@ def as_tools(items: Iterable[Any]) -> dict[str, Tool]:
 
 
 async def run_tool_call(tools: dict[str, Tool], call: ToolCall, ctx: ToolContext) -> Message:
-    """Execute one tool call; any failure becomes an error tool message, never an exception.
-
-    Except a tool's attempt to end its process or thread (``SystemExit``, ``KeyboardInterrupt``,
-    ``GeneratorExit``): that ends this session's run with :class:`~loomray.errors.ToolAborted`.
-    """
+    """Execute one tool call; a failure becomes an error tool message, except a tool's attempt to end its
+    process or thread, which ends this session's run with :class:`~loomray.errors.ToolAborted`."""
     t = tools.get(call.name)
     if t is None:
         content, is_error = f"unknown tool {call.name!r}; available: {sorted(tools)}", True

@@ -1,20 +1,8 @@
 """What a fork may change from its base: :class:`Variant` and its transcript :class:`Edit` s.
 
-A variant is plain data, so that it can be stored with the fork it made and
-read back by whichever process continues that fork after a crash. Fields left
-``None`` keep the base agent's value.
-
-Stored form (:meth:`Variant.to_json`): JSON only, never a pickle. The model
-is stored by name, the tools by name, the tuning by its fields, the edits
-with their messages. The fork's run request carries it (its run record keeps
-it), so whoever continues the fork rebuilds the same agent: the process that
-holds the driver's live objects uses them (the fork's agent travels by value
-on Ray); one that has only the store (a supervisor adopting the session by
-agent reference, ``resume(None)`` on the base agent) rebuilds the variant from
-its JSON against the base agent (:func:`agent_for`): a model name resolves as
-``Agent(model=...)`` resolves one (the base agent's model when the names are
-equal), a tool name must be one of the base agent's tools. Anything else
-cannot be rebuilt from the store and raises :class:`VariantError`.
+A variant is plain data, stored as JSON with the fork it made (model and tools by name), so whichever
+process continues the fork rebuilds the same agent against the base (:func:`agent_for`); docs/forks.md,
+"Stored with the fork".
 """
 
 from __future__ import annotations
@@ -38,12 +26,9 @@ class VariantError(LoomrayUserError):
 
 @dataclass(frozen=True)
 class Edit:
-    """One change to the transcript at the fork point; the base session's transcript is never touched.
+    """One change to the transcript at the fork point (:meth:`replace`, :meth:`drop`, :meth:`insert`).
 
-    Build them with :meth:`replace`, :meth:`drop` and :meth:`insert`. ``index``
-    counts messages of the checkpoint the fork starts from (negative counts
-    from the end, as in Python); edits apply in the order given, each to the
-    result of the one before.
+    ``index`` counts as Python's lists do; edits apply in order, each to the result of the one before.
     """
 
     op: Literal["replace", "drop", "insert"]
@@ -98,15 +83,8 @@ class Edit:
 
 @dataclass(frozen=True)
 class Variant:
-    """How one fork differs from its base agent; ``None`` keeps the base's value.
-
-    - ``prompt``: the user turn the fork starts with (None: "Continue the interrupted task.").
-    - ``model``: a model name (resolved as ``Agent(model=...)`` resolves one) or a ``Model``.
-    - ``instructions``: the system instructions.
-    - ``tools``: the fork's tools, as for ``Agent(tools=...)``.
-    - ``tuning``: a :class:`~loomray.Tuning` for the fork (temperature, effort, budgets, ...).
-    - ``edits``: :class:`Edit` s applied to the checkpoint's transcript at the fork point.
-    """
+    """How one fork differs from its base agent (prompt, model, instructions, tools, tuning, edits); ``None``
+    keeps the base's value (a ``None`` prompt: "Continue the interrupted task.")."""
 
     prompt: str | None = None
     model: str | Model | None = None
@@ -132,11 +110,7 @@ class Variant:
         object.__setattr__(self, "edits", tuple(edits))
 
     def to_json(self) -> dict[str, Any]:
-        """The variant as stored with its fork: only the fields it sets; model and tools by name.
-
-        A model instance is stored by its ``name``, a tool by its name (a tool
-        given as a string names one of the base agent's tools already).
-        """
+        """The variant as stored with its fork: only the fields it sets; model and tools by name."""
         out: dict[str, Any] = {}
         if self.prompt is not None:
             out["prompt"] = self.prompt
@@ -220,10 +194,7 @@ def fork_arms(prompts: Any, variants: Any) -> list[tuple[str | None, dict[str, A
 
 
 def apply_edits(messages: Sequence[Message], edits: Sequence[Edit]) -> list[Message]:
-    """``messages`` with ``edits`` applied in order (a new list; ``messages`` is untouched).
-
-    An index outside the transcript it applies to raises :class:`VariantError`.
-    """
+    """``messages`` with ``edits`` applied in order, as a new list (:class:`VariantError` for an index outside)."""
     out = list(messages)
     for n, edit in enumerate(edits):
         i = _edit_index(n, edit, len(out))
@@ -280,12 +251,9 @@ A = TypeVar("A", bound=VariantBase)
 
 
 def variant_agent(base: A, variant: Variant) -> A:
-    """A copy of agent ``base`` with the fields ``variant`` sets; ``base`` is untouched.
+    """A copy of agent ``base`` with the fields ``variant`` sets, recording the stored form (:func:`agent_for`).
 
-    The copy's ``variant`` attribute is the stored form, so a run told to
-    run that variant knows it holds it already (:func:`agent_for`). Tools
-    given by name are taken from ``base``; a name it lacks, or a model name
-    that does not resolve, raises :class:`VariantError`.
+    A tool name ``base`` lacks, or a model name that does not resolve, raises :class:`VariantError`.
     """
     clone = object.__new__(type(base))  # not copy.copy: the Agent's pickled state leaves its runtime out
     clone.__dict__.update(base.__dict__)
@@ -318,12 +286,8 @@ def _tools(base: dict[str, Tool], given: Sequence[Any]) -> dict[str, Tool]:
 
 
 def agent_for(agent: A, stored: dict[str, Any] | None) -> A:
-    """The agent a run whose request carries variant ``stored`` runs with.
-
-    ``agent`` itself when it is that variant's agent already (the driver
-    built it) or there is no variant; else the variant rebuilt from its
-    stored form against ``agent``, the base (see the module docstring).
-    """
+    """The agent a run carrying variant ``stored`` runs with: ``agent`` when it is that variant's already (or
+    there is none), else the variant rebuilt against ``agent``, the base."""
     held = getattr(agent, "variant", None)  # an agent pickled before variants existed has none
     if stored is None or held == stored:
         return agent

@@ -1,6 +1,6 @@
 """Cancelling a session: the runs of this process, the watcher of ``cancel.json``, and the cancel itself.
 
-The guarantees (what is acknowledged when) are in :mod:`loomray.control`.
+The guarantees (what is acknowledged when): docs/design.md, "Control requests".
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ class LoopCore:
         return {"session_id": self.state.session_id, "run_id": self.state.run_id, "turn": self.turn}
 
     def check_writes(self) -> None:
-        """Stop before the next step if a write failed in a way that must stop the run (see :mod:`loomray.loop`)."""
+        """Stop before the next step if a write failed in a way that must stop the run (docs/design.md)."""
         if self.writer is not None:
             self.writer.check()
         if self.options.check_writes is not None:

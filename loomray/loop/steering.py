@@ -1,8 +1,7 @@
 """Steering inside a run: cancel, pause and signals at pass boundaries, approvals before tool calls.
 
-The order at a boundary, and why each consumption is journaled before it takes
-effect, is in :mod:`loomray.loop`; the requests themselves come from
-``LoopOptions.controls`` (:mod:`loomray.control`).
+The order at a boundary, and why each consumption is journaled before it takes effect: docs/design.md,
+"The loop's invariants"; the requests come from ``LoopOptions.controls`` (:mod:`loomray.control`).
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ class RunStopped(Exception):
 
 
 class SteeredLoop(LoopCore):
-    """A run that honours control requests; see :mod:`loomray.loop` for where and in which order."""
+    """A run that honours control requests, where and in the order docs/design.md gives."""
 
     def __init__(self, state: LoopState, steps: StepRunner, options: LoopOptions,
                  writer: CheckpointWriter | None, emit: EmitFn | None) -> None:

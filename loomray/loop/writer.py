@@ -29,22 +29,10 @@ def run_of_cursor(cursor: str | None) -> str | None:
 class CheckpointWriter:
     """Writes checkpoints through ``put(checkpoint)``, sync or async (ordered), and reports them as acknowledged.
 
-    ``put`` returns the checkpoints the store acknowledged by that call, as
-    ``(checkpoint_id, size)`` pairs (a store may acknowledge in batches, once
-    it proved that no newer owner raced them); :meth:`flush` waits for the
-    queued uploads and then for ``flush_store``, which acknowledges the rest.
-    A ``checkpoint`` event with ``ok=True`` is emitted per acknowledged
-    checkpoint. Errors for which ``is_fatal`` is true (fencing) stop the run;
-    any other error is logged as a warning, reported as a ``checkpoint`` event
-    with ``ok=False``, and the run goes on.
-
-    Async mode overlaps an upload with the loop's next model call only while
-    that call can hide it: when the last model call (:meth:`model_took`) was
-    shorter than the last upload, the next checkpoint is written in line, as
-    in sync mode. Overlapping an upload with a step shorter than itself saves
-    less than it costs (the two compete for the interpreter: on S3 with an
-    instant model, async passes were 20% slower than sync ones), and writing
-    in line is only ever more durable.
+    The seam's contract is in docs/contracts.md, "Loop seams". Async mode overlaps an upload with the next
+    model call only while that call can hide it (the last one, :meth:`model_took`, outlasted the last upload):
+    an upload overlapping a shorter step competes with it for the interpreter, and writing in line is only
+    ever more durable.
     """
 
     def __init__(

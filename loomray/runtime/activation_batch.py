@@ -1,16 +1,8 @@
-"""Activations placed on one host together travel in one host call.
+"""Activations placed on one host together travel in one host call (``SessionHost.activate_many``).
 
-A fan-out places many sessions at once (an exploration's round: 64), most of
-them on the same few hosts. One Ray call per activation makes each host
-receive, deserialize and answer the same config and agent once per session,
-on the 2 cores that also run the sessions. The pool instead queues the
-activations placed on a host for a few milliseconds and sends them as one
-``SessionHost.activate_many`` call; each caller still gets its own answer
-(its activation's info, or its own error), so placement's rules (a dead host
-skipped, an unusable request refused) are unchanged. The host activates the
-call's sessions one after another, each run starting as soon as it is built,
-as separate calls would: built all at once, every session of the call would
-wait for the slowest build before its first step.
+One Ray call per activation would make a host deserialize the same config and agent once per session of a
+fan-out. Each caller still gets its own answer (its activation's info, or its own error), so placement's
+rules are unchanged.
 """
 
 from __future__ import annotations
@@ -45,11 +37,8 @@ class ActivationBatcher:
 
     async def activate(self, host_name: str, handle: Any, config: Any, agent: Any, request_json: str,
                        events_to: Any) -> dict[str, Any]:
-        """Activate ``request_json`` on the host, in one call with the others queued for it meanwhile.
-
-        Raises what a single ``activate`` call would: the host's Ray error for all of the call's
-        sessions, a :class:`SessionStartError` for this session alone.
-        """
+        """Activate ``request_json`` on the host, in one call with the others queued for it meanwhile; raises
+        what a single ``activate`` call would."""
         loop = asyncio.get_running_loop()
         # By identity: a fan-out's sessions share one config and agent object (a batch keeps them alive).
         key = (host_name, id(config), id(agent), id(events_to))

@@ -1,19 +1,8 @@
-"""Active-session marks: the supervisor's worklist in the store.
+"""Active-session marks: the supervisor's worklist in the store, so its pass is O(active sessions).
 
-The session index keeps every session's history, so reading it costs one GET
-per session ever run. The supervisor's periodic pass only needs the sessions
-that may still need an owner, so the supervisor marks a session active
-(``store.active.put``) before it starts it and removes the mark once it has
-its outcome. A pass is then one LIST of the marks plus, for each marked
-session nobody here watches, a handful of reads (its mark, its session row,
-its lease): O(active sessions), independent of how many sessions ever ran.
-
-A mark carries the session's placement (``actor`` or ``dense``) and its own
-actor options (resources, CPUs, memory, runtime env: those that are JSON,
-without secret-looking env vars, whose names only it records), so
-an adopted session is restarted the way it ran, on the nodes it asked for. A mark whose session row is
-finished and newer than the mark is stale (a supervisor died between the
-outcome and the cleanup) and is removed by the pass that finds it.
+A mark carries the session's placement and its own actor options (never a secret), so an adopted session
+restarts the way it ran (docs/ray-notes.md, "Dense placement"). A mark whose session row is finished and
+newer than the mark is stale (a supervisor died before the cleanup) and is removed by the pass that finds it.
 """
 
 from __future__ import annotations
@@ -37,14 +26,8 @@ _ORPHAN_AFTER_S = 3600.0
 
 def note(placement: str, actor_options: dict[str, Any] | None = None, *, host_crashes: int = 0,
          quarantined: bool = False, charged: int = 0) -> bytes:
-    """The mark's body: placement, the session's own actor options, when it was marked, and (once a process
-    running it died) its crash attribution and the deaths charged to it against its restart limit, which a
-    supervisor adopting it carries on from.
-
-    Only JSON options are kept, and never a secret: secret-looking env vars are
-    left out and only their names recorded (``secret_env_vars``; see
-    :mod:`loomray.runtime.stored_options` for how an adopted session gets them back).
-    """
+    """The mark's body: placement, the session's own actor options (JSON only, secrets left out and named in
+    ``secret_env_vars``), when it was marked, and its crash attribution, which an adopting supervisor carries on."""
     body: dict[str, Any] = {"v": 1, "placement": placement, "since": datetime.now(timezone.utc).isoformat()}
     if host_crashes:
         body["host_crashes"] = host_crashes

@@ -1,16 +1,7 @@
 """What travels to loomray's Ray actors, what they are called, and the options they start with.
 
-The actors themselves live elsewhere: the session actor in
-:mod:`loomray.runtime.session_actor`, the detached supervisor that owns every
-session actor in :mod:`loomray.runtime.supervisor`, session hosts (dense
-placement) in :mod:`loomray.runtime.hosts`. What they share is plain data:
-the :class:`RuntimeConfig` every actor opens the store with, the
-:class:`AgentSpec` an agent travels as (an importable reference, or the object
-by value) and the :class:`Outcome` a run ends with. An agent reference is
-checked before anything is imported, and one read from the store is imported
-only when the operator allowed it (:func:`agent_ref_allowed`).
-
-Only JSON and ids cross into storage; agents travel by value in memory only.
+Only JSON and ids cross into storage; agents travel by value in memory only, and a reference read from
+the store is imported only when the operator allowed it (:func:`agent_ref_allowed`).
 """
 
 from __future__ import annotations
@@ -37,7 +28,7 @@ from loomray.runtime.connection import NAMESPACE
 from loomray.runtime.stored_options import REDACTED, without_secrets
 from loomray.session_store import SessionStore
 from loomray.storage import Store, open_store
-from loomray.storage.ids import user_from_segment, user_segment, validate_id
+from loomray.storage.ids import user_segment, validate_id
 
 #: Name prefix of the detached supervisors (namespace ``loomray``): one per store, any number per
 #: cluster, each named ``loomray:supervisor:{store key}`` (see :func:`supervisor_name`).
@@ -48,11 +39,7 @@ ACTIVE_STATES = ("pending", "running")
 
 
 def store_key(store_url: str) -> str:
-    """A short, stable name for a store (12 hex of the SHA-256 of its normalized URL).
-
-    Every actor loomray names carries it, so the supervisors, session actors
-    and hosts of two stores on one cluster never meet.
-    """
+    """A short, stable name for a store, carried by every actor name so two stores on one cluster never meet."""
     return hashlib.sha256(store_url.encode()).hexdigest()[:12]
 
 
@@ -68,34 +55,16 @@ def _name_part(value: str) -> str:
 
 
 def session_actor_name(store_url: str, session_id: str, user_id: str | None = None) -> str:
-    """``loomray:{store key}:{user or _}:{session_id}``, the actor's name in the ``loomray`` namespace.
-
-    The ids are validated and their ``:`` written ``%3A``, so the name is
-    injective over (store key, user, session): user ``org:1`` with session
-    ``x`` and user ``org`` with session ``1:x`` get different actors (see
-    :func:`parse_session_actor_name`, its inverse).
-    """
+    """``loomray:{store key}:{user or _}:{session_id}``, injective over (store, user, session): docs/tenancy.md."""
     user = _name_part(user_segment(user_id))
     return f"loomray:{store_key(store_url)}:{user}:{_name_part(validate_id(session_id, 'session_id'))}"
-
-
-def parse_session_actor_name(name: str) -> tuple[str, str | None, str] | None:
-    """``(store key, user_id, session_id)`` of a session actor's name, or None for any other name."""
-    parts = name.split(":")
-    if len(parts) != 4 or parts[0] != "loomray" or parts[1] == "supervisor":
-        return None
-    user, session = (p.replace("%3A", ":") for p in parts[2:])
-    return parts[1], user_from_segment(user), session
 
 
 _REF = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
 
 
 def check_ref(ref: Any) -> str:
-    """Validate the form of an agent reference ``package.module:attribute``; return it.
-
-    Raises :class:`LoomrayUserError` for anything else (nothing is imported here).
-    """
+    """Validate the form of an agent reference ``package.module:attribute`` (importing nothing); return it."""
     if not isinstance(ref, str) or not _REF.match(ref):
         raise LoomrayUserError(f"agent reference {ref!r} must look like 'package.module:attribute'")
     return ref
@@ -115,11 +84,7 @@ def import_ref(ref: str, what: str) -> Any:
 
 
 def resolve_ref(ref: str) -> Any:
-    """Import ``module:attribute`` (dots allowed in the attribute path) and return the Agent it names.
-
-    Raises :class:`LoomrayUserError` when the form is wrong, the import fails,
-    or the object is not an agent.
-    """
+    """Import ``module:attribute`` and return the Agent it names; :class:`LoomrayUserError` otherwise."""
     obj = import_ref(ref, "agent reference")
     if not all(hasattr(obj, a) for a in ("model", "tools", "tuning", "instructions")):
         raise LoomrayUserError(f"agent reference {ref!r} names a {type(obj).__name__}, not a loomray Agent")
@@ -136,10 +101,10 @@ def check_pattern(pattern: Any) -> str:
 
 
 def agent_ref_allowed(ref: Any, patterns: Any) -> bool:
-    """Whether agent reference ``ref`` is well formed and matches one of ``patterns`` (globs, case-sensitive).
+    """Whether ``ref`` is well formed and matches one of ``patterns`` (globs, case-sensitive).
 
-    What the supervisor asks before importing a reference it read from the
-    store: whoever can write to the bucket must not choose what it runs.
+    Asked before importing a reference read from the store: whoever can write to the bucket must not
+    choose what it runs.
     """
     try:
         check_ref(ref)
@@ -151,11 +116,8 @@ def agent_ref_allowed(ref: Any, patterns: Any) -> bool:
 def set_agent_ref(agent: Any, ref: str) -> Any:
     """Register ``ref`` (``"package.module:attribute"``) as the importable name of ``agent``; return ``agent``.
 
-    ``RayRuntime`` ships an agent by value (cloudpickle, in memory) *and* by
-    this reference; the reference is stored in the session row, so a session
-    whose actor and supervisor both die, or whose whole cluster is replaced,
-    can be restarted by importing it. Without one such a session cannot be
-    recovered. The module must be importable on every node.
+    The reference is stored in the session row, so a session whose actor and supervisor both die can be
+    restarted by importing it (on any node); without one it cannot.
     """
     agent.loomray_ref = check_ref(ref)
     return agent
@@ -171,14 +133,8 @@ class _OptionsProbe:
 
 
 def check_actor_options(options: Any) -> dict[str, Any]:
-    """Validate ``actor_options`` the way Ray's ``.options()`` will, but now; return them.
-
-    Raises :class:`LoomrayUserError` for a non-dict, an option loomray sets
-    itself (name, lifetime, restarts, concurrency), or anything Ray refuses
-    (an unknown keyword, a negative or non-numeric resource, ``CPU`` in
-    ``resources``, a ``runtime_env`` that is not a dict), so a bad option
-    fails where the runtime or command is built, not in the supervisor.
-    """
+    """Validate ``actor_options`` the way Ray's ``.options()`` will, but now, so a bad option fails where
+    the runtime or command is built, not in the supervisor; :class:`LoomrayUserError` otherwise."""
     if not isinstance(options, dict):
         raise LoomrayUserError(f"actor_options must be a dict, got {type(options).__name__}")
     reserved = sorted(set(options) & set(_RESERVED_OPTIONS))
@@ -196,11 +152,8 @@ def check_actor_options(options: Any) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    """What every actor needs to reach the store and to behave; plain data.
-
-    ``storage_options`` may hold credentials: they travel to actors in memory
-    (actor constructor arguments), never into the store.
-    """
+    """What every actor needs to reach the store and to behave; ``storage_options`` (credentials) travel
+    to actors in memory, never into the store."""
 
     store_url: str
     storage_options: dict[str, Any] = field(default_factory=dict)
@@ -247,21 +200,15 @@ class RuntimeConfig:
 
 @dataclass(frozen=True)
 class AgentSpec:
-    """How an agent reaches an actor: an importable reference, or the object by value.
-
-    By value (``payload``, cloudpickled in memory, never stored) works for
-    anything, but a session whose actor *and* supervisor both die can only be
-    restarted when ``ref`` is set: the session row keeps the reference string.
-    """
+    """How an agent reaches an actor: an importable reference, or the object by value (in memory, never stored)."""
 
     ref: str | None = None
     payload: bytes | None = None
 
     @classmethod
     def of(cls, agent: Any, extra_tools: Any = ()) -> AgentSpec:
-        """``agent`` as a spec: a ``"module:attr"`` string travels by reference only; an Agent
-        travels by value (without its runtime: clients and connections stay behind), plus
-        its reference if one was registered with :func:`set_agent_ref`."""
+        """``agent`` as a spec: a ``"module:attr"`` string by reference; an Agent by value (without its
+        runtime), plus its :func:`set_agent_ref` reference."""
         if isinstance(agent, str):
             check_ref(agent)
             if extra_tools:
@@ -301,11 +248,7 @@ class Outcome(BaseModel):
 
     @property
     def state(self) -> str:
-        """The session's state as every view reports it (status, session, fan-out progress, the store row).
-
-        A run that returned (``status == "completed"``) ended the way its result says: a cancelled, paused,
-        approval-waiting or over-budget run is not "completed". The one rule every view calls.
-        """
+        """The session's state as every view reports it: a run that returned ended the way its result says."""
         if self.status == "completed" and self.stop_reason:
             return self.stop_reason
         return self.status
@@ -321,8 +264,7 @@ def run_result(outcome: Outcome, session_id: str) -> RunResult:
 
 
 def ended_result(store: SessionStore, session_id: str, user_id: str | None) -> RunResult | None:
-    """The result of the session's last run when it completed or was cancelled, read back from the store (its
-    final checkpoint); None when its status says otherwise. For a run that ended while no supervisor watched it."""
+    """The last run's result read back from the store when it completed or was cancelled; else None."""
     row = store.sessions.get(session_id, user_id=user_id)
     if row is None or row.status not in ("completed", "cancelled"):
         return None
@@ -349,11 +291,8 @@ def _alive_nodes(exclude: str | None) -> list[str]:
 
 def session_actor_options(config: RuntimeConfig, session_id: str, user_id: str | None, *,
                           avoid_node: str | None = None) -> dict[str, Any]:
-    """The ``.options()`` for a session actor: defaults, then ``config.actor_options``.
-
-    On a restart (``avoid_node`` set) and with no scheduling strategy of the
-    user's, prefer (softly) a live node other than the one that failed.
-    """
+    """The ``.options()`` for a session actor: defaults, then ``config.actor_options``; a restart prefers
+    (softly) a live node other than ``avoid_node`` unless the user chose a scheduling strategy."""
     options: dict[str, Any] = {
         "name": session_actor_name(config.store_url, session_id, user_id),
         "namespace": NAMESPACE,

@@ -1,18 +1,8 @@
 """Adoption: which active sessions of the store a supervisor takes over, and which it refuses.
 
-A supervisor's state is derived, never authoritative: on first use, when
-``supervise()`` asks, and every ``reconcile_interval_s`` it adopts every
-session marked active in the store (:mod:`loomray.runtime.active`) whose
-``pending``/``running`` row a Ray actor owned (``node_id`` set) and whose
-epoch is still the session's current one, attaching to the live actor or
-restarting it the way it ran. So a killed supervisor, or one on a new cluster
-pointed at the same store, picks up every active session.
-
-The store is not trusted to choose code or targets: a session is restarted
-only when its agent reference is allowed here (the operator's patterns, and
-every reference submitted to this supervisor) and its stored request is for
-the very session and user it is stored under. A refused session is marked
-failed with the reason, so it is not tried again.
+The store is not trusted to choose code or targets: a session is restarted only when its agent reference
+is allowed here and its stored request is for the very session and user it is stored under; a refused one
+is marked failed with the reason. When a supervisor adopts: docs/design.md, "Supervisor (Ray)".
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""The runtime seam: where a run executes and where its state lives.
+"""The runtime seam: where a run executes and where its state lives (docs/contracts.md).
 
-An :class:`~loomray.Agent` turns each call into a
-:class:`~loomray.session.RunRequest` and hands it to its runtime; it reaches
-the store only through the runtime's methods. In-process runtimes call
-:func:`~loomray.session.execute_request` directly; the Ray runtime overrides
-:meth:`Runtime.execute` (one session actor per request) and
-:meth:`Runtime.execute_many` (parallel actors for fan-out forks).
-Checkpoint reads go straight to ``self.store`` from the caller's process, and
-so do control requests (``signal``, ``pause``, ``cancel``, ``decide``: objects
-in the store, see :mod:`loomray.control`).
+In-process runtimes call :func:`~loomray.session.execute_request` directly; the Ray runtime overrides
+:meth:`Runtime.execute` and :meth:`Runtime.execute_many`. Checkpoint reads and control requests go straight
+to ``self.store`` from the caller's process.
 """
 
 from __future__ import annotations
@@ -41,12 +35,8 @@ def per_request(agent: Agent | Sequence[Agent], requests: Sequence[RunRequest]) 
 
 
 class Runtime:
-    """Base runtime: in-process execution against ``self.store``.
-
-    ``max_checkpoints_per_session`` is the retention per session (< 1 keeps
-    all). A runtime built without a store (``store=None``) lists no
-    checkpoints and finds none.
-    """
+    """Base runtime: in-process execution against ``self.store``; ``max_checkpoints_per_session`` below 1
+    keeps every checkpoint. A runtime built without a store lists no checkpoints and finds none."""
 
     store: SessionStore
     max_checkpoints_per_session: int
@@ -118,9 +108,8 @@ class Runtime:
         return await asyncio.to_thread(load_checkpoint, self.store, session_id, checkpoint_id, user_id=user_id)
 
     # -- steering (loomray.control) ----------------------------------------------------------
-    # Control requests are objects in ``self.store``, so these work for a run in any process; a run in this
-    # process is also cancelled directly. A runtime whose runs live elsewhere may add a faster path (e.g.
-    # cancel the remote task at once) but must keep writing the objects: they are what makes control durable.
+    # A runtime whose runs live elsewhere may add a faster path but must keep writing the control objects:
+    # they are what makes control durable.
     async def signal(self, session_id: str, text: str, *, user_id: str | None = None) -> str:
         """Store a signal for the session's next pass boundary; returns its id."""
         return await asyncio.to_thread(control.send_signal, self.store, session_id, user_id, text)

@@ -34,14 +34,10 @@ def apply_ray_env_defaults() -> None:
 
 
 def connect(address: str | None = None, *, logging_level: int | None = None) -> None:
-    """Connect this process to Ray in the ``loomray`` namespace, if it is not connected yet.
+    """Connect this process to Ray in the ``loomray`` namespace, if it is not connected yet (thread-safe).
 
-    ``address`` is a cluster's ``host:port``, ``"auto"`` or ``ray://...`` (passed to
-    ``ray.init`` as given); without one, ``RAY_ADDRESS``, else a local Ray instance.
-    Worker logs stay off this process's output (``log_to_driver=False``);
-    ``logging_level`` (e.g. ``logging.WARNING``) quiets Ray's own messages, which
-    would drown a command's output. Safe to call from several threads at once:
-    exactly one of them calls ``ray.init``.
+    ``address`` goes to ``ray.init`` as given (default ``RAY_ADDRESS``, else a local Ray); worker logs stay off
+    this process's output, and ``logging_level`` quiets Ray's own messages.
     """
     import ray  # here, not at the top: importing this module must not import Ray (see the module docstring)
 
@@ -56,9 +52,6 @@ def connect(address: str | None = None, *, logging_level: int | None = None) -> 
 
 
 def normalize_store_url(url: str | os.PathLike[str]) -> str:
-    """The store URL as every actor sees it: a plain path made absolute (actors have another cwd).
-
-    URLs with a scheme (``s3://``, ``file://``, ...) are returned unchanged.
-    """
+    """The store URL as every actor sees it: a plain path made absolute (actors have another cwd), a URL as is."""
     url = os.fspath(url)
     return url if "://" in url else os.path.abspath(url)

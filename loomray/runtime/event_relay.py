@@ -1,11 +1,7 @@
 """Run events on their way from session actors to the drivers that stream them.
 
-A driver that runs a session with ``emit`` cannot receive the session actor's
-events directly (the actor may be restarted on another node, and the driver
-may have gone). The session actor pushes them to the supervisor in ordered
-batches; the supervisor keeps a bounded buffer per session, and drivers poll
-it with a cursor. Events that fall off a full buffer are counted, so a slow
-driver learns how many it missed.
+The actor may be restarted elsewhere and the driver may have gone, so events go through the supervisor:
+a bounded buffer per session that drivers poll with a cursor; events that fall off it are counted.
 """
 
 from __future__ import annotations
@@ -39,10 +35,8 @@ class EventLog:
 
     def extend(self, events: list[str]) -> None:
         """Append events in order, dropping the oldest beyond :data:`EVENT_BUFFER`; wake waiting readers."""
-        for e in events:
-            if len(self.items) == self.items.maxlen:
-                self.base += 1
-            self.items.append(e)
+        self.base += max(0, len(self.items) + len(events) - EVENT_BUFFER)
+        self.items.extend(events)
         self.changed.set()
         self.changed = asyncio.Event()
 
@@ -76,12 +70,8 @@ class EventRelay:
         log.extend(events)
 
     async def read(self, key: SessionKey, cursor: int, wait_s: float, done: asyncio.Future | None) -> dict[str, Any]:
-        """Events from ``cursor`` on, waiting up to ``wait_s`` for new ones while the run goes on.
-
-        ``done`` is the session's outcome future (None: not supervised here).
-        Returns ``{"events": [json, ...], "cursor": next, "dropped": n, "done": bool}``;
-        ``done`` is true once the run ended and every event it sent is included.
-        """
+        """``{"events": [json, ...], "cursor": next, "dropped": n, "done": bool}`` from ``cursor`` on, waiting up
+        to ``wait_s`` while the run (``done``, None: not supervised here) goes on; ``done`` once all are in."""
         log = self.logs.get(key)
         if log is None:
             return {"events": [], "cursor": cursor, "dropped": 0, "done": done is None or done.done()}

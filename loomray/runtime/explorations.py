@@ -1,32 +1,8 @@
 """Submitted explorations: the store's supervisor runs them, so they outlive the driver that asked.
 
-``loomray explore --submit`` (:func:`loomray.runtime.explore_submit.submit_exploration`)
-hands an exploration to the store's supervisor the way ``loomray submit``
-hands it a session, and returns. The supervisor records the request before
-anything runs, in two places:
-
-- ``submit.json`` in the exploration's record (create-only): what was asked,
-  as strings and JSON only (agent and judge references, arguments, placement,
-  the branches' actor options without secrets);
-- a mark ``submitted-explorations/{user}/{id}.json``: the supervisors'
-  worklist (one LIST), naming the node of the supervisor that runs it;
-  removed once the exploration is over.
-
-A supervisor runs each exploration as a task of its own event loop on a
-:class:`SupervisedRuntime`: branches and judge sessions are its own sessions,
-started and awaited in process. When the supervisor dies the exploration stops
-with it, while its branches go on in their (detached) actors and hosts. A
-recreated supervisor first adopts the store's active sessions (those branches),
-then continues every marked exploration by its id (:func:`loomray.explore.explore`'s
-resume): finished branches are read back, running ones joined, stored scores and
-decisions reused, so no branch runs and no judge call is billed twice.
-
-Like an adopted session, a continued exploration imports what the store names
-only when the operator allowed it: its agent and judge references must match
-the supervisor's allowed agents (the submitting runtime's are); otherwise it
-is left marked and logged. Like adoption, a supervisor continues only the
-explorations last run on a node of its own cluster, unless told to take
-foreign ones (``supervise``: the cluster that ran them is gone).
+The request is recorded (``submit.json``, create-only) and marked (``submitted-explorations/{user}/{id}.json``,
+the supervisors' worklist) before anything runs; a replacement supervisor continues every marked one whose
+references it allows. docs/exploration.md, "Submitted explorations", has the whole story.
 """
 
 from __future__ import annotations
@@ -121,11 +97,8 @@ def off_loop(judge: Any) -> Any:
 class SupervisedRuntime(Runtime):
     """The runtime a submitted exploration runs on, inside the supervisor: its sessions are the supervisor's own.
 
-    ``supervisor`` is the :class:`~loomray.runtime.supervisor.Supervisor` object itself (called in process,
-    on its event loop); ``config`` is what its branches run with (placement, actor options), at most
-    ``max_concurrent_forks`` of a round at once (None: the supervisor's limit). Every hand-off
-    is a resend (:mod:`loomray.runtime.handoffs`): a continued exploration re-issues requests a dead
-    supervisor may have started, and joins them.
+    Every hand-off is a resend (:mod:`loomray.runtime.handoffs`): a continued exploration re-issues requests
+    a dead supervisor may have started, and joins them.
     """
 
     def __init__(self, supervisor: Any, store: SessionStore, config: RuntimeConfig,
@@ -189,12 +162,7 @@ def request_doc(config: RuntimeConfig, **fields: Any) -> dict[str, Any]:
 
 
 class Explorations:
-    """The explorations one supervisor runs (see the module docstring).
-
-    ``supervisor`` is the Supervisor object, ``store`` its store, ``adoption`` its
-    :class:`~loomray.runtime.adoption.AdoptionPolicy` (which agent and judge references read from the store
-    it may import).
-    """
+    """The explorations one supervisor runs; ``adoption`` says which stored references it may import."""
 
     def __init__(self, supervisor: Any, config: RuntimeConfig, store: Store, adoption: AdoptionPolicy) -> None:
         self._supervisor, self._config, self._store, self._adoption = supervisor, config, store, adoption
@@ -219,11 +187,8 @@ class Explorations:
         return task is not None and not task.done()
 
     async def submit(self, request: dict[str, Any], config: RuntimeConfig) -> str:
-        """Record ``request`` (create-only) and mark it, then run it; returns its exploration id.
-
-        The agent and judge are imported first, so a reference this cluster cannot import fails the
-        caller now. Submitting the same request again is harmless; another one under the same id is refused.
-        """
+        """Import its agent and judge (failing the caller now), record ``request`` (create-only: the same one
+        again is harmless, another under its id refused), mark and run it; returns its exploration id."""
         request = check_request(request)
         if config.store_url != self._config.store_url:
             raise LoomrayUserError(f"this supervisor serves store {self._config.store_url!r}, not {config.store_url!r}")
@@ -354,11 +319,8 @@ async def submit_exploration(runtime: RayRuntime, agent_ref: str, judge_ref: str
                              user_id: str | None = None) -> str:
     """Hand an exploration to the supervisor of ``runtime``'s store; returns its id once the request is stored.
 
-    What ``loomray explore --submit`` runs. The arguments are :meth:`loomray.Agent.explore`'s, with the agent
-    and the judge as importable references (``module:attr``, importable on the cluster) and variants that
-    store whole: a prompt, a model by name, instructions, edits. The branches run with ``runtime``'s
-    placement, actor options and ``max_concurrent_forks``. The exploration goes on after this process
-    exits; its record in the store (``loomray query --exploration ID``, ``loomray tree``) shows how far it got.
+    The arguments are :meth:`loomray.Agent.explore`'s, with the agent and judge as ``module:attr`` references
+    and variants that store whole; the branches run with ``runtime``'s placement and options.
     """
     stored = [_storable_variant(v) for v in variants]
     budget = Budget.of(budget)

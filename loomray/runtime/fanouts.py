@@ -1,12 +1,5 @@
-"""Fan-outs: many sessions started together, a bounded number at once, with progress to report.
-
-``agent.fork`` on a :class:`~loomray.runtime.ray_runtime.RayRuntime` hands the
-supervisor all of a fork's requests in one call. The supervisor runs at most
-``max_concurrent`` of them at a time (the rest queue, so a fork of a thousand
-does not start a thousand actors at once) and keeps counters the driver polls
-for ``on_fork_progress``; a finished fan-out's counters are forgotten like a
-finished session.
-"""
+"""Fan-outs: many sessions started together, a bounded number at once (the rest queue), with progress
+counters the driver polls for ``on_fork_progress``, forgotten like a finished session."""
 
 from __future__ import annotations
 

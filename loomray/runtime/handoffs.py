@@ -1,29 +1,8 @@
 """Hand-offs from a driver to a supervisor are idempotent: a resend never starts a run twice.
 
-A driver hands the supervisor a request (``submit``, a fan-out's batch) and
-waits. When the supervisor dies meanwhile, the driver cannot know how far it
-got, so it resends the same hand-off to the replacement, which must answer
-with the original outcome and start nothing that already started:
-
-- every request carries a ``request_id`` chosen by the driver
-  (:func:`handed_off`), stored with the run it starts (the run record);
-- every fork of a fan-out also carries its ``run_id``, chosen by the driver:
-  forks are new sessions, so the id names exactly one run;
-- the replacement adopts the runs under way from the store; a resent request
-  of a session it watches joins that run (``same_request``);
-- a resent request of a session it does not watch goes first to the actor
-  (or activation) that runs or ran this very hand-off (:func:`same_handoff`),
-  if one is still there: its run may have gone on, or ended unwatched while
-  no supervisor lived (its actor lingers with the outcome), and collecting
-  it there keeps the run's one lease;
-- else a resent request whose ``request_id`` started the session's last run is
-  pinned to that run's id (:func:`pinned`): it continues the run, replaying
-  its journal, or (finished) returns its result from its final checkpoint
-  (a new incarnation: a new lease). A fork's run id does the same.
-
-Cancel and approve need nothing more: a cancel is a durable request in the
-store (applied once, whoever reads it), and an approval travels in a resume
-request, which is a hand-off like any other.
+A driver that lost the supervisor it handed a request to resends it; the replacement joins the run under
+way (:func:`same_handoff`) or pins the resend to the run its ``request_id`` started (:func:`pinned`).
+docs/containment.md, "A supervisor lost during a hand-off".
 """
 
 from __future__ import annotations

@@ -1,36 +1,7 @@
-"""Dense placement: sessions as virtual actors, many per Ray host actor.
+"""Dense placement: sessions as activations, many per Ray host actor (docs/ray-notes.md, "Dense placement").
 
-With ``RayRuntime(..., placement="dense")`` a session is not a Ray actor of
-its own but an *activation* inside a ``SessionHost``: an async, detached Ray
-actor that holds many sessions at once. An activation is exactly what a
-``SessionActor`` holds (it *is* one, minus the process): the agent, the
-request, its own asyncio task running :func:`loomray.session.execute_request`
-(lease, epoch, journal, checkpoints, events), its progress and outcome. So a
-session keeps its identity (session id and user), its lease and fencing, and
-its recovery rule; only the process is shared.
-
-Why: a session spends nearly all of its life waiting on a model API, and a
-Ray actor per session costs a worker process (its memory, and its start on
-the session's path). A host pays that once for hundreds of sessions, and a fork becomes an
-activation on a warm host: no process start on its critical path.
-
-Isolation inside a host: every activation runs in its own task, so a
-failure ends that activation's outcome only; sync tools and store calls run
-in a large thread pool (:data:`HOST_THREADS`), so a few slow blocking tools do
-not starve the others' I/O, but CPU-heavy tools share the host's cores (give
-them ``placement="actor"``). A host that dies takes its sessions with it and
-the supervisor reactivates them with a new epoch; one whose raylet dies stops
-them at once (docs/ray-notes.md, "Dense placement").
-
-An agent passed by value is unpickled once per activation (its own copy, as
-in a session actor); an agent reference is imported once per host and the
-object is shared by the host's sessions of that agent, as one Agent object is
-shared by concurrent runs in a process: keep per-session state out of it.
-
-The supervisor talks to an activation through an :class:`ActivationHandle`,
-which answers the same calls as a session actor's handle (``run``,
-``progress``, ``info``, ``cancel``, ``stop``); placement (which host, creating
-hosts) lives in :mod:`loomray.runtime.placement`.
+An activation is a :class:`SessionActor` minus the process: same lease, fencing, journal and recovery
+rule, its own task; only the process is shared, so a fork starts no process. Which host: placement.py.
 """
 
 from __future__ import annotations
@@ -101,12 +72,8 @@ class Activation(SessionActor):
 
 
 class SessionHost:
-    """An async Ray actor hosting many session activations (see the module docstring).
+    """An async Ray actor hosting many session activations, each addressed by ``(session_id, user_id)``.
 
-    Created detached by the supervisor's host pool, ``max_restarts=0`` (the
-    supervisor reactivates its sessions elsewhere), named ``loomray/host/...``
-    in namespace ``loomray``. Every per-session method takes
-    ``(session_id, user_id)``: that pair is the session's address here too.
     A host with no session for ``idle_s`` exits by itself.
     """
 
@@ -163,11 +130,9 @@ class SessionHost:
 
     async def activate(self, config: RuntimeConfig, agent: AgentSpec, request_json: str,
                        events_to: Any = None) -> dict[str, Any]:
-        """Activate a session here (load its agent, read its latest checkpoint) and start its run.
+        """Activate a session here and start its run; idempotent for the same request.
 
-        Idempotent for the same request (a retried call returns the running
-        activation). Raises :class:`SessionStartError` when the agent, the
-        request or the store is unusable, like a session actor's constructor.
+        :class:`SessionStartError` when the agent, the request or the store is unusable.
         """
         self._start()
         request = RunRequest.model_validate_json(request_json)
@@ -200,11 +165,7 @@ class SessionHost:
 
     async def activate_many(self, config: RuntimeConfig, agent: AgentSpec, request_jsons: list[str],
                             events_to: Any = None) -> list[dict[str, Any]]:
-        """:meth:`activate` for each request, in order (one call for the sessions a fan-out placed here).
-
-        One answer per request, in order: ``{"info": ...}``, or ``{"error": message}`` for a session that
-        could not start (the others start regardless).
-        """
+        """:meth:`activate` each request in order: ``{"info": ...}`` or ``{"error": message}`` per request."""
         self._activation_calls += 1
 
         async def one(request_json: str) -> dict[str, Any]:
@@ -263,11 +224,8 @@ class SessionHost:
                  "request_json": a._request_json, "finished": a.finished()} for a in self._activations.values()]
 
     async def retire_if_idle(self) -> bool:
-        """Exit now if no session is here or being activated (another host needs what this one holds).
-
-        True when it exits. Checked on the host's own event loop, so an
-        activation cannot slip in between the check and the exit.
-        """
+        """Exit now (True) if no session is here or being activated; checked on the host's own loop, so an
+        activation cannot slip in between the check and the exit."""
         if self._activations or self._activating:
             return False
         log.info("host %s retired while idle: its resources are wanted elsewhere", self.name)
@@ -299,11 +257,8 @@ class _Method:
 class ActivationHandle:
     """The supervisor's handle on one activation; answers like a session actor's handle.
 
-    ``await h.run.remote()`` and friends call the host with the session's
-    address. A host found dead is reported to the pool (so placement skips
-    it) before the error reaches the caller, and a host that no longer holds
-    the session raises ``ActorDiedError`` too: either way the session is gone
-    from that process and the supervisor reactivates it.
+    A host found dead is reported to the pool before the error reaches the caller; a host that no longer
+    holds the session raises ``ActorDiedError`` too, so the supervisor reactivates it either way.
     """
 
     def __init__(self, pool: HostPool, host: HostRecord, session_id: str, user_id: str | None) -> None:

@@ -1,15 +1,5 @@
-"""Background compaction of the store's index, scheduled by the supervisor.
-
-"Compaction" in loomray always means this: merging the index's small Parquet
-files (:meth:`storage.Store.compact`, ``loomray compact``). Keeping a long
-transcript short is *condensing* (:mod:`loomray.condense`).
-
-Every session run adds small index files; readers of the index (``loomray
-query``, ``status`` without a cluster) slow down as they pile up. The
-supervisor is the one long-lived process of a cluster, so it compacts every
-``RuntimeConfig.compact_interval_s``. Compaction is an optimisation: a
-failure is logged and the next round tries again.
-"""
+"""Background compaction of the store's index (merging its small Parquet files), scheduled by the supervisor,
+the one long-lived process of a cluster. Keeping a transcript short is *condensing*, not this."""
 
 from __future__ import annotations
 

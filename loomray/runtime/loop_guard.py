@@ -1,19 +1,8 @@
 """A process whose event loop died ends itself, so Ray reports it dead and its sessions move.
 
-A Ray async actor runs its event loop in a thread of its own. When a
-``SystemExit`` or ``KeyboardInterrupt`` escapes a task or a callback on that
-loop, ``run_forever`` returns, the thread ends (silently: ``threading`` ignores
-``SystemExit``), and the process stays up answering nothing: every session on
-it is ``running`` forever, a driver's ``run`` never returns and the supervisor,
-which only learns of dead processes, never restarts them.
-
-Tools and runs are contained (:func:`loomray.tools.run_tool_call`,
-``SessionActor._execute``); for whatever else may end the loop, session
-actors and session hosts start :func:`guard_loop`: a daemon thread that sees
-the loop stop, lets the store writes already submitted land, and exits the
-process. To the supervisor that is a lost process, like a lost node: its
-sessions are restarted from the store, their journaled model calls answered
-from the journal.
+A Ray async actor's loop thread that a ``SystemExit`` ends leaves the process up answering nothing, which
+the supervisor never restarts. :func:`guard_loop` sees the loop stop, lets the writes already submitted
+land, and exits (docs/containment.md, "An actor whose event loop died anyway").
 """
 
 from __future__ import annotations
@@ -42,11 +31,8 @@ _guarded_lock = threading.Lock()
 
 
 def guard_loop(loop: asyncio.AbstractEventLoop, executor: Executor | None = None) -> bool:
-    """Exit this process once ``loop`` stops running (see the module docstring); False if already guarded.
-
-    ``executor`` is the loop's default executor when it is a
-    :class:`DrainableExecutor`: its work under way is waited for before the exit.
-    """
+    """Exit this process once ``loop`` stops running, first waiting for ``executor``'s work under way (a
+    :class:`DrainableExecutor`); False if already guarded."""
     with _guarded_lock:
         if id(loop) in _guarded:
             return False

@@ -67,18 +67,12 @@ class HostPool:
         self._lock = asyncio.Lock()
         self._directory: dict[tuple[str | None, str], tuple[HostRecord, dict[str, Any]]] = {}
         self._directory_at = 0.0
-        self.created = 0
         self._batcher = ActivationBatcher()
 
     # -- views -------------------------------------------------------------------
     def hosts(self, pool_key: str | None = None) -> list[HostRecord]:
         """Live hosts (of one pool, or all)."""
         return [h for h in self._hosts.values() if h.alive and (pool_key is None or h.pool_key == pool_key)]
-
-    def summary(self) -> list[dict[str, Any]]:
-        """One dict per live host: name, node_id, pid, load."""
-        return [{"name": h.name, "node_id": h.node_id, "pid": h.pid, "sessions": h.load}
-                for h in self.hosts()]
 
     # -- events from watchers ------------------------------------------------------
     def host_lost(self, host: HostRecord) -> None:
@@ -98,8 +92,8 @@ class HostPool:
                        timeout: float = _HOST_START_TIMEOUT_S) -> ActivationHandle:
         """Place the session on a host and activate it there; return its handle.
 
-        A host that turns out dead is skipped and another one tried; an
-        unusable agent, request or store raises :class:`SessionStartError`.
+        A host that turns out dead is skipped for another; an unusable agent, request or store raises
+        :class:`SessionStartError`.
         """
         pool_key, options = host_options(config)
         deadline = time.monotonic() + timeout
@@ -147,10 +141,9 @@ class HostPool:
     async def _refresh(self, pool_key: str, options: dict[str, Any], config: RuntimeConfig) -> None:
         """Re-read the nodes (at most every ``_NODES_TTL_S``); drop hosts of dead nodes; fill eligible nodes.
 
-        With hosts to place on, a stale view is re-read in the background: ``ray.nodes()`` takes tens to
-        hundreds of milliseconds, and under the pool's lock every reservation of a fan-out waited for it
-        (measured: a round of 64 forks' placements spread over 0.3 s behind one such read). A host found dead
-        meanwhile is skipped when its activation fails (:meth:`activate`).
+        With hosts to place on, a stale view is re-read in the background: ``ray.nodes()`` is slow, and under
+        the pool's lock every reservation of a fan-out would wait for it. A host found dead meanwhile is
+        skipped when its activation fails.
         """
         if not self._discovered:
             await self.discover()
@@ -194,10 +187,7 @@ class HostPool:
 
     async def make_room(self, demand: dict[str, float]) -> int:
         """Retire idle hosts that hold a GPU or custom resource ``demand`` asks for and the cluster has too
-        little of free (a session of other options, or an actor-placement session, waits for it).
-
-        Returns how many hosts exited. Nothing loomray keeps warm holds a unit a user's session wants.
-        """
+        little of free, so nothing loomray keeps warm holds a unit a user's session wants; how many exited."""
         async with self._lock:
             return await self._make_room(demand, keep_key=None)
 
@@ -248,7 +238,6 @@ class HostPool:
         # Its failure is handled where it is awaited; do not also log it as "never retrieved".
         host.ready.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._hosts[name] = host
-        self.created += 1
         log.info("session host %s created (node %s)", name, (node_id or "any")[:12])
         return host
 

@@ -1,19 +1,8 @@
-"""``RayRuntime``: one Ray actor per session, watched by a detached supervisor.
+"""``RayRuntime``: one Ray actor per session, watched by a detached supervisor (docs/api.md, docs/design.md).
 
-The driver side is thin. ``execute`` ships the agent (by value, plus the importable reference
-registered with :func:`set_agent_ref`) and the request JSON to the store's supervisor actor
-(``loomray:supervisor:{store key}``; one per store, any number per cluster), which creates a
-``SessionActor`` and restarts it from the store if its node dies; the driver waits for the outcome.
-Checkpoint reads (``list_checkpoints``, ``get_checkpoint``) go straight to the
-store from this process, exactly as with ``LocalRuntime``.
-
-Fire and forget: ``RayRuntime.submit("package.module:agent", prompt, session_id=...)`` starts a run by
-agent reference and returns as soon as its actor is created (not started: that waits for the resources it
-asks for); the run goes on after the driver exits (session actors and the supervisor are detached), and
-``wait``/``status`` or the store follow it.
-
-The store must be reachable from every node under the same URL: an ``s3://`` URL on a real
-cluster; a local path only works when every node is on this machine (tests, ``cluster/local.sh``).
+The driver side is thin: ``execute`` ships the agent and the request JSON to the store's supervisor and
+waits for the outcome; checkpoint reads go straight to the store from this process. The store must be
+reachable from every node under the same URL.
 """
 
 from __future__ import annotations
@@ -59,13 +48,8 @@ def supervise(store_url: str, *, address: str | None = None, storage_options: di
               report: Callable[[str], None] = print, **config: Any) -> None:
     """Keep the supervisor alive until ``stop`` is set (what ``loomray supervise`` runs on the head).
 
-    On start, and whenever the supervisor had to be re-created, it makes the
-    supervisor adopt every active session of the store's index at once (a
-    whole cluster lost and replaced resumes its sessions here). Every
-    ``interval_s`` it checks the supervisor answers. ``config`` are
-    :class:`RuntimeConfig` fields (``compact_interval_s``, ...); its
-    ``allowed_agents`` (the agent references an adopted session may use) are
-    also given to a supervisor that already runs.
+    Whenever it (re-)creates the supervisor, it makes it adopt every active session of the store at once, so
+    a whole cluster lost and replaced resumes here. ``config`` are :class:`RuntimeConfig` fields.
     """
     connect(address)
     cfg = RuntimeConfig(store_url=store_url, storage_options=dict(storage_options or {}), **config)
@@ -90,18 +74,8 @@ def supervise(store_url: str, *, address: str | None = None, storage_options: di
 class RayRuntime(Runtime):
     """Runs each session in its own Ray actor, or many per host actor; checkpoints and journal live in ``store``.
 
-    ``store`` is a URL or path every node can reach (``storage_options`` such as
-    ``endpoint_url``, ``key``, ``secret``, ``sse`` go to the S3 backend);
-    ``address`` is the cluster (default: ``RAY_ADDRESS``, else a local Ray).
-    Nothing connects to Ray until the first run. ``placement="actor"`` (the
-    default) gives each session its own worker process (isolation, a process
-    start per session); ``placement="dense"`` hosts sessions as activations,
-    many per host actor (:mod:`loomray.runtime.hosts`), for fan-outs that must
-    start fast. ``actor_options`` go to each session (or host) actor;
-    ``allowed_agents`` are the agent references a supervisor it creates may
-    import. Every argument, and the methods beyond the ``Agent`` API
-    (:meth:`submit`, :meth:`wait`, :meth:`status`, :meth:`session`), is in
-    docs/api.md, "``RayRuntime``".
+    Nothing connects to Ray until the first run. Every argument, and the methods beyond the ``Agent`` API,
+    is in docs/api.md, "``RayRuntime``".
     """
 
     def __init__(self, store: str | os.PathLike[str], address: str | None = None, max_checkpoints_per_session: int = 20,
@@ -162,9 +136,8 @@ class RayRuntime(Runtime):
     async def _call(self, method: str, *args: Any, resendable: bool = False, await_adoption: bool = True) -> Any:
         """Call a supervisor method, or its replacement's (told of a ``resendable`` call's resend: handoffs).
 
-        A replacement may briefly not know a session we started (its row may lag): with ``await_adoption``
-        the call is repeated until it does, for ``_READOPT_TIMEOUT_S`` from the loss (not from the call's
-        start: a ``result`` call waits as long as its run lasts)."""
+        A replacement may briefly not know a session we started: with ``await_adoption`` the call is repeated
+        for ``_READOPT_TIMEOUT_S`` from the loss (not from the call's start: a ``result`` lasts as its run)."""
         deadline = None
         while True:
             try:
@@ -187,12 +160,8 @@ class RayRuntime(Runtime):
     # -- Runtime ----------------------------------------------------------------
     async def execute(self, agent: Agent, request: RunRequest, *, emit: EmitFn | None = None,
                       extra_tools: Sequence[Any] = (), output_type: type[BaseModel] | None = None) -> RunResult:
-        """Run ``request`` in a session actor and return its result (restarts are invisible here).
-
-        With ``emit``, the actor sends each event to the supervisor and this
-        driver polls them, so ``emit`` sees the run's events in order while it
-        runs (a restarted incarnation's replayed steps arrive flagged ``replayed``).
-        """
+        """Run ``request`` in a session actor and return its result (restarts are invisible here); ``emit``
+        sees the events in order, relayed by the supervisor."""
         spec = AgentSpec.of(agent, extra_tools)
         self._allow(spec)
         request = handed_off(request)
@@ -242,11 +211,8 @@ class RayRuntime(Runtime):
                 return
 
     async def cancel(self, session_id: str, *, user_id: str | None = None) -> None:
-        """Cancel durably (as every runtime does), then have the session's actor stop its run at once.
-
-        Once the durable part returns nothing the session does is made durable (it is fenced); telling its
-        actor spares the run the wait for its next look at the store, so an in-flight tool stops now. A
-        resend to a replacement supervisor is harmless: the cancel is a durable request, applied once."""
+        """Cancel durably (as every runtime does), then tell the session's actor, so an in-flight tool stops now
+        rather than at the run's next look at the store."""
         await super().cancel(session_id, user_id=user_id)
         try:
             await self._call("cancel", session_id, user_id)
@@ -257,9 +223,8 @@ class RayRuntime(Runtime):
                            emit: EmitFn | None = None, extra_tools: Sequence[Any] = (),
                            output_type: type[BaseModel] | None = None) -> list[RunResult]:
         """Fan-out: one actor per request, at most ``max_concurrent_forks`` at once; results in request order.
-        ``agent``: one for all requests, or one per request. ``on_fork_progress`` (if set) is called with the
-        supervisor's progress dict (``total``, ``queued``, ``running``, a count per ending, ``max_running``,
-        ``limit``: :meth:`~loomray.runtime.fanouts.Fanouts.progress`) whenever it changes.
+
+        ``on_fork_progress`` gets :meth:`~loomray.runtime.fanouts.Fanouts.progress` whenever it changes.
         """
         spec = agent_specs(per_request(agent, requests), extra_tools)
         self._allow(spec)
@@ -309,18 +274,10 @@ class RayRuntime(Runtime):
     async def submit(self, agent: Agent | str, prompt: str | None = None, *, session_id: str | None = None,
                      user_id: str | None = None, resume: bool = False, metadata: dict[str, Any] | None = None,
                      effort: str | None = None) -> str:
-        """Start a run in a session actor and return its session id once the actor is created.
+        """Start a run by agent reference or Agent and return its session id once its actor is created.
 
-        ``agent`` is an importable reference ``"package.module:attribute"``
-        (what ``loomray submit`` passes; the module must import on every node)
-        or an Agent (by value, plus its :func:`set_agent_ref` reference if any).
-        The actor starts once the cluster has the resources its
-        ``actor_options`` ask for (this does not wait for that), and the run
-        goes on after this process exits; follow it with
-        :meth:`wait`, :meth:`status` or the store. ``resume=True`` continues
-        the session from its latest checkpoint (``prompt=None`` nudges it on).
-        A reference that does not import here, or names no Agent, raises
-        :class:`LoomrayUserError` here.
+        The run outlives this process; follow it with :meth:`wait`, :meth:`status` or the store. A reference
+        that does not import here, or names no Agent, raises :class:`LoomrayUserError` here.
         """
         if not resume and not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
@@ -340,11 +297,8 @@ class RayRuntime(Runtime):
         return asyncio.run(self.submit(agent, prompt, **kwargs))
 
     async def wait(self, session_id: str, *, user_id: str | None = None, emit: EmitFn | None = None) -> RunResult:
-        """Wait for a supervised session's run to end and return its result (e.g. after :meth:`submit`).
-
-        ``emit`` sees the events still buffered or yet to come only if the run
-        was started with streaming (``execute`` with ``emit``); otherwise none.
-        """
+        """Wait for a supervised session's run to end and return its result; ``emit`` sees events only of a
+        run started with streaming."""
         try:
             return await self._wait(session_id, user_id, emit)
         except LoomrayUserError as e:  # no supervisor knows it: a run that ended meanwhile answers from the store
@@ -363,8 +317,7 @@ class RayRuntime(Runtime):
         return asyncio.run(self.status())
 
     async def session(self, session_id: str, *, user_id: str | None = None) -> dict[str, Any] | None:
-        """One supervised session by id: its :meth:`status` entry (``host``, ``node_id``, ``epoch``, ...)
-        plus ``pid`` and lease ``owner`` while it runs; None when the supervisor does not know it."""
+        """One supervised session's :meth:`status` entry, plus ``pid`` and lease ``owner`` while it runs; or None."""
         return await self._call("session", session_id, user_id)
 
 

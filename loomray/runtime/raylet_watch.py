@@ -1,12 +1,8 @@
 """Node loss seen from inside a worker: stop the runs and exit before the node is declared dead.
 
-A Ray worker outlives its killed raylet by about two seconds and would keep
-calling models and tools meanwhile; once the node is declared dead, a new
-incarnation repeats whatever such a zombie did and had not journaled. Session
-actors and session hosts therefore watch their raylet (:func:`watch_raylet`)
-and run every store write and sync tool through a :class:`DrainableExecutor`
-that stops taking work, but what makes the runs' past durable, the moment the
-raylet is gone.
+A worker outlives its killed raylet for a moment and would keep calling models and tools, which a new
+incarnation then repeats; so it watches its raylet and freezes its executor but for the runs' own writes
+(docs/ray-notes.md, "Zombies at 100 sessions per process").
 """
 
 from __future__ import annotations
@@ -30,13 +26,8 @@ _node_lost = False
 
 
 def node_lost() -> bool:
-    """True once :func:`watch_raylet` found this process's raylet gone.
-
-    A run stopped for that reason ends "cancelled", and that outcome must
-    never reach the supervisor (it would finish the session instead of
-    restarting it elsewhere): ``run()`` then never answers, and the caller
-    sees the actor die.
-    """
+    """True once :func:`watch_raylet` found this process's raylet gone: ``run()`` must then never answer (its
+    "cancelled" outcome would finish the session instead of restarting it elsewhere)."""
     return _node_lost
 
 
@@ -54,11 +45,8 @@ class DrainableExecutor(ThreadPoolExecutor):
     """The default executor of a host or session actor; on node loss it takes no new work but a run's writes.
 
     Every store write and sync tool of the process runs here (``asyncio.to_thread``).
-    After :meth:`freeze`, a new submission gets a future that never completes (its
-    caller is being stopped anyway), except a run's store write
-    (:data:`~loomray.run_writes.STORE_WRITE`: a journal record or checkpoint of
-    what the run already did, fenced by its lease); the work submitted runs to
-    the end.
+    After :meth:`freeze`, a new submission gets a future that never completes (its caller is being stopped),
+    except a run's store write (:data:`~loomray.run_writes.STORE_WRITE`, fenced by its lease).
     """
 
     def __init__(self, max_workers: int | None = None, thread_name_prefix: str = "loomray") -> None:
@@ -93,14 +81,10 @@ class DrainableExecutor(ThreadPoolExecutor):
 
 async def watch_raylet(tasks: Callable[[], list[asyncio.Task]], executor: DrainableExecutor | None = None,
                        interval: float = 0.05, drain_s: float = 2.0) -> None:
-    """Stop the runs of this process and exit as soon as its raylet is gone (its node is lost).
+    """Stop the runs of this process and exit as soon as its raylet is gone (its parent pid changes).
 
-    The parent pid changes the moment the raylet dies, about a second before
-    the node is declared dead (tuned detection; far more by default): then
-    :func:`stop_runs`, and exit. ``executor`` is the process's default
-    executor, else a :class:`DrainableExecutor` is installed here. A raylet
-    that is only frozen or partitioned is not detected here; fencing covers
-    that case.
+    ``executor`` is the process's default executor, else one is installed here. A raylet that is only
+    frozen or partitioned is not detected; fencing covers that case.
     """
     global _node_lost
     pid = raylet_pid()
@@ -121,12 +105,8 @@ async def stop_runs(tasks: list[asyncio.Task], executor: DrainableExecutor, drai
     """Stop ``tasks`` (the runs of a process whose node is lost) so none starts another model call or tool,
     and let what they already did become durable, for up to ``drain_s``.
 
-    The executor is frozen first, so no new tool starts; a run's store writes
-    still go through (a zombie's writes are fenced by the lease), so the
-    writes under way land and a model answer that already arrived is
-    journaled (:func:`~loomray.journal.answers_recording`), also one waiting
-    for the upload of its inputs' checkpoint: the new incarnation replays it
-    instead of billing the call again.
+    The executor is frozen first; a run's store writes still go through, so a model answer that already
+    arrived is journaled (:func:`~loomray.journal.answers_recording`) and not billed again.
     """
     executor.freeze()
     for t in tasks:

@@ -1,35 +1,14 @@
 """The session actor: one Ray actor (one worker process) hosting one session's run.
 
-What travels to it (config, agent spec, outcome) is in
-:mod:`loomray.runtime.actors`; the detached ``Supervisor`` that owns the
-session actors lives in :mod:`loomray.runtime.supervisor`.
-
-How the pieces fit (docs/ray-notes.md has the reasoning behind the choices):
-
-- A **SessionActor** hosts one run. Its constructor opens the store from a URL
-  plus options and loads the agent (by an importable ``module:attr`` reference
-  or by value); ``run()`` calls :func:`loomray.session.execute_request`, which
-  takes the session lease (epoch + 1), restores the latest checkpoint of an
-  unfinished run and answers journaled steps without calling the model again.
-  ``run()`` is idempotent: a second call joins the run in flight, which is how
-  a watcher re-attaches after ``ActorUnavailableError`` or a supervisor restart.
-  Session actors are *detached* and ``max_restarts=0``: they outlive the driver
-  and the supervisor, and only the supervisor restarts them, so every restart
-  is a fresh lease epoch decided in one place.
-- The **Supervisor** (detached, ``loomray:supervisor:{store key}``, one per store) starts session actors,
-  watches each by awaiting its ``run()`` ObjectRef, and on ``ActorDiedError``
-  starts a new incarnation, preferring a live node other than the dead one.
-  Its state is derived from the store's session index: on start it adopts
-  every ``pending``/``running`` row that a Ray actor owned (``node_id`` set),
-  attaching to the live actor by name or restarting it.
-- **Fencing**: an incarnation that loses the lease gets ``LeaseLostError`` on its
-  next write; ``run()`` returns outcome ``fenced`` and the supervisor stops the
-  actor without restarting it (a newer owner exists).
+``run()`` calls :func:`loomray.session.execute_request` and is idempotent: a second call joins the run in
+flight, which is how a watcher re-attaches. Detached with ``max_restarts=0``: only the supervisor restarts
+it (docs/design.md, "Supervisor (Ray)"). A fenced run's outcome is ``fenced``, never restarted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import time
@@ -68,12 +47,9 @@ def _portable(e: BaseException) -> BaseException | None:
 class SessionActor:
     """Hosts one session's run. Created by the Supervisor, never restarted by Ray.
 
-    ``request_json`` is a :class:`loomray.session.RunRequest` as JSON. The
-    constructor does the cheap, failure-prone parts (store, agent, request) so
-    a bad configuration fails actor creation with a clear error. With
-    ``events_to`` (the supervisor's handle) every event of the run is sent
-    there in ordered batches, for a driver that passed ``emit``; the batches
-    still in flight are flushed before ``run()`` returns.
+    The constructor does the cheap, failure-prone parts (store, agent, request), so a bad configuration
+    fails actor creation with a clear error. With ``events_to`` (the supervisor's handle) every event is sent
+    there in ordered batches, all flushed before ``run()`` returns.
     """
 
     def __init__(self, config: RuntimeConfig, agent: AgentSpec, request_json: str, events_to: Any = None,
@@ -236,11 +212,8 @@ class SessionActor:
                 "finished": self._task is not None and self._task.done(), "started": self._started}
 
     async def cancel(self) -> None:
-        """Stop the run in flight now, as its cancel watcher does when it finds the session's cancel request.
-
-        The durable part of a cancel (the request object, the fence, the ``cancelled`` status) is written by
-        whoever cancels (``Runtime.cancel``); this only spares the run its next look at the store.
-        """
+        """Stop the run in flight now; the durable part of the cancel is written by whoever cancels
+        (``Runtime.cancel``), this only spares the run its next look at the store."""
         if self._task is None:
             return
         handles = control.local_runs(self._store, self._request.session_id, self._request.user_id)
@@ -256,12 +229,10 @@ class SessionActor:
                 self._cancel_on_entry = True
 
     def stop(self) -> None:
-        """End this actor process (called once its outcome is collected; nothing of the run is left to do).
+        """End this actor process once its outcome is collected.
 
-        A forced kill, not ``exit_actor``: Ray's graceful exit keeps the
-        process up for seconds (waiting on references it owns), polling all
-        the while, and a fan-out's finished forks would take that CPU from
-        the ones still running.
+        A forced kill, not ``exit_actor``: Ray's graceful exit keeps the process polling for seconds, taking
+        CPU from a fan-out's forks still running.
         """
         close = getattr(self._store, "close", None)
         if close is not None:
@@ -274,13 +245,7 @@ def _kill_self() -> None:
     ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
 
-#: ``ray.remote(SessionActor)``, made once per process by :func:`session_actor_class`.
-_REMOTE_CLASS: Any = None
-
-
+@functools.cache
 def session_actor_class() -> Any:
     """``ray.remote(SessionActor)``, made once per process (each new ActorClass exports the class again)."""
-    global _REMOTE_CLASS
-    if _REMOTE_CLASS is None:
-        _REMOTE_CLASS = ray.remote(SessionActor)
-    return _REMOTE_CLASS
+    return ray.remote(SessionActor)

@@ -1,21 +1,8 @@
 """The actor options a session's active mark keeps: JSON only, and never a secret.
 
-A session's actor options are stored with its active mark (``active/{u}/{s}.json``)
-so a supervisor that adopts the session restarts it the way it ran. Whoever
-can read the bucket reads the mark, so an environment variable whose name or
-value looks like a credential (``*_API_KEY``, ``*TOKEN*``, ``sk-…``, ``AKIA…``)
-is left out of what is stored and only its *name* recorded. Restarts do not
-depend on it:
-
-- a supervisor that watched the session restarts it from the options it holds
-  in memory (the submitting runtime's, secrets included), on any node;
-- a supervisor that adopts the session from the store (its own supervisor died,
-  or a new cluster) fills each left-out variable from its own ``actor_options``
-  (``loomray supervise --runtime-env``), else the worker sees whatever the node's
-  environment holds (see :func:`restore_secrets`).
-
-A value that only references the node's environment (``"${ANTHROPIC_API_KEY}"``,
-expanded by Ray on the node) is not a secret and is kept.
+Whoever can read the bucket reads the mark, so a secret-looking environment variable is left out and only
+its name recorded; an adopting supervisor fills it from its own options (:func:`restore_secrets`).
+docs/tenancy.md, "Secrets and stored actor options".
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
-"""The ``Supervisor``: one detached actor per cluster that owns every session actor.
+"""The ``Supervisor``: one detached actor per store that owns every session actor (docs/design.md).
 
-It is the one place where sessions are started and restarted, so every
-restart is a fresh lease epoch decided once. Its jobs, each in its own part:
-
-- watch and restart (:mod:`loomray.runtime.watcher`): start a session's actor
-  (or an activation on a session host with ``placement="dense"``), await its
-  ``run()``, restart it from the store on a live node when it dies;
-- adopt (:mod:`loomray.runtime.adoption`): take over the store's active
-  sessions nobody here watches (a killed supervisor's, a lost cluster's),
-  refusing what the store must not choose;
-- relay events (:mod:`loomray.runtime.event_relay`), run fan-outs
-  (:mod:`loomray.runtime.fanouts`), compact the index (:mod:`loomray.runtime.index_compaction`);
-- run submitted explorations, and continue a dead supervisor's (:mod:`loomray.runtime.explorations`).
-
-Its state is derived, never authoritative: what it watches comes from the
-store's active-session marks, so a replacement supervisor picks up every
-active session. Finished sessions are reported for ``forget_after_s``, then forgotten.
+It is the one place where sessions are started and restarted, so every restart is a fresh lease epoch
+decided once. Its state is derived from the store's active-session marks, never authoritative, so a
+replacement supervisor picks up every active session.
 """
 
 from __future__ import annotations
@@ -78,13 +65,7 @@ class Supervisor:
 
     # -- lifecycle -------------------------------------------------------------
     async def ready(self, adopt: bool = False, allow: Iterable[str] = ()) -> dict[str, Any]:
-        """Start background work (once); with ``adopt`` also adopt the store's active sessions now.
-
-        ``allow`` adds allowed agent reference patterns first (what ``supervise``
-        passes, so a supervisor that already existed learns the operator's list).
-
-        Returns a summary: store URL, sessions watched, restarts made, this node.
-        """
+        """Start background work (once), allow ``allow``'s agent patterns, with ``adopt`` adopt now; a summary."""
         self.allow(allow)
         await self._ensure_started()
         if adopt:
@@ -129,8 +110,7 @@ class Supervisor:
 
     # -- the sessions watched ------------------------------------------------------
     def _track(self, w: WatchedSession) -> None:
-        """Hold ``w`` as a session whose run is active, and count it until its outcome is in (and whether that
-        outcome waits for a person: the awaiting-approval gauge, until the session runs again)."""
+        """Hold ``w`` as an active session and count it (and whether its outcome waits for a person) for the gauges."""
         key = (w.user_id, w.session_id)
         self._sessions[key] = w
         placement = self._watcher.config_of(w).placement
@@ -155,11 +135,8 @@ class Supervisor:
     async def _adopt(self, foreign: bool = False) -> list[str]:
         """Take ownership of every active Ray session in the index that nobody here watches.
 
-        Without ``foreign`` only sessions last run on a node this cluster knows
-        (alive or dead) are taken: another live cluster may share the store,
-        and restarting its sessions here would fence them. ``foreign=True``
-        (``supervise()``, an operator's decision) takes every one: the cluster
-        that ran them is gone.
+        Without ``foreign`` only sessions last run on a node this cluster knows: another live cluster may
+        share the store, and restarting its sessions here would fence them.
         """
         if self._adopting is None:
             self._adopting = asyncio.Lock()
@@ -190,16 +167,10 @@ class Supervisor:
     # -- sessions --------------------------------------------------------------
     async def submit(self, agent: AgentSpec, request_json: str, stream_events: bool = False,
                      config: RuntimeConfig | None = None, resend: bool = False) -> dict[str, Any]:
-        """Start a session actor for ``request_json`` and watch it; returns once the actor is created.
+        """Start a session actor for ``request_json`` and watch it; returns once the actor is created, not started.
 
-        Its process starts when the cluster has what its ``actor_options``
-        ask for, which this does not wait for; the run goes on without the
-        caller. A constructor failure (an agent the workers cannot import, an
-        unreachable store) is the session's outcome: failed. ``config`` is the
-        submitting runtime's (its retention and actor options apply to this
-        session); it must name this supervisor's store. A session adopted
-        later from the index gets the supervisor's own config. A driver's ``resend`` (it lost the supervisor
-        it sent this to) starts no run twice, and joins the run's actor if it is there (:mod:`~.handoffs`).
+        ``config`` is the submitting runtime's and must name this store. A driver's ``resend`` starts no run
+        twice (:mod:`~.handoffs`).
         """
         if config is not None and config.store_url != self._config.store_url:
             raise LoomrayUserError(f"this supervisor serves store {self._config.store_url!r}, not {config.store_url!r}")
@@ -278,12 +249,9 @@ class Supervisor:
     async def run_many(self, agent: AgentSpec | list[AgentSpec], request_jsons: list[str],
                        max_concurrent: int | None = None, fanout_id: str | None = None, stream_events: bool = False,
                        config: RuntimeConfig | None = None, resend: bool = False) -> list[Outcome]:
-        """Fan-out: one actor per request, at most ``max_concurrent`` (default ``max_concurrent_forks``) at once.
+        """Fan-out: one session per request (``agent``: one for all or one each), ``max_concurrent`` at once.
 
-        ``agent`` runs every request, or is a list of one per request (the
-        forks of variants). Outcomes come back in request order;
-        ``fanout(fanout_id)`` reports progress meanwhile. A ``resend`` starts
-        no fork twice (:mod:`loomray.runtime.handoffs`).
+        Outcomes come back in request order; ``fanout(fanout_id)`` reports progress meanwhile.
         """
         specs = agent if isinstance(agent, list) else [agent] * len(request_jsons)
         spec_of = dict(zip(request_jsons, specs, strict=True))  # each request's JSON is its own: a new session id
@@ -300,14 +268,7 @@ class Supervisor:
         return self._fanouts.progress(fanout_id)
 
     async def status(self) -> list[dict[str, Any]]:
-        """One dict per session this supervisor knows (running, or finished within ``forget_after_s``).
-
-        Keys: ``session_id``, ``user_id``, ``status`` (``running``, else :attr:`Outcome.state`, as the
-        store row says), ``node_id``, ``host``, ``placement``, ``epoch``, ``incarnation``, ``restarts``,
-        ``charged_restarts`` and ``quarantined`` (:meth:`SessionWatcher.after_death`), ``turn`` (passes
-        completed as of the latest event or checkpoint; asked of live actors with a short timeout, else the
-        last value seen), ``error``.
-        """
+        """One dict per session this supervisor knows (:meth:`WatchedSession.describe`); live ones asked briefly."""
         await self._ensure_started()
         self._forget()
         live = [w for w in self._sessions.values() if not w.done.done() and w.handle is not None]
@@ -341,8 +302,7 @@ class Supervisor:
     async def cancel(self, session_id: str, user_id: str | None = None) -> bool:
         """Tell a session's actor to stop its run now; the durable cancel (already written) does the rest.
 
-        An actor not started yet (it waits for what it asked for) answers once it starts: this waits a
-        few seconds at most, since that actor finds the durable cancel when it takes the lease anyway.
+        Waits a few seconds at most: an actor not started yet finds the durable cancel when it takes the lease.
         """
         w = self._sessions.get((user_id, session_id))
         if w is None or w.done.done() or w.handle is None:
@@ -362,23 +322,16 @@ class Supervisor:
 
     async def events(self, session_id: str, user_id: str | None = None, cursor: int = 0,
                      wait_s: float = 1.0) -> dict[str, Any]:
-        """Events of a streamed session from ``cursor`` on; waits up to ``wait_s`` for new ones.
-
-        Returns ``{"events": [json, ...], "cursor": next, "dropped": n, "done": bool}``;
-        ``done`` is true once the run ended and every event it sent is included.
-        """
+        """Events of a streamed session from ``cursor`` on, waiting up to ``wait_s`` (:meth:`EventRelay.read`)."""
         key = (user_id, session_id)
         w = self._sessions.get(key)
         return await self._events.read(key, cursor, wait_s, None if w is None else w.done)
 
 
 def get_supervisor(config: RuntimeConfig, *, timeout: float = 120.0) -> Any:
-    """The supervisor of ``config``'s store on this cluster, created (detached, preferably on the head) if missing.
+    """The supervisor of ``config``'s store on this cluster, created (detached, on the head) if missing.
 
-    Each store has its own (named from the store, :func:`supervisor_name`), so
-    any number of stores share a cluster. Raises :class:`LoomrayUserError` when
-    the actor under that name serves another store (a hash collision: not
-    expected to happen, checked all the same).
+    :class:`LoomrayUserError` when the actor under that name serves another store (a hash collision).
     """
     options: dict[str, Any] = {
         "name": supervisor_name(config.store_url), "namespace": NAMESPACE, "lifetime": "detached", "get_if_exists": True,
@@ -386,10 +339,8 @@ def get_supervisor(config: RuntimeConfig, *, timeout: float = 120.0) -> Any:
         "num_cpus": 0, "max_restarts": -1, "max_concurrency": 100_000,
     }
     if head_node_id() is not None:
-        # Worker nodes come and go; the head lives as long as the cluster. A resource,
-        # not soft node affinity: soft affinity to the head was measured landing on a
-        # worker about half the time, and a head re-created with a new node id (GCS
-        # fault tolerance) still carries this resource.
+        # The head lives as long as the cluster. A resource, not soft affinity: soft affinity landed on a
+        # worker about half the time, and a head re-created with a new node id still carries the resource.
         options["resources"] = {"node:__internal_head__": 0.001}
     handle: Any = ray.remote(Supervisor).options(**options).remote(config)
     info: dict[str, Any] = ray.get(handle.ready.remote(), timeout=timeout)

@@ -1,16 +1,8 @@
 """Watching sessions: start a session's actor, await its run, restart it where it died, record its end.
 
-The supervisor watches each session by awaiting its actor's ``run()``
-ObjectRef. A session starts in an actor of its own (actor placement), or as
-an activation on a session host (dense placement, :mod:`loomray.runtime.placement`).
-An actor is created, not waited for: it starts when the cluster has the
-resources its options ask for, and the watcher's ``run()`` call waits for it.
-When the actor dies (``ActorDiedError``: its node, OOM, a kill) the watcher
-starts a new incarnation from the store, preferring a live node other than
-the dead one; the new lease epoch fences a partitioned old incarnation. An
-actor that failed to construct, an agent passed by value whose actor is gone
-and a session past ``max_restarts_per_session`` are marked failed instead:
-restarting them would fail again.
+A dead actor gets a new incarnation from the store, preferring another live node (its new lease epoch
+fences a partitioned old one). What would fail again is marked failed instead: an actor that failed to
+construct, an agent passed by value whose actor is gone, a session past ``max_restarts_per_session``.
 """
 
 from __future__ import annotations
@@ -163,11 +155,8 @@ class SessionWatcher:
         return handle
 
     async def _existing(self, name: str, request_json: str) -> Any | None:
-        """An actor already holding ``name``: attach if it runs this very request, else stop it.
-
-        A leftover from an earlier request of the same session (finished, not
-        yet collected) must not answer for this one.
-        """
+        """An actor already holding ``name``: attach if it runs this very request, else stop it (a leftover of an
+        earlier request must not answer for this one)."""
         try:
             handle = ray.get_actor(name, namespace=NAMESPACE)
             info = await handle.info.remote()
@@ -248,17 +237,10 @@ class SessionWatcher:
             return await self.finish(w, outcome, mark_failed=False)
 
     async def after_death(self, w: WatchedSession, error: BaseException) -> None:
-        """Attribute the death of the process that ran ``w`` before it is restarted.
+        """Attribute the death of the process that ran ``w`` before it is restarted (docs/containment.md).
 
-        A session actor is its session's alone: its death is charged to the
-        session (``max_restarts_per_session``). A session host is shared: when
-        it dies while its node is up, something in it crashed it (a tool's
-        ``os._exit``, a segfault, memory), not necessarily this session. Such a
-        restart is not charged to any of its sessions; each counts that it was
-        there, and a session present at ``QUARANTINE_AFTER`` host crashes is
-        restarted in a session actor of its own, where a crash of its own is
-        charged to it alone and its neighbours run on unharmed. A host lost
-        with its node is a node loss and charged as always.
+        A shared host that died with its node up is charged to none of its sessions; a session present at
+        ``QUARANTINE_AFTER`` such crashes moves to a session actor of its own.
         """
         config = self.config_of(w)
         if config.placement == "dense":
