@@ -13,7 +13,7 @@ from loomray.storage.errors import InvalidIdError as StorageInvalidIdError
 from loomray.storage.ids import user_segment, validate_id
 
 
-def check_id(value: Any, what: str) -> str:
+def check_id(value: object, what: str) -> str:
     """``value`` if it is a valid id, else :class:`InvalidIdError` (also a ``ValueError``)."""
     try:
         return validate_id(value, what)
@@ -30,7 +30,7 @@ def check_user(user_id: Any) -> None:
             raise InvalidIdError(str(e)) from e
 
 
-def check_ids(session_id: Any, user_id: Any, checkpoint_id: str = "latest") -> None:
+def check_ids(session_id: object, user_id: object, checkpoint_id: str = "latest") -> None:
     """Refuse invalid ids before anything runs (``""`` is not "no id": only None is)."""
     check_id(session_id, "session_id")
     check_user(user_id)
@@ -50,7 +50,7 @@ def split_kwargs(kwargs: dict[str, Any]) -> tuple[EmitFn | None, Sequence[Any], 
     return kwargs.get("emit"), kwargs.get("extra_tools", ()), kwargs.get("output_schema"), fields
 
 
-def output_type(output_schema: Any) -> type[BaseModel] | None:
+def output_type(output_schema: object) -> type[BaseModel] | None:
     """The pydantic class ``output_schema`` names (None for a JSON schema dict or none); anything else is refused."""
     if output_schema is None:
         return None
@@ -61,7 +61,7 @@ def output_type(output_schema: Any) -> type[BaseModel] | None:
     raise LoomrayUserError(f"output_schema must be a pydantic model class or a JSON schema dict, got {output_schema!r}")
 
 
-def schema(output_schema: Any) -> dict[str, Any] | None:
+def schema(output_schema: object) -> dict[str, Any] | None:
     """``output_schema`` as the JSON schema a request carries (None without one)."""
     t = output_type(output_schema)
     if t is not None:

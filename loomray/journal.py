@@ -23,7 +23,7 @@ from loomray.records import Message, ToolCall
 from loomray.tools import Tool, ToolContext, run_tool_call
 
 
-def input_hash(data: Any) -> str:
+def input_hash(data: object) -> str:
     """sha256 of canonical JSON (sorted keys, no whitespace) of ``data``."""
     if hasattr(data, "model_dump"):
         data = data.model_dump(mode="json")

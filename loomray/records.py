@@ -184,7 +184,7 @@ class Checkpoint(BaseModel):
         return self.__pydantic_serializer__.to_json(self)
 
     @classmethod
-    def from_dict(cls, data: Any) -> Checkpoint:
+    def from_dict(cls, data: object) -> Checkpoint:
         """Reconstruct and validate; raise :class:`CheckpointException` on bad data."""
         if not isinstance(data, dict):
             raise CheckpointException(f"checkpoint data must be a JSON object, got {type(data).__name__}")

@@ -128,7 +128,7 @@ class Variant:
         return out
 
     @classmethod
-    def from_json(cls, data: Any) -> Variant:
+    def from_json(cls, data: object) -> Variant:
         """The variant :meth:`to_json` stored: model and tools as names. :class:`VariantError` for anything else."""
         if not isinstance(data, dict):
             raise VariantError(f"a stored variant is a JSON object, got {type(data).__name__}")

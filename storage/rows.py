@@ -243,7 +243,7 @@ def decode_chain(value: str | None) -> tuple[str, ...]:
     return strings(json.loads(value)) if value else ()
 
 
-def strings(value: Any) -> tuple[str, ...]:
+def strings(value: object) -> tuple[str, ...]:
     """A JSON list of strings (names, days) as a tuple; ``ValueError`` for anything else."""
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise ValueError(f"expected a list of strings, got {value!r:.80}")

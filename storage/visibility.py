@@ -50,7 +50,7 @@ def _pair(value: Any) -> tuple[int, str] | None:
     return None
 
 
-def parse_fences(items: Any) -> list[Fence]:
+def parse_fences(items: object) -> list[Fence]:
     """The well-formed checkpoint fences among ``items`` (lease.json is not trusted: the worst a forged fence
     does is hide or retire rows of older epochs, never resurrect one). An epoch is an int in [0, 2**53), as
     every writer writes it: a larger one (10**30) would not even compare with an index's int64 column.

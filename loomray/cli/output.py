@@ -62,7 +62,7 @@ def _tidy(obj: Any, dollars: bool = False) -> Any:
     return obj
 
 
-def emit_json(obj: Any) -> None:
+def emit_json(obj: object) -> None:
     """Print ``obj`` as indented JSON: times ISO 8601 (``2026-05-01T12:00:00+00:00``), dollars to 6 decimals."""
     click.echo(json.dumps(_tidy(obj), default=_json_default, indent=2))
 
@@ -102,7 +102,7 @@ def time_cells(times: Sequence[datetime | None], now: datetime | None = None) ->
     return ["-" if t is None else _utc(t).strftime(fmt) for t in times]
 
 
-def parse_iso(value: Any) -> datetime | None:
+def parse_iso(value: object) -> datetime | None:
     """A datetime (a naive one is UTC) from a datetime or an ISO string; None for anything else or bad text."""
     if isinstance(value, str):
         try:
@@ -128,13 +128,13 @@ def count(n: int, what: str, plural: str | None = None) -> str:
     return f"{n} {what if n == 1 else plural or what + 's'}"
 
 
-def excerpt(text: Any, n: int) -> str:
+def excerpt(text: object, n: int) -> str:
     """``text`` on one line, at most ``n`` characters (cut with "...")."""
     text = " ".join(str(text or "").split())
     return text if len(text) <= n else text[: n - 3] + "..."
 
 
-def plain_cell(value: Any, column: str = "") -> str:
+def plain_cell(value: object, column: str = "") -> str:
     """A query result value as table text: times UTC to the second, dollars as money, floats without noise."""
     if value is None:
         return ""

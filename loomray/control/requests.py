@@ -115,7 +115,7 @@ def request_pause(store: SessionStore, session_id: str, user_id: str | None, *, 
     return name
 
 
-def normalize_decision(value: Any) -> ToolDecision:
+def normalize_decision(value: object) -> ToolDecision:
     """A decision from what a caller passes.
 
     ``True`` approves; ``False`` or a reason (a str) denies; :class:`~loomray.Approve`
@@ -164,7 +164,7 @@ def pending_calls(store: SessionStore, session_id: str, user_id: str | None) -> 
     return [c for c in calls if c.id in wanted]
 
 
-def record_decision(store: SessionStore, session_id: str, user_id: str | None, call_id: str, decision: Any, *,
+def record_decision(store: SessionStore, session_id: str, user_id: str | None, call_id: str, decision: object, *,
                     source: str = "api", check_pending: bool = True) -> bool:
     """Record the decision on tool call ``call_id`` (create-only: the first decision wins).
 

@@ -96,7 +96,7 @@ async def call_judge(judge: Any, agent: Agent, judged: JudgeInput, session_id: s
     return Score.of(verdict), 0.0
 
 
-def check_judge(judge: Any) -> None:
+def check_judge(judge: object) -> None:
     """A ``TypeError`` unless ``judge`` is a ModelJudge or a callable."""
     if not isinstance(judge, ModelJudge) and not callable(judge):
         raise TypeError(f"judge must be a callable (JudgeInput) -> float | Score or a loomray.ModelJudge, "

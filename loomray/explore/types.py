@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 from loomray.records import Message, RunResult
 from loomray.variants import Variant
@@ -64,7 +63,7 @@ class Score:
         object.__setattr__(self, "value", float(self.value))
 
     @classmethod
-    def of(cls, verdict: Any) -> Score:
+    def of(cls, verdict: object) -> Score:
         """What a judge returned (a number or a :class:`Score`) as a Score; anything else is a ``TypeError``."""
         if isinstance(verdict, Score):
             return verdict

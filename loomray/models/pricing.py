@@ -76,7 +76,7 @@ class PriceTable:
             p.lower(): {m: (price, source) for m, price in models.items()} for p, models in (prices or {}).items()}
 
     @classmethod
-    def from_data(cls, data: Any, *, source: str) -> PriceTable:
+    def from_data(cls, data: object, *, source: str) -> PriceTable:
         """Parse the override format; a malformed table is a :class:`ModelConfigError` naming ``source``."""
         if not isinstance(data, Mapping):
             raise ModelConfigError(f"price table {source}: expected a JSON object, got {type(data).__name__}")

@@ -63,7 +63,7 @@ def session_actor_name(store_url: str, session_id: str, user_id: str | None = No
 _REF = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*$")
 
 
-def check_ref(ref: Any) -> str:
+def check_ref(ref: object) -> str:
     """Validate the form of an agent reference ``package.module:attribute`` (importing nothing); return it."""
     if not isinstance(ref, str) or not _REF.match(ref):
         raise LoomrayUserError(f"agent reference {ref!r} must look like 'package.module:attribute'")
@@ -91,7 +91,7 @@ def resolve_ref(ref: str) -> Any:
     return obj
 
 
-def check_pattern(pattern: Any) -> str:
+def check_pattern(pattern: object) -> str:
     """Validate an allowed-agent pattern: an agent reference, optionally with glob wildcards (``examples.*:agent``)."""
     if not isinstance(pattern, str) or pattern.count(":") != 1 or not all(pattern.partition(":")[::2]) \
             or any(ch.isspace() for ch in pattern):
@@ -132,7 +132,7 @@ class _OptionsProbe:
     """A class never instantiated: Ray validates actor options against it."""
 
 
-def check_actor_options(options: Any) -> dict[str, Any]:
+def check_actor_options(options: object) -> dict[str, Any]:
     """Validate ``actor_options`` the way Ray's ``.options()`` will, but now, so a bad option fails where
     the runtime or command is built, not in the supervisor; :class:`LoomrayUserError` otherwise."""
     if not isinstance(options, dict):

@@ -140,7 +140,7 @@ class SupervisedRuntime(Runtime):
         """Nothing to release: the store is the supervisor's."""
 
 
-def check_request(request: Any) -> dict[str, Any]:
+def check_request(request: object) -> dict[str, Any]:
     """A submitted exploration's request with exactly :data:`REQUEST_FIELDS`, its references well formed."""
     if not isinstance(request, dict) or set(request) != set(REQUEST_FIELDS):
         got = sorted(request) if isinstance(request, dict) else type(request).__name__

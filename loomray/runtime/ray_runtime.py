@@ -321,7 +321,7 @@ class RayRuntime(Runtime):
         return await self._call("session", session_id, user_id)
 
 
-def check_placement(placement: Any, hosts_per_node: Any = None, sessions_per_host: Any = 1000) -> None:
+def check_placement(placement: object, hosts_per_node: object = None, sessions_per_host: object = 1000) -> None:
     """Validate the placement options of :class:`RayRuntime` (``ValueError`` naming the bad one)."""
     if placement not in ("actor", "dense"):
         raise ValueError(f"placement must be 'actor' or 'dense', got {placement!r}")

@@ -24,7 +24,7 @@ _REFERENCE = re.compile(r"^\$\{[A-Za-z_][A-Za-z0-9_]*\}$")
 REDACTED = "<redacted>"
 
 
-def looks_secret(name: str, value: Any) -> bool:
+def looks_secret(name: str, value: object) -> bool:
     """Whether environment variable ``name=value`` looks like a credential (a ``${VAR}`` reference never does)."""
     text = value if isinstance(value, str) else json.dumps(value, default=str)
     if _REFERENCE.match(text):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from .. import layout
 from ..errors import InvalidIdError, PreconditionFailed, StorageError
@@ -71,7 +71,7 @@ def missing_ranges(seqs: Collection[int], top: int) -> list[list[int]]:
     return out
 
 
-def parse_ranges(value: Any) -> list[tuple[int, int]]:
+def parse_ranges(value: object) -> list[tuple[int, int]]:
     """``missing`` ranges as read back from a seal or a lease note (the bucket is not trusted: malformed
     items are dropped; the worst a forged range can do is fence entries, which are then re-executed)."""
     if not isinstance(value, list):
