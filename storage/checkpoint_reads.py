@@ -9,6 +9,7 @@ up to ``READ_TIMEOUT`` seconds.
 from __future__ import annotations
 
 import builtins
+import functools
 import hashlib
 import logging
 from dataclasses import dataclass, field
@@ -70,7 +71,7 @@ class CheckpointReads:
         bad: set[str] = set()  # keys whose object does not match its row's sha256
         attempt = 0
         while True:
-            snap = self._tails.snapshot(session_id, user_id)
+            snap = self._tails.snapshot(session_id, user_id, ahead=self._head_ahead)
             rows, present = snap.live, snap.present
             above: set[str] = set()  # rows newer than the newest one whose object exists, their objects gone
             for row in sorted(rows.values(), key=lambda r: r.order, reverse=True):
@@ -89,6 +90,13 @@ class CheckpointReads:
             _relist_pause(attempt, deadline, f"{self.objects.describe(objects_prefix)}: the newest checkpoints of "
                                              f"session {session_id!r} kept being retired before they were read")
         return self._present(snap, bad, limit)
+
+    def _head_ahead(self, snap: Snapshot) -> builtins.list[str]:
+        """The newest live object listed at its written size, unless this store verified it already: what
+        :meth:`_verify_head` reads first, read with the snapshot's last round."""
+        head = max((r for r in snap.live.values() if snap.present.get(r.key) == r.size), key=lambda r: r.order,
+                   default=None)
+        return [] if head is None or self._tails.verified(head.key, snap.etags.get(head.key)) else [head.key]
 
     def _verify_head(self, snap: Snapshot, gone: set[str], bad: set[str]) -> str | None:
         """Read and check the newest live row listed at its written size against its sha256 (what "latest"
@@ -192,8 +200,9 @@ class CheckpointReads:
         read = _Reading(session_id, checkpoint_id)
         deadline = backoff.clock() + READ_TIMEOUT
         attempt = 0
+        ahead = None if pinned_for is not None else functools.partial(_ahead, checkpoint_id, chain)
         while True:
-            snap = first if first is not None and attempt == 0 else self._tails.snapshot(session_id, user_id)
+            snap = first if first is not None and attempt == 0 else self._tails.snapshot(session_id, user_id, ahead)
             if checkpoint_id == "latest":
                 candidates = sorted(snap.live.values(), key=lambda r: r.order, reverse=True)
             elif pinned_for is not None:
@@ -297,6 +306,21 @@ def _verify(objects: ObjectStore, row: CheckpointRow, data: bytes, session_id: s
             f"{objects.describe(key)}: checkpoint {row.checkpoint_id if own else '(in a chain)'!r} of session "
             f"{session_id!r} is corrupt or truncated ({len(data)} bytes, {row.size if own else '?'} written; "
             "sha256 mismatch)")
+
+
+def _ahead(checkpoint_id: str, chain: bool, snap: Snapshot) -> list[str]:
+    """The objects :meth:`CheckpointReads._read_first` reads first from ``snap``: its first candidate's (and its
+    chain's when ``chain``), read with the snapshot's last round; none when that object is not listed."""
+    if checkpoint_id == "latest":
+        row = max(snap.live.values(), key=lambda r: r.order, default=None)
+    else:
+        row = snap.live.get(checkpoint_id)
+    if row is None or row.key not in snap.present:
+        return []
+    try:
+        return [row.key, *(_chain_keys(row) if chain else ())]
+    except ValueError:
+        return [row.key]  # a malformed chain: reported when the chain is read
 
 
 def _chain_keys(row: CheckpointRow) -> list[str]:

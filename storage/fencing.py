@@ -19,7 +19,7 @@ from typing import Any
 from . import envelope, layout
 from .checkpoint_rows import CheckpointRows
 from .errors import StorageError
-from .objects import ObjectStore
+from .objects import ObjectStore, StoredObject
 from .rows import CheckpointRow, Lease
 from .visibility import Visibility, fenced_by, parse_fences
 
@@ -39,15 +39,15 @@ def lease_body(data: bytes | None) -> dict[str, Any] | None:
     return body if isinstance(body, dict) else None
 
 
-def kept_lease_body(objects: ObjectStore, session_id: str, user_id: str | None, below: int | None = None,
-                    cache: dict[tuple[str, str], dict[str, Any]] | None = None) -> dict[str, Any] | None:
-    """The newest readable copy of a ``lease.json`` body a swap kept (``leases/{epoch}.json``; only epochs
-    below ``below`` when given), or None when there is none.
+#: A kept copy of a lease body as a LIST shows it: ``(epoch, key, ETag)``.
+Copy = tuple[int, str, str]
+#: Kept copies already read: key -> (ETag, body). A copy is written once, so its body is read once.
+CopyCache = dict[str, tuple[str, dict[str, Any]]]
 
-    A fence lives as long as its copy, so deleting or rewriting ``lease.json``
-    shows no fenced row again. One LIST and a GET of the newest copy (up to 3
-    if unreadable); ``cache``: copies already read, by key and ETag.
-    """
+
+def lease_copies(objects: ObjectStore, session_id: str, user_id: str | None, below: int | None = None) -> list[Copy]:
+    """The kept copies of the session's lease bodies (``leases/{epoch}.json``; only epochs below ``below`` when
+    given), newest first: one LIST."""
     prefix = layout.lease_copy_prefix(session_id, user_id)
     listed = []
     for info in objects.list(prefix=prefix):
@@ -55,16 +55,41 @@ def kept_lease_body(objects: ObjectStore, session_id: str, user_id: str | None, 
         if (info.key.endswith(".json") and len(name) == 20 and name.isascii() and name.isdigit()
                 and (below is None or int(name) < below)):  # the key lease_copy_key names: no foreign object
             listed.append((int(name), info.key, info.etag))
-    for _, key, etag in sorted(listed, reverse=True)[:3]:
-        if cache is not None and (key, etag) in cache:
-            return cache[(key, etag)]
-        obj = objects.get(key=key)
+    return sorted(listed, reverse=True)
+
+
+def newest_body(objects: ObjectStore, copies: list[Copy], cache: CopyCache | None = None,
+                fetched: dict[str, StoredObject | None] | None = None) -> dict[str, Any] | None:
+    """The body of the newest readable copy among ``copies`` (newest first; up to 3 tried), or None.
+
+    ``cache``: bodies already read; ``fetched``: objects read alongside the
+    LIST, each used only if its ETag is the one listed (the very object the
+    LIST showed); any other copy is read now.
+    """
+    for _, key, etag in copies[:3]:
+        if cache is not None and key in cache and cache[key][0] == etag:
+            return cache[key][1]
+        obj = (fetched or {}).get(key)
+        if obj is None or obj.etag != etag:
+            obj = objects.get(key=key)
         body = lease_body(obj.data if obj is not None else None)
         if body is not None and type(body.get("epoch")) is int:
             if cache is not None and obj is not None:
-                cache[(key, obj.etag)] = body
+                cache[key] = (obj.etag, body)
             return body
     return None
+
+
+def kept_lease_body(objects: ObjectStore, session_id: str, user_id: str | None, below: int | None = None,
+                    cache: CopyCache | None = None) -> dict[str, Any] | None:
+    """The newest readable copy of a ``lease.json`` body a swap kept (``leases/{epoch}.json``; only epochs
+    below ``below`` when given), or None when there is none.
+
+    A fence lives as long as its copy, so deleting or rewriting ``lease.json``
+    shows no fenced row again. One LIST and a GET of the newest copy (up to 3
+    if unreadable); ``cache``: copies already read.
+    """
+    return newest_body(objects, lease_copies(objects, session_id, user_id, below), cache)
 
 
 def _chain_of(body: dict[str, Any] | None) -> list[dict[str, Any]]:

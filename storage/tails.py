@@ -5,9 +5,10 @@ as self-describing objects before any index file names them: its *tail*. A
 reader lists the objects beside the index partition and admits as tail rows
 those the visibility rule does (:func:`storage.visibility.tail_admitted`).
 A snapshot costs, besides the index LIST and unparsed index files: one LIST
-of ``checkpoints/``, one GET of ``lease.json`` (for a leased session one LIST
-and one GET of its kept copies), in parallel on a remote store, and one GET
-per object without a row (parsed tails are cached).
+of ``checkpoints/`` and one GET of ``lease.json``, in parallel on a remote
+store; then, for a leased session, one LIST and one GET of its kept lease
+copies, with one GET per object without a row (parsed tails are cached) and
+the objects the caller reads next, in parallel again.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import functools
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +28,7 @@ from . import envelope, layout
 from .chains import Pins
 from .checkpoint_rows import CheckpointRows
 from .envelope import row_of_header
-from .fencing import kept_lease_body, lease_body
+from .fencing import CopyCache, kept_lease_body, lease_body, lease_copies, newest_body
 from .index_merge import live_checkpoints
 from .rows import CheckpointRow
 from .visibility import (
@@ -100,6 +102,10 @@ class Snapshot:
         return list({r.key: r for r in (newest, latest) if r is not None}.values())
 
 
+#: Given a snapshot before its tail and kept lease copy are read: the keys of the objects its caller reads next.
+Ahead = Callable[[Snapshot], Iterable[str]]
+
+
 class TailReader:
     """Reads snapshots for a :class:`CheckpointRows` (parsed tails cached by key and size; objects are
     never rewritten in place)."""
@@ -109,7 +115,7 @@ class TailReader:
         self._lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, int], CheckpointRow | None] = OrderedDict()
         self._verified: OrderedDict[tuple[str, str], None] = OrderedDict()
-        self._copies: dict[tuple[str, str], dict[str, Any]] = {}  # kept lease body copies, by key and ETag
+        self._copies: CopyCache = {}  # kept lease body copies read, by key (with their ETag)
         self._leased: set[tuple[str | None, str]] = set()  # sessions seen with a lease.json: copies listed at once
         rows.rule_of = self.rule_of  # the rows' writers judge tombstones by the same lease bodies
         rows.wrote = lambda key, etag: self.verified(key, etag, mark=True)  # what this store wrote is verified
@@ -149,15 +155,65 @@ class TailReader:
                     self._verified.popitem(last=False)
             return (key, etag) in self._verified
 
-    def snapshot(self, session_id: str, user_id: str | None) -> Snapshot:
-        """Index rows, the checkpoint objects and ``lease.json``, then the tail.
+    def snapshot(self, session_id: str, user_id: str | None, ahead: Ahead | None = None) -> Snapshot:
+        """Index rows, the checkpoint objects and ``lease.json``, then the tail and the kept lease copy.
 
         The objects and ``lease.json`` are read after the index LIST (with the
         index files, in parallel on a remote store): a row that LIST shows
         whose object is gone was retired meanwhile (the reader lists again),
         and a row that landed after a takeover is judged by that takeover's
-        fence.
+        fence. The kept copies are listed after ``lease.json`` was read, as the
+        fence needs, and in one round with the tail's objects, the newest copy
+        (read at the epoch ``lease.json`` names, kept only if the LIST shows
+        that very object newest) and the objects ``ahead`` names.
+
+        ``ahead``: given the snapshot as it stands before the tail and the kept
+        copy are read, the keys of the objects the caller will read next
+        (its "latest" and that one's chain); they land in :attr:`Snapshot.data`.
+        Asked only when the session has no tail, whose newest would be "latest".
         """
+        got = self._look(session_id, user_id)
+        files: list[FileRows] = got["files"][0]
+        objects, listed, indexed = self.rows.objects, got["present"], _keys(files)
+        present = {o.key: o.size for o in listed}
+        lease, kept = got["lease"], got["kept"]
+        # lease.json may be gone, unreadable, rewritten by hand or restored from an older copy: the fences of
+        # the copy the last swap kept hold all the same (storage.visibility, rule 2). lease.json gone yet a
+        # leased writer may have written here: its copies too. A session written without a lease pays nothing.
+        todo = [k for k in present if k not in indexed]
+        copies = got["leased"] or (lease is None and kept is None and (any(r.epoch > 0 for r in indexed.values())
+                                                                          or bool(todo)))
+        snap = _snapshot(files, got["files"][1], present, lease, kept, indexed, session_id, user_id,
+                         {o.key: o.etag for o in listed})
+        guess = _copy_guess(lease, session_id, user_id) if copies else None
+        if guess is not None and guess in self._copies:
+            guess = None  # read before: the LIST's ETag says whether it still is that copy
+        tasks: list[Callable[[], Any]] = []
+        if copies:
+            tasks.append(lambda: lease_copies(objects, session_id, user_id))
+        if guess is not None:
+            tasks.append(lambda: objects.get(key=guess))
+        tasks += [functools.partial(self._tail_row, k, snap) for k in todo]
+        # Asked only without a tail: then no row joins snap.rows after ahead worked out snap.live.
+        wanted = [k for k in (ahead(snap) if ahead is not None and not todo else ()) if k not in snap.data]
+        tasks += [functools.partial(self._read_ahead, k, snap.data) for k in wanted]
+        done = self.rows.index.map_wide(lambda task: task(), tasks)
+        if copies:
+            if len(self._copies) > _TAIL_CACHE:
+                self._copies.clear()
+            fetched = {guess: done[1]} if guess is not None else None
+            kept = newest_body(objects, done[0], self._copies, fetched)
+            if Visibility.of(lease, kept) != snap.rule:
+                snap = _snapshot(files, got["files"][1], present, lease, kept, indexed, session_id, user_id,
+                                 snap.etags, snap.data)
+            snap.kept = kept
+        self._admit_tails(snap, done[len(done) - len(wanted) - len(todo):len(done) - len(wanted)])
+        return snap
+
+    def _look(self, session_id: str, user_id: str | None) -> dict[str, Any]:
+        """The index LIST, then the index files, the checkpoint objects' LIST and ``lease.json`` in one round
+        (and the kept copies, for a session known to be leased): ``files``, ``present``, ``lease``, ``kept``,
+        and ``leased`` (lease.json exists and its copies are still to be read)."""
         objects = self.rows.objects
         prefix = layout.session_prefix(session_id, user_id) + "checkpoints/"
         lease_key = layout.lease_key(session_id, user_id)
@@ -176,11 +232,11 @@ class TailReader:
                 if len(self._leased) > _TAIL_CACHE:
                     self._leased.clear()
                 self._leased.add((user_id, session_id))
-                got["kept"] = self._kept(session_id, user_id)  # a leased session: its kept copies too (see below)
+                got["leased"] = True  # a leased session: its kept copies too, listed once lease.json was read
             return lease_body(obj.data if obj is not None else None)
 
         def read(keys: list[str], vanished: list[str]) -> None:
-            got["kept"] = None
+            got["kept"], got["leased"] = None, False
             got["files"], got["present"], got["lease"], *kept = self.rows.index.map_io(
                 lambda i: part(i, keys, vanished), range(4 if known else 3))
             if kept:
@@ -188,31 +244,21 @@ class TailReader:
 
         partition = layout.index_partition(layout.CHECKPOINT_INDEX, session_id, user_id)
         self.rows.index.read_listed(partition, read)
-        files: list[FileRows] = got["files"][0]
-        listed = got["present"]
-        got["present"] = {o.key: o.size for o in listed}
-        indexed, kept = _keys(files), got["kept"]
-        if got["lease"] is None and kept is None and (any(r.epoch > 0 for r in indexed.values())
-                                                      or any(k not in indexed for k in got["present"])):
-            # lease.json is gone yet a leased writer may have written here. A session written without a lease
-            # pays nothing for this.
-            kept = kept_lease_body(objects, session_id, user_id)
-        # lease.json may be gone, unreadable, rewritten by hand or restored from an older copy: the fences of
-        # the copy the last swap kept hold all the same (storage.visibility, rule 2).
-        rule = Visibility.of(got["lease"], kept)
-        snap = Snapshot(live_of(files, rule), {}, got["present"], got["lease"], indexed, session_id=session_id,
-                        user_id=user_id, retired=got["files"][1], tomb_top=rule.tomb_top(files), kept=kept,
-                        etags={o.key: o.etag for o in listed})
-        self._read_tail(snap, session_id)
-        return snap
+        return got
 
-    def _read_tail(self, snap: Snapshot, session_id: str) -> None:
+    def _read_ahead(self, key: str, data: dict[str, bytes]) -> None:
+        """Read the object at ``key`` into ``data`` (nothing when it is gone: its reader looks again)."""
+        obj = self.rows.objects.get(key=key)
+        if obj is not None:
+            data[key] = obj.data
+
+    def _admit_tails(self, snap: Snapshot, found: list[CheckpointRow | None]) -> None:
+        """Add to ``snap`` the rows ``found`` in its unindexed objects that are its writer's tail (rule 3)."""
         epoch = snap.epoch
         current = epoch if epoch is not None else max((r.epoch for r in snap.rows.values()), default=0)
         tops = epoch_tops(snap.indexed.values(), snap.retired)
-        todo = [k for k in snap.present if k not in snap.indexed]
-        for row in self.rows.index.map_wide(lambda k: self._tail_row(k, snap), todo):
-            if row is None or row.session_id != session_id or not tail_admitted(row, current, tops):
+        for row in found:
+            if row is None or row.session_id != snap.session_id or not tail_admitted(row, current, tops):
                 continue
             snap.tails[row.checkpoint_id] = row
             snap.rows.setdefault(row.checkpoint_id, row)
@@ -279,6 +325,23 @@ class TailReader:
             while len(self._cache) > _TAIL_CACHE:
                 self._cache.popitem(last=False)
         return row
+
+
+def _snapshot(files: list[FileRows], retired: Tops, present: dict[str, int], lease: dict[str, Any] | None,
+              kept: dict[str, Any] | None, indexed: dict[str, CheckpointRow], session_id: str, user_id: str | None,
+              etags: dict[str, str], data: dict[str, bytes] | None = None) -> Snapshot:
+    """The snapshot of what was read, before its tail: the rule ``lease`` and ``kept`` set applied to ``files``."""
+    rule = Visibility.of(lease, kept)
+    return Snapshot(live_of(files, rule), {}, present, lease, indexed, data if data is not None else {},
+                    session_id=session_id, user_id=user_id, retired=retired, tomb_top=rule.tomb_top(files),
+                    kept=kept, etags=etags)
+
+
+def _copy_guess(lease: dict[str, Any] | None, session_id: str, user_id: str | None) -> str | None:
+    """The key of the copy the swap that wrote ``lease`` kept: the newest copy unless ``lease.json`` was rewritten
+    or restored by hand since (None: ``lease`` names no epoch a swap writes)."""
+    epoch = lease.get("epoch") if lease is not None else None
+    return layout.lease_copy_key(session_id, user_id, epoch) if layout.is_epoch(epoch) and epoch > 0 else None
 
 
 def _keys(files: list[FileRows]) -> dict[str, CheckpointRow]:

@@ -9,16 +9,22 @@ the column-wide one does.
 
 from __future__ import annotations
 
+import json
+import threading
+import time
+from dataclasses import replace
 from datetime import datetime, timezone
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from loomray.storage import CheckpointInfo, index_guard, open_store
+from loomray.storage import CheckpointInfo, index_guard, layout, open_store
 from loomray.storage.index_guard import checked, own_rows
 from loomray.storage.layout import lease_key
+from loomray.storage.objects import ObjectStore
 from loomray.storage.rows import CheckpointRow, checkpoint_rows_table
+from loomray.storage.store import Store
 from loomray.storage.testing import write_checkpoint
 
 T0 = datetime(2026, 7, 1, tzinfo=timezone.utc)
@@ -148,3 +154,77 @@ def test_a_time_past_year_9999_is_refused_on_either_path(monkeypatch, few):
         bad = pa.table({"t": pa.array([0, None, ticks], pa.timestamp("us", tz="UTC"))})
         with pytest.raises(pa.ArrowInvalid, match="years 1-9999"):
             checked(bad)
+
+
+class _Rounds(ObjectStore):
+    """An object store whose every call takes ``latency`` (a network round trip) and records its round: one more
+    than the deepest call that had answered when it started. The deepest is what a reader waited for in turn."""
+
+    def __init__(self, inner: ObjectStore, latency: float = 0.05) -> None:
+        self.inner, self.backend, self.latency = inner, inner.backend, latency
+        self.calls: list[tuple[str, str, int]] = []  # (op, key or prefix, round)
+        self._ended: list[tuple[float, int]] = []
+        self._lock = threading.Lock()
+
+    def _call(self, op: str, fn, **kw):
+        start = time.monotonic()
+        with self._lock:
+            depth = 1 + max((d for end, d in self._ended if end <= start), default=0)
+        time.sleep(self.latency)  # the wire, not a wait for another thread: every call pays it
+        out = fn(**kw)
+        out = list(out) if op == "list" else out
+        with self._lock:
+            self._ended.append((time.monotonic(), depth))
+            self.calls.append((op, kw.get("key") or kw.get("prefix") or "", depth))
+        return out
+
+    def rounds(self) -> int:
+        return max((d for _, _, d in self.calls), default=0)
+
+    def put(self, **kw):
+        return self._call("put", self.inner.put, **kw)
+
+    def get(self, **kw):
+        return self._call("get", self.inner.get, **kw)
+
+    def list(self, **kw):
+        return iter(self._call("list", self.inner.list, **kw))
+
+    def list_dirs(self, **kw):
+        return self._call("list", self.inner.list_dirs, **kw)
+
+    def delete(self, **kw):
+        return self._call("delete", self.inner.delete, **kw)
+
+    def describe(self, key=None):
+        return self.inner.describe(key)
+
+
+def test_a_cold_read_of_a_leased_sessions_latest_on_s3_takes_three_round_trips(s3_server):
+    """The index LIST; the index files, the objects' LIST and lease.json; the kept lease copies (LIST, and the copy
+    lease.json's swap kept) with the latest's chain. Every request the fence needs is still made, in the same order
+    (lease.json after the index LIST, the copies after lease.json), only not one round each."""
+    writer = s3_server.open_store()
+    lease = writer.leases.acquire("s", owner="o")
+    for j in range(4):
+        write_checkpoint(writer, b'{"x": %d}' % j, _info("s", j), lease=lease, keep=0)
+    write_checkpoint(writer, b'{"x": 4}', replace(_info("s", 4), chain=("c0000", "c0001", "c0002", "c0003")),
+                     lease=lease, keep=0)
+    for read in ("get_chain", "list"):
+        rounds = _Rounds(writer.objects)
+        reader = Store(rounds, writer.url)  # a new process: nothing cached
+        if read == "get_chain":
+            chain = reader.checkpoints.get_chain("s") or []
+            assert [json.loads(o)["index"]["checkpoint_id"] for o in chain] == [f"c{j:04d}" for j in range(5)]
+        else:
+            assert [r.checkpoint_id for r in reader.checkpoints.list("s")][:2] == ["c0004", "c0003"]
+        assert rounds.rounds() == 3, rounds.calls
+        lease_json = {d for op, key, d in rounds.calls if op == "get" and key == lease_key("s", None)}
+        copies = {d for _, key, d in rounds.calls if key.startswith(layout.lease_copy_prefix("s", None))}
+        objects = {d for op, key, d in rounds.calls
+                   if op == "get" and key.startswith(layout.session_prefix("s", None) + "checkpoints/")}
+        assert (lease_json, copies, objects) == ({2}, {3}, {3})
+        assert sum(op == "list" and key.startswith(layout.lease_copy_prefix("s", None))
+                   for op, key, _ in rounds.calls) == 1
+        reader.close(keep_objects=True)
+    writer.close()
