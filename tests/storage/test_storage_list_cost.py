@@ -25,7 +25,7 @@ from loomray.storage.layout import lease_key
 from loomray.storage.objects import ObjectStore
 from loomray.storage.rows import CheckpointRow, checkpoint_rows_table
 from loomray.storage.store import Store
-from loomray.storage.testing import write_checkpoint
+from loomray.storage.testing import land_row, write_checkpoint
 
 T0 = datetime(2026, 7, 1, tzinfo=timezone.utc)
 #: Column-wide calls the per-file checks used to make.
@@ -228,3 +228,34 @@ def test_a_cold_read_of_a_leased_sessions_latest_on_s3_takes_three_round_trips(s
                    for op, key, _ in rounds.calls) == 1
         reader.close(keep_objects=True)
     writer.close()
+
+
+def test_a_lease_json_restored_by_hand_costs_the_cold_reader_a_round_not_the_fence(s3_server):
+    """lease.json restored from epoch 1's copy, older than the takeover's (epoch 2) that fenced the zombie's late
+    row c0002: the read-ahead is wrong twice (the copy epoch 1's swap kept, and c0002 as "latest"), and the reader
+    reads the newest copy, then c0001: two rounds more; c0002 is in no answer."""
+    store = s3_server.open_store()
+    holder = store.leases.acquire("s1", owner="holder")
+    write_checkpoint(store, b'{"x": 1}', _info("s1", 1), lease=holder, keep=0)
+    Store(store.objects, store.url).leases.acquire("s1", owner="taker")
+    land_row(store, b'{"x": 2}', _info("s1", 2), epoch=holder.epoch)
+    copy = store.objects.get(key=layout.lease_copy_key("s1", None, holder.epoch))
+    assert copy is not None
+    store.objects.put(key=lease_key("s1", None), data=copy.data)
+    for read in ("get_chain", "list", "get"):
+        rounds = _Rounds(store.objects)
+        reader = Store(rounds, store.url)
+        if read == "get_chain":
+            chain = reader.checkpoints.get_chain("s1") or []
+            assert [json.loads(o)["index"]["checkpoint_id"] for o in chain] == ["c0001"]
+            depth = {key: d for _, key, d in rounds.calls}
+            newest, ahead = layout.lease_copy_key("s1", None, 2), layout.checkpoint_key("s1", None, "c0002")
+            # Read ahead with the copies' LIST, then read again once the LIST showed what was newest.
+            assert depth[ahead] == depth[layout.lease_copy_prefix("s1", None)] < depth[newest]
+            assert depth[newest] + 1 == depth[layout.checkpoint_key("s1", None, "c0001")]
+        elif read == "list":
+            assert [r.checkpoint_id for r in reader.checkpoints.list("s1")] == ["c0001"]
+        else:
+            assert reader.checkpoints.get("s1", "c0002") is None
+        reader.close(keep_objects=True)
+    store.close()
