@@ -193,6 +193,7 @@ class TailReader:
             tasks.append(lambda: lease_copies(objects, session_id, user_id))
         if guess is not None:
             tasks.append(lambda: objects.get(key=guess))
+        at = len(tasks)
         tasks += [functools.partial(self._tail_row, k, snap) for k in todo]
         # Asked only without a tail: then no row joins snap.rows after ahead worked out snap.live.
         wanted = [k for k in (ahead(snap) if ahead is not None and not todo else ()) if k not in snap.data]
@@ -207,7 +208,7 @@ class TailReader:
                 snap = _snapshot(files, got["files"][1], present, lease, kept, indexed, session_id, user_id,
                                  snap.etags, snap.data)
             snap.kept = kept
-        self._admit_tails(snap, done[len(done) - len(wanted) - len(todo):len(done) - len(wanted)])
+        self._admit_tails(snap, done[at:at + len(todo)])
         return snap
 
     def _look(self, session_id: str, user_id: str | None) -> dict[str, Any]:
