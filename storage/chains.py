@@ -325,15 +325,29 @@ def collect(rows: CheckpointRows, session_id: str, user_id: str | None, retired:
 def release_pins(rows: CheckpointRows, session_id: str, user_id: str | None,
                  remaining: Iterable[CheckpointRow], released: Iterable[CheckpointRow]) -> None:
     """Drop this session's pins on sessions that none of ``remaining`` (its live and unindexed rows) builds on
-    any more, which ``released`` (rows just retired) did; then collect what the pins alone kept there."""
+    any more, which ``released`` (rows just retired) did; then collect what the pins alone kept there.
+
+    A running writer's next checkpoint builds on its head even when prune or delete retired it, so the rows a
+    writer may build on (:attr:`CheckpointRows.writer_rows`) count as remaining here, and as needed in the
+    session collected: on both sides of a pin, what a live chain will name stays.
+    """
     still = foreign_refs(remaining)
-    for other, ids in foreign_refs(released).items():
+    gone = {other: ids for other, ids in foreign_refs(released).items() if other not in still}
+    if not gone:
+        return
+    try:
+        still = foreign_refs(rows.writer_rows(session_id, user_id))
+    except StorageError as e:
+        log.warning("pins of session %r not released yet (%s); the next retention or prune retries", session_id, e)
+        return
+    for other, ids in gone.items():
         if other in still:
             continue
         pins = Pins(rows.objects)
         try:
             pins.release(other, user_id, session_id)
-            collect(rows, other, user_id, (), extra=[layout.checkpoint_key(other, user_id, c) for c in ids])
+            collect(rows, other, user_id, (), extra=[layout.checkpoint_key(other, user_id, c) for c in ids],
+                    also_needed=rows.writer_rows(other, user_id))
         except StorageError as e:
             log.warning("pin of session %r on %r not released yet (%s); the next retention or prune retries",
                         session_id, other, e)

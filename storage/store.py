@@ -32,7 +32,7 @@ from .leases import LeaseKeeper
 from .leasing import Leases
 from .maintenance import IndexCompactReport, compact
 from .objects import ObjectStore
-from .pruning import Progress, PrunePlan, plan_prune, prune
+from .pruning import Progress, PrunePlan, plan_prune, prune, writer_rows
 from .rows import INDEX_BOOKKEEPING, PruneReport, as_utc
 from .sessions import ANY, ActiveMarks, Sessions, UserFilter
 from .table import TableCache, load_tables, with_staleness
@@ -67,6 +67,8 @@ class Store:
         self.leases = Leases(self._leases)
         self.sessions = Sessions(objects, self._index)
         self.active = ActiveMarks(objects)
+        # Which rows a session's running writer builds on is known from its run records (storage.chains).
+        self._rows.writer_rows = lambda session_id, user_id: writer_rows(self, session_id, user_id)
 
     def describe(self, key: str | None = None) -> str:
         """Backend, root and (optionally) key, for messages and the CLI."""

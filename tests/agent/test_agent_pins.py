@@ -1,0 +1,104 @@
+"""Prune against pins held by running writers: a fork's pin on its parent's chain, on both sides of the pin.
+
+A fork's checkpoints build on its parent's objects, which the fork's pin keeps
+(docs/design.md "Checkpoints: incremental objects in chains"). Here another
+store prunes while a run is held inside a tool (an Event), and after the run
+goes on every checkpoint it wrote must load: the pruned session's running
+writer builds on its head whatever retired it, and so must the pins that head
+needs, in its own session and in the one it forked from. Once the runs are
+over, pruning both sessions deletes every checkpoint object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from agent_helpers import lookup, paused_gate
+
+from loomray import Agent, CheckpointConfig, Tuning
+from loomray.models import ScriptedModel
+from loomray.storage import Store, layout
+
+TUNING = Tuning(checkpoint=CheckpointConfig(position="after_tools"))
+
+
+def steps(tool: str, n: int) -> list:
+    return [{"tool": tool, "args": {"key": f"k{i}"}} for i in range(n)] + ["done"] * 8
+
+
+def other_store(runtime) -> Store:
+    """A second store on the runtime's bucket, as another process (an operator's ``loomray prune``) opens it."""
+    return Store(runtime.store.objects, "pruner")
+
+
+async def every_checkpoint_loads(agent: Agent, session_id: str) -> list[str]:
+    """The listed ids of ``session_id``, after checking that each, and "latest" (the first), loads whole."""
+    ids = [m.checkpoint_id for m in await agent.list_checkpoints(session_id, limit=1000)]
+    assert ids, f"{session_id} lists no checkpoint"
+    loaded = {c: await agent.get_checkpoint(session_id, c) for c in ids}
+    assert all(ckpt is not None and ckpt.checkpoint_id == c for c, ckpt in loaded.items())
+    latest = await agent.get_checkpoint(session_id)
+    assert latest is not None and latest.checkpoint_id == ids[0]
+    queried = other_store(agent.runtime).query(user_id=None, session_id=session_id)["checkpoint_id"].to_pylist()
+    assert sorted(queried) == sorted(ids)
+    return ids
+
+
+def checkpoint_objects(runtime, session_id: str) -> list[str]:
+    prefix = layout.session_prefix(session_id, None) + "checkpoints/"
+    return [o.key for o in runtime.store.objects.list(prefix=prefix)]
+
+
+async def test_prune_of_a_running_fork_keeps_its_pin_on_a_pruned_parent(runtime):
+    """P runs to the end; F forks from P's second checkpoint and is held in a tool after its first checkpoint.
+    Another store prunes P (the fork's pin keeps the objects F builds on), then F itself (no ``before``: its
+    rows go, the objects of the head F's writer builds on stay). F then goes on: its new checkpoints name P's
+    objects in their chains, so F's pin on P must have stayed. On main the prune of F released it and deleted
+    P's objects: every checkpoint F wrote after the prune failed to load."""
+    agent = Agent("", model=ScriptedModel(steps("lookup", 3)), tools=[lookup], runtime=runtime, tuning=TUNING)
+    await agent.run("task", session_id="P")
+    point = (await agent.list_checkpoints("P"))[-2].checkpoint_id
+    gate, paused, release = paused_gate("k3")  # F's second tool call: F wrote one checkpoint
+    forker = Agent("", model=ScriptedModel(steps("gate", 5)), tools=[gate], runtime=runtime, tuning=TUNING)
+    fork = asyncio.ensure_future(forker.fork("P", from_checkpoint=point, prompts=["branch"]))
+    await asyncio.wait_for(paused.wait(), 30)
+    [pin] = [o.key for o in runtime.store.objects.list(prefix=layout.pin_prefix("P", None))]
+    fid = pin.rsplit("/", 1)[1].removesuffix(".json")
+    pruner = other_store(runtime)
+    assert pruner.prune(session_id="P").checkpoints >= 3
+    assert pruner.prune(session_id=fid).checkpoints >= 1
+    assert await agent.list_checkpoints(fid) == []
+    release.set()
+    [done] = await asyncio.wait_for(fork, 30)
+    assert done.output == "done"
+    ids = await every_checkpoint_loads(forker, fid)
+    assert (await forker.get_checkpoint(fid)).messages == done.messages
+    # Both runs over: pruning F releases its pin, and P's objects it kept go with it.
+    pruner.prune(session_id=fid)
+    assert not checkpoint_objects(runtime, "P") and not checkpoint_objects(runtime, fid), ids
+    assert not list(runtime.store.objects.list(prefix=layout.pin_prefix("P", None)))
+
+
+async def test_prune_of_a_finished_fork_keeps_what_its_running_parent_builds_on(runtime):
+    """P is held in a tool after two checkpoints; F forks from P's newest and finishes. Another store prunes P
+    (no ``before``: P's rows go, its records too; the objects P's writer builds on stay) and then F, whose pin on
+    P goes. P then goes on: its later checkpoints build on the objects F's pin held. On main releasing the pin
+    collected them (P's retired head was not counted), so no checkpoint P wrote after the prunes loaded."""
+    gate, paused, release = paused_gate("k2")
+    agent = Agent("", model=ScriptedModel(steps("gate", 4)), tools=[gate], runtime=runtime, tuning=TUNING)
+    parent = asyncio.ensure_future(agent.run("task", session_id="P"))
+    await asyncio.wait_for(paused.wait(), 30)
+    newest = (await agent.list_checkpoints("P"))[0].checkpoint_id
+    forker = Agent("", model=ScriptedModel(["done"] * 4), tools=[lookup], runtime=runtime, tuning=TUNING)
+    [fork] = await forker.fork("P", from_checkpoint=newest, prompts=["branch"])
+    pruner = other_store(runtime)
+    pruner.prune(session_id="P")
+    pruner.prune(session_id=fork.session_id)
+    assert not list(runtime.store.objects.list(prefix=layout.pin_prefix("P", None)))
+    release.set()
+    done = await asyncio.wait_for(parent, 30)
+    assert done.output == "done"
+    await every_checkpoint_loads(agent, "P")
+    assert (await agent.get_checkpoint("P")).messages == done.messages
+    more = await agent.run("and then?", session_id="P")
+    assert more.messages[: len(done.messages)] == done.messages
