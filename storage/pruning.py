@@ -19,8 +19,9 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from . import chains, layout
+from .heads import last_run_unfinished, writer_heads
 from .ids import user_from_segment, user_segment, validate_id
-from .journal import RUN_END, last_run, last_run_window, load_entries, read_run, unfinished_last_run
+from .journal import RUN_END, last_run_window, load_entries, unfinished_last_run
 from .journal.runs import drop_request, requests_held
 from .prune_explorations import ExplorationsPlan, delete_explorations, plan_explorations
 from .prune_objects import put_back, read_objects, restore_entry
@@ -222,31 +223,11 @@ class _Planner:
                                 tuple(bare), plan_explorations(store.objects, sid, uid, cutoff))
 
     def _heads(self, uid: str | None, sid: str, snap: Snapshot) -> list[CheckpointRow]:
-        """The rows a running writer of the session may build on next (:attr:`Snapshot.heads`), when its last run
-        has not finished; none once it has (a run that starts later checks its base after recording itself)."""
+        """The rows a running writer of the session may build on next (:func:`writer_heads`); with a cutoff,
+        whether its last run is unfinished was read once for every session in scope."""
         if self.cutoff is not None:
-            running = (uid, sid) in self.needs.runs
-        else:
-            running = unfinished_last_run(self.store, sid, uid) is not None
-        return snap.heads if running else []
-
-
-def writer_rows(store: Store, session_id: str, user_id: str | None) -> list[CheckpointRow]:
-    """The rows of a session its writer may build its next checkpoint on besides its indexed live ones: its tail,
-    and its heads (:attr:`Snapshot.heads`, retired or not, while their objects are there) unless its last run
-    has finished.
-
-    A run counts as going on without a record to say so (a prune without ``before`` deletes the records and
-    journal of a run that goes on). The run is looked at before the rows, so the rows of a run that finishes
-    meanwhile are in the look (live or tail).
-    """
-    rec = last_run(store, session_id, user_id)
-    runs = [] if rec is not None else store.objects.list_dirs(prefix=layout.journal_prefix(session_id, user_id))
-    run_id = rec.run_id if rec is not None else (runs[-1] if runs else None)
-    finished = run_id is not None and read_run(store, session_id, run_id, user_id).finished
-    snap = store.checkpoints.snapshot(session_id, user_id=user_id)
-    heads = [] if finished else [h for h in snap.heads if h.key in snap.present]
-    return [*snap.tails.values(), *heads]
+            return writer_heads(snap, (uid, sid) in self.needs.runs)
+        return writer_heads(snap, last_run_unfinished(self.store, sid, uid))
 
 
 def _object_keys(store: Store, uid: str | None, sid: str, live: Sequence[CheckpointRow],

@@ -25,6 +25,7 @@ from . import layout
 from .checkpoint_rows import CheckpointRows
 from .checkpoints import Checkpoints
 from .errors import StorageError
+from .heads import writer_rows
 from .ids import user_from_segment, user_segment, validate_id
 from .index import ParquetIndex
 from .journaling import Journal, Runs
@@ -32,7 +33,7 @@ from .leases import LeaseKeeper
 from .leasing import Leases
 from .maintenance import IndexCompactReport, compact
 from .objects import ObjectStore
-from .pruning import Progress, PrunePlan, plan_prune, prune, writer_rows
+from .pruning import Progress, PrunePlan, plan_prune, prune
 from .rows import INDEX_BOOKKEEPING, PruneReport, as_utc
 from .sessions import ANY, ActiveMarks, Sessions, UserFilter
 from .table import TableCache, load_tables, with_staleness

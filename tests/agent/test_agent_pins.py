@@ -102,3 +102,26 @@ async def test_prune_of_a_finished_fork_keeps_what_its_running_parent_builds_on(
     assert (await agent.get_checkpoint("P")).messages == done.messages
     more = await agent.run("and then?", session_id="P")
     assert more.messages[: len(done.messages)] == done.messages
+
+
+async def test_a_second_prune_of_a_running_session_keeps_what_the_first_kept_for_its_writer(runtime):
+    """A run is held in a tool after two checkpoints; another store prunes the session twice (no ``before``).
+    The first prune keeps the objects the run builds on next but deletes its run record and journal, so on
+    main the second found no unfinished run, took those objects for orphans and deleted them: every checkpoint
+    the run wrote afterwards failed to load. Once the run is over, a third prune deletes every object."""
+    gate, paused, release = paused_gate("k2")
+    agent = Agent("", model=ScriptedModel(steps("gate", 5)), tools=[gate], runtime=runtime, tuning=TUNING)
+    run = asyncio.ensure_future(agent.run("task", session_id="s"))
+    await asyncio.wait_for(paused.wait(), 30)
+    pruner = other_store(runtime)
+    pruner.prune(session_id="s")
+    kept = checkpoint_objects(runtime, "s")
+    assert kept
+    pruner.prune(session_id="s")
+    assert checkpoint_objects(runtime, "s") == kept
+    release.set()
+    done = await asyncio.wait_for(run, 30)
+    await every_checkpoint_loads(agent, "s")
+    assert (await agent.get_checkpoint("s")).messages == done.messages
+    pruner.prune(session_id="s")
+    assert not checkpoint_objects(runtime, "s")
