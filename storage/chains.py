@@ -265,11 +265,15 @@ class Pins:
                 "checkpoints": ids}
         self.objects.put(key=layout.pin_key(session_id, user_id, dependent), data=json.dumps(body).encode())
 
-    def pinned(self, session_id: str, user_id: str | None) -> set[str] | None:
-        """Keys of the session's objects that other sessions pin; None when a pin could not be read (then
-        nothing may be collected: an unreadable pin protects everything)."""
+    def pinned(self, session_id: str, user_id: str | None, *, but_writer: bool = False) -> set[str] | None:
+        """Keys of the session's objects that pins hold (other sessions', and its own writer's unless
+        ``but_writer``: it is being dropped); None when a pin could not be read (then nothing may be collected:
+        an unreadable pin protects everything)."""
         out: set[str] = set()
+        writer = layout.pin_key(session_id, user_id, session_id)
         for info in self.objects.list(prefix=layout.pin_prefix(session_id, user_id)):
+            if but_writer and info.key == writer:
+                continue
             obj = self.objects.get(key=info.key)
             if obj is None:
                 continue  # released meanwhile
@@ -282,6 +286,31 @@ class Pins:
                 log.warning("unreadable pin %s: nothing of the session is collected", self.objects.describe(info.key))
                 return None
         return out
+
+    def write_writer(self, session_id: str, user_id: str | None, heads: Iterable[CheckpointRow]) -> None:
+        """Pin, for the session's own running writer, the objects ``heads`` (rows a prune retires while the run
+        goes on, and deletes the records of) are read from: their own, their chains', and in ``sessions`` the
+        other sessions' links they name, whose pins :func:`release_pins` then keeps. Dropped once the run is
+        known to have finished (:mod:`storage.pruning`)."""
+        heads = list(heads)
+        own: set[str] = set()
+        for row in heads:
+            own.add(row.checkpoint_id)
+            own.update(cid for sid, cid in expand(row.chain, session_id) if sid == session_id)
+        body = {"type": "pin", "v": 1, "session_id": session_id, "user_id": user_id, "dependent": session_id,
+                "checkpoints": sorted(own), "sessions": {o: sorted(ids) for o, ids in foreign_refs(heads).items()}}
+        self.objects.put(key=layout.pin_key(session_id, user_id, session_id), data=json.dumps(body).encode())
+
+    def writer_sessions(self, session_id: str, user_id: str | None) -> set[str] | None:
+        """The other sessions the chains of the session's writer pin reach (None: unreadable, all must stay)."""
+        obj = self.objects.get(key=layout.pin_key(session_id, user_id, session_id))
+        if obj is None:
+            return set()
+        try:
+            named = json.loads(obj.data).get("sessions", {})
+            return {validate_id(s, "session_id") for s in named} if isinstance(named, dict) else None
+        except (ValueError, AttributeError, RecursionError, StorageError):
+            return None
 
     def held_for(self, session_id: str, user_id: str | None, dependent: str) -> set[str]:
         """The checkpoint ids of ``session_id`` that ``dependent``'s pin holds (empty: no pin, or unreadable)."""
@@ -327,23 +356,27 @@ def release_pins(rows: CheckpointRows, session_id: str, user_id: str | None,
     """Drop this session's pins on sessions that none of ``remaining`` (its live and unindexed rows) builds on
     any more, which ``released`` (rows just retired) did; then collect what the pins alone kept there.
 
-    A running writer's next checkpoint builds on its head even when prune or delete retired it, so the rows a
-    writer may build on (:attr:`CheckpointRows.writer_rows`) count as remaining here, and as needed in the
-    session collected: on both sides of a pin, what a live chain will name stays.
+    A running writer's next checkpoint builds on its head even when prune or delete retired it: the rows a
+    writer may build on (:attr:`CheckpointRows.writer_rows`) and the heads its writer pin holds count as
+    remaining here, and as needed in the session collected. So on both sides of a pin what a live chain will
+    name stays.
     """
-    still = foreign_refs(remaining)
-    gone = {other: ids for other, ids in foreign_refs(released).items() if other not in still}
+    kept = set(foreign_refs(remaining))
+    gone = {other: ids for other, ids in foreign_refs(released).items() if other not in kept}
     if not gone:
         return
+    pins = Pins(rows.objects)
     try:
-        still = foreign_refs(rows.writer_rows(session_id, user_id))
+        held = pins.writer_sessions(session_id, user_id)
+        if held is None:
+            raise StorageError(f"unreadable writer pin of session {session_id!r}")
+        kept = {*foreign_refs(rows.writer_rows(session_id, user_id)), *held}
     except StorageError as e:
         log.warning("pins of session %r not released yet (%s); the next retention or prune retries", session_id, e)
         return
     for other, ids in gone.items():
-        if other in still:
+        if other in kept:
             continue
-        pins = Pins(rows.objects)
         try:
             pins.release(other, user_id, session_id)
             collect(rows, other, user_id, (), extra=[layout.checkpoint_key(other, user_id, c) for c in ids],

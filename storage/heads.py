@@ -35,11 +35,9 @@ def last_run_unfinished(store: Store, session_id: str, user_id: str | None) -> b
 
 def writer_heads(snap: Snapshot, unfinished: bool | None) -> list[CheckpointRow]:
     """The rows a writer of ``snap``'s session may build its next checkpoint on (:attr:`Snapshot.heads`, retired
-    or not): all while its last run is ``unfinished``, none once it finished (a run that starts later checks its
-    base after recording itself). When nothing tells (None), the heads retired already whose objects are there:
-    a prune kept them for a run it deleted the records of, which may go on."""
-    if unfinished is None:
-        return [h for h in snap.heads if h.key in snap.present and h.checkpoint_id not in snap.rows]
+    or not) while its last run is ``unfinished``; none once it finished (a run that starts later checks its base
+    after recording itself) or when nothing tells (None): then the heads a prune kept for a run it deleted the
+    records of are held by the session's writer pin (:meth:`storage.chains.Pins.write_writer`)."""
     return snap.heads if unfinished else []
 
 

@@ -29,7 +29,6 @@ from .rows import CheckpointRow, JournalEntry, PruneReport, RunRecord, as_utc
 
 if TYPE_CHECKING:
     from .store import Store
-    from .tails import Snapshot
 
 log = logging.getLogger("storage")
 #: ``(user_id, session_id)``.
@@ -69,6 +68,11 @@ class SessionPrunePlan:
     request_keys: tuple[str, ...] = ()
     #: The records of the session's explorations that are over (:mod:`storage.prune_explorations`).
     explorations: ExplorationsPlan = ExplorationsPlan()
+    #: The rows the session's running writer builds on next (:func:`storage.heads.writer_heads`): their objects
+    #: stay, and without ``before`` (which deletes the run's records) a writer pin holds them from then on.
+    heads: tuple[CheckpointRow, ...] = ()
+    #: The session's writer pin goes: its run has finished.
+    drop_writer_pin: bool = False
 
     @property
     def checkpoints(self) -> int:
@@ -217,30 +221,28 @@ class _Planner:
             keys = [k for k in keys if k in entries and as_utc(entries[k].created_at) < cutoff
                     and not (entries[k].kind == RUN_END and entries[k].run_id == last_id)]
         records = _doomed_records(store, sid, uid, cutoff, older, kept_runs)
+        # With a cutoff, whether the last run is unfinished was read once for every session in scope.
+        unfinished = (uid, sid) in self.needs.runs if cutoff is not None else last_run_unfinished(store, sid, uid)
+        heads = writer_heads(snap, unfinished)
         return SessionPrunePlan(uid, sid, tuple(retired), tuple(orphans), tuple(keys), tuple(records),
                                 tuple(sorted(spared & {r.checkpoint_id for r in live})), live, entries,
-                                _object_keys(store, uid, sid, live, retired, orphans, self._heads(uid, sid, snap)),
-                                tuple(bare), plan_explorations(store.objects, sid, uid, cutoff))
-
-    def _heads(self, uid: str | None, sid: str, snap: Snapshot) -> list[CheckpointRow]:
-        """The rows a running writer of the session may build on next (:func:`writer_heads`); with a cutoff,
-        whether its last run is unfinished was read once for every session in scope."""
-        if self.cutoff is not None:
-            return writer_heads(snap, (uid, sid) in self.needs.runs)
-        return writer_heads(snap, last_run_unfinished(self.store, sid, uid))
+                                _object_keys(store, uid, sid, live, retired, orphans, heads, unfinished is False),
+                                tuple(bare), plan_explorations(store.objects, sid, uid, cutoff), tuple(heads),
+                                cutoff is None and unfinished is False)
 
 
 def _object_keys(store: Store, uid: str | None, sid: str, live: Sequence[CheckpointRow],
                  retired: Sequence[CheckpointRow], orphans: Sequence[str],
-                 heads: Sequence[CheckpointRow] = ()) -> tuple[str, ...]:
+                 heads: Sequence[CheckpointRow] = (), finished: bool = False) -> tuple[str, ...]:
     """The objects prune deletes with ``retired``: theirs, their chains' and ``orphans``, less what the rows that
     stay need, what a running writer may build on (``heads``, retired or not: :mod:`storage.chains`) and what
-    other sessions pin (an unreadable pin keeps every object)."""
+    pins hold (an unreadable pin keeps every object): other sessions', and the writer pin unless the last run
+    ``finished``."""
     gone = {r.checkpoint_id for r in retired}
     kept = [*(r for r in live if r.checkpoint_id not in gone), *heads]
     candidates = chains.unneeded_keys(retired, kept, sid, uid, orphans)
     if candidates:
-        pinned = chains.Pins(store.objects).pinned(sid, uid)
+        pinned = chains.Pins(store.objects).pinned(sid, uid, but_writer=finished)
         candidates = set() if pinned is None else candidates - pinned
     return tuple(sorted(candidates))
 
@@ -273,9 +275,12 @@ def prune(store: Store, *, before: datetime | None, session_id: str | None, user
         plan = planner.plan(uid, sid)
         n_explorations += delete_explorations(store.objects, plan.explorations)
         if planner.cutoff is None:
+            _hold_for_writer(store, plan)
             store.checkpoints.retire(sid, list(plan.retired), user_id=uid, collect=False)  # tombstones, view
             if plan.object_keys:
                 store.objects.delete(keys=list(plan.object_keys))
+            if plan.drop_writer_pin:
+                chains.Pins(store.objects).release(sid, uid, sid)
             store.checkpoints.release_pins(sid, list(plan.retired), user_id=uid)
             n_ckpt += plan.checkpoints
             _delete(store, plan.journal_keys, plan.run_record_keys)
@@ -287,6 +292,13 @@ def prune(store: Store, *, before: datetime | None, session_id: str | None, user
         n_runs += plan.run_records
     return PruneReport(checkpoints=n_ckpt, journal_entries=n_journal, run_records=n_runs,
                        explorations=n_explorations)
+
+
+def _hold_for_writer(store: Store, plan: SessionPrunePlan) -> None:
+    """Before a prune without ``before`` retires the heads of a run that goes on, and deletes its records: pin
+    what they are read from for the session's writer, since nothing else will tell it is running."""
+    if plan.heads and (plan.retired or plan.run_record_keys):
+        chains.Pins(store.objects).write_writer(plan.session_id, plan.user_id, plan.heads)
 
 
 def _delete(store: Store, journal_keys: Sequence[str], record_keys: Sequence[str]) -> None:

@@ -94,7 +94,7 @@ async def test_prune_of_a_finished_fork_keeps_what_its_running_parent_builds_on(
     pruner = other_store(runtime)
     pruner.prune(session_id="P")
     pruner.prune(session_id=fork.session_id)
-    assert not list(runtime.store.objects.list(prefix=layout.pin_prefix("P", None)))
+    assert runtime.store.objects.get(key=layout.pin_key("P", None, fork.session_id)) is None
     release.set()
     done = await asyncio.wait_for(parent, 30)
     assert done.output == "done"
@@ -102,6 +102,10 @@ async def test_prune_of_a_finished_fork_keeps_what_its_running_parent_builds_on(
     assert (await agent.get_checkpoint("P")).messages == done.messages
     more = await agent.run("and then?", session_id="P")
     assert more.messages[: len(done.messages)] == done.messages
+    # The runs are over: a prune deletes every object and the pin that held some for P's writer.
+    pruner.prune(session_id="P")
+    assert not checkpoint_objects(runtime, "P")
+    assert not list(runtime.store.objects.list(prefix=layout.pin_prefix("P", None)))
 
 
 async def test_a_second_prune_of_a_running_session_keeps_what_the_first_kept_for_its_writer(runtime):
@@ -125,3 +129,4 @@ async def test_a_second_prune_of_a_running_session_keeps_what_the_first_kept_for
     assert (await agent.get_checkpoint("s")).messages == done.messages
     pruner.prune(session_id="s")
     assert not checkpoint_objects(runtime, "s")
+    assert not list(runtime.store.objects.list(prefix=layout.pin_prefix("s", None)))
