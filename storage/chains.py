@@ -288,10 +288,8 @@ class Pins:
         return out
 
     def write_writer(self, session_id: str, user_id: str | None, heads: Iterable[CheckpointRow]) -> None:
-        """Pin, for the session's own running writer, the objects ``heads`` (rows a prune retires while the run
-        goes on, and deletes the records of) are read from: their own, their chains', and in ``sessions`` the
-        other sessions' links they name, whose pins :func:`release_pins` then keeps. Dropped once the run is
-        known to have finished (:mod:`storage.pruning`)."""
+        """Pin what ``heads`` are read from for the session's own running writer (a prune retires them and
+        deletes the run's records): their objects here, and in ``sessions`` the links of others they name."""
         heads = list(heads)
         own: set[str] = set()
         for row in heads:
@@ -301,15 +299,17 @@ class Pins:
                 "checkpoints": sorted(own), "sessions": {o: sorted(ids) for o, ids in foreign_refs(heads).items()}}
         self.objects.put(key=layout.pin_key(session_id, user_id, session_id), data=json.dumps(body).encode())
 
-    def writer_sessions(self, session_id: str, user_id: str | None) -> set[str] | None:
-        """The other sessions the chains of the session's writer pin reach (None: unreadable, all must stay)."""
+    def writer_refs(self, session_id: str, user_id: str | None) -> dict[str, set[str]] | None:
+        """Per other session, the checkpoint ids the chains of the session's writer pin name there (empty: no
+        writer pin; None: unreadable, so everything it may name must stay)."""
         obj = self.objects.get(key=layout.pin_key(session_id, user_id, session_id))
         if obj is None:
-            return set()
+            return {}
         try:
             named = json.loads(obj.data).get("sessions", {})
-            return {validate_id(s, "session_id") for s in named} if isinstance(named, dict) else None
-        except (ValueError, AttributeError, RecursionError, StorageError):
+            return {validate_id(s, "session_id"): {validate_id(c, "checkpoint_id") for c in ids}
+                    for s, ids in named.items()}
+        except (ValueError, TypeError, AttributeError, RecursionError, StorageError):
             return None
 
     def held_for(self, session_id: str, user_id: str | None, dependent: str) -> set[str]:
@@ -356,18 +356,32 @@ def release_pins(rows: CheckpointRows, session_id: str, user_id: str | None,
     """Drop this session's pins on sessions that none of ``remaining`` (its live and unindexed rows) builds on
     any more, which ``released`` (rows just retired) did; then collect what the pins alone kept there.
 
-    A running writer's next checkpoint builds on its head even when prune or delete retired it: the rows a
-    writer may build on (:attr:`CheckpointRows.writer_rows`) and the heads its writer pin holds count as
-    remaining here, and as needed in the session collected. So on both sides of a pin what a live chain will
-    name stays.
+    A running writer builds on its head even when prune or delete retired it: the rows a writer may build on
+    (:attr:`CheckpointRows.writer_rows`) and its writer pin count here, and in the session collected.
     """
     kept = set(foreign_refs(remaining))
-    gone = {other: ids for other, ids in foreign_refs(released).items() if other not in kept}
+    _release(rows, session_id, user_id, {o: ids for o, ids in foreign_refs(released).items() if o not in kept})
+
+
+def drop_writer_pin(rows: CheckpointRows, session_id: str, user_id: str | None) -> None:
+    """Drop the session's writer pin (its run finished), then its pins on others only that pin still needed."""
+    pins = Pins(rows.objects)
+    reached = pins.writer_refs(session_id, user_id)
+    if reached is None:
+        log.warning("unreadable writer pin of session %r: kept, with what it holds", session_id)
+        return
+    pins.release(session_id, user_id, session_id)
+    kept = set(foreign_refs(rows.live(session_id, user_id).values()))
+    _release(rows, session_id, user_id, {o: ids for o, ids in reached.items() if o not in kept})
+
+
+def _release(rows: CheckpointRows, session_id: str, user_id: str | None, gone: dict[str, set[str]]) -> None:
+    """Release this session's pins on ``gone`` (session -> ids held) its writer and writer pin do not reach."""
     if not gone:
         return
     pins = Pins(rows.objects)
     try:
-        held = pins.writer_sessions(session_id, user_id)
+        held = pins.writer_refs(session_id, user_id)
         if held is None:
             raise StorageError(f"unreadable writer pin of session {session_id!r}")
         kept = {*foreign_refs(rows.writer_rows(session_id, user_id)), *held}

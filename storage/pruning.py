@@ -280,7 +280,7 @@ def prune(store: Store, *, before: datetime | None, session_id: str | None, user
             if plan.object_keys:
                 store.objects.delete(keys=list(plan.object_keys))
             if plan.drop_writer_pin:
-                chains.Pins(store.objects).release(sid, uid, sid)
+                chains.drop_writer_pin(store._rows, sid, uid)
             store.checkpoints.release_pins(sid, list(plan.retired), user_id=uid)
             n_ckpt += plan.checkpoints
             _delete(store, plan.journal_keys, plan.run_record_keys)

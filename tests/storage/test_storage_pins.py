@@ -80,3 +80,31 @@ def test_a_forks_retention_after_its_parent_is_pruned_keeps_the_pin_until_it_mov
     assert objects(store, "p") == set()
     assert not [o.key for o in store.objects.list(prefix=layout.pin_prefix("p", None))]
     assert cold(store).checkpoints.get_chain("f") is not None
+
+
+def pins_of(store: Store, session_id: str) -> list[str]:
+    return sorted(o.key.rsplit("/", 1)[1] for o in store.objects.list(prefix=layout.pin_prefix(session_id, None)))
+
+
+def test_a_writer_pin_holds_what_a_prune_kept_for_a_running_writer_until_its_run_ends(store):
+    """A prune without ``before`` of the running fork deletes the run's record and keeps its head f1 for its
+    writer, in a writer pin (``f/pins/f.json``) that also keeps the fork's pin on the parent. The writer dies
+    there. A second prune finds no record, yet deletes nothing the pin holds. A later run of the fork ends
+    (``run_end``): the next prune drops the writer pin, the fork's pin on the parent, and every object."""
+    from loomray.storage.rows import JournalEntry
+    from loomray.storage.testing import T0
+
+    parent_and_fork(store)
+    pruner = Store(store.objects, "pruner")
+    pruner.prune(session_id="p")
+    pruner.prune(session_id="f")
+    assert pins_of(store, "f") == ["f.json"] and pins_of(store, "p") == ["f.json"]
+    assert objects(store, "f") == {"f1"} and objects(store, "p") == {"p1", "p2"}
+    pruner.prune(session_id="f")  # nothing tells the run goes on: the writer pin does
+    assert objects(store, "f") == {"f1"} and objects(store, "p") == {"p1", "p2"}
+    store.runs.create("f", run_id="run2")
+    store.journal.append(JournalEntry(session_id="f", user_id=None, run_id="run2", seq=1, step_key="run-end",
+                                      kind="run_end", input_hash="", output={}, created_at=T0))
+    pruner.prune(session_id="f")
+    assert objects(store, "f") == set() and objects(store, "p") == set()
+    assert pins_of(store, "f") == [] and pins_of(store, "p") == []
