@@ -12,7 +12,9 @@ over, pruning both sessions deletes every checkpoint object.
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime, timedelta
 
+import pytest
 from agent_helpers import lookup, paused_gate
 
 from loomray import Agent, CheckpointConfig, Tuning
@@ -49,12 +51,14 @@ def checkpoint_objects(runtime, session_id: str) -> list[str]:
     return [o.key for o in runtime.store.objects.list(prefix=prefix)]
 
 
-async def test_prune_of_a_running_fork_keeps_its_pin_on_a_pruned_parent(runtime):
+@pytest.mark.parametrize("before", [pytest.param(None, id="all"), pytest.param(timedelta(days=1), id="future")])
+async def test_prune_of_a_running_fork_keeps_its_pin_on_a_pruned_parent(runtime, before):
     """P runs to the end; F forks from P's second checkpoint and is held in a tool after its first checkpoint.
     Another store prunes P (the fork's pin keeps the objects F builds on), then F itself (no ``before``: its
     rows go, the objects of the head F's writer builds on stay). F then goes on: its new checkpoints name P's
     objects in their chains, so F's pin on P must have stayed. On main the prune of F released it and deleted
-    P's objects: every checkpoint F wrote after the prune failed to load."""
+    P's objects: every checkpoint F wrote after the prune failed to load. With ``before`` a day ahead (safe on
+    main too) the prune of F spares its unfinished run's newest checkpoint, whose chain keeps the pin."""
     agent = Agent("", model=ScriptedModel(steps("lookup", 3)), tools=[lookup], runtime=runtime, tuning=TUNING)
     await agent.run("task", session_id="P")
     point = (await agent.list_checkpoints("P"))[-2].checkpoint_id
@@ -65,9 +69,10 @@ async def test_prune_of_a_running_fork_keeps_its_pin_on_a_pruned_parent(runtime)
     [pin] = [o.key for o in runtime.store.objects.list(prefix=layout.pin_prefix("P", None))]
     fid = pin.rsplit("/", 1)[1].removesuffix(".json")
     pruner = other_store(runtime)
-    assert pruner.prune(session_id="P").checkpoints >= 3
-    assert pruner.prune(session_id=fid).checkpoints >= 1
-    assert await agent.list_checkpoints(fid) == []
+    cutoff = datetime.now(UTC) + before if before is not None else None
+    assert pruner.prune(before=cutoff, session_id="P").checkpoints >= 3
+    pruned = pruner.prune(before=cutoff, session_id=fid).checkpoints
+    assert (pruned, len(await agent.list_checkpoints(fid))) == ((1, 0) if before is None else (0, 1))
     release.set()
     [done] = await asyncio.wait_for(fork, 30)
     assert done.output == "done"
