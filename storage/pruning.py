@@ -224,11 +224,12 @@ class _Planner:
         # With a cutoff, whether the last run is unfinished was read once for every session in scope.
         unfinished = (uid, sid) in self.needs.runs if cutoff is not None else last_run_unfinished(store, sid, uid)
         heads = writer_heads(snap, unfinished)
+        finished = cutoff is None and unfinished is False  # (with a cutoff, False may also mean "nothing tells")
         return SessionPrunePlan(uid, sid, tuple(retired), tuple(orphans), tuple(keys), tuple(records),
                                 tuple(sorted(spared & {r.checkpoint_id for r in live})), live, entries,
-                                _object_keys(store, uid, sid, live, retired, orphans, heads, unfinished is False),
+                                _object_keys(store, uid, sid, live, retired, orphans, heads, finished),
                                 tuple(bare), plan_explorations(store.objects, sid, uid, cutoff), tuple(heads),
-                                cutoff is None and unfinished is False)
+                                finished)
 
 
 def _object_keys(store: Store, uid: str | None, sid: str, live: Sequence[CheckpointRow],
