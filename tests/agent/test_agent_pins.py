@@ -51,19 +51,23 @@ def checkpoint_objects(runtime, session_id: str) -> list[str]:
     return [o.key for o in runtime.store.objects.list(prefix=prefix)]
 
 
+@pytest.mark.parametrize("keep", [20, 1])
 @pytest.mark.parametrize("before", [pytest.param(None, id="all"), pytest.param(timedelta(days=1), id="future")])
-async def test_prune_of_a_running_fork_keeps_its_pin_on_a_pruned_parent(runtime, before):
+async def test_prune_of_a_running_fork_keeps_its_pin_on_a_pruned_parent(runtime_factory, before, keep):
     """P runs to the end; F forks from P's second checkpoint and is held in a tool after its first checkpoint.
     Another store prunes P (the fork's pin keeps the objects F builds on), then F itself (no ``before``: its
     rows go, the objects of the head F's writer builds on stay). F then goes on: its new checkpoints name P's
     objects in their chains, so F's pin on P must have stayed. On main the prune of F released it and deleted
     P's objects: every checkpoint F wrote after the prune failed to load. With ``before`` a day ahead (safe on
-    main too) the prune of F spares its unfinished run's newest checkpoint, whose chain keeps the pin."""
+    main too) the prune of F spares its unfinished run's newest checkpoint, whose chain keeps the pin. With
+    ``keep=1`` F's own retention runs beside the prune (its view of F is stale once the prune retired rows)."""
+    runtime = runtime_factory()
     agent = Agent("", model=ScriptedModel(steps("lookup", 3)), tools=[lookup], runtime=runtime, tuning=TUNING)
     await agent.run("task", session_id="P")
     point = (await agent.list_checkpoints("P"))[-2].checkpoint_id
     gate, paused, release = paused_gate("k3")  # F's second tool call: F wrote one checkpoint
-    forker = Agent("", model=ScriptedModel(steps("gate", 5)), tools=[gate], runtime=runtime, tuning=TUNING)
+    forker = Agent("", model=ScriptedModel(steps("gate", 5)), tools=[gate],
+                   runtime=runtime_factory(max_checkpoints_per_session=keep), tuning=TUNING)
     fork = asyncio.ensure_future(forker.fork("P", from_checkpoint=point, prompts=["branch"]))
     await asyncio.wait_for(paused.wait(), 30)
     [pin] = [o.key for o in runtime.store.objects.list(prefix=layout.pin_prefix("P", None))]
