@@ -265,11 +265,15 @@ class Pins:
                 "checkpoints": ids}
         self.objects.put(key=layout.pin_key(session_id, user_id, dependent), data=json.dumps(body).encode())
 
-    def pinned(self, session_id: str, user_id: str | None) -> set[str] | None:
-        """Keys of the session's objects that other sessions pin; None when a pin could not be read (then
-        nothing may be collected: an unreadable pin protects everything)."""
+    def pinned(self, session_id: str, user_id: str | None, *, but_writer: bool = False) -> set[str] | None:
+        """Keys of the session's objects that pins hold (other sessions', and its own writer's unless
+        ``but_writer``: it is being dropped); None when a pin could not be read (then nothing may be collected:
+        an unreadable pin protects everything)."""
         out: set[str] = set()
+        writer = layout.pin_key(session_id, user_id, session_id)
         for info in self.objects.list(prefix=layout.pin_prefix(session_id, user_id)):
+            if but_writer and info.key == writer:
+                continue
             obj = self.objects.get(key=info.key)
             if obj is None:
                 continue  # released meanwhile
@@ -282,6 +286,31 @@ class Pins:
                 log.warning("unreadable pin %s: nothing of the session is collected", self.objects.describe(info.key))
                 return None
         return out
+
+    def write_writer(self, session_id: str, user_id: str | None, heads: Iterable[CheckpointRow]) -> None:
+        """Pin what ``heads`` are read from for the session's own running writer (a prune retires them and
+        deletes the run's records): their objects here, and in ``sessions`` the links of others they name."""
+        heads = list(heads)
+        own: set[str] = set()
+        for row in heads:
+            own.add(row.checkpoint_id)
+            own.update(cid for sid, cid in expand(row.chain, session_id) if sid == session_id)
+        body = {"type": "pin", "v": 1, "session_id": session_id, "user_id": user_id, "dependent": session_id,
+                "checkpoints": sorted(own), "sessions": {o: sorted(ids) for o, ids in foreign_refs(heads).items()}}
+        self.objects.put(key=layout.pin_key(session_id, user_id, session_id), data=json.dumps(body).encode())
+
+    def writer_refs(self, session_id: str, user_id: str | None) -> dict[str, set[str]] | None:
+        """Per other session, the checkpoint ids the chains of the session's writer pin name there (empty: no
+        writer pin; None: unreadable, so everything it may name must stay)."""
+        obj = self.objects.get(key=layout.pin_key(session_id, user_id, session_id))
+        if obj is None:
+            return {}
+        try:
+            named = json.loads(obj.data).get("sessions", {})
+            return {validate_id(s, "session_id"): {validate_id(c, "checkpoint_id") for c in ids}
+                    for s, ids in named.items()}
+        except (ValueError, TypeError, AttributeError, RecursionError, StorageError):
+            return None
 
     def held_for(self, session_id: str, user_id: str | None, dependent: str) -> set[str]:
         """The checkpoint ids of ``session_id`` that ``dependent``'s pin holds (empty: no pin, or unreadable)."""
@@ -325,15 +354,47 @@ def collect(rows: CheckpointRows, session_id: str, user_id: str | None, retired:
 def release_pins(rows: CheckpointRows, session_id: str, user_id: str | None,
                  remaining: Iterable[CheckpointRow], released: Iterable[CheckpointRow]) -> None:
     """Drop this session's pins on sessions that none of ``remaining`` (its live and unindexed rows) builds on
-    any more, which ``released`` (rows just retired) did; then collect what the pins alone kept there."""
-    still = foreign_refs(remaining)
-    for other, ids in foreign_refs(released).items():
-        if other in still:
+    any more, which ``released`` (rows just retired) did; then collect what the pins alone kept there.
+
+    A running writer builds on its head even when prune or delete retired it: the rows a writer may build on
+    (:attr:`CheckpointRows.writer_rows`) and its writer pin count here, and in the session collected.
+    """
+    kept = set(foreign_refs(remaining))
+    _release(rows, session_id, user_id, {o: ids for o, ids in foreign_refs(released).items() if o not in kept})
+
+
+def drop_writer_pin(rows: CheckpointRows, session_id: str, user_id: str | None) -> None:
+    """Drop the session's writer pin (its run finished), then its pins on others only that pin still needed."""
+    pins = Pins(rows.objects)
+    reached = pins.writer_refs(session_id, user_id)
+    if reached is None:
+        log.warning("unreadable writer pin of session %r: kept, with what it holds", session_id)
+        return
+    pins.release(session_id, user_id, session_id)
+    kept = set(foreign_refs(rows.live(session_id, user_id).values()))
+    _release(rows, session_id, user_id, {o: ids for o, ids in reached.items() if o not in kept})
+
+
+def _release(rows: CheckpointRows, session_id: str, user_id: str | None, gone: dict[str, set[str]]) -> None:
+    """Release this session's pins on ``gone`` (session -> ids held) its writer and writer pin do not reach."""
+    if not gone:
+        return
+    pins = Pins(rows.objects)
+    try:
+        held = pins.writer_refs(session_id, user_id)
+        if held is None:
+            raise StorageError(f"unreadable writer pin of session {session_id!r}")
+        kept = {*foreign_refs(rows.writer_rows(session_id, user_id)), *held}
+    except StorageError as e:
+        log.warning("pins of session %r not released yet (%s); the next retention or prune retries", session_id, e)
+        return
+    for other, ids in gone.items():
+        if other in kept:
             continue
-        pins = Pins(rows.objects)
         try:
             pins.release(other, user_id, session_id)
-            collect(rows, other, user_id, (), extra=[layout.checkpoint_key(other, user_id, c) for c in ids])
+            collect(rows, other, user_id, (), extra=[layout.checkpoint_key(other, user_id, c) for c in ids],
+                    also_needed=rows.writer_rows(other, user_id))
         except StorageError as e:
             log.warning("pin of session %r on %r not released yet (%s); the next retention or prune retries",
                         session_id, other, e)

@@ -42,6 +42,10 @@ class CheckpointRows:
         #: Called with the key and ETag of each checkpoint object a writer of this store put: its bytes are the
         #: ones its row records, so a listing of this store need not read them back (set by the tail reader).
         self.wrote: Callable[[str, str], object] = lambda key, etag: None
+        #: The rows of a session its writer may build its next checkpoint on besides the indexed live ones
+        #: (:func:`storage.heads.writer_rows`, set by the store, which reads run records): what
+        #: :func:`storage.chains.release_pins` keeps the chains of, on both sides of a pin.
+        self.writer_rows: Callable[[str, str | None], list[CheckpointRow]] = lambda session_id, user_id: []
 
     def clear_cache(self) -> None:
         """Forget every parsed file (a cold reader parses them again)."""

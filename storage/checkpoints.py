@@ -144,8 +144,8 @@ class Checkpoints(CheckpointReads):
         return self._tails.snapshot(session_id, user_id)
 
     def release_pins(self, session_id: str, retired: list[CheckpointRow], *, user_id: str | None = None) -> None:
-        """Drop this session's pins on the sessions ``retired`` built on and its live rows no longer do, then
-        collect what those pins alone kept there (see :mod:`storage.chains`)."""
+        """Drop this session's pins on the sessions ``retired`` built on and neither its live rows nor its running
+        writer's heads do any more, then collect what those pins alone kept there (see :mod:`storage.chains`)."""
         remaining = [r for r in self._tails.snapshot(session_id, user_id).rows.values() if r not in retired]
         chains.release_pins(self._rows, session_id, user_id, remaining, retired)
 

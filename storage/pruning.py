@@ -19,6 +19,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 from . import chains, layout
+from .heads import last_run_unfinished, writer_heads
 from .ids import user_from_segment, user_segment, validate_id
 from .journal import RUN_END, last_run_window, load_entries, unfinished_last_run
 from .journal.runs import drop_request, requests_held
@@ -28,7 +29,6 @@ from .rows import CheckpointRow, JournalEntry, PruneReport, RunRecord, as_utc
 
 if TYPE_CHECKING:
     from .store import Store
-    from .tails import Snapshot
 
 log = logging.getLogger("storage")
 #: ``(user_id, session_id)``.
@@ -68,6 +68,11 @@ class SessionPrunePlan:
     request_keys: tuple[str, ...] = ()
     #: The records of the session's explorations that are over (:mod:`storage.prune_explorations`).
     explorations: ExplorationsPlan = ExplorationsPlan()
+    #: The rows the session's running writer builds on next (:func:`storage.heads.writer_heads`): their objects
+    #: stay, and without ``before`` (which deletes the run's records) a writer pin holds them from then on.
+    heads: tuple[CheckpointRow, ...] = ()
+    #: The session's writer pin goes: its run has finished.
+    drop_writer_pin: bool = False
 
     @property
     def checkpoints(self) -> int:
@@ -216,32 +221,29 @@ class _Planner:
             keys = [k for k in keys if k in entries and as_utc(entries[k].created_at) < cutoff
                     and not (entries[k].kind == RUN_END and entries[k].run_id == last_id)]
         records = _doomed_records(store, sid, uid, cutoff, older, kept_runs)
+        # With a cutoff, whether the last run is unfinished was read once for every session in scope.
+        unfinished = (uid, sid) in self.needs.runs if cutoff is not None else last_run_unfinished(store, sid, uid)
+        heads = writer_heads(snap, unfinished)
+        finished = cutoff is None and unfinished is False  # (with a cutoff, False may also mean "nothing tells")
         return SessionPrunePlan(uid, sid, tuple(retired), tuple(orphans), tuple(keys), tuple(records),
                                 tuple(sorted(spared & {r.checkpoint_id for r in live})), live, entries,
-                                _object_keys(store, uid, sid, live, retired, orphans, self._heads(uid, sid, snap)),
-                                tuple(bare), plan_explorations(store.objects, sid, uid, cutoff))
-
-    def _heads(self, uid: str | None, sid: str, snap: Snapshot) -> list[CheckpointRow]:
-        """The rows a running writer of the session may build on next (:attr:`Snapshot.heads`), when its last run
-        has not finished; none once it has (a run that starts later checks its base after recording itself)."""
-        if self.cutoff is not None:
-            running = (uid, sid) in self.needs.runs
-        else:
-            running = unfinished_last_run(self.store, sid, uid) is not None
-        return snap.heads if running else []
+                                _object_keys(store, uid, sid, live, retired, orphans, heads, finished),
+                                tuple(bare), plan_explorations(store.objects, sid, uid, cutoff), tuple(heads),
+                                finished)
 
 
 def _object_keys(store: Store, uid: str | None, sid: str, live: Sequence[CheckpointRow],
                  retired: Sequence[CheckpointRow], orphans: Sequence[str],
-                 heads: Sequence[CheckpointRow] = ()) -> tuple[str, ...]:
+                 heads: Sequence[CheckpointRow] = (), finished: bool = False) -> tuple[str, ...]:
     """The objects prune deletes with ``retired``: theirs, their chains' and ``orphans``, less what the rows that
     stay need, what a running writer may build on (``heads``, retired or not: :mod:`storage.chains`) and what
-    other sessions pin (an unreadable pin keeps every object)."""
+    pins hold (an unreadable pin keeps every object): other sessions', and the writer pin unless the last run
+    ``finished``."""
     gone = {r.checkpoint_id for r in retired}
     kept = [*(r for r in live if r.checkpoint_id not in gone), *heads]
     candidates = chains.unneeded_keys(retired, kept, sid, uid, orphans)
     if candidates:
-        pinned = chains.Pins(store.objects).pinned(sid, uid)
+        pinned = chains.Pins(store.objects).pinned(sid, uid, but_writer=finished)
         candidates = set() if pinned is None else candidates - pinned
     return tuple(sorted(candidates))
 
@@ -274,9 +276,12 @@ def prune(store: Store, *, before: datetime | None, session_id: str | None, user
         plan = planner.plan(uid, sid)
         n_explorations += delete_explorations(store.objects, plan.explorations)
         if planner.cutoff is None:
+            _hold_for_writer(store, plan)
             store.checkpoints.retire(sid, list(plan.retired), user_id=uid, collect=False)  # tombstones, view
             if plan.object_keys:
                 store.objects.delete(keys=list(plan.object_keys))
+            if plan.drop_writer_pin:
+                chains.drop_writer_pin(store._rows, sid, uid)
             store.checkpoints.release_pins(sid, list(plan.retired), user_id=uid)
             n_ckpt += plan.checkpoints
             _delete(store, plan.journal_keys, plan.run_record_keys)
@@ -288,6 +293,13 @@ def prune(store: Store, *, before: datetime | None, session_id: str | None, user
         n_runs += plan.run_records
     return PruneReport(checkpoints=n_ckpt, journal_entries=n_journal, run_records=n_runs,
                        explorations=n_explorations)
+
+
+def _hold_for_writer(store: Store, plan: SessionPrunePlan) -> None:
+    """Before a prune without ``before`` retires the heads of a run that goes on, and deletes its records: pin
+    what they are read from for the session's writer, since nothing else will tell it is running."""
+    if plan.heads and (plan.retired or plan.run_record_keys):
+        chains.Pins(store.objects).write_writer(plan.session_id, plan.user_id, plan.heads)
 
 
 def _delete(store: Store, journal_keys: Sequence[str], record_keys: Sequence[str]) -> None:

@@ -25,6 +25,7 @@ from . import layout
 from .checkpoint_rows import CheckpointRows
 from .checkpoints import Checkpoints
 from .errors import StorageError
+from .heads import writer_rows
 from .ids import user_from_segment, user_segment, validate_id
 from .index import ParquetIndex
 from .journaling import Journal, Runs
@@ -67,6 +68,8 @@ class Store:
         self.leases = Leases(self._leases)
         self.sessions = Sessions(objects, self._index)
         self.active = ActiveMarks(objects)
+        # Which rows a session's running writer builds on is known from its run records (storage.chains).
+        self._rows.writer_rows = lambda session_id, user_id: writer_rows(self, session_id, user_id)
 
     def describe(self, key: str | None = None) -> str:
         """Backend, root and (optionally) key, for messages and the CLI."""

@@ -41,19 +41,31 @@ def compactor(world: World, name: str, rounds: int = 3, grace: float | None = No
         close_readers(store)
     return fn
 
-def pruner(world: World, name: str, after_acks: int = 1, future: bool = False):
+def pruner(world: World, name: str, after_acks: int = 1, future: bool = False, whole: bool = False,
+           target: str = "session"):
     """``prune(before=...)`` of the session: the wall time of its ``after_acks``-th acknowledgement, or a day
-    ahead (``future``: everything prune may remove)."""
+    ahead (``future``: everything prune may remove). ``whole``: ``prune`` without ``before`` (everything, and
+    the run's records), noted as a cutoff ten years ahead. ``target="fork"``: prunes the first finished fork of
+    the session instead, whole; noted with a cutoff that excuses no row of the session by its age."""
 
     def fn() -> None:
         acks = sorted((a for inc in world.incarnations for a in inc.acks), key=lambda a: a[0])
         before = acks[min(after_acks, len(acks)) - 1][3] if acks else datetime.now(timezone.utc)
         if future:
             before = datetime.now(timezone.utc) + timedelta(days=1)
+        sid = world.spec.session_id
+        if whole:
+            before = datetime.now(timezone.utc) + timedelta(days=3650)
+        if target == "fork":
+            forks = [f["request"].session_id for f in world.forks if f["outcome"] == "ok"]
+            if not forks:
+                return
+            sid, before = forks[0], datetime.min.replace(tzinfo=timezone.utc)
         store = world.new_store()
         start = world.faulty.call_count
         try:
-            report = store.prune(before=before, session_id=world.spec.session_id, user_id=world.spec.user_id)
+            report = store.prune(before=None if whole or target == "fork" else before, session_id=sid,
+                                 user_id=world.spec.user_id)
             outcome = f"ok {report}"
         except (StorageError, LoomrayError) as e:
             outcome = f"{type(e).__name__}: {e}"

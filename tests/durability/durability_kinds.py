@@ -295,5 +295,29 @@ def _explore(spec: Spec, rng: random.Random, plan: FaultPlan, actors: list, cras
     actors.append(("explorer3", "explorer", {"start_when": done("explorer2")}))
 
 
+def _prune_running(spec: Spec, rng: random.Random, plan: FaultPlan, actors: list, crash: Any,
+                   resume_or_run: Any) -> None:
+    """The holder stalls inside a tool while other stores prune without ``before``: its session twice, or its
+    session and then a finished fork of its newest checkpoint (whose pin on the holder's chain goes). The first
+    prune deletes the run's records and keeps what the holder builds on next; when the holder goes on, every
+    checkpoint it writes must read back whole (``chain-intact``)."""
+    spec.batch = rng.choice([1, 4, 16])
+    fork = rng.random() < 0.5
+    waiters = ("forker", "pruner", "pruner2") if fork else ("pruner", "pruner2")
+    n = rng.randint(1, spec.passes - 1)
+    spec.stalls = {"holder": ("tool", n, 0.0, waiters)}
+    spec.notes.append(f"holder stalls in its tool {n} while {', '.join(waiters)} run")
+    actors.append(("holder", "writer", {"kind": "run", "attempts": 1}))
+    after = stalled("holder")
+    if fork:
+        actors.append(("forker", "forker", {"pick": "newest", "crash": False, "start_when": after}))
+        after = done("forker")
+    actors.append(("pruner", "pruner", {"whole": True, "start_when": after}))
+    actors.append(("pruner2", "pruner", {"whole": True, "target": "fork" if fork else "session",
+                                         "start_when": done("pruner")}))
+    actors.append(("reader", "reader", {"rounds": 1, "start_when": done("holder")}))
+
+
 BUILDERS.update({"zombie-pause": _zombie_pause, "pins": _pins, "foreign": _foreign, "lease-corrupt": _lease_corrupt,
-                 "control": _control, "late-tombstones": _late_tombstones, "explore": _explore})
+                 "control": _control, "late-tombstones": _late_tombstones, "explore": _explore,
+                 "prune-running": _prune_running})
