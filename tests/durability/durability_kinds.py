@@ -60,6 +60,14 @@ def _zombie(spec: Spec, rng: random.Random, plan: FaultPlan, actors: list, crash
     actors.append(("taker", "writer", {"kind": resume_or_run(), "start_when": at_step(rng.randint(2, 60))}))
     if rng.random() < 0.5:
         actors.append(("taker2", "writer", {"kind": "run", "start_when": done("holder", "taker")}))
+    # A cold reader racing the takeover, each read's parallel calls in a drawn order (lease.json may be read
+    # before a LIST of its round): its own stream, so the choices above stay what they were for a seed.
+    race = random.Random(f"zombie-reader/{spec.seed}")
+    actors.append(("reader", "reader", {"rounds": race.randint(3, 6), "any_order": True,
+                                        "start_when": at_step(race.randint(1, 60))}))
+    if race.random() < 0.5:  # the takers keep no copy of their lease body: only lease.json fences the zombie
+        plan.rules.insert(0, Rule(Fault("fail"), ops=frozenset({"put"}), actors=frozenset({"taker", "taker2"}),
+                                  key_contains="/leases/"))
 
 def _compaction(spec: Spec, rng: random.Random, plan: FaultPlan, actors: list, crash: Any, resume_or_run: Any) -> None:
     # keep=20: no retention, so a reader that misses rows can only blame compaction.
