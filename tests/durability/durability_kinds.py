@@ -57,14 +57,15 @@ def _zombie(spec: Spec, rng: random.Random, plan: FaultPlan, actors: list, crash
     plan.rules = _noise(rng, "low")
     crash("holder", 30, 120, p=0.2)
     actors.append(("holder", "writer", {"kind": "run", "attempts": 1}))
-    actors.append(("taker", "writer", {"kind": resume_or_run(), "start_when": at_step(rng.randint(2, 60))}))
+    takeover = rng.randint(2, 60)
+    actors.append(("taker", "writer", {"kind": resume_or_run(), "start_when": at_step(takeover)}))
     if rng.random() < 0.5:
         actors.append(("taker2", "writer", {"kind": "run", "start_when": done("holder", "taker")}))
     # A cold reader racing the takeover, each read's parallel calls in a drawn order (lease.json may be read
     # before a LIST of its round): its own stream, so the choices above stay what they were for a seed.
     race = random.Random(f"zombie-reader/{spec.seed}")
-    actors.append(("reader", "reader", {"rounds": race.randint(3, 6), "any_order": True,
-                                        "start_when": at_step(race.randint(1, 60))}))
+    actors.append(("reader", "reader", {"rounds": race.randint(4, 8), "any_order": True,
+                                        "start_when": at_step(max(1, takeover + race.randint(-4, 8)))}))
     if race.random() < 0.5:  # the takers keep no copy of their lease body: only lease.json fences the zombie
         plan.rules.insert(0, Rule(Fault("fail"), ops=frozenset({"put"}), actors=frozenset({"taker", "taker2"}),
                                   key_contains="/leases/"))
