@@ -57,18 +57,9 @@ def _zombie(spec: Spec, rng: random.Random, plan: FaultPlan, actors: list, crash
     plan.rules = _noise(rng, "low")
     crash("holder", 30, 120, p=0.2)
     actors.append(("holder", "writer", {"kind": "run", "attempts": 1}))
-    takeover = rng.randint(2, 60)
-    actors.append(("taker", "writer", {"kind": resume_or_run(), "start_when": at_step(takeover)}))
+    actors.append(("taker", "writer", {"kind": resume_or_run(), "start_when": at_step(rng.randint(2, 60))}))
     if rng.random() < 0.5:
         actors.append(("taker2", "writer", {"kind": "run", "start_when": done("holder", "taker")}))
-    # A cold reader racing the takeover, each read's parallel calls in a drawn order (lease.json may be read
-    # before a LIST of its round): its own stream, so the choices above stay what they were for a seed.
-    race = random.Random(f"zombie-reader/{spec.seed}")
-    actors.append(("reader", "reader", {"rounds": race.randint(4, 8), "any_order": True,
-                                        "start_when": at_step(max(1, takeover + race.randint(-4, 8)))}))
-    if race.random() < 0.5:  # the takers keep no copy of their lease body: only lease.json fences the zombie
-        plan.rules.insert(0, Rule(Fault("fail"), ops=frozenset({"put"}), actors=frozenset({"taker", "taker2"}),
-                                  key_contains="/leases/"))
 
 def _compaction(spec: Spec, rng: random.Random, plan: FaultPlan, actors: list, crash: Any, resume_or_run: Any) -> None:
     # keep=20: no retention, so a reader that misses rows can only blame compaction.
@@ -304,5 +295,25 @@ def _explore(spec: Spec, rng: random.Random, plan: FaultPlan, actors: list, cras
     actors.append(("explorer3", "explorer", {"start_when": done("explorer2")}))
 
 
+def _zombie_read(spec: Spec, rng: random.Random, plan: FaultPlan, actors: list, crash: Any,
+                 resume_or_run: Any) -> None:
+    """``zombie`` with a cold reader racing the takeover: each read's parallel calls are served in a drawn order,
+    other actors running between them (lease.json may be read before a LIST of its round, as on S3); in half the
+    seeds the takers' kept lease copies are never written, so only lease.json fences the zombie's late objects."""
+    plan.rules = _noise(rng, "low")
+    if rng.random() < 0.5:
+        plan.rules.insert(0, Rule(Fault("fail"), ops=frozenset({"put"}), actors=frozenset({"taker", "taker2"}),
+                                  key_contains="/leases/"))
+    crash("holder", 30, 120, p=0.2)
+    takeover = rng.randint(2, 60)
+    actors.append(("holder", "writer", {"kind": "run", "attempts": 1}))
+    actors.append(("taker", "writer", {"kind": resume_or_run(), "start_when": at_step(takeover)}))
+    actors.append(("reader", "reader", {"rounds": rng.randint(4, 8), "any_order": True,
+                                        "start_when": at_step(max(1, takeover + rng.randint(-4, 8)))}))
+    if rng.random() < 0.5:
+        actors.append(("taker2", "writer", {"kind": "run", "start_when": done("holder", "taker")}))
+
+
 BUILDERS.update({"zombie-pause": _zombie_pause, "pins": _pins, "foreign": _foreign, "lease-corrupt": _lease_corrupt,
-                 "control": _control, "late-tombstones": _late_tombstones, "explore": _explore})
+                 "control": _control, "late-tombstones": _late_tombstones, "explore": _explore,
+                 "zombie-read": _zombie_read})

@@ -76,7 +76,7 @@ class _AnyOrderPool(_SerialPool):
         out: list[Any] = [None] * len(items)
         for n, i in enumerate(order):
             if n:
-                self.pause(self.rng.randint(0, 24))
+                self.pause(self.rng.randint(0, 80))
             out[i] = fn(*items[i])
         return out
 
