@@ -206,15 +206,18 @@ class ParquetIndex:
         return [(k, t) for k, t in zip(keys, tables, strict=False) if t is not None]
 
     def read_listed(self, prefix: str, read: Callable[[list[str], list[str]], T], *,
-                    key_filter: Callable[[str], bool] | None = None) -> tuple[list[str], T]:
+                    key_filter: Callable[[str], bool] | None = None,
+                    alongside: Callable[[], object] | None = None) -> tuple[list[str], T]:
         """LIST ``prefix`` and call ``read(keys, vanished)``; the keys of the LIST whose reads all held, and the result.
 
         A file gone at GET time was merged into one this LIST predates: LIST again
         (jittered backoff) and let ``read`` fetch what it lacks; after
         ``_RELIST_ATTEMPTS`` stale LISTs, :class:`IndexChangedError`, never "no rows".
+        ``alongside``: called with every LIST, in parallel on a remote store (another
+        LIST whose answer must come before what ``read`` reads).
         """
         for attempt in range(_RELIST_ATTEMPTS):
-            keys = self.list_files(prefix)
+            keys = self.list_files(prefix) if alongside is None else self._list_beside(prefix, alongside)
             if key_filter is not None:
                 keys = [k for k in keys if key_filter(k)]
             vanished: list[str] = []
@@ -228,6 +231,19 @@ class ParquetIndex:
         raise IndexChangedError(
             f"{self.objects.describe(prefix)}: index files kept vanishing between LIST and GET after "
             f"{_RELIST_ATTEMPTS} listings (compactions running); try again")
+
+    def _list_beside(self, prefix: str, alongside: Callable[[], object]) -> list[str]:
+        """:meth:`list_files` of ``prefix``, with ``alongside`` called in parallel (on a remote store)."""
+        keys: list[str] = []
+
+        def call(i: int) -> None:
+            if i == 0:
+                keys.extend(self.list_files(prefix))
+            else:
+                alongside()
+
+        self.map_io(call, range(2))
+        return keys
 
     def read_prefix(self, prefix: str, schema: pa.Schema, *, cache: bool = True,
                     key_filter: Callable[[str], bool] | None = None) -> tuple[list[str], pa.Table]:

@@ -4,11 +4,12 @@ A checkpoint log indexes in batches, so a writer's newest checkpoints exist
 as self-describing objects before any index file names them: its *tail*. A
 reader lists the objects beside the index partition and admits as tail rows
 those the visibility rule does (:func:`storage.visibility.tail_admitted`).
-A snapshot costs, besides the index LIST and unparsed index files: one LIST
-of ``checkpoints/`` and one GET of ``lease.json``, in parallel on a remote
-store; then, for a leased session, one LIST and one GET of its kept lease
-copies, with one GET per object without a row (parsed tails are cached) and
-the objects the caller reads next, in parallel again.
+A snapshot costs: the index LIST with one LIST of ``checkpoints/``; the
+unparsed index files with one GET of ``lease.json``; then, for a leased
+session, one LIST and one GET of its kept lease copies, with one GET per
+object without a row (parsed tails are cached) and the objects the caller
+reads next; each round in parallel on a remote store. Every LIST precedes
+the ``lease.json`` GET (:meth:`TailReader._look`).
 """
 
 from __future__ import annotations
@@ -158,11 +159,12 @@ class TailReader:
     def snapshot(self, session_id: str, user_id: str | None, ahead: Ahead | None = None) -> Snapshot:
         """Index rows, the checkpoint objects and ``lease.json``, then the tail and the kept lease copy.
 
-        The objects and ``lease.json`` are read after the index LIST (with the
-        index files, in parallel on a remote store): a row that LIST shows
-        whose object is gone was retired meanwhile (the reader lists again),
-        and a row that landed after a takeover is judged by that takeover's
-        fence. The kept copies are listed after ``lease.json`` was read, as the
+        The objects are listed with the index, and ``lease.json`` is read after
+        both LISTs (with the index files, in parallel on a remote store): a row
+        whose object is not listed was retired meanwhile, or is a writer's newest
+        put after the objects' LIST (a writer puts in order: the reader lists
+        again), and a row or tail object that landed after a takeover is judged
+        by that takeover's fence and epoch. The kept copies are listed after ``lease.json`` was read, as the
         fence needs, and in one round with the tail's objects, the newest copy
         (read at the epoch ``lease.json`` names, kept only if the LIST shows
         that very object newest) and the objects ``ahead`` names.
@@ -212,21 +214,27 @@ class TailReader:
         return snap
 
     def _look(self, session_id: str, user_id: str | None) -> dict[str, Any]:
-        """The index LIST, then the index files, the checkpoint objects' LIST and ``lease.json`` in one round
+        """The index LIST with the checkpoint objects' LIST, then the index files and ``lease.json`` in one round
         (and the kept copies, for a session known to be leased): ``files``, ``present``, ``lease``, ``kept``,
-        and ``leased`` (lease.json exists and its copies are still to be read)."""
+        and ``leased`` (lease.json exists and its copies are still to be read).
+
+        Every LIST comes before the ``lease.json`` GET: an object or row a
+        fenced writer landed after a takeover's swap is then listed only with
+        that swap's body (or a newer one) read, whose fence judges it.
+        """
         objects = self.rows.objects
         prefix = layout.session_prefix(session_id, user_id) + "checkpoints/"
         lease_key = layout.lease_key(session_id, user_id)
         got: dict[str, Any] = {}
         known = (user_id, session_id) in self._leased  # its copies are listed in parallel with lease.json
 
+        def list_objects() -> None:
+            got["present"] = [o for o in objects.list(prefix=prefix) if o.key.endswith(".json")]
+
         def part(i: int, keys: list[str], vanished: list[str]) -> Any:
             if i == 0:
                 return self.rows.file_rows(keys, vanished), self.rows.retired(keys)
-            if i == 1:
-                return [o for o in objects.list(prefix=prefix) if o.key.endswith(".json")]
-            if i == 3:
+            if i == 2:
                 return self._kept(session_id, user_id)
             obj = objects.get(key=lease_key)
             if obj is not None and not known:
@@ -238,13 +246,13 @@ class TailReader:
 
         def read(keys: list[str], vanished: list[str]) -> None:
             got["kept"], got["leased"] = None, False
-            got["files"], got["present"], got["lease"], *kept = self.rows.index.map_io(
-                lambda i: part(i, keys, vanished), range(4 if known else 3))
+            got["files"], got["lease"], *kept = self.rows.index.map_io(
+                lambda i: part(i, keys, vanished), range(3 if known else 2))
             if kept:
                 got["kept"] = kept[0]
 
         partition = layout.index_partition(layout.CHECKPOINT_INDEX, session_id, user_id)
-        self.rows.index.read_listed(partition, read)
+        self.rows.index.read_listed(partition, read, alongside=list_objects)
         return got
 
     def _read_ahead(self, key: str, data: dict[str, bytes]) -> None:

@@ -90,15 +90,17 @@ def vandal(world: World, name: str):
             pass
     return fn
 
-def reader(world: World, name: str, rounds: int = 2):
+def reader(world: World, name: str, rounds: int = 2, any_order: bool = False):
+    """Cold reads of the session ``rounds`` times; ``any_order``: each read's parallel calls in a drawn order."""
     sid, uid = world.spec.session_id, world.spec.user_id
 
     def fn() -> None:
         rng = random.Random(f"{world.spec.seed}/{name}")
+        order = random.Random(f"{world.spec.seed}/{name}/order") if any_order else None
         for _ in range(rounds):
             world.sched.pause(rng.randint(0, 30))
             obs = ReaderObs(name, start=world.faulty.call_count)
-            store = world.new_store()
+            store = world.new_store(any_order=order)
             try:
                 rows = store.checkpoints.list(sid, user_id=uid, limit=None)
                 obs.listed = [r.checkpoint_id for r in rows]

@@ -207,12 +207,13 @@ def _readers(world, h: History, final) -> list[Violation]:
 def _latest(world, h: History, final) -> list[Violation]:
     out: list[Violation] = []
     seen = [o for o in world.readers if not o.error and o.latest_id]
-    for o in seen:
-        row = h.rows.get(o.latest_id)
-        if row is not None and not row.valid:
-            _v(out, "latest-fenced", f"{o.actor} (calls {o.start}-{o.end}) read 'latest' = {o.latest_id}, written by "
-                                     f"{row.actor} at epoch {row.epoch} at call {row.n} after epoch "
-                                     f"{h.max_epoch_before(row.n)} was taken")
+    for o in world.readers:
+        for what, cid in (("'latest'", o.latest_id), ("the list head", o.head_id)):  # each its own look
+            row = h.rows.get(cid) if cid and not o.error else None
+            if row is not None and not row.valid:
+                _v(out, "latest-fenced", f"{o.actor} (calls {o.start}-{o.end}) read {what} = {cid}, written by "
+                                         f"{row.actor} at epoch {row.epoch} at call {row.n} after epoch "
+                                         f"{h.max_epoch_before(row.n)} was taken")
     for a in seen:
         for b in seen:
             ra, rb = h.rows.get(a.latest_id), h.rows.get(b.latest_id)

@@ -318,6 +318,25 @@ def _prune_running(spec: Spec, rng: random.Random, plan: FaultPlan, actors: list
     actors.append(("reader", "reader", {"rounds": 1, "start_when": done("holder")}))
 
 
+def _zombie_read(spec: Spec, rng: random.Random, plan: FaultPlan, actors: list, crash: Any,
+                 resume_or_run: Any) -> None:
+    """``zombie`` with a cold reader racing the takeover: each read's parallel calls are served in a drawn order,
+    other actors running between them (lease.json may be read before a LIST of its round, as on S3); in half the
+    seeds the takers' kept lease copies are never written, so only lease.json fences the zombie's late objects."""
+    plan.rules = _noise(rng, "low")
+    if rng.random() < 0.5:
+        plan.rules.insert(0, Rule(Fault("fail"), ops=frozenset({"put"}), actors=frozenset({"taker", "taker2"}),
+                                  key_contains="/leases/"))
+    crash("holder", 30, 120, p=0.2)
+    takeover = rng.randint(2, 60)
+    actors.append(("holder", "writer", {"kind": "run", "attempts": 1}))
+    actors.append(("taker", "writer", {"kind": resume_or_run(), "start_when": at_step(takeover)}))
+    actors.append(("reader", "reader", {"rounds": rng.randint(4, 8), "any_order": True,
+                                        "start_when": at_step(max(1, takeover + rng.randint(-4, 8)))}))
+    if rng.random() < 0.5:
+        actors.append(("taker2", "writer", {"kind": "run", "start_when": done("holder", "taker")}))
+
+
 BUILDERS.update({"zombie-pause": _zombie_pause, "pins": _pins, "foreign": _foreign, "lease-corrupt": _lease_corrupt,
                  "control": _control, "late-tombstones": _late_tombstones, "explore": _explore,
-                 "prune-running": _prune_running})
+                 "prune-running": _prune_running, "zombie-read": _zombie_read})

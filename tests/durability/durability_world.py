@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import random
 import shutil
 import tempfile
 import traceback
@@ -58,6 +59,26 @@ class _SerialPool:
 
     def shutdown(self, wait: bool = True) -> None:
         pass
+
+
+class _AnyOrderPool(_SerialPool):
+    """A round's calls one at a time on the caller's thread, in a seeded order, results in input order: a remote
+    store serves the calls of one round (made in parallel) in any order, and other actors go on between them
+    (``pause(steps)``: let them make that many calls)."""
+
+    def __init__(self, rng: random.Random, pause: Any) -> None:
+        self.rng, self.pause = rng, pause
+
+    def map(self, fn, *iterables):
+        items = list(zip(*iterables, strict=True))
+        order = list(range(len(items)))
+        self.rng.shuffle(order)
+        out: list[Any] = [None] * len(items)
+        for n, i in enumerate(order):
+            if n:
+                self.pause(self.rng.randint(0, 80))
+            out[i] = fn(*items[i])
+        return out
 
 
 def close_readers(store: Store) -> None:
@@ -228,15 +249,22 @@ class World:
                                  secret=opts["secret"], region=opts["region"], max_attempts=2)
         raise ValueError(f"unknown backend {backend!r}")
 
-    def new_store(self, objects: Any = None) -> Store:
-        """A fresh ``Store`` (a new process's view) over the faulty store, reads on the calling thread."""
+    def new_store(self, objects: Any = None, *, any_order: random.Random | None = None) -> Store:
+        """A fresh ``Store`` (a new process's view) over the faulty store, reads on the calling thread.
+
+        ``any_order``: the calls of each of its parallel rounds are made in an order this draws (as a remote
+        store may serve them), on every backend; else in the order they are asked for.
+        """
         objects = self.faulty if objects is None else objects
         try:
-            return Store(objects, self.url, serial_reads=True, checkpoint_batch=self.spec.batch)
+            store = Store(objects, self.url, serial_reads=True, checkpoint_batch=self.spec.batch)
         except TypeError:  # a tree without these keywords: same effect
             store = Store(objects, self.url)
             store.index._pool = _SerialPool()
-            return store
+        if any_order is not None:
+            index = store._index
+            index._pool, index._local = _AnyOrderPool(any_order, self.sched.pause), False  # serial stays: no thread of its own
+        return store
 
     def close(self) -> None:
         for store in self.stores:

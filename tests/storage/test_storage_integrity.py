@@ -98,10 +98,18 @@ def test_path01_cold_reader_racing_a_compaction_never_sees_an_empty_session(stor
 
 @pytest.mark.parametrize("read", ["latest", "list"])
 def test_path01_retention_racing_a_cold_reader_never_hides_the_successor(store, read):
-    """Between the reader's index LIST and its object reads the holder writes c1 and retention (keep=1) retires c0."""
+    """Between the reader's index LIST and its object reads the holder writes c1 and retention (keep=1) retires c0.
+    The objects' LIST, made beside the index LIST, is served after that write (on S3 the two are in flight at
+    once and may be served in either order; listed before it, c0 is the answer, as of both LISTs)."""
     lease = store.leases.acquire("s1", owner="holder")
     put(store, "s1", "c0", turn=0, keep=1, lease=lease)
-    reader = Store(store.objects, store.url)
+    written = threading.Event()
+
+    def objects_list_after_the_write(call, hold):
+        if call.op == "list" and (call.key or "").endswith("/checkpoints/") and not written.is_set():
+            assert written.wait(30)
+
+    reader = Store(FaultyObjectStore(store.objects, gate=objects_list_after_the_write), store.url)
     real_list = reader._index.list_files
     raced = []
 
@@ -109,6 +117,7 @@ def test_path01_retention_racing_a_cold_reader_never_hides_the_successor(store, 
         keys = real_list(prefix)
         if not raced:
             raced.append(put(store, "s1", "c1", turn=1, keep=1, lease=lease))
+            written.set()
         return keys
 
     reader._index.list_files = list_then_write  # type: ignore[method-assign]
