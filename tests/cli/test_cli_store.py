@@ -336,12 +336,16 @@ def test_s3_refused_credentials_surface_at_once_unretried(s3_server, status, cod
     try:
         with pytest.raises(S3CredentialsError) as info:
             store.checkpoints.list("s-one")
-        assert len(sent) == 1  # not retried: botocore sent it once, and nothing above tried again
+        # Not retried: each request went out once (a listing sends its index and objects LISTs side by
+        # side, so the second may or may not have left before the first was refused), and nothing above
+        # tried again.
+        assert 1 <= len(sent) <= 2 and len(set(sent)) == len(sent), sent
         text = str(info.value)
         assert f"LIST refused ({code})" in text and words in text and "retries" not in text
+        listed = len(sent)
         with pytest.raises(S3CredentialsError, match=code):
             store.objects.get(key="sessions/_/s-one/lease.json")
-        assert len(sent) == 2
+        assert len(sent) == listed + 1
     finally:
         store.close()
 
