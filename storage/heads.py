@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from . import layout
-from .journal import last_run, read_run
+from .journal import last_journal_run
 from .rows import CheckpointRow
 
 if TYPE_CHECKING:
@@ -23,11 +22,9 @@ if TYPE_CHECKING:
 def last_run_unfinished(store: Store, session_id: str, user_id: str | None) -> bool | None:
     """Whether the session's last run (by record, else by journal) has not finished; None when nothing tells: no
     run, or a journal without its start and record (what a prune without ``before`` leaves of a run going on)."""
-    rec = last_run(store, session_id, user_id)
-    runs = [] if rec is not None else store.objects.list_dirs(prefix=layout.journal_prefix(session_id, user_id))
-    if rec is None and not runs:
+    rec, run = last_journal_run(store, session_id, user_id)
+    if run is None:
         return None
-    run = read_run(store, session_id, rec.run_id if rec is not None else runs[-1], user_id)
     if run.finished:
         return False
     return None if rec is None and run.start is None else True

@@ -30,8 +30,16 @@ from ..journal.entries import (
     seal_run,
 )
 from ..journal.fences import FenceNote, Listing, complete_fences, list_for_fence
-from ..journal.runs import Unfinished, create_run, last_run, last_run_window, list_runs, unfinished_last_run
+from ..journal.runs import (
+    Unfinished,
+    create_run,
+    last_journal_run,
+    last_run,
+    last_run_window,
+    list_runs,
+    unfinished_last_run,
+)
 
 __all__ = ["RUN_END", "RUN_START", "SEAL", "FenceNote", "JournalRun", "Listing", "Unfinished", "complete_fences",
-           "create_run", "entry_name", "fenced_names", "journal_keys", "last_run", "last_run_window", "list_for_fence",
+           "create_run", "entry_name", "fenced_names", "journal_keys", "last_journal_run", "last_run", "last_run_window", "list_for_fence",
            "list_runs", "load_entries", "missing_ranges", "read_run", "seal_listed", "seal_run", "unfinished_last_run"]

@@ -16,7 +16,7 @@ from typing import Any
 from .. import layout
 from ..errors import PreconditionFailed
 from ..ids import validate_id
-from ..journal.entries import JournalStore, read_run
+from ..journal.entries import JournalRun, JournalStore, read_run
 from ..rows import RunRecord
 
 log = logging.getLogger("storage")
@@ -164,22 +164,29 @@ class Unfinished:
     replay_from: str | None
 
 
-def unfinished_last_run(store: JournalStore, session_id: str, user_id: str | None) -> Unfinished | None:
-    """The session's last run (by run record, else by sorted journal run id) if it has not finished."""
+def last_journal_run(store: JournalStore, session_id: str,
+                     user_id: str | None) -> tuple[RunRecord | None, JournalRun | None]:
+    """The session's last run record and that run's journal (by run record, else by sorted journal run id);
+    ``(None, None)`` when the session has neither."""
     rec = last_run(store, session_id, user_id)
     if rec is not None:
         run_id = rec.run_id
     else:
         runs = store.objects.list_dirs(prefix=layout.journal_prefix(session_id, user_id))
         if not runs:
-            return None
+            return None, None
         run_id = runs[-1]
-    run = read_run(store, session_id, run_id, user_id)
-    if run.finished or (rec is None and run.start is None):
+    return rec, read_run(store, session_id, run_id, user_id)
+
+
+def unfinished_last_run(store: JournalStore, session_id: str, user_id: str | None) -> Unfinished | None:
+    """The session's last run (:func:`last_journal_run`) if it has not finished."""
+    rec, run = last_journal_run(store, session_id, user_id)
+    if run is None or run.finished or (rec is None and run.start is None):
         return None  # finished, or a journal no run can continue (recovery starts from a run_start or a record)
     out = run.start.output if run.start is not None else {}
     base_ckpt = (rec.base_checkpoint_id if rec is not None else None) or out.get("base_checkpoint_id")
     base_session = (rec.base_session_id if rec is not None else None) or out.get("source_session") or session_id
     replay_from = (rec.replay_from if rec is not None else None) or out.get("replay_from")
-    return Unfinished(run_id, rec, base_session if base_ckpt else None, base_ckpt, replay_from)
+    return Unfinished(run.run_id, rec, base_session if base_ckpt else None, base_ckpt, replay_from)
 
